@@ -1,0 +1,26 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   creates .venv, runs examples/digits-mlp.yaml locally, shows the result
+#   make test   creates .venv, runs the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+demo: venv
+	$(BIN)/distbelief run examples/digits-mlp.yaml --output out/digits --fresh
+	@echo "plot: out/digits/training.png   parameters: out/digits/params.npz"
+
+test: venv
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,142 @@
+"""The `distbelief` command: validate, render and run jobs; run the roles and the operator.
+
+Each subcommand imports only what it needs, so the runtime roles (ps, worker) start
+without kopf or the kubernetes client. Errors a user can cause end in one line on
+stderr naming the problem, and a non-zero exit code; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from distbelief.runtime import contract
+
+log = logging.getLogger("distbelief")
+
+EXIT_INVALID = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the one place low-level errors become a user's one-liner
+        return _report(exc)
+
+
+def _report(exc: Exception) -> int:
+    from distbelief.runtime import errors
+    from distbelief.operator import spec
+
+    if isinstance(exc, spec.SpecError):
+        for line in exc.errors:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_INVALID
+    if isinstance(exc, (errors.ConfigError, errors.LayoutMismatch, errors.CheckpointError)):
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    if isinstance(exc, (errors.RuntimeFailure, OSError)):
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    raise exc
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distbelief", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    validate = commands.add_parser("validate", help="check DistBeliefJob manifests against the CRD and its rules")
+    validate.add_argument("files", nargs="+", metavar="JOB.yaml")
+    validate.set_defaults(func=_validate)
+
+    render = commands.add_parser("render", help="print the Kubernetes objects the operator would create")
+    render.add_argument("file", metavar="JOB.yaml")
+    render.add_argument("--image", default=None, help="runtime image when the job names none")
+    render.set_defaults(func=_render)
+
+    run = commands.add_parser("run", help="run a DistBeliefJob on this machine, without a cluster")
+    run.add_argument("file", metavar="JOB.yaml")
+    run.add_argument("--output", default=None, metavar="DIR", help="report folder (default: ./out/NAME)")
+    run.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    run.add_argument("--fresh", action="store_true", help="discard the checkpoints of an earlier run in DIR")
+    run.set_defaults(func=_run)
+
+    ps = commands.add_parser("ps", help="run one parameter shard (what the shard containers run)")
+    ps.add_argument("--config", default=contract.CONFIG_PATH)
+    ps.add_argument("--shard", type=int, default=None, help=f"default: the ordinal in ${contract.ENV_POD_NAME}")
+    ps.add_argument("--port", type=int, default=None, help="default: spec.parameterServers.port")
+    ps.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
+    ps.add_argument("--listen", default="0.0.0.0", metavar="HOST", help="address to serve on")
+    ps.add_argument("--checkpoint-dir", default=contract.CHECKPOINT_DIR)
+    ps.add_argument("--linger", type=float, default=60.0,
+                    help="seconds to keep telling replicas the job is done before exiting")
+    ps.set_defaults(func=_ps)
+
+    worker = commands.add_parser("worker", help="run one model replica (what the worker containers run)")
+    worker.add_argument("--config", default=contract.CONFIG_PATH)
+    worker.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
+    worker.add_argument("--listen", default="0.0.0.0", metavar="HOST", help="address to serve metrics on")
+    worker.set_defaults(func=_worker)
+    return parser
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from distbelief.operator import spec
+
+    failed = False
+    for path in args.files:
+        try:
+            for doc in spec.load_manifests(path):
+                spec.validate_job(doc)
+        except spec.SpecError as exc:
+            failed = True
+            for line in exc.errors:
+                print(f"{path}: {line}", file=sys.stderr)
+            continue
+        print(f"{path}: valid")
+    return EXIT_INVALID if failed else 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from distbelief.operator import render, spec
+
+    objects = []
+    for doc in spec.load_manifests(args.file):
+        objects += render.render_children(spec.validate_job(doc), image=args.image or render.DEFAULT_IMAGE)
+    sys.stdout.write(render.to_yaml(objects))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from distbelief.operator import local
+
+    return local.run_file(args.file, output=args.output, progress=not args.no_progress, fresh=args.fresh)
+
+
+def _ps(args: argparse.Namespace) -> int:
+    from distbelief.runtime import roles
+
+    return roles.run_ps(config_path=args.config, shard=args.shard, port=args.port, metrics_port=args.metrics_port,
+                        listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from distbelief.runtime import roles
+
+    return roles.run_worker(config_path=args.config, metrics_port=args.metrics_port, listen=args.listen)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Render a validated DistBeliefJob into the Kubernetes objects that run it.
+
+Pure functions: the output of :func:`distbelief.operator.spec.validate_job` in, plain
+manifest dicts out, no cluster access and no kopf or kubernetes imports. The operator
+applies what these return, ``distbelief render`` prints it and local mode runs the
+containers' commands, so there is exactly one renderer.
+
+Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless Service
+and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard), Deployment
+``<job>-worker`` (the model replicas) and, when the spec asks, a HorizontalPodAutoscaler
+``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from distbelief.operator.spec import job_config
+from distbelief.runtime import contract
+
+log = logging.getLogger(__name__)
+
+JOB_API_VERSION = f"{contract.API_GROUP}/{contract.API_VERSION}"
+APP_NAME = "distbelief"
+MANAGED_BY = "distbelief-operator"
+COMPONENT_CONFIG = "config"
+CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
+# The image the roles run when neither the job nor the operator's settings name one.
+DEFAULT_IMAGE = "distbelief/distbelief:0.1.0"
+RUN_AS_ID = 10001
+TERMINATION_GRACE_SECONDS = 30
+CONFIG_VOLUME = "config"
+SCRATCH_VOLUME = "tmp"
+DEFAULT_CPU_UTILIZATION = 80
+
+# Fields that only size the job. They stay in the ConfigMap but not in the config hash,
+# so that scaling (by hand, or by the HPA through the scale subresource) and suspending
+# never restart the running shards and replicas.
+_SCALING_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("workers", "replicas"),
+    ("workers", "autoscaling"),
+    ("runPolicy",),
+)
+
+Manifest = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderContext:
+    """What every render_* function needs to know about one job."""
+
+    config: contract.JobConfig
+    image: str
+    uid: str | None
+    config_json: str
+    config_hash: str
+
+    @classmethod
+    def of(cls, job: Mapping[str, Any], *, image: str) -> RenderContext:
+        config = job_config(job)
+        return cls(
+            config=config,
+            image=config.spec.get("image") or image,
+            uid=job["metadata"].get("uid"),
+            config_json=config.to_json(),
+            config_hash=config_hash(config),
+        )
+
+    @property
+    def names(self) -> contract.JobNames:
+        return self.config.names
+
+    @property
+    def spec(self) -> Mapping[str, Any]:
+        return self.config.spec
+
+    @property
+    def suspended(self) -> bool:
+        return bool(self.spec.get("runPolicy", {}).get("suspend"))
+
+
+def render_children(job: Mapping[str, Any], *, image: str) -> list[Manifest]:
+    """Every child object of ``job`` (validated), in the order they should be applied."""
+    ctx = RenderContext.of(job, image=image)
+    children = [
+        render_config_map(ctx),
+        render_ps_service(ctx),
+        render_ps_statefulset(ctx),
+        render_worker_deployment(ctx),
+    ]
+    hpa = render_worker_hpa(ctx)
+    if hpa is not None:
+        children.append(hpa)
+    log.debug("rendered job=%s children=%d hash=%s", ctx.config.name, len(children),
+              ctx.config_hash)
+    return children
+
+
+def config_hash(config: contract.JobConfig) -> str:
+    """First 16 hex digits of the sha256 of the config, without the scaling-only fields."""
+    spec = copy.deepcopy(dict(config.spec))
+    for path in _SCALING_FIELDS:
+        parent = spec
+        for key in path[:-1]:
+            parent = parent.get(key, {})
+        parent.pop(path[-1], None)
+    text = dataclasses.replace(config, spec=spec).to_json()
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def to_yaml(objs: Iterable[Mapping[str, Any]]) -> str:
+    """Multi-document YAML, keys in the order they were built, multi-line text as blocks."""
+    return yaml.dump_all([_plain(o) for o in objs], Dumper=_BlockDumper, sort_keys=False,
+                         explicit_start=True, default_flow_style=False, allow_unicode=True)
+
+
+# ------------------------------------------------------------------- the children
+
+
+def render_config_map(ctx: RenderContext) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ctx, ctx.names.config_map, COMPONENT_CONFIG),
+        "data": {contract.CONFIG_KEY: ctx.config_json},
+    }
+
+
+def render_ps_service(ctx: RenderContext) -> Manifest:
+    """Headless: every shard pod gets a stable DNS name, ready or not."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": contract.selector_labels(ctx.config.name, contract.ROLE_PS),
+            "ports": [
+                {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"],
+                 "protocol": "TCP"}
+                for p in _ps_ports(ctx)
+            ],
+        },
+    }
+
+
+def render_ps_statefulset(ctx: RenderContext) -> Manifest:
+    ps = ctx.spec["parameterServers"]
+    storage = ps["checkpoint"]["storage"]
+    container = _container(
+        ctx, contract.ROLE_PS,
+        args=["--checkpoint-dir", contract.CHECKPOINT_DIR],
+        ports=_ps_ports(ctx),
+        mounts=[{"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR}],
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "spec": {
+            "serviceName": ctx.names.ps,
+            "replicas": 0 if ctx.suspended else ctx.config.shards,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": contract.selector_labels(ctx.config.name,
+                                                                 contract.ROLE_PS)},
+            "persistentVolumeClaimRetentionPolicy": {
+                "whenDeleted": storage["retention"], "whenScaled": "Retain"},
+            "template": _pod_template(ctx, contract.ROLE_PS, container),
+            "volumeClaimTemplates": [_checkpoint_claim(ctx, storage)],
+        },
+    }
+
+
+def render_worker_deployment(ctx: RenderContext) -> Manifest:
+    """The replicas; spec.workers.replicas is kept even under autoscaling (the HPA
+    scales the DistBeliefJob, whose scale subresource writes that field)."""
+    workers = ctx.spec["workers"]
+    container = _container(ctx, contract.ROLE_WORKER, args=[], ports=[_metrics_port()])
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
+        "spec": {
+            "replicas": 0 if ctx.suspended else int(workers["replicas"]),
+            "selector": {"matchLabels": contract.selector_labels(ctx.config.name,
+                                                                 contract.ROLE_WORKER)},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
+            "template": _pod_template(ctx, contract.ROLE_WORKER, container),
+        },
+    }
+
+
+def render_worker_hpa(ctx: RenderContext) -> Manifest | None:
+    """An autoscaling/v2 HPA on the job's scale subresource, if the spec asks for one."""
+    autoscaling = ctx.spec["workers"].get("autoscaling")
+    if not autoscaling:
+        return None
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": JOB_API_VERSION, "kind": contract.KIND,
+                               "name": ctx.config.name},
+            "minReplicas": int(autoscaling["minReplicas"]),
+            "maxReplicas": int(autoscaling["maxReplicas"]),
+            "metrics": copy.deepcopy(list(autoscaling.get("metrics") or [])) or [_cpu_metric()],
+        },
+    }
+
+
+# ------------------------------------------------------------------ shared pieces
+
+
+def labels(job: str, component: str) -> dict[str, str]:
+    """The labels of every object (and pod) of ``job`` playing ``component``."""
+    return {
+        "app.kubernetes.io/name": APP_NAME,
+        "app.kubernetes.io/instance": job,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **contract.selector_labels(job, component),
+    }
+
+
+def owner_references(ctx: RenderContext) -> list[dict[str, Any]]:
+    """The job as controller of a child; none when the job has no uid (not stored yet)."""
+    if not ctx.uid:
+        return []
+    return [{"apiVersion": JOB_API_VERSION, "kind": contract.KIND, "name": ctx.config.name,
+             "uid": ctx.uid, "controller": True, "blockOwnerDeletion": True}]
+
+
+def _metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": ctx.config.namespace,
+                            "labels": labels(ctx.config.name, component)}
+    owners = owner_references(ctx)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+def _pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifest:
+    return {
+        "metadata": {
+            "labels": labels(ctx.config.name, role),
+            "annotations": {CONFIG_HASH_ANNOTATION: ctx.config_hash},
+        },
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+            "securityContext": _pod_security(),
+            "containers": [container],
+            "volumes": [
+                {"name": CONFIG_VOLUME, "configMap": {"name": ctx.names.config_map}},
+                {"name": SCRATCH_VOLUME, "emptyDir": {}},
+            ],
+        },
+    }
+
+
+def _container(ctx: RenderContext, role: str, *, args: list[str],
+               ports: list[dict[str, Any]], mounts: list[dict[str, Any]] | None = None,
+               ) -> Manifest:
+    """The one container of a role's pods: ``distbelief <role> --config ... <args>``."""
+    container: Manifest = {
+        "name": role,
+        "image": ctx.image,
+        "command": ["distbelief", role],
+        "args": ["--config", contract.CONFIG_PATH, *args],
+        "env": [{"name": contract.ENV_POD_NAME,
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": ports,
+        "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
+        "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": CONFIG_VOLUME, "mountPath": contract.CONFIG_DIR, "readOnly": True},
+            {"name": SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR},
+            *(mounts or []),
+        ],
+    }
+    resources = _resources(ctx.spec[_ROLE_SPEC[role]].get("resources"))
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+_ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
+
+
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": contract.METRICS_PORT_NAME},
+            "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_ID, "runAsGroup": RUN_AS_ID,
+            "fsGroup": RUN_AS_ID, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def _resources(spec: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {key: dict(spec[key]) for key in ("requests", "limits") if spec and spec.get(key)}
+
+
+def _metrics_port() -> dict[str, Any]:
+    return {"name": contract.METRICS_PORT_NAME, "containerPort": contract.METRICS_PORT,
+            "protocol": "TCP"}
+
+
+def _ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
+    return [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port,
+             "protocol": "TCP"}, _metrics_port()]
+
+
+def _checkpoint_claim(ctx: RenderContext, storage: Mapping[str, Any]) -> Manifest:
+    claim: Manifest = {
+        "metadata": {"name": contract.CHECKPOINT_VOLUME,
+                     "labels": labels(ctx.config.name, contract.ROLE_PS)},
+        "spec": {"accessModes": ["ReadWriteOnce"],
+                 "resources": {"requests": {"storage": storage["size"]}}},
+    }
+    if storage.get("storageClassName"):
+        claim["spec"]["storageClassName"] = storage["storageClassName"]
+    return claim
+
+
+def _cpu_metric() -> dict[str, Any]:
+    return {"type": "Resource",
+            "resource": {"name": "cpu", "target": {"type": "Utilization",
+                                                   "averageUtilization": DEFAULT_CPU_UTILIZATION}}}
+
+
+# ------------------------------------------------------------------------- YAML
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """SafeDumper that writes multi-line strings (the config JSON) as literal blocks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_BlockDumper.add_representer(str, _represent_str)
+
+
+def _plain(obj: Any) -> Any:
+    """A JSON round trip: plain dicts and lists only, whatever mappings came in."""
+    return json.loads(json.dumps(obj))

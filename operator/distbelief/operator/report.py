@@ -1,0 +1,159 @@
+"""What local mode shows and leaves behind: the live progress bar and the final report.
+
+Progress comes from the chief's Prometheus endpoint, exactly as the operator reads it;
+the report from the files the chief writes beside its checkpoints (result.json,
+history.jsonl, params.npz), so nothing here depends on a process still running.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import urllib.error
+import urllib.request
+from typing import Any, Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from distbelief.runtime import contract
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE, PLOT_FILE = "report.json", "training.png"
+SCRAPE_TIMEOUT = 0.5
+FIGURES = {  # metric name -> report key
+    "distbelief_global_step": "globalStep",
+    "distbelief_heldout_loss": "loss",
+    "distbelief_heldout_accuracy": "accuracy",
+    "distbelief_examples_per_second": "examplesPerSecond",
+}
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """The training figures a role's /metrics shows; {} when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=SCRAPE_TIMEOUT) as response:
+            text = response.read().decode()
+    except (OSError, urllib.error.URLError):
+        return {}
+    figures = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in FIGURES:
+                figures[FIGURES[sample.name]] = sample.value
+    return figures
+
+
+class Progress:
+    """A progress bar over global steps, with loss, accuracy and examples/s beside it."""
+
+    def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool) -> None:
+        self.metrics_port = metrics_port
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=job, unit="step", disable=not enabled, dynamic_ncols=True,
+                        mininterval=0.2 if tty else 10.0, file=sys.stderr)
+
+    def update(self) -> None:
+        figures = scrape(self.metrics_port)
+        if not figures:
+            return
+        step = int(figures.get("globalStep", 0))
+        self.bar.update(max(0, min(step, self.bar.total) - self.bar.n))
+        self.bar.set_postfix_str(
+            f"loss={figures.get('loss', float('nan')):.4f} acc={figures.get('accuracy', float('nan')):.4f} "
+            f"ex/s={figures.get('examplesPerSecond', 0):,.0f}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def read_result(chief_dir: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(chief_dir, contract.RESULT_FILE), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_history(chief_dir: str) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with open(os.path.join(chief_dir, contract.HISTORY_FILE), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue  # a line cut short by a crash
+    except OSError:
+        pass
+    return rows
+
+
+def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, wall_seconds: float,
+          restarts: Mapping[str, int]) -> dict[str, Any]:
+    """report.json, training.png and params.npz in output; returns the report."""
+    result = read_result(chief_dir) or {}
+    history = read_history(chief_dir)
+    last = history[-1] if history else {}
+    summary = {
+        "job": job, "phase": phase, "reason": reason,
+        "globalStep": result.get("globalStep", last.get("step", 0)),
+        "loss": result.get("loss", last.get("loss")),
+        "accuracy": result.get("accuracy", last.get("accuracy")),
+        "examplesPerSecond": result.get("examplesPerSecond", last.get("examplesPerSecond", 0.0)),
+        "examples": result.get("examples"),
+        "trainingSeconds": result.get("trainingSeconds"),
+        "wallSeconds": round(wall_seconds, 3),
+        "restarts": sum(restarts.values()),
+        "restartsByPod": dict(restarts),
+        "evaluations": len(history),
+    }
+    params = os.path.join(chief_dir, contract.PARAMS_FILE)
+    if os.path.exists(params):
+        shutil.copyfile(params, os.path.join(output, contract.PARAMS_FILE))
+        summary["params"] = contract.PARAMS_FILE
+    if history:
+        plot(history, os.path.join(output, PLOT_FILE), title=f"{job}: {phase}")
+        summary["plot"] = PLOT_FILE
+    with open(os.path.join(output, REPORT_FILE), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def plot(history: list[Mapping[str, Any]], path: str, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seconds = [row["elapsed"] for row in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    ax_loss.plot(seconds, [row["loss"] for row in history], color="tab:red", marker=".")
+    ax_loss.set(xlabel="seconds", ylabel="held-out loss", yscale="log", title="Loss")
+    ax_acc.plot(seconds, [row["accuracy"] for row in history], color="tab:blue", marker=".")
+    ax_acc.set(xlabel="seconds", ylabel="held-out accuracy", ylim=(0, 1), title="Accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_summary(summary: Mapping[str, Any], output: str) -> None:
+    """The user-facing end of `distbelief run` (stdout: this is the command's result)."""
+    accuracy = summary.get("accuracy")
+    loss = summary.get("loss")
+    lines = [
+        f"{summary['job']}: {summary['phase']} ({summary['reason']})",
+        f"  global step        {summary['globalStep']}",
+        f"  held-out accuracy  {accuracy:.4f}" if accuracy is not None else "  held-out accuracy  -",
+        f"  held-out loss      {loss:.4f}" if loss is not None else "  held-out loss      -",
+        f"  examples/s         {summary['examplesPerSecond']:,.0f}",
+        f"  wall time          {summary['wallSeconds']:.1f} s, restarts {summary['restarts']}",
+        f"  report             {os.path.join(output, REPORT_FILE)}",
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")

@@ -1,0 +1,163 @@
+"""Atomic, self-checking checkpoints of one shard.
+
+File layout (one file per checkpoint, `step-<12 digits>.ckpt`):
+
+    b"DBCKPT01" | u64 header length | JSON header | raw float32 arrays, back to back
+
+The header names the step, the layout hash, the shard, each array and its length, free
+metadata, and the SHA-256 of the array bytes. A file is written under a temporary name,
+fsynced, renamed into place and the folder fsynced, so a crash leaves either the old
+set or the new one. On restore the newest file that verifies wins; one that does not is
+reported and renamed aside (never deleted), and the one before it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from distbelief.runtime import errors
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DBCKPT01"
+LENGTH = struct.Struct("<Q")
+MAX_HEADER_BYTES = 1 << 20
+SUFFIX = ".ckpt"
+DTYPE = np.dtype("<f4")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    step: int
+    layout: int
+    shard: int
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def file_name(step: int) -> str:
+    return f"step-{step:012d}{SUFFIX}"
+
+
+def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
+    """Write ckpt atomically into folder and prune all but the newest `keep`."""
+    path = os.path.join(folder, file_name(ckpt.step))
+    tmp = os.path.join(folder, f".{file_name(ckpt.step)}.tmp")
+    digest = hashlib.sha256()
+    for array in ckpt.arrays.values():
+        digest.update(memoryview(_as_f32(array)))
+    header = json.dumps({
+        "step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
+        "arrays": [[name, int(a.size)] for name, a in ckpt.arrays.items()],
+        "sha256": digest.hexdigest(),
+    }).encode()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + LENGTH.pack(len(header)) + header)
+            for array in ckpt.arrays.values():
+                f.write(memoryview(_as_f32(array)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_folder(folder)
+    except OSError as exc:
+        _remove_quietly(tmp)
+        raise errors.CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
+    _prune(folder, keep)
+    return path
+
+
+def load(path: str) -> Checkpoint:
+    """Read and verify one checkpoint; CorruptCheckpoint says why it cannot be trusted."""
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        raise errors.CorruptCheckpoint(f"{path}: unreadable: {exc}") from exc
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + LENGTH.size:
+        raise errors.CorruptCheckpoint(f"{path}: not a checkpoint (bad magic)")
+    (length,) = LENGTH.unpack_from(blob, len(MAGIC))
+    start = len(MAGIC) + LENGTH.size
+    if length > MAX_HEADER_BYTES or start + length > len(blob):
+        raise errors.CorruptCheckpoint(f"{path}: truncated header")
+    try:
+        header = json.loads(blob[start:start + length])
+        names_and_sizes = [(str(n), int(s)) for n, s in header["arrays"]]
+        step, layout, shard = int(header["step"]), int(header["layout"]), int(header["shard"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise errors.CorruptCheckpoint(f"{path}: unreadable header: {exc}") from exc
+    payload = memoryview(blob)[start + length:]
+    expected = sum(size for _, size in names_and_sizes) * DTYPE.itemsize
+    if len(payload) != expected:
+        raise errors.CorruptCheckpoint(f"{path}: {len(payload)} bytes of data, header declares {expected}")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise errors.CorruptCheckpoint(f"{path}: checksum mismatch")
+    arrays, offset = {}, 0
+    for name, size in names_and_sizes:
+        arrays[name] = np.frombuffer(payload, dtype=DTYPE, count=size, offset=offset).copy()
+        offset += size * DTYPE.itemsize
+    return Checkpoint(step=step, layout=layout, shard=shard, arrays=arrays, meta=dict(header.get("meta", {})))
+
+
+def list_checkpoints(folder: str) -> list[str]:
+    """Checkpoint files in folder, newest first."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("step-") and n.endswith(SUFFIX)]
+    except FileNotFoundError:
+        return []
+    return [os.path.join(folder, n) for n in sorted(names, reverse=True)]
+
+
+def restore_latest(folder: str, *, layout: int, shard: int) -> Checkpoint | None:
+    """The newest checkpoint of this shard that verifies, or None if there is none.
+
+    A corrupt file is renamed to *.corrupt and the previous one tried. A valid file
+    written for another layout or shard is an error: continuing would train a different
+    model on top of it, and discarding it would lose the user's work."""
+    for path in list_checkpoints(folder):
+        try:
+            ckpt = load(path)
+        except errors.CorruptCheckpoint as exc:
+            log.error("event=checkpoint_corrupt path=%s reason=%r action=set_aside", path, str(exc))
+            os.replace(path, path + ".corrupt")
+            continue
+        if ckpt.layout != layout or ckpt.shard != shard:
+            raise errors.CheckpointError(
+                f"{path} belongs to shard {ckpt.shard} of layout {ckpt.layout:016x}, "
+                f"not shard {shard} of layout {layout:016x}: the model or shard count changed; "
+                "point the shard at another checkpoint folder")
+        return ckpt
+    return None
+
+
+def _as_f32(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=DTYPE).reshape(-1)
+
+
+def _prune(folder: str, keep: int) -> None:
+    for old in list_checkpoints(folder)[keep:]:
+        _remove_quietly(old)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _fsync_folder(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,142 @@
+"""The chief: the one place that evaluates the model and decides that the job is done.
+
+It runs beside shard 0 (same process, its own thread and sockets) and talks to every
+shard through the same protocol as a replica, so it depends on no replica surviving.
+Every evalEverySeconds, or as soon as shard 0 reaches maxSteps, it pulls the current
+parameters, scores them on the held-out set, appends the figures to history.jsonl, and
+checks the stopping rules. When one holds it sends DONE to every shard (each writes a
+final checkpoint and tells its replicas to stop) and writes result.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from distbelief.runtime import contract, models
+from distbelief.runtime.client import ShardGroup
+from distbelief.runtime.data import Dataset
+from distbelief.runtime.metrics import ChiefMetrics
+
+log = logging.getLogger(__name__)
+
+SUCCEEDED, FAILED = "Succeeded", "Failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoppingRules:
+    max_steps: int
+    target_accuracy: float | None = None
+    target_loss: float | None = None
+    max_duration: float | None = None
+
+    @classmethod
+    def from_spec(cls, training: Mapping[str, Any]) -> "StoppingRules":
+        duration = training.get("maxDuration")
+        return cls(max_steps=int(training["maxSteps"]), target_accuracy=training.get("targetAccuracy"),
+                   target_loss=training.get("targetLoss"),
+                   max_duration=contract.parse_duration(duration) if duration else None)
+
+    def verdict(self, *, step: int, loss: float, accuracy: float, elapsed: float) -> tuple[str, str] | None:
+        """(reason, outcome) if the job is done, else None."""
+        if self.target_accuracy is not None and accuracy >= self.target_accuracy:
+            return "TargetAccuracyReached", SUCCEEDED
+        if self.target_loss is not None and loss <= self.target_loss:
+            return "TargetLossReached", SUCCEEDED
+        if step >= self.max_steps:
+            return "MaxStepsReached", SUCCEEDED
+        if self.max_duration is not None and elapsed >= self.max_duration:
+            return "DeadlineExceeded", FAILED
+        return None
+
+
+class Chief:
+    def __init__(self, *, group: ShardGroup, model: models.Model, dataset: Dataset, rules: StoppingRules,
+                 eval_every: float, max_eval_examples: int, output_dir: str, start_time: float,
+                 metrics: ChiefMetrics, throughput: Callable[[], tuple[int, float]]) -> None:
+        self.group, self.model, self.rules = group, model, rules
+        self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
+        self.metrics = metrics
+        self.throughput = throughput  # (examples so far, examples/s now) from shard 0
+        self.x_test = dataset.x_test[:max_eval_examples]
+        self.y_test = dataset.y_test[:max_eval_examples]
+        self.params = np.empty(group.layout.total, dtype=np.float32)
+        self.failure: BaseException | None = None
+        self.on_failure: Callable[[], None] = lambda: None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chief", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def step_reached(self, step: int) -> None:
+        """Called by shard 0 after each update: wake early when maxSteps is reached."""
+        if step == self.rules.max_steps:
+            self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.evaluate_and_decide():
+                    return
+                self._wake.wait(self.eval_every)
+                self._wake.clear()
+        except Exception as exc:  # a chief that dies must take its shard down: no job may hang
+            log.exception("event=chief_failed error=%r", str(exc))
+            self.failure = exc
+            self.on_failure()
+        finally:
+            self.group.close()
+
+    def evaluate_and_decide(self) -> bool:
+        """One evaluation; True once the job is done."""
+        replies = self.group.pull(self.params)
+        if any(r.done for r in replies):
+            return True  # finished before this chief started (a restarted shard 0)
+        step = replies[0].header.step
+        loss, accuracy = models.evaluate(self.model, self.params, self.x_test, self.y_test)
+        elapsed = time.time() - self.start_time
+        self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed)
+        verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed)
+        if verdict is None:
+            return False
+        self._finish(*verdict, step=step, loss=loss, accuracy=accuracy, elapsed=elapsed)
+        return True
+
+    def _record(self, *, step: int, loss: float, accuracy: float, elapsed: float) -> None:
+        self.metrics.loss.set(loss)
+        self.metrics.accuracy.set(accuracy)
+        self.metrics.evaluated_step.set(step)
+        line = {"time": time.time(), "elapsed": round(elapsed, 3), "step": step, "loss": loss,
+                "accuracy": accuracy, "examplesPerSecond": self.throughput()[1]}
+        with open(os.path.join(self.output_dir, contract.HISTORY_FILE), "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        log.info("event=evaluated step=%d loss=%.4f accuracy=%.4f", step, loss, accuracy)
+
+    def _finish(self, reason: str, outcome: str, *, step: int, loss: float, accuracy: float, elapsed: float) -> None:
+        self.metrics.finished.labels(reason=reason, outcome=outcome).set(1)
+        examples = self.throughput()[0]
+        result = {"phase": outcome, "reason": reason, "globalStep": step, "loss": loss, "accuracy": accuracy,
+                  "examples": examples, "examplesPerSecond": examples / elapsed if elapsed > 0 else 0.0,
+                  "trainingSeconds": round(elapsed, 3), "finishedAt": time.time()}
+        # The parameters just evaluated are the trained model: keep them beside the result.
+        np.savez(os.path.join(self.output_dir, contract.PARAMS_FILE), **models.split_params(self.model, self.params))
+        path = os.path.join(self.output_dir, contract.RESULT_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        os.replace(path + ".tmp", path)
+        log.info("event=job_done reason=%s outcome=%s step=%d accuracy=%.4f", reason, outcome, step, accuracy)
+        self.group.done(reason, outcome)

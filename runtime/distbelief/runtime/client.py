@@ -1,0 +1,200 @@
+"""The replica's side of the wire: one DEALER socket per shard, requests sent to every
+shard at once and then collected, with timeouts, reconnects and retries.
+
+ZeroMQ errors and silences are translated here into ShardUnavailable / ShardRefused /
+LayoutMismatch; callers never see zmq. Parameter payloads are received straight into
+the caller's array (recv_into), so a pull allocates nothing; pushes send views of the
+caller's gradient without copying them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import time
+from typing import Sequence
+
+import numpy as np
+import zmq
+
+from distbelief.runtime import errors, protocol
+from distbelief.runtime.layout import Layout
+from distbelief.runtime.protocol import Header, Op, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    header: Header
+    text: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.header.status == Status.DONE
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    request: float = 10.0        # one attempt
+    unavailable: float = 300.0   # give up on a shard after this long without an answer
+
+
+class _Connection:
+    """One DEALER socket to one shard, recreated after a silence (which drops stale replies)."""
+
+    def __init__(self, context: zmq.Context, address: str, shard: int, curve: dict | None) -> None:
+        self.context, self.address, self.shard, self.curve = context, address, shard, curve
+        self.socket = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        for option, value in (self.curve or {}).items():
+            socket.setsockopt(option, value)
+        socket.connect(self.address)
+        return socket
+
+    def reconnect(self) -> None:
+        self.socket.close(linger=0)
+        self.socket = self._connect()
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class ShardGroup:
+    """All shards of one job, as seen by one replica (or by the chief)."""
+
+    def __init__(self, addresses: Sequence[str], layout: Layout, *, worker_id: int | None = None,
+                 timeouts: Timeouts = Timeouts(), context: zmq.Context | None = None,
+                 curve: dict | None = None) -> None:
+        if len(addresses) != layout.shards:
+            raise errors.ConfigError(f"{len(addresses)} shard addresses for {layout.shards} shards")
+        self.layout = layout
+        self.worker_id = worker_id if worker_id is not None else random.getrandbits(32)
+        self.timeouts = timeouts
+        self._context = context or zmq.Context.instance()
+        self._connections = [_Connection(self._context, a, i, curve) for i, a in enumerate(addresses)]
+        self._seq = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.retries = 0
+
+    def close(self) -> None:
+        for connection in self._connections:
+            connection.close()
+
+    # -- the ops ---------------------------------------------------------------------
+
+    def hello(self) -> list[Reply]:
+        return self._round(Op.HELLO)
+
+    def stats(self) -> list[dict]:
+        return [json.loads(r.text or "{}") for r in self._round(Op.STATS)]
+
+    def pull(self, out: np.ndarray) -> list[Reply]:
+        """Fill out (the full flat vector) with every shard's slice; the replies carry steps."""
+        return self._round(Op.PULL, receive_into=out)
+
+    def push(self, grad: np.ndarray, *, steps: Sequence[int], examples: int, loss: float) -> list[Reply]:
+        """Send each shard its slice of grad; steps[i] is the step pulled from shard i."""
+        return self._round(Op.PUSH, payload=grad, steps=steps, examples=examples, loss=loss)
+
+    def done(self, reason: str, outcome: str) -> list[Reply]:
+        text = json.dumps({"reason": reason, "outcome": outcome})
+        return self._round(Op.DONE, text=text)
+
+    # -- one request to every shard at once -------------------------------------------
+
+    def _round(self, op: Op, *, payload: np.ndarray | None = None, receive_into: np.ndarray | None = None,
+               steps: Sequence[int] | None = None, examples: int = 0, loss: float = 0.0,
+               text: str | None = None) -> list[Reply]:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        targets = list(range(self.layout.shards))
+        headers = {i: Header(op=op, shard=i, layout=self.layout.hash, seq=self._seq, worker=self.worker_id,
+                             step=steps[i] if steps else 0, examples=examples, loss=loss,
+                             count=self.layout.size(i) if payload is not None else 0)
+                   for i in targets}
+        bodies = {i: self._body(i, payload, text) for i in targets}
+        for i in targets:
+            self._send(i, headers[i], bodies[i])
+        replies: dict[int, Reply] = {}
+        pending = set(targets)
+        started = {i: time.monotonic() for i in targets}
+        attempt_deadline = time.monotonic() + self.timeouts.request
+        while pending:
+            poller = zmq.Poller()
+            for i in pending:
+                poller.register(self._connections[i].socket, zmq.POLLIN)
+            timeout_ms = max(0.0, attempt_deadline - time.monotonic()) * 1000
+            ready = dict(poller.poll(timeout_ms))
+            for i in list(pending):
+                if self._connections[i].socket in ready:
+                    reply = self._receive(i, headers[i], receive_into)
+                    if reply is not None:
+                        replies[i] = reply
+                        pending.discard(i)
+            if pending and time.monotonic() >= attempt_deadline:
+                for i in pending:
+                    self._retry(i, headers[i], bodies[i], started[i])
+                attempt_deadline = time.monotonic() + self.timeouts.request
+        return [replies[i] for i in targets]
+
+    def _body(self, shard: int, payload: np.ndarray | None, text: str | None) -> list:
+        if payload is not None:
+            start, stop = self.layout.bounds(shard)
+            return [memoryview(payload[start:stop])]
+        return [text.encode()] if text is not None else []
+
+    def _send(self, shard: int, header: Header, body: list) -> None:
+        frames = [header.pack(), *body]
+        self._connections[shard].socket.send_multipart(frames, copy=False)
+        self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+
+    def _retry(self, shard: int, header: Header, body: list, started: float) -> None:
+        connection = self._connections[shard]
+        waited = time.monotonic() - started
+        if waited >= self.timeouts.unavailable:
+            raise errors.ShardUnavailable(
+                f"shard {shard} at {connection.address} has not answered for {waited:.0f} s")
+        log.warning("event=shard_silent shard=%d address=%s waited_s=%.1f action=reconnect",
+                    shard, connection.address, waited)
+        self.retries += 1
+        connection.reconnect()
+        self._send(shard, header, body)
+
+    def _receive(self, shard: int, request: Header, receive_into: np.ndarray | None) -> Reply | None:
+        """Read one reply from a shard; None if it was a stale one (an old seq)."""
+        socket = self._connections[shard].socket
+        header = protocol.unpack_header(socket.recv())
+        self.bytes_in += protocol.HEADER.size
+        more = socket.getsockopt(zmq.RCVMORE)
+        if header.seq != request.seq or header.shard != shard:
+            if more:
+                socket.recv(copy=False)
+            return None
+        text = ""
+        if more and header.status == Status.OK and receive_into is not None:
+            self._receive_slice(socket, shard, header, receive_into)
+        elif more:
+            text = protocol.decode_text(socket.recv(copy=False).buffer)
+            self.bytes_in += len(text)
+        if header.status == Status.ERROR:
+            address = self._connections[shard].address
+            if "layout" in text:
+                raise errors.LayoutMismatch(f"shard {shard} at {address} refused us: {text}")
+            raise errors.ShardRefused(f"shard {shard} at {address} refused {Op(request.op).name}: {text}")
+        return Reply(header=header, text=text)
+
+    def _receive_slice(self, socket: zmq.Socket, shard: int, header: Header, out: np.ndarray) -> None:
+        start, stop = self.layout.bounds(shard)
+        target = out[start:stop]
+        nbytes = socket.recv_into(target)
+        self.bytes_in += nbytes
+        if header.count != stop - start or nbytes != target.nbytes:
+            raise errors.ProtocolError(
+                f"shard {shard} sent {nbytes} bytes, expected {target.nbytes}")

@@ -1,0 +1,210 @@
+"""The operator <-> runtime contract: names, labels, ports, paths and the resolved config.
+
+Everything both sides must agree on without talking lives here, and nothing else. This
+module imports only the standard library, so the operator can use it without pulling in
+the runtime, and the runtime roles can use it without kopf or the kubernetes client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+API_GROUP = "distbelief.io"
+API_VERSION = "v1alpha1"
+KIND = "DistBeliefJob"
+PLURAL = "distbeliefjobs"
+
+# Ports inside every pod. The shard port comes from the spec; these are fixed.
+METRICS_PORT = 9100
+METRICS_PORT_NAME = "metrics"
+SHARD_PORT_NAME = "ps"
+HEALTH_PATH = "/healthz"   # liveness: the process runs
+READY_PATH = "/readyz"     # readiness: the role serves (a shard restored, a replica joined)
+
+# Paths inside the pods, and the ConfigMap key the resolved config is stored under.
+CONFIG_KEY = "job.json"
+CONFIG_DIR = "/etc/distbelief"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+CHECKPOINT_DIR = "/var/lib/distbelief/checkpoints"
+CHECKPOINT_VOLUME = "checkpoints"
+SCRATCH_DIR = "/tmp"
+
+# Environment the roles read. POD_NAME comes from the downward API; the shard
+# addresses are derived from the headless Service unless PS_ADDRESSES overrides them
+# (local mode runs every shard on loopback).
+ENV_POD_NAME = "POD_NAME"
+ENV_PS_ADDRESSES = "DISTBELIEF_PS_ADDRESSES"
+
+# Files the chief (shard 0) writes beside its checkpoints.
+HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation
+RESULT_FILE = "result.json"      # the job's outcome, once decided
+PARAMS_FILE = "params.npz"       # the final parameters, one array per named tensor
+
+ROLE_PS = "ps"
+ROLE_WORKER = "worker"
+
+LABEL_JOB = f"{API_GROUP}/job"
+LABEL_ROLE = f"{API_GROUP}/role"
+
+# Kubernetes limits the names derived from a job's name must respect. A StatefulSet's
+# name plus "-" and a 10-character revision hash must fit a 63-character label value.
+DNS_LABEL_MAX = 63
+STATEFULSET_NAME_MAX = DNS_LABEL_MAX - 11
+PS_SUFFIX = "-ps"
+WORKER_SUFFIX = "-worker"
+CONFIG_SUFFIX = "-config"
+MAX_JOB_NAME = STATEFULSET_NAME_MAX - len(PS_SUFFIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobNames:
+    """Names of every child of one job, in one place."""
+
+    job: str
+
+    @property
+    def config_map(self) -> str:
+        return self.job + CONFIG_SUFFIX
+
+    @property
+    def ps(self) -> str:
+        """The headless Service and the StatefulSet of the shards."""
+        return self.job + PS_SUFFIX
+
+    @property
+    def worker(self) -> str:
+        """The Deployment (and the HPA) of the model replicas."""
+        return self.job + WORKER_SUFFIX
+
+    def shard_pod(self, index: int) -> str:
+        return f"{self.ps}-{index}"
+
+    def shard_address(self, index: int, namespace: str, port: int) -> str:
+        return f"tcp://{self.shard_pod(index)}.{self.ps}.{namespace}.svc:{port}"
+
+
+def selector_labels(job: str, role: str) -> dict[str, str]:
+    return {LABEL_JOB: job, LABEL_ROLE: role}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """The resolved job the roles read: the spec with every default applied."""
+
+    name: str
+    namespace: str
+    spec: Mapping[str, Any]
+
+    @property
+    def names(self) -> JobNames:
+        return JobNames(self.name)
+
+    @property
+    def shards(self) -> int:
+        return int(self.spec["parameterServers"]["shards"])
+
+    @property
+    def shard_port(self) -> int:
+        return int(self.spec["parameterServers"]["port"])
+
+    def shard_addresses(self, environ: Mapping[str, str] = os.environ) -> list[str]:
+        """Where the shards listen: PS_ADDRESSES if set, else the headless Service's DNS."""
+        override = environ.get(ENV_PS_ADDRESSES, "").strip()
+        if override:
+            addresses = [a.strip() for a in override.split(",") if a.strip()]
+            if len(addresses) != self.shards:
+                raise ValueError(
+                    f"{ENV_PS_ADDRESSES} lists {len(addresses)} addresses, "
+                    f"but the job has {self.shards} shards"
+                )
+            return addresses
+        return [
+            self.names.shard_address(i, self.namespace, self.shard_port) for i in range(self.shards)
+        ]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "JobConfig",
+             "name": self.name, "namespace": self.namespace, "spec": self.spec},
+            indent=2, sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobConfig":
+        doc = json.loads(text)
+        return cls(name=doc["name"], namespace=doc["namespace"], spec=doc["spec"])
+
+    @classmethod
+    def load(cls, path: str) -> "JobConfig":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+def shard_index_from_pod_name(pod_name: str) -> int:
+    """A StatefulSet pod's ordinal: the number after its last dash."""
+    _, _, ordinal = pod_name.rpartition("-")
+    if not ordinal.isdigit():
+        raise ValueError(f"cannot read a shard index from pod name {pod_name!r}")
+    return int(ordinal)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Go-style duration such as '90s', '1h30m' or '250ms'."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    total, number = 0.0, ""
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch.isdigit() or ch == ".":
+            number += ch
+            i += 1
+            continue
+        unit = "ms" if text.startswith("ms", i) else ch
+        if unit not in units or not number:
+            raise ValueError(f"not a duration: {text!r}")
+        total += float(number) * units[unit]
+        number = ""
+        i += len(unit)
+    if number:
+        raise ValueError(f"not a duration (missing unit): {text!r}")
+    return total
+
+
+
+SYNTHETIC_REQUIRED = ("features", "classes", "samples")
+SYNTHETIC_BOUNDS = {
+    "features": (1, 100_000),
+    "classes": (2, 100_000),
+    "samples": (10, 10_000_000),
+    "seed": (0, 2**32 - 1),
+}
+
+
+def synthetic_params(body: str) -> tuple[dict[str, int], list[str]]:
+    """The parameters of a 'synthetic:' source body (features=F,classes=C,samples=N[,seed=S])
+    and every problem found in it; seed defaults to 0."""
+    params: dict[str, int] = {}
+    problems: list[str] = []
+    seen: set[str] = set()
+    for item in body.split(","):
+        key, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or not key:
+            problems.append(f"synthetic: expected key=value, got {item!r}")
+        elif key not in SYNTHETIC_BOUNDS:
+            problems.append(f"synthetic: unknown parameter {key!r} (known: {', '.join(SYNTHETIC_BOUNDS)})")
+        elif key in seen:
+            problems.append(f"synthetic: {key} given twice")
+        elif not text.lstrip("+-").isdigit():
+            problems.append(f"synthetic: {key} must be an integer (got {text!r})")
+        else:
+            params[key] = int(text)
+            low, high = SYNTHETIC_BOUNDS[key]
+            if not low <= params[key] <= high:
+                problems.append(f"synthetic: {key} must be within {low}..{high} (got {params[key]})")
+        seen.add(key)
+    problems.extend(f"synthetic: {key} required" for key in SYNTHETIC_REQUIRED if key not in seen)
+    params.setdefault("seed", 0)
+    return params, problems

@@ -1,0 +1,198 @@
+"""Models the replicas train: the interface, the built-ins, and user models by entrypoint.
+
+A model sees its parameters only as one flat float32 vector (the concatenation of its
+named arrays in `shapes` order), which is what the shards store. The interface:
+
+    shapes                          [(name, shape), ...]
+    init_params(seed) -> flat       the initial parameters, deterministic in the seed
+    loss_and_grad(params, batch, out=None) -> (loss, grad)   batch = (x, y)
+    predict(params, x) -> labels
+
+A user model is a function "package.module:build" taking (model_spec, n_features,
+n_classes) and returning an object with those members.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from distbelief.runtime import errors
+
+Batch = tuple[np.ndarray, np.ndarray]
+EVAL_CHUNK = 4096
+
+
+class Model(Protocol):
+    shapes: Sequence[tuple[str, tuple[int, ...]]]
+
+    def init_params(self, seed: int) -> np.ndarray: ...
+
+    def loss_and_grad(self, params: np.ndarray, batch: Batch,
+                      out: np.ndarray | None = None) -> tuple[float, np.ndarray]: ...
+
+    def predict(self, params: np.ndarray, x: np.ndarray) -> np.ndarray: ...
+
+
+def num_params(model: Model) -> int:
+    return sum(int(np.prod(shape)) for _, shape in model.shapes)
+
+
+def split_params(model: Model, flat: np.ndarray) -> dict[str, np.ndarray]:
+    """Named views (no copies) of a flat parameter vector."""
+    views, offset = {}, 0
+    for name, shape in model.shapes:
+        size = int(np.prod(shape))
+        views[name] = flat[offset:offset + size].reshape(shape)
+        offset += size
+    return views
+
+
+class Mlp:
+    """A fully connected network ending in softmax cross-entropy; no hidden layer = softmax
+    regression. L2 regularisation applies to the weights, not the biases."""
+
+    def __init__(self, n_features: int, n_classes: int, hidden: Sequence[int] = (),
+                 activation: str = "relu", l2: float = 0.0) -> None:
+        if activation not in ("relu", "tanh"):
+            raise errors.ConfigError(f"unknown activation {activation!r}")
+        widths = [n_features, *hidden, n_classes]
+        self.activation = activation
+        self.l2 = np.float32(l2)
+        self.shapes = []
+        for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+            self.shapes += [(f"layer{i}.weight", (fan_in, fan_out)), (f"layer{i}.bias", (fan_out,))]
+
+    def _layers(self, flat: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        views = list(split_params(self, flat).values())
+        return list(zip(views[0::2], views[1::2]))
+
+    def init_params(self, seed: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        flat = np.zeros(num_params(self), dtype=np.float32)
+        layers = self._layers(flat)
+        if len(layers) == 1:
+            return flat  # softmax regression: zero is the natural start of a convex problem
+        gain = 2.0 if self.activation == "relu" else 1.0
+        for weight, _ in layers:
+            weight[...] = rng.standard_normal(weight.shape, dtype=np.float32)
+            weight *= np.float32(np.sqrt(gain / weight.shape[0]))
+        return flat
+
+    def _hidden(self, layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> list[np.ndarray]:
+        activations = [x]
+        for weight, bias in layers[:-1]:
+            h = activations[-1] @ weight
+            h += bias
+            if self.activation == "relu":
+                np.maximum(h, 0, out=h)
+            else:
+                np.tanh(h, out=h)
+            activations.append(h)
+        return activations
+
+    def _logits(self, layers, x: np.ndarray) -> np.ndarray:
+        weight, bias = layers[-1]
+        logits = self._hidden(layers, x)[-1] @ weight
+        logits += bias
+        return logits
+
+    def loss_and_grad(self, params: np.ndarray, batch: Batch,
+                      out: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+        x, y = batch
+        layers = self._layers(params)
+        grad = np.empty_like(params) if out is None else out
+        grads = self._layers(grad)
+        activations = self._hidden(layers, x)
+        weight, bias = layers[-1]
+        delta = activations[-1] @ weight
+        delta += bias
+        loss = _softmax_cross_entropy_inplace(delta, y)  # delta now holds d(loss)/d(logits)
+        for i in range(len(layers) - 1, -1, -1):
+            weight, _ = layers[i]
+            grad_w, grad_b = grads[i]
+            np.matmul(activations[i].T, delta, out=grad_w)
+            np.sum(delta, axis=0, out=grad_b)
+            if i > 0:
+                delta = delta @ weight.T
+                h = activations[i]
+                if self.activation == "relu":
+                    delta *= h > 0
+                else:
+                    delta *= 1 - h * h
+        if self.l2:
+            for (weight, _), (grad_w, _) in zip(layers, grads):
+                loss += 0.5 * float(self.l2) * float(np.vdot(weight, weight))
+                grad_w += self.l2 * weight
+        return loss, grad
+
+    def predict(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
+        return np.argmax(self._logits(self._layers(params), x), axis=1)
+
+    def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+        logits = self._logits(self._layers(params), x)
+        loss = _softmax_cross_entropy_inplace(logits, y)
+        if self.l2:
+            loss += sum(0.5 * float(self.l2) * float(np.vdot(w, w)) for w, _ in self._layers(params))
+        return loss
+
+
+def _softmax_cross_entropy_inplace(logits: np.ndarray, y: np.ndarray) -> float:
+    """Mean cross-entropy of integer labels; overwrites logits with its gradient."""
+    n = logits.shape[0]
+    logits -= logits.max(axis=1, keepdims=True)
+    np.exp(logits, out=logits)
+    total = logits.sum(axis=1, keepdims=True)
+    rows = np.arange(n)
+    picked = logits[rows, y] / total[:, 0]
+    loss = -float(np.mean(np.log(np.maximum(picked, 1e-30), dtype=np.float64)))
+    logits /= total
+    logits[rows, y] -= 1.0
+    logits *= np.float32(1.0 / n)
+    return loss
+
+
+def evaluate(model: Model, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Held-out (loss, accuracy), in chunks so memory stays bounded for large sets.
+
+    Uses the model's own `loss(params, x, y)` when it has one (no gradient needed)."""
+    correct, loss_sum = 0, 0.0
+    loss_of = getattr(model, "loss", None)
+    scratch = None if loss_of else np.empty_like(params)
+    for start in range(0, len(x), EVAL_CHUNK):
+        xb, yb = x[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
+        correct += int(np.sum(model.predict(params, xb) == yb))
+        loss = loss_of(params, xb, yb) if loss_of else model.loss_and_grad(params, (xb, yb), scratch)[0]
+        loss_sum += loss * len(xb)
+    return loss_sum / len(x), correct / len(x)
+
+
+def build_model(model_spec: Mapping[str, Any], n_features: int, n_classes: int) -> Model:
+    """The model a job's spec.model describes."""
+    entrypoint = model_spec.get("entrypoint")
+    if entrypoint:
+        return _load_entrypoint(entrypoint, model_spec, n_features, n_classes)
+    kind = model_spec.get("type", "mlp")
+    hidden = model_spec.get("hiddenLayers", []) if kind == "mlp" else []
+    if kind not in ("mlp", "softmax"):
+        raise errors.ConfigError(f"spec.model.type: unknown model type {kind!r}")
+    return Mlp(n_features, n_classes, hidden, model_spec.get("activation", "relu"),
+               model_spec.get("l2", 0.0))
+
+
+def _load_entrypoint(entrypoint: str, model_spec: Mapping[str, Any], n_features: int,
+                     n_classes: int) -> Model:
+    module_name, _, function_name = entrypoint.partition(":")
+    try:
+        build = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise errors.ConfigError(f"spec.model.entrypoint: cannot load {entrypoint!r}: {exc}") from exc
+    model = build(dict(model_spec), n_features, n_classes)
+    missing = [m for m in ("shapes", "init_params", "loss_and_grad", "predict") if not hasattr(model, m)]
+    if missing:
+        raise errors.ConfigError(
+            f"spec.model.entrypoint: {entrypoint!r} returned a model without {', '.join(missing)}"
+        )
+    return model

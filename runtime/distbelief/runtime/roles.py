@@ -1,0 +1,108 @@
+"""Entry points of the roles the containers run: `distbelief ps` and `distbelief worker`.
+
+Each reads the resolved job config (the ConfigMap's file), builds the model and the
+layout from it exactly as every other role does, serves metrics, and runs until the
+job is done. Exit codes: 0 when the job is done or the role was asked to stop, 1 when
+a shard stayed unreachable, 2 for a config or layout the role cannot work with.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Callable
+
+import prometheus_client as prom
+
+from distbelief.runtime import contract, data, errors, models
+from distbelief.runtime.chief import Chief, StoppingRules
+from distbelief.runtime.client import ShardGroup
+from distbelief.runtime.layout import Layout
+from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
+from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.worker import Worker, WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class Job:
+    """What every role derives from the config in the same way: data, model, layout."""
+
+    def __init__(self, config: contract.JobConfig) -> None:
+        self.config = config
+        self.spec = config.spec
+        self.dataset = data.load(self.spec["data"])
+        self.model = models.build_model(self.spec["model"], self.dataset.n_features, self.dataset.n_classes)
+        self.layout = Layout.of(self.model.shapes, config.shards)
+
+    @classmethod
+    def load(cls, path: str) -> "Job":
+        try:
+            return cls(contract.JobConfig.load(path))
+        except (OSError, ValueError, KeyError) as exc:
+            raise errors.ConfigError(f"cannot read job config {path}: {exc}") from exc
+
+
+def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
+           checkpoint_dir: str, linger: float) -> int:
+    job = Job.load(config_path)
+    index = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
+    training, checkpointing = job.spec["training"], job.spec["parameterServers"]["checkpoint"]
+    settings = ShardSettings(
+        shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
+        checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
+        learning_rate=float(training["learningRate"]), adagrad=bool(training["adagrad"]),
+        warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger)
+    registry = prom.CollectorRegistry()
+    server = Shard(settings, job.layout, job.model.init_params(int(training["seed"])), ShardMetrics(registry, index))
+    server.restore()
+    metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
+    chief = _start_chief(job, server, registry, checkpoint_dir) if index == 0 else None
+    _on_termination(server.stop)
+    try:
+        server.serve()
+    finally:
+        if chief:
+            chief.stop()
+        metrics.stop()
+    if chief and chief.failure:
+        raise errors.RuntimeFailure(f"the chief stopped: {chief.failure}")
+    return 0
+
+
+def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, output_dir: str) -> Chief:
+    training = job.spec["training"]
+    chief = Chief(group=ShardGroup(job.config.shard_addresses(), job.layout), model=job.model, dataset=job.dataset,
+                  rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
+                  max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
+                  start_time=server.start_time, metrics=ChiefMetrics(registry),
+                  throughput=lambda: (server.examples_total, server.examples_per_second))
+    server.step_reached = chief.step_reached
+    chief.on_failure = server.stop
+    chief.start()
+    return chief
+
+
+def run_worker(*, config_path: str, metrics_port: int, listen: str) -> int:
+    job = Job.load(config_path)
+    training = job.spec["training"]
+    settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
+                              push_every=int(training["pushEvery"]))
+    registry = prom.CollectorRegistry()
+    group = ShardGroup(job.config.shard_addresses(), job.layout)
+    worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry))
+    metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
+    _on_termination(worker.stop_requested.set)
+    try:
+        ended = worker.run()
+    finally:
+        group.close()
+        metrics.stop()
+    log.info("event=worker_exit worker=%08x steps=%d reason=%s", group.worker_id, worker.steps, ended)
+    return 0
+
+
+def _on_termination(callback: Callable[[], None]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: callback())

@@ -1,0 +1,123 @@
+"""One model replica running Downpour SGD.
+
+    pull every fetchEvery steps   -> params (all shards at once, straight into one buffer)
+    compute the minibatch gradient, accumulate it
+    push every pushEvery steps    -> each shard gets its slice of the accumulated gradient
+
+Warm-start: shard 0 admits one replica at a time until warmstartSteps updates are
+applied; the others wait. The replica stops (exit 0) as soon as any shard says the job
+is done, and on SIGTERM after its current step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+
+from distbelief.runtime import models
+from distbelief.runtime.client import ShardGroup
+from distbelief.runtime.data import Dataset, minibatches
+from distbelief.runtime.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+WARMSTART_POLL_SECONDS = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    batch_size: int
+    fetch_every: int = 1
+    push_every: int = 1
+    seed: int | None = None   # None: a fresh stream per process (replicas must differ)
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset,
+                 metrics: WorkerMetrics) -> None:
+        self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
+        self.batches = minibatches(dataset, settings.batch_size, np.random.default_rng(settings.seed))
+        total = group.layout.total
+        self.params = np.empty(total, dtype=np.float32)
+        self.accumulated = np.zeros(total, dtype=np.float32)
+        self._step_grad = np.empty(total, dtype=np.float32) if settings.push_every > 1 else None
+        self.pulled_steps = [0] * group.layout.shards
+        self.stop_requested = threading.Event()
+        self.joined = threading.Event()
+        self.steps = 0
+        self._counted = (0, 0, 0)
+
+    def run(self) -> str:
+        """Train until the job is done or stop is requested; returns why it ended."""
+        if not self._join():
+            return "stopped"
+        examples, loss_sum = 0, 0.0
+        while not self.stop_requested.is_set():
+            if self.steps % self.settings.fetch_every == 0 and self._pull():
+                return "done"
+            loss, n = self._compute()
+            examples, loss_sum = examples + n, loss_sum + loss * n
+            self.steps += 1
+            if self.steps % self.settings.push_every == 0:
+                if self._push(examples, loss_sum / examples):
+                    return "done"
+                examples, loss_sum = 0, 0.0
+        return "stopped"
+
+    def _join(self) -> bool:
+        """Say hello to every shard (which checks the layout); wait out a warm-start."""
+        while not self.stop_requested.is_set():
+            replies = self.group.hello()
+            if any(r.done for r in replies):
+                return False
+            if all(r.header.status == 0 for r in replies):
+                self.joined.set()
+                log.info("event=joined worker=%08x shards=%d", self.group.worker_id, len(replies))
+                return True
+            self.stop_requested.wait(WARMSTART_POLL_SECONDS)
+        return False
+
+    def _pull(self) -> bool:
+        started = time.perf_counter()
+        replies = self.group.pull(self.params)
+        self.metrics.pull_seconds.observe(time.perf_counter() - started)
+        self._count_traffic()
+        if any(r.done for r in replies):
+            return True
+        self.pulled_steps = [r.header.step for r in replies]
+        return False
+
+    def _compute(self) -> tuple[float, int]:
+        x, y = next(self.batches)
+        out = self.accumulated if self._step_grad is None else self._step_grad
+        loss, _ = self.model.loss_and_grad(self.params, (x, y), out=out)
+        if self._step_grad is not None:
+            self.accumulated += self._step_grad
+        self.metrics.steps.inc()
+        self.metrics.examples.inc(len(x))
+        self.metrics.loss.set(loss)
+        return loss, len(x)
+
+    def _push(self, examples: int, loss: float) -> bool:
+        started = time.perf_counter()
+        replies = self.group.push(self.accumulated, steps=self.pulled_steps, examples=examples, loss=loss)
+        self.metrics.push_seconds.observe(time.perf_counter() - started)
+        self._count_traffic()
+        if self._step_grad is not None:
+            self.accumulated[...] = 0
+        if any(r.done for r in replies):
+            return True
+        for pulled, reply in zip(self.pulled_steps, replies):
+            self.metrics.staleness.observe(max(0, reply.header.step - 1 - pulled))
+        return False
+
+    def _count_traffic(self) -> None:
+        now = (self.group.bytes_in, self.group.bytes_out, self.group.retries)
+        before, self._counted = self._counted, now
+        self.metrics.bytes_in.inc(now[0] - before[0])
+        self.metrics.bytes_out.inc(now[1] - before[1])
+        self.metrics.retries.inc(now[2] - before[2])

@@ -1,0 +1,343 @@
+"""The children rendered for a DistBeliefJob (distbelief.operator.render)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from distbelief.operator import render, spec
+from distbelief.runtime import contract
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+K8S_VERSION = "1.30"
+IMAGE = "registry.example/distbelief:test"
+JOB_API_VERSION = f"{contract.API_GROUP}/{contract.API_VERSION}"
+KINDS = ["ConfigMap", "Service", "StatefulSet", "Deployment"]
+
+
+def example(name: str) -> dict[str, Any]:
+    (doc,) = spec.load_manifests(str(REPO / "examples" / name))
+    return doc
+
+
+def _suspended(doc: dict[str, Any]) -> None:
+    doc["spec"]["runPolicy"] = {"suspend": True}
+
+
+def _autoscaled(doc: dict[str, Any]) -> None:
+    doc["spec"]["workers"]["autoscaling"] = {"maxReplicas": 6}
+
+
+def _stored(doc: dict[str, Any]) -> None:
+    doc["metadata"].update(uid="6f1c-uid", namespace="ml")
+
+
+def _everything(doc: dict[str, Any]) -> None:
+    _stored(doc)
+    doc["spec"]["image"] = "mine:1"
+    doc["spec"]["model"] = {"entrypoint": "my_pkg.models:build"}
+    doc["spec"]["parameterServers"]["checkpoint"]["storage"].update(
+        storageClassName="fast", retention="Delete")
+
+
+VARIANTS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "as-is": lambda doc: None,
+    "suspended": _suspended,
+    "autoscaled": _autoscaled,
+    "stored": _stored,
+    "everything": _everything,
+}
+
+
+def job_of(name: str = "digits-mlp.yaml", variant: str = "as-is") -> dict[str, Any]:
+    doc = example(name)
+    VARIANTS[variant](doc)
+    return spec.validate_job(doc)
+
+
+def children(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["kind"]: o for o in render.render_children(job, image=IMAGE)}
+
+
+def pod_specs(objs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [objs[k]["spec"]["template"]["spec"] for k in ("StatefulSet", "Deployment")]
+
+
+CASES = [(e.name, v) for e in EXAMPLES for v in VARIANTS]
+
+
+@pytest.mark.parametrize("name, variant", CASES)
+def test_every_child_passes_the_kubernetes_schema(name: str, variant: str) -> None:
+    objs = render.render_children(job_of(name, variant), image=IMAGE)
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    assert [o["kind"] for o in objs][:4] == KINDS
+
+
+def test_strict_validation_would_catch_a_typo() -> None:
+    obj = children(job_of())["Deployment"]
+    obj["spec"]["replicaz"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_names_namespace_and_labels() -> None:
+    job = job_of(variant="stored")
+    names = contract.JobNames("digits")
+    objs = render.render_children(job, image=IMAGE)
+    assert [o["metadata"]["name"] for o in objs] == [
+        names.config_map, names.ps, names.ps, names.worker]
+    for obj in objs:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "distbelief"
+        assert labels["app.kubernetes.io/instance"] == "digits"
+        assert labels["app.kubernetes.io/managed-by"] == "distbelief-operator"
+        assert labels[contract.LABEL_JOB] == "digits"
+        assert labels["app.kubernetes.io/component"] == labels[contract.LABEL_ROLE]
+    assert objs[0]["metadata"]["labels"]["app.kubernetes.io/component"] == "config"
+
+
+def test_namespace_defaults_to_default() -> None:
+    for obj in render.render_children(job_of(), image=IMAGE):
+        assert obj["metadata"]["namespace"] == "default"
+
+
+def test_selectors_match_pod_labels() -> None:
+    objs = children(job_of())
+    sts, deploy, svc = objs["StatefulSet"], objs["Deployment"], objs["Service"]
+    ps_labels = sts["spec"]["template"]["metadata"]["labels"]
+    worker_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"] == contract.selector_labels("digits", contract.ROLE_PS)
+    assert svc["spec"]["selector"].items() <= ps_labels.items()
+    assert sts["spec"]["selector"]["matchLabels"].items() <= ps_labels.items()
+    assert deploy["spec"]["selector"]["matchLabels"] == \
+        contract.selector_labels("digits", contract.ROLE_WORKER)
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= worker_labels.items()
+    assert not svc["spec"]["selector"].items() <= worker_labels.items()
+
+
+def test_headless_service_ports() -> None:
+    job = job_of()
+    svc = children(job)["Service"]["spec"]
+    assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+    ports = {p["name"]: p["port"] for p in svc["ports"]}
+    assert ports == {contract.SHARD_PORT_NAME: job["spec"]["parameterServers"]["port"],
+                     contract.METRICS_PORT_NAME: contract.METRICS_PORT}
+
+
+def test_statefulset_one_pod_and_one_volume_per_shard() -> None:
+    job = job_of(variant="everything")
+    sts = children(job)["StatefulSet"]["spec"]
+    assert sts["replicas"] == job["spec"]["parameterServers"]["shards"] == 2
+    assert sts["serviceName"] == contract.JobNames("digits").ps
+    assert sts["podManagementPolicy"] == "Parallel"
+    assert sts["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete",
+                                                           "whenScaled": "Retain"}
+    (claim,) = sts["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == contract.CHECKPOINT_VOLUME
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert "storageClassName" not in children(job_of())["StatefulSet"]["spec"][
+        "volumeClaimTemplates"][0]["spec"]
+
+
+def test_ps_container() -> None:
+    job = job_of()
+    (c,) = children(job)["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+    assert c["name"] == contract.ROLE_PS
+    assert c["command"] == ["distbelief", "ps"]
+    assert c["args"] == ["--config", contract.CONFIG_PATH,
+                         "--checkpoint-dir", contract.CHECKPOINT_DIR]
+    assert {"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR} \
+        in c["volumeMounts"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        contract.SHARD_PORT_NAME: job["spec"]["parameterServers"]["port"],
+        contract.METRICS_PORT_NAME: contract.METRICS_PORT}
+    assert c["resources"] == job["spec"]["parameterServers"]["resources"]
+
+
+def test_worker_container() -> None:
+    job = job_of()
+    deploy = children(job)["Deployment"]["spec"]
+    assert deploy["replicas"] == job["spec"]["workers"]["replicas"] == 3
+    assert deploy["strategy"]["type"] == "RollingUpdate"
+    (c,) = deploy["template"]["spec"]["containers"]
+    assert c["name"] == contract.ROLE_WORKER
+    assert c["command"] == ["distbelief", "worker"]
+    assert c["args"] == ["--config", contract.CONFIG_PATH]
+    assert [p["name"] for p in c["ports"]] == [contract.METRICS_PORT_NAME]
+    assert c["resources"] == job["spec"]["workers"]["resources"]
+
+
+def test_containers_get_identity_probes_and_mounts() -> None:
+    for pod in pod_specs(children(job_of())):
+        (c,) = pod["containers"]
+        assert c["image"] == IMAGE
+        assert {"name": contract.ENV_POD_NAME,
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+        assert c["livenessProbe"]["httpGet"] == {"path": "/healthz",
+                                                 "port": contract.METRICS_PORT_NAME}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz",
+                                                  "port": contract.METRICS_PORT_NAME}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts[contract.CONFIG_DIR]["readOnly"] is True
+        assert contract.SCRATCH_DIR in mounts
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts[contract.CONFIG_DIR]["name"]]["configMap"]["name"] == \
+            contract.JobNames("digits").config_map
+        assert "emptyDir" in volumes[mounts[contract.SCRATCH_DIR]["name"]]
+
+
+def test_no_resources_key_when_the_spec_sets_none() -> None:
+    job = job_of()
+    del job["spec"]["workers"]["resources"]["requests"]
+    del job["spec"]["workers"]["resources"]["limits"]
+    (c,) = children(job)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert "resources" not in c
+
+
+@pytest.mark.parametrize("name, variant", CASES)
+def test_every_pod_and_container_is_hardened(name: str, variant: str) -> None:
+    for pod in pod_specs(children(job_of(name, variant))):
+        assert pod["securityContext"] == {
+            "runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+            "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["enableServiceLinks"] is False
+        assert pod["terminationGracePeriodSeconds"] == 30
+        for c in pod["containers"]:
+            assert c["securityContext"] == {
+                "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_suspend_scales_everything_to_zero() -> None:
+    objs = children(job_of(variant="suspended"))
+    assert objs["StatefulSet"]["spec"]["replicas"] == 0
+    assert objs["Deployment"]["spec"]["replicas"] == 0
+
+
+def test_no_hpa_without_autoscaling() -> None:
+    assert "HorizontalPodAutoscaler" not in children(job_of())
+
+
+def test_hpa_scales_the_job_itself_with_the_default_cpu_metric() -> None:
+    job = job_of(variant="autoscaled")
+    objs = render.render_children(job, image=IMAGE)
+    hpa = objs[-1]
+    assert hpa["kind"] == "HorizontalPodAutoscaler"
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["metadata"]["name"] == contract.JobNames("digits").worker
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": JOB_API_VERSION,
+                                             "kind": contract.KIND, "name": "digits"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 6)
+    assert hpa["spec"]["metrics"] == [{"type": "Resource", "resource": {
+        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}]
+    # the Deployment keeps the spec's replicas: the HPA writes them through the job
+    deploy = next(o for o in objs if o["kind"] == "Deployment")
+    assert deploy["spec"]["replicas"] == job["spec"]["workers"]["replicas"]
+
+
+def test_hpa_uses_the_metrics_of_the_spec() -> None:
+    job = job_of("synthetic-large.yaml")
+    hpa = children(job)["HorizontalPodAutoscaler"]["spec"]
+    autoscaling = job["spec"]["workers"]["autoscaling"]
+    assert hpa["metrics"] == autoscaling["metrics"]
+    assert hpa["metrics"] is not autoscaling["metrics"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 8)
+
+
+def test_empty_metrics_list_gets_the_default_metric() -> None:
+    doc = example("digits-mlp.yaml")
+    doc["spec"]["workers"]["autoscaling"] = {"maxReplicas": 4, "metrics": []}
+    hpa = children(spec.validate_job(doc))["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["metrics"][0]["resource"]["name"] == "cpu"
+
+
+@pytest.mark.parametrize("variant, owned", [("as-is", False), ("stored", True)])
+def test_owner_references_iff_the_job_has_a_uid(variant: str, owned: bool) -> None:
+    for obj in render.render_children(job_of("synthetic-large.yaml", variant), image=IMAGE):
+        refs = obj["metadata"].get("ownerReferences")
+        if not owned:
+            assert refs is None
+            continue
+        assert refs == [{"apiVersion": JOB_API_VERSION, "kind": contract.KIND,
+                         "name": "synthetic-large", "uid": "6f1c-uid",
+                         "controller": True, "blockOwnerDeletion": True}]
+
+
+def test_image_from_the_spec_wins() -> None:
+    for pod in pod_specs(children(job_of(variant="everything"))):
+        assert pod["containers"][0]["image"] == "mine:1"
+
+
+def test_config_map_round_trips_the_defaulted_spec() -> None:
+    job = job_of(variant="stored")
+    cm = children(job)["ConfigMap"]
+    config = contract.JobConfig.from_json(cm["data"][contract.CONFIG_KEY])
+    assert (config.name, config.namespace) == ("digits", "ml")
+    assert config.spec == job["spec"]
+    assert config.shards == job["spec"]["parameterServers"]["shards"]
+    assert config.shard_addresses({})[1] == \
+        contract.JobNames("digits").shard_address(1, "ml", config.shard_port)
+
+
+def _hashes(job: dict[str, Any]) -> set[str]:
+    objs = children(job)
+    return {o["spec"]["template"]["metadata"]["annotations"][render.CONFIG_HASH_ANNOTATION]
+            for o in (objs["StatefulSet"], objs["Deployment"])}
+
+
+def test_config_hash_is_of_the_config_and_the_same_on_every_pod() -> None:
+    job = job_of()
+    (value,) = _hashes(job)
+    assert len(value) == 16 and int(value, 16) >= 0
+    assert value == render.config_hash(spec.job_config(job))
+    assert value != hashlib.sha256(b"").hexdigest()[:16]
+
+
+def test_config_hash_changes_when_the_training_spec_changes() -> None:
+    job = job_of()
+    before = _hashes(job)
+    job["spec"]["training"]["learningRate"] = 0.5
+    assert _hashes(job) != before
+
+
+def test_config_hash_ignores_scaling_and_suspending() -> None:
+    # scaling through the scale subresource (HPA) must not restart shards or replicas
+    job = job_of()
+    before = _hashes(job)
+    job["spec"]["workers"]["replicas"] = 7
+    job["spec"]["workers"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 9}
+    job["spec"]["runPolicy"]["suspend"] = True
+    assert _hashes(job) == before
+
+
+def test_render_is_pure() -> None:
+    job = job_of("synthetic-large.yaml", "everything")
+    frozen = copy.deepcopy(job)
+    first = render.render_children(job, image=IMAGE)
+    assert job == frozen
+    assert render.render_children(job, image=IMAGE) == first
+
+
+def test_to_yaml_is_multi_document_and_round_trips() -> None:
+    objs = render.render_children(job_of("synthetic-large.yaml", "stored"), image=IMAGE)
+    text = render.to_yaml(objs)
+    assert text.startswith("---\n")
+    assert text.count("\n---\n") == len(objs) - 1
+    assert list(yaml.safe_load_all(text)) == objs
+    first = text.splitlines()[1:4]
+    assert first == ["apiVersion: v1", "kind: ConfigMap", "metadata:"]
+    assert f"  {contract.CONFIG_KEY}: |" in text  # the config JSON reads as a block
