@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Mapping
 
@@ -120,7 +121,8 @@ class LocalRun:
 
     def run(self, *, progress: bool) -> int:
         started = time.time()
-        previous = signal.signal(signal.SIGINT, self._interrupt)
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self.interrupt) if in_main_thread else None
         live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]),
                                metrics_port=self.shards[0].ports[contract.METRICS_PORT_NAME], enabled=progress)
         log.info("event=local_run job=%s shards=%d workers=%d output=%s", self.name, len(self.shards),
@@ -132,14 +134,16 @@ class LocalRun:
         finally:
             self._stop_all()
             live.close()
-            signal.signal(signal.SIGINT, previous)
+            if in_main_thread:
+                signal.signal(signal.SIGINT, previous)
         restarts = {pod.name: pod.restarts for pod in self.pods}
         summary = report.write(self.output, self.chief_dir, job=self.name, phase=phase, reason=reason,
                                wall_seconds=time.time() - started, restarts=restarts)
         report.print_summary(summary, self.output)
         return {"Succeeded": 0, "Suspended": 130}.get(phase, 1)
 
-    def _interrupt(self, *_: object) -> None:
+    def interrupt(self, *_: object) -> None:
+        """Stop the run as Ctrl-C does: every pod checkpoints and exits; phase Suspended."""
         self._interrupted = True
 
     def _supervise(self, live: "report.Progress") -> tuple[str, str]:

@@ -5,10 +5,12 @@ File layout (one file per checkpoint, `step-<12 digits>.ckpt`):
     b"DBCKPT01" | u64 header length | JSON header | raw float32 arrays, back to back
 
 The header names the step, the layout hash, the shard, each array and its length, free
-metadata, and the SHA-256 of the array bytes. A file is written under a temporary name,
-fsynced, renamed into place and the folder fsynced, so a crash leaves either the old
-set or the new one. On restore the newest file that verifies wins; one that does not is
-reported and renamed aside (never deleted), and the one before it is used.
+metadata, and a SHA-256 over the rest of the header (as JSON) and the array bytes, so a
+damaged header cannot pass for a checkpoint of another step, layout or shard. A file is
+written under a temporary name, fsynced, renamed into place and the folder fsynced, so a
+crash leaves either the old set or the new one. On restore the newest file that verifies
+wins; one that does not is reported and renamed aside (never deleted), and the one before
+it is used.
 """
 
 from __future__ import annotations
@@ -51,14 +53,14 @@ def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
     """Write ckpt atomically into folder and prune all but the newest `keep`."""
     path = os.path.join(folder, file_name(ckpt.step))
     tmp = os.path.join(folder, f".{file_name(ckpt.step)}.tmp")
-    digest = hashlib.sha256()
-    for array in ckpt.arrays.values():
-        digest.update(memoryview(_as_f32(array)))
-    header = json.dumps({
+    body = {
         "step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
         "arrays": [[name, int(a.size)] for name, a in ckpt.arrays.items()],
-        "sha256": digest.hexdigest(),
-    }).encode()
+    }
+    digest = hashlib.sha256(json.dumps(body).encode())
+    for array in ckpt.arrays.values():
+        digest.update(memoryview(_as_f32(array)))
+    header = json.dumps({**body, "sha256": digest.hexdigest()}).encode()
     try:
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -91,15 +93,18 @@ def load(path: str) -> Checkpoint:
         raise errors.CorruptCheckpoint(f"{path}: truncated header")
     try:
         header = json.loads(blob[start:start + length])
+        body = {k: v for k, v in header.items() if k != "sha256"}
         names_and_sizes = [(str(n), int(s)) for n, s in header["arrays"]]
         step, layout, shard = int(header["step"]), int(header["layout"]), int(header["shard"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise errors.CorruptCheckpoint(f"{path}: unreadable header: {exc}") from exc
     payload = memoryview(blob)[start + length:]
     expected = sum(size for _, size in names_and_sizes) * DTYPE.itemsize
     if len(payload) != expected:
         raise errors.CorruptCheckpoint(f"{path}: {len(payload)} bytes of data, header declares {expected}")
-    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+    digest = hashlib.sha256(json.dumps(body).encode())
+    digest.update(payload)
+    if digest.hexdigest() != header.get("sha256"):
         raise errors.CorruptCheckpoint(f"{path}: checksum mismatch")
     arrays, offset = {}, 0
     for name, size in names_and_sizes:

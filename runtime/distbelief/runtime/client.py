@@ -52,7 +52,6 @@ class _Connection:
     def _connect(self) -> zmq.Socket:
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IMMEDIATE, 1)
         for option, value in (self.curve or {}).items():
             socket.setsockopt(option, value)
         socket.connect(self.address)
@@ -152,7 +151,10 @@ class ShardGroup:
 
     def _send(self, shard: int, header: Header, body: list) -> None:
         frames = [header.pack(), *body]
-        self._connections[shard].socket.send_multipart(frames, copy=False)
+        try:
+            self._connections[shard].socket.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return  # the queue to this shard is full: the round's timeout retries it
         self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
 
     def _retry(self, shard: int, header: Header, body: list, started: float) -> None:

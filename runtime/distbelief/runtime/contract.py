@@ -170,6 +170,8 @@ def parse_duration(text: str) -> float:
         i += len(unit)
     if number:
         raise ValueError(f"not a duration (missing unit): {text!r}")
+    if not text:
+        raise ValueError("not a duration: empty")
     return total
 
 

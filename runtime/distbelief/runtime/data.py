@@ -86,6 +86,8 @@ def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     if x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
         raise errors.ConfigError(
             f"npz:{path}: needs x of shape (n, features) and y of shape (n,), got {x.shape} and {y.shape}")
+    if len(y) == 0:
+        raise errors.ConfigError(f"npz:{path}: holds no examples")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise errors.ConfigError(f"npz:{path}: y must hold non-negative integer class labels")
     return x, y
@@ -94,6 +96,9 @@ def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
 def split(x: np.ndarray, y: np.ndarray, *, test_fraction: float, seed: int) -> Dataset:
     order = np.random.default_rng(seed).permutation(len(x))
     n_test = max(1, int(round(len(x) * test_fraction)))
+    if n_test >= len(x):
+        raise errors.ConfigError(f"spec.data.testFraction: holding out {n_test} of {len(x)} examples "
+                                 "leaves none to train on")
     test, train = order[:n_test], order[n_test:]
     return Dataset(x_train=x[train], y_train=y[train], x_test=x[test], y_test=y[test],
                    n_classes=int(y.max()) + 1)

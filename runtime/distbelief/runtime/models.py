@@ -187,7 +187,7 @@ def _load_entrypoint(entrypoint: str, model_spec: Mapping[str, Any], n_features:
     module_name, _, function_name = entrypoint.partition(":")
     try:
         build = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # user code: an import may fail in any way, and must not crash the role unexplained
         raise errors.ConfigError(f"spec.model.entrypoint: cannot load {entrypoint!r}: {exc}") from exc
     model = build(dict(model_spec), n_features, n_classes)
     missing = [m for m in ("shapes", "init_params", "loss_and_grad", "predict") if not hasattr(model, m)]

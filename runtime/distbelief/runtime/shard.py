@@ -68,6 +68,7 @@ class Shard:
         self.start_time = time.time()
         self.finished: dict | None = None
         self.ready = threading.Event()
+        self.endpoint = settings.bind  # the bound address (with the real port) once serving
         self.step_reached: Callable[[int], None] = lambda step: None
         self._stop = threading.Event()
         self._context = context or zmq.Context.instance()
@@ -139,7 +140,8 @@ class Shard:
         except zmq.ZMQError as exc:
             socket.close(linger=0)
             raise errors.ConfigError(f"shard {self.index} cannot listen on {self.settings.bind}: {exc}") from exc
-        log.info("event=listening shard=%d address=%s step=%d", self.index, self.settings.bind, self.step)
+        self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("event=listening shard=%d address=%s step=%d", self.index, self.endpoint, self.step)
         return socket
 
     def _lingered(self) -> bool:
@@ -235,7 +237,9 @@ class Shard:
                 f"a push to shard {self.index} must carry {self.params.size} float32 values, "
                 f"header declares {header.count}")
         grad = protocol.float_view(payload[0].buffer, header.count)
-        if not np.isfinite(np.dot(grad, grad)):
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we test for
+            finite = np.isfinite(np.dot(grad, grad))
+        if not finite:
             raise errors.ProtocolError("gradient has non-finite values; update refused")
         self.optimizer.apply(self.params, grad)
         self._count_update(header)

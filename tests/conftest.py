@@ -1,0 +1,73 @@
+"""Shared fixtures: validated example jobs, and live shards on loopback in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import prometheus_client as prom
+import pytest
+
+from distbelief.operator import spec
+from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.layout import Layout
+from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.shard import Shard, ShardSettings
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+def load_example(name: str) -> dict[str, Any]:
+    (doc,) = spec.load_manifests(str(EXAMPLES / name))
+    return doc
+
+
+@dataclasses.dataclass
+class LiveShards:
+    """Shards serving in threads; stop() ends them (each writes a final checkpoint)."""
+
+    layout: Layout
+    shards: list[Shard]
+    threads: list[threading.Thread]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.endpoint for s in self.shards]
+
+    def group(self, **kwargs: Any) -> ShardGroup:
+        kwargs.setdefault("timeouts", Timeouts(request=2.0, unavailable=10.0))
+        return ShardGroup(self.addresses, self.layout, **kwargs)
+
+    def stop(self) -> None:
+        for shard in self.shards:
+            shard.stop()
+        for thread in self.threads:
+            thread.join(timeout=10)
+
+
+def start_shards(folder: Path, layout: Layout, initial: np.ndarray, **settings: Any) -> LiveShards:
+    shards, threads = [], []
+    for index in range(layout.shards):
+        shard = Shard(ShardSettings(shard=index, bind="tcp://127.0.0.1:*", checkpoint_dir=str(folder / f"shard-{index}"),
+                                    **settings),
+                      layout, initial, ShardMetrics(prom.CollectorRegistry(), index))
+        shard.restore()
+        thread = threading.Thread(target=shard.serve, daemon=True)
+        thread.start()
+        assert shard.ready.wait(10), "shard did not start"
+        shards.append(shard)
+        threads.append(thread)
+    return LiveShards(layout, shards, threads)
+
+
+@pytest.fixture
+def two_shards(tmp_path: Path) -> Iterator[LiveShards]:
+    layout = Layout.of([("w", (10, 7)), ("b", (7,))], shards=2)
+    initial = np.arange(layout.total, dtype=np.float32) / 100
+    live = start_shards(tmp_path, layout, initial, learning_rate=0.5, adagrad=True, checkpoint_every=3600)
+    yield live
+    live.stop()

@@ -1,0 +1,129 @@
+"""Local mode end to end: real shard and replica processes on loopback, as `distbelief run`
+starts them, including killed and restarted pods."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distbelief.operator import local, report, spec
+from distbelief.runtime import contract
+
+from conftest import load_example
+
+pytestmark = pytest.mark.slow
+
+
+def run_job(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
+    code = local.LocalRun(spec.validate_job(doc), str(output)).run(progress=False)
+    return code, json.loads((output / report.REPORT_FILE).read_text())
+
+
+def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> None:
+    code, summary = run_job(load_example("digits-mlp.yaml"), tmp_path)
+    assert code == 0
+    assert summary["phase"] == "Succeeded"
+    assert summary["accuracy"] >= 0.95
+    assert summary["globalStep"] >= load_example("digits-mlp.yaml")["spec"]["training"]["maxSteps"]
+    assert summary["examplesPerSecond"] > 0 and summary["wallSeconds"] > 0
+    assert summary["restarts"] == 0
+    assert (tmp_path / report.PLOT_FILE).read_bytes().startswith(b"\x89PNG")
+    with np.load(tmp_path / contract.PARAMS_FILE) as params:
+        assert params["layer0.weight"].shape == (64, 64)
+        assert params["layer1.weight"].shape == (64, 10)
+
+
+def test_fetch_and_push_every_n_steps_still_converge(tmp_path: Path) -> None:
+    doc = load_example("digits-mlp.yaml")
+    doc["spec"]["training"].update(fetchEvery=3, pushEvery=2, maxSteps=3000, targetAccuracy=0.95)
+    code, summary = run_job(doc, tmp_path)
+    assert code == 0 and summary["accuracy"] >= 0.95
+
+
+def _wait_for_step(port: int, step: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = int(report.scrape(port).get("globalStep", 0))
+        if seen >= step:
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"global step {step} not reached")
+
+
+def _restored_steps(log_path: Path) -> list[int]:
+    return [int(line.split("step=")[1].split()[0]) for line in log_path.read_text().splitlines()
+            if "event=restored" in line]
+
+
+def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path) -> None:
+    doc = copy.deepcopy(load_example("digits-mlp.yaml"))
+    doc["spec"]["training"].update(maxSteps=12000)
+    doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = 1
+    run = local.LocalRun(spec.validate_job(doc), str(tmp_path))
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
+    thread.start()
+    try:
+        chief_port = run.shards[0].ports[contract.METRICS_PORT_NAME]
+        _wait_for_step(chief_port, 2500)
+        time.sleep(1.5)  # let a periodic checkpoint land after step 2500
+        run.shards[1].process.send_signal(signal.SIGKILL)
+        run.workers[0].process.send_signal(signal.SIGKILL)
+        thread.join(timeout=240)
+    finally:
+        run.interrupt()
+        thread.join(timeout=60)
+    summary = json.loads((tmp_path / report.REPORT_FILE).read_text())
+    assert codes == [0] and summary["phase"] == "Succeeded"
+    assert summary["restartsByPod"]["digits-ps-1"] == 1
+    assert summary["restartsByPod"]["digits-worker-0"] == 1
+    restored = _restored_steps(tmp_path / "logs" / "digits-ps-1.log")
+    assert restored and restored[0] >= 2000, "the restarted shard did not resume from its checkpoint"
+    assert summary["accuracy"] >= 0.95
+
+
+def test_ctrl_c_suspends_and_a_second_run_resumes_from_the_checkpoints(tmp_path: Path) -> None:
+    doc = load_example("digits-mlp.yaml")
+    doc["spec"]["training"]["maxSteps"] = 6000
+    run = local.LocalRun(spec.validate_job(doc), str(tmp_path))
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
+    thread.start()
+    _wait_for_step(run.shards[0].ports[contract.METRICS_PORT_NAME], 1000)
+    run.interrupt()
+    thread.join(timeout=60)
+    first = json.loads((tmp_path / report.REPORT_FILE).read_text())
+    assert codes == [130] and first["phase"] == "Suspended"
+    code, second = run_job(doc, tmp_path)
+    assert code == 0 and second["phase"] == "Succeeded"
+    steps = _restored_steps(tmp_path / "logs" / "digits-ps-0.log")
+    assert steps and steps[0] >= 1000, "the second run started from scratch"
+
+
+def test_synthetic_large_example_runs_short(tmp_path: Path) -> None:
+    code, summary = run_job(load_example("synthetic-large.yaml"), tmp_path)
+    assert code == 0, summary
+    assert summary["globalStep"] >= 40
+    with np.load(tmp_path / contract.PARAMS_FILE) as params:
+        assert sum(a.size for a in params.values()) > 8_000_000
+
+
+def test_a_shard_that_keeps_crashing_fails_the_job_with_the_reason(tmp_path: Path) -> None:
+    doc = load_example("digits-mlp.yaml")
+    doc["spec"]["runPolicy"]["backoffLimit"] = 1
+    # An npz path that does not exist: every role exits with a config error.
+    doc["spec"]["data"]["source"] = f"npz:{tmp_path}/missing.npz"
+    code, summary = run_job(doc, tmp_path / "out")
+    assert code == 1
+    assert summary["phase"] == "Failed"
+    assert summary["reason"].startswith("BackoffLimitExceeded")
+    assert "missing.npz" in summary["reason"]

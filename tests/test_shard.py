@@ -1,0 +1,197 @@
+"""A live parameter shard on loopback: pulls, pushes, refusals, hostile input, completion,
+checkpoints and warm-start, through the real ZeroMQ protocol."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from distbelief.runtime import errors, protocol
+from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.layout import Layout
+from distbelief.runtime.optim import Adagrad
+from distbelief.runtime.protocol import Header, Op, Status
+
+from conftest import LiveShards, start_shards
+
+
+def test_pull_returns_the_initial_parameters(two_shards: LiveShards) -> None:
+    group = two_shards.group()
+    out = np.zeros(two_shards.layout.total, dtype=np.float32)
+    replies = group.pull(out)
+    assert [r.header.step for r in replies] == [0, 0]
+    np.testing.assert_array_equal(out, np.arange(two_shards.layout.total, dtype=np.float32) / 100)
+
+
+def test_push_applies_adagrad_on_every_shard(two_shards: LiveShards) -> None:
+    layout, group = two_shards.layout, two_shards.group()
+    expected = np.arange(layout.total, dtype=np.float32) / 100
+    reference = Adagrad(layout.total, 0.5)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        grad = rng.standard_normal(layout.total).astype(np.float32)
+        replies = group.push(grad, steps=[0, 0], examples=8, loss=1.0)
+        reference.apply(expected, grad)
+    assert [r.header.step for r in replies] == [3, 3]
+    out = np.empty(layout.total, dtype=np.float32)
+    group.pull(out)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    stats = group.stats()
+    assert [s["step"] for s in stats] == [3, 3]
+
+
+def test_a_peer_with_another_layout_is_refused_by_name(two_shards: LiveShards) -> None:
+    other = Layout.of([("w", (10, 7)), ("b", (7,))], shards=3)  # same model, other shard count
+    foreign = ShardGroup(two_shards.addresses + ["tcp://127.0.0.1:1"], other,
+                         timeouts=Timeouts(request=2.0, unavailable=4.0))
+    with pytest.raises(errors.LayoutMismatch, match="layout mismatch"):
+        foreign.hello()
+    foreign.close()
+
+
+def test_a_silent_shard_is_reported_with_its_address(two_shards: LiveShards) -> None:
+    two_shards.stop()
+    group = two_shards.group(timeouts=Timeouts(request=0.2, unavailable=0.6))
+    with pytest.raises(errors.ShardUnavailable, match=r"shard \d at tcp://127\.0\.0\.1:\d+"):
+        group.hello()
+
+
+def _hostile_messages(layout: Layout, rng: random.Random) -> list[list[bytes]]:
+    """Malformed, mis-sized, mis-addressed, non-finite and foreign messages."""
+    size0 = layout.size(0)
+    good = dict(op=Op.PUSH, shard=0, layout=layout.hash, count=size0)
+    nan = np.full(size0, np.nan, dtype=np.float32).tobytes()
+    huge = np.full(size0, 3e38, dtype=np.float32).tobytes()
+    valid = np.ones(size0, dtype=np.float32).tobytes()
+
+    def header(**fields: int) -> bytes:
+        return Header(**{**good, **fields}).pack()
+
+    def raw_header(magic: bytes = protocol.MAGIC, version: int = protocol.VERSION, op: int = Op.PUSH,
+                   status: int = 0, count: int = size0) -> bytes:
+        return protocol.HEADER.pack(magic, version, op, status, 0, 1, 1, layout.hash, 0, count, 1, 0.0)
+
+    kinds = [
+        lambda: [rng.randbytes(rng.randint(0, 200))],
+        lambda: [header()[: rng.randint(0, protocol.HEADER.size - 1)], valid],
+        lambda: [raw_header(magic=b"XX"), valid],
+        lambda: [raw_header(version=9), valid],
+        lambda: [raw_header(op=rng.randint(6, 255)), valid],
+        lambda: [raw_header(status=rng.randint(4, 255)), valid],
+        lambda: [header(count=size0 + rng.randint(1, 10)), valid],
+        lambda: [header(count=2**40), valid],
+        lambda: [header(), valid[: rng.randint(0, len(valid) - 1)]],
+        lambda: [header(), valid + b"\0\0\0\0"],
+        lambda: [header(), nan],
+        lambda: [header(), huge],
+        lambda: [header(layout=layout.hash ^ 1), valid],
+        lambda: [header(shard=1), valid],
+        lambda: [header(shard=7), valid],
+        lambda: [header(), valid, valid],
+        lambda: [header()],
+        lambda: [header(op=Op.PULL), valid],
+        lambda: [header(op=Op.DONE), b"\xff\xfe not json"],
+        lambda: [header(op=Op.DONE)],
+        lambda: [struct.pack("<Q", rng.getrandbits(64)) * 6, valid],
+    ]
+    return [rng.choice(kinds)() for _ in range(1000)]
+
+
+def test_hostile_frames_never_update_and_the_shard_keeps_serving(two_shards: LiveShards) -> None:
+    layout = two_shards.layout
+    shard = two_shards.shards[0]
+    before = shard.params.copy()
+    context = zmq.Context.instance()
+    attacker = context.socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(two_shards.addresses[0])
+    messages = _hostile_messages(layout, random.Random(7))
+    for frames in messages:
+        attacker.send_multipart(frames)
+    replies = 0
+    while attacker.poll(2000):
+        frames = attacker.recv_multipart()
+        assert protocol.unpack_header(frames[0]).status == Status.ERROR
+        replies += 1
+    attacker.close()
+    out = np.empty(layout.total, dtype=np.float32)
+    pulled = two_shards.group().pull(out)
+    assert pulled[0].header.step == 0, "a hostile message was applied as an update"
+    np.testing.assert_array_equal(shard.params, before)
+    np.testing.assert_array_equal(out[: layout.size(0)], before)
+    assert shard.metrics.rejected._value.get() == len(messages)  # every one refused...
+    assert 0 < replies < len(messages)  # ...with an error reply, or dropped when unparseable
+
+
+def test_done_reaches_every_peer_and_survives_a_restart(tmp_path: Path, two_shards: LiveShards) -> None:
+    group = two_shards.group()
+    group.push(np.ones(two_shards.layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
+    group.done("MaxStepsReached", "Succeeded")
+    out = np.empty(two_shards.layout.total, dtype=np.float32)
+    assert all(r.done for r in group.pull(out))
+    assert all(r.done for r in group.hello())
+    assert json.loads(group.hello()[0].text)["reason"] == "MaxStepsReached"
+    two_shards.stop()
+    again = start_shards(tmp_path, two_shards.layout, np.zeros(two_shards.layout.total, np.float32))
+    try:
+        assert all(s.finished and s.finished["reason"] == "MaxStepsReached" for s in again.shards)
+        assert all(r.done for r in again.group().hello())
+    finally:
+        again.stop()
+
+
+def test_a_restarted_shard_continues_from_its_checkpoint(tmp_path: Path, two_shards: LiveShards) -> None:
+    layout, group = two_shards.layout, two_shards.group()
+    for _ in range(5):
+        group.push(np.full(layout.total, 0.1, dtype=np.float32), steps=[0, 0], examples=4, loss=0.5)
+    trained = np.concatenate([s.params.copy() for s in two_shards.shards])
+    two_shards.stop()  # writes the final checkpoint
+    again = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), learning_rate=0.5)
+    try:
+        assert [s.step for s in again.shards] == [5, 5]
+        assert [s.restarts for s in again.shards] == [1, 1]
+        out = np.empty(layout.total, dtype=np.float32)
+        replies = again.group().pull(out)
+        assert [r.header.step for r in replies] == [5, 5]
+        np.testing.assert_array_equal(out, trained)
+    finally:
+        again.stop()
+
+
+def test_warmstart_admits_one_replica_until_its_steps_are_applied(tmp_path: Path) -> None:
+    layout = Layout.of([("w", (4, 3))], shards=1)
+    live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), warmstart_steps=3)
+    try:
+        first, second = live.group(worker_id=1), live.group(worker_id=2)
+        assert first.hello()[0].header.status == Status.OK
+        assert second.hello()[0].header.status == Status.WAIT
+        for _ in range(3):
+            first.push(np.ones(layout.total, np.float32), steps=[0], examples=1, loss=1.0)
+        assert second.hello()[0].header.status == Status.OK
+    finally:
+        live.stop()
+
+
+def test_a_worker_role_with_another_model_exits_with_a_clear_error(tmp_path: Path, two_shards: LiveShards) -> None:
+    config = {"name": "other", "namespace": "default", "spec": {
+        "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
+        "training": {"batchSize": 8, "fetchEvery": 1, "pushEvery": 1},
+        "parameterServers": {"shards": 2, "port": 7070}}}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "DISTBELIEF_PS_ADDRESSES": ",".join(two_shards.addresses)}
+    done = subprocess.run([sys.executable, "-m", "distbelief.operator.cli", "worker", "--config", str(path),
+                           "--metrics-port", "0", "--listen", "127.0.0.1"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "layout mismatch" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,46 @@
+"""A user model for the entrypoint tests: it follows the runtime's model interface by
+wrapping the built-in Mlp, and records what build_model passed to it."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from distbelief.runtime import models
+
+
+class WrappedMlp:
+    """The four interface members only (no `loss`), so evaluate() takes the
+    loss_and_grad path for it."""
+
+    def __init__(self, model_spec: Mapping[str, Any], n_features: int, n_classes: int) -> None:
+        self.model_spec = model_spec
+        self.n_features = n_features
+        self.n_classes = n_classes
+        self._inner = models.Mlp(n_features, n_classes, model_spec.get("hidden", [4]), "tanh")
+        self.shapes = self._inner.shapes
+
+    def init_params(self, seed: int) -> np.ndarray:
+        return self._inner.init_params(seed)
+
+    def loss_and_grad(self, params, batch, out=None):
+        return self._inner.loss_and_grad(params, batch, out)
+
+    def predict(self, params, x):
+        return self._inner.predict(params, x)
+
+
+class Incomplete:
+    shapes = [("w", (3,))]
+
+    def predict(self, params, x):
+        return np.zeros(len(x), dtype=np.int64)
+
+
+def build(model_spec, n_features, n_classes):
+    return WrappedMlp(model_spec, n_features, n_classes)
+
+
+def build_incomplete(model_spec, n_features, n_classes):
+    return Incomplete()
