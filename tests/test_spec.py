@@ -273,6 +273,8 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "must match"),
     ("builtin-unknown", _set("spec.data.source", "builtin:mnist"), "spec.data.source",
      "known: digits"),
+    ("sandblaster-unavailable", _set("spec.training.algorithm", "sandblaster"),
+     "spec.training.algorithm", "not available"),
     ("synthetic-not-integer",
      _set("spec.data.source", "synthetic:features=x,classes=3,samples=100"),
      "spec.data.source", "features must be an integer"),
