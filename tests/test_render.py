@@ -341,3 +341,14 @@ def test_to_yaml_is_multi_document_and_round_trips() -> None:
     first = text.splitlines()[1:4]
     assert first == ["apiVersion: v1", "kind: ConfigMap", "metadata:"]
     assert f"  {contract.CONFIG_KEY}: |" in text  # the config JSON reads as a block
+
+
+@pytest.mark.parametrize("clean_pod_policy, shard_replicas", [("All", 0), ("None", 2)])
+def test_a_finished_job_runs_no_replicas_and_no_autoscaler(clean_pod_policy: str, shard_replicas: int) -> None:
+    doc = example("digits-mlp.yaml")
+    _autoscaled(doc)
+    doc["spec"]["runPolicy"]["cleanPodPolicy"] = clean_pod_policy
+    children = {c["kind"]: c for c in render.render_children(spec.validate_job(doc), image=IMAGE, finished=True)}
+    assert children["Deployment"]["spec"]["replicas"] == 0
+    assert children["StatefulSet"]["spec"]["replicas"] == shard_replicas
+    assert "HorizontalPodAutoscaler" not in children

@@ -84,6 +84,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds to keep telling replicas the job is done before exiting")
     ps.set_defaults(func=_ps)
 
+    operator = commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    operator.add_argument("--namespace", action="append", default=[], metavar="NS",
+                          help="watch this namespace (repeatable); all namespaces when absent")
+    operator.add_argument("--standalone", action="store_true",
+                          help="no peering: for a single operator replica without the kopf.dev CRDs")
+    operator.add_argument("--peering", default="distbelief", help="kopf peering name shared by the replicas")
+    operator.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                          help="liveness endpoint ('' to disable)")
+    operator.set_defaults(func=_operator)
+
     worker = commands.add_parser("worker", help="run one model replica (what the worker containers run)")
     worker.add_argument("--config", default=contract.CONFIG_PATH)
     worker.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
@@ -123,6 +133,14 @@ def _run(args: argparse.Namespace) -> int:
     from distbelief.operator import local
 
     return local.run_file(args.file, output=args.output, progress=not args.no_progress, fresh=args.fresh)
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from distbelief.operator import handlers
+
+    handlers.run(namespaces=args.namespace, standalone=args.standalone, liveness=args.liveness or None,
+                 peering=args.peering)
+    return 0
 
 
 def _ps(args: argparse.Namespace) -> int:

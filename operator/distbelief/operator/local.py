@@ -123,10 +123,10 @@ class LocalRun:
         started = time.time()
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, self.interrupt) if in_main_thread else None
-        live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]),
-                               metrics_port=self.shards[0].ports[contract.METRICS_PORT_NAME], enabled=progress)
         log.info("event=local_run job=%s shards=%d workers=%d output=%s", self.name, len(self.shards),
                  len(self.workers), self.output)
+        live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]),
+                               metrics_port=self.shards[0].ports[contract.METRICS_PORT_NAME], enabled=progress)
         try:
             for pod in self.pods:
                 pod.start()

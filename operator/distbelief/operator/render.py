@@ -62,9 +62,10 @@ class RenderContext:
     uid: str | None
     config_json: str
     config_hash: str
+    finished: bool = False
 
     @classmethod
-    def of(cls, job: Mapping[str, Any], *, image: str) -> RenderContext:
+    def of(cls, job: Mapping[str, Any], *, image: str, finished: bool = False) -> RenderContext:
         config = job_config(job)
         return cls(
             config=config,
@@ -72,6 +73,7 @@ class RenderContext:
             uid=job["metadata"].get("uid"),
             config_json=config.to_json(),
             config_hash=config_hash(config),
+            finished=finished,
         )
 
     @property
@@ -86,10 +88,24 @@ class RenderContext:
     def suspended(self) -> bool:
         return bool(self.spec.get("runPolicy", {}).get("suspend"))
 
+    @property
+    def shard_replicas(self) -> int:
+        """0 while suspended, and once finished unless cleanPodPolicy keeps the shards."""
+        keep_shards = self.spec.get("runPolicy", {}).get("cleanPodPolicy") == "None"
+        stopped = self.suspended or (self.finished and not keep_shards)
+        return 0 if stopped else self.config.shards
 
-def render_children(job: Mapping[str, Any], *, image: str) -> list[Manifest]:
-    """Every child object of ``job`` (validated), in the order they should be applied."""
-    ctx = RenderContext.of(job, image=image)
+    @property
+    def worker_replicas(self) -> int:
+        return 0 if self.suspended or self.finished else int(self.spec["workers"]["replicas"])
+
+
+def render_children(job: Mapping[str, Any], *, image: str, finished: bool = False) -> list[Manifest]:
+    """Every child object of ``job`` (validated), in the order they should be applied.
+
+    A finished job keeps its objects but runs no replicas (and no shards, unless
+    runPolicy.cleanPodPolicy is None) and no autoscaler."""
+    ctx = RenderContext.of(job, image=image, finished=finished)
     children = [
         render_config_map(ctx),
         render_ps_service(ctx),
@@ -168,7 +184,7 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
         "metadata": _metadata(ctx, ctx.names.ps, contract.ROLE_PS),
         "spec": {
             "serviceName": ctx.names.ps,
-            "replicas": 0 if ctx.suspended else ctx.config.shards,
+            "replicas": ctx.shard_replicas,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": contract.selector_labels(ctx.config.name,
                                                                  contract.ROLE_PS)},
@@ -183,14 +199,13 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
 def render_worker_deployment(ctx: RenderContext) -> Manifest:
     """The replicas; spec.workers.replicas is kept even under autoscaling (the HPA
     scales the DistBeliefJob, whose scale subresource writes that field)."""
-    workers = ctx.spec["workers"]
     container = _container(ctx, contract.ROLE_WORKER, args=[], ports=[_metrics_port()])
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
         "spec": {
-            "replicas": 0 if ctx.suspended else int(workers["replicas"]),
+            "replicas": ctx.worker_replicas,
             "selector": {"matchLabels": contract.selector_labels(ctx.config.name,
                                                                  contract.ROLE_WORKER)},
             "strategy": {"type": "RollingUpdate",
@@ -201,9 +216,10 @@ def render_worker_deployment(ctx: RenderContext) -> Manifest:
 
 
 def render_worker_hpa(ctx: RenderContext) -> Manifest | None:
-    """An autoscaling/v2 HPA on the job's scale subresource, if the spec asks for one."""
+    """An autoscaling/v2 HPA on the job's scale subresource, if the spec asks for one
+    and the job is running (an autoscaler must not revive a suspended or finished job)."""
     autoscaling = ctx.spec["workers"].get("autoscaling")
-    if not autoscaling:
+    if not autoscaling or ctx.suspended or ctx.finished:
         return None
     return {
         "apiVersion": "autoscaling/v2",

@@ -12,12 +12,11 @@ import logging
 import os
 import shutil
 import sys
-import urllib.error
-import urllib.request
 from typing import Any, Mapping
 
-from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
+
+from distbelief.operator import scrape
 
 from distbelief.runtime import contract
 
@@ -25,50 +24,33 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE, PLOT_FILE = "report.json", "training.png"
 SCRAPE_TIMEOUT = 0.5
-FIGURES = {  # metric name -> report key
-    "distbelief_global_step": "globalStep",
-    "distbelief_heldout_loss": "loss",
-    "distbelief_heldout_accuracy": "accuracy",
-    "distbelief_examples_per_second": "examplesPerSecond",
-}
-
-
-def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
-    """The training figures a role's /metrics shows; {} when it does not answer."""
-    try:
-        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=SCRAPE_TIMEOUT) as response:
-            text = response.read().decode()
-    except (OSError, urllib.error.URLError):
-        return {}
-    figures = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in FIGURES:
-                figures[FIGURES[sample.name]] = sample.value
-    return figures
 
 
 class Progress:
     """A progress bar over global steps, with loss, accuracy and examples/s beside it."""
 
     def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool) -> None:
-        self.metrics_port = metrics_port
+        self.url = f"http://127.0.0.1:{metrics_port}/metrics"
         tty = sys.stderr.isatty()
         self.bar = tqdm(total=total, desc=job, unit="step", disable=not enabled, dynamic_ncols=True,
                         mininterval=0.2 if tty else 10.0, file=sys.stderr)
 
     def update(self) -> None:
-        figures = scrape(self.metrics_port)
-        if not figures:
+        figures = scrape.read(self.url, timeout=SCRAPE_TIMEOUT)
+        if not figures.reachable:
             return
-        step = int(figures.get("globalStep", 0))
-        self.bar.update(max(0, min(step, self.bar.total) - self.bar.n))
+        self.bar.update(max(0, min(figures.global_step, self.bar.total) - self.bar.n))
+        nan = float("nan")
         self.bar.set_postfix_str(
-            f"loss={figures.get('loss', float('nan')):.4f} acc={figures.get('accuracy', float('nan')):.4f} "
-            f"ex/s={figures.get('examplesPerSecond', 0):,.0f}", refresh=False)
+            f"loss={_or(figures.loss, nan):.4f} acc={_or(figures.accuracy, nan):.4f} "
+            f"ex/s={_or(figures.examples_per_second, 0.0):,.0f}", refresh=False)
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def read_result(chief_dir: str) -> dict[str, Any] | None:

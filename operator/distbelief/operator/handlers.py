@@ -1,0 +1,178 @@
+"""The kopf handlers: reconcile a DistBeliefJob's children, and keep its status current.
+
+    create / resume / spec update  ->  reconcile(): validate, render, apply every child
+    timer (every STATUS_INTERVAL)  ->  observe():   read children and the chief's metrics,
+                                                    compute the status, act on completion,
+                                                    delete the job when its TTL has passed
+
+The spec is the one source of truth: `kubectl scale` and the HPA both write
+spec.workers.replicas through the scale subresource, and reconcile() follows. The shard
+count is locked at creation (annotation distbelief.io/shards): a later change is refused
+with a condition, because moving parameters between shards is not supported.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import os
+from typing import Any, Mapping
+
+import kopf
+
+from distbelief.operator import render, scrape, spec as job_spec
+from distbelief.operator.kube import Kube, KubeError
+from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp
+from distbelief.runtime import contract
+
+log = logging.getLogger(__name__)
+
+RESOURCE = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
+SHARDS_ANNOTATION = f"{contract.API_GROUP}/shards"
+STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
+# Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
+METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
+IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", render.DEFAULT_IMAGE)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Progress and diff-base live in annotations: a structural schema would prune them
+    # from status (and we keep status for the user).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.distbelief.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kopf.distbelief.io", key="last-handled-configuration")
+    settings.posting.level = logging.INFO
+    settings.posting.loggers = False  # only the explicit transitions below become Events
+    settings.watching.server_timeout = 120
+    _load_kube_config()
+
+
+def _load_kube_config() -> None:
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+def _validated(body: Mapping[str, Any]) -> dict[str, Any]:
+    doc = {k: copy.deepcopy(body[k]) for k in ("apiVersion", "kind", "metadata", "spec")}
+    try:
+        return job_spec.validate_job(doc)
+    except job_spec.SpecError as exc:
+        raise kopf.PermanentError(f"invalid DistBeliefJob: {exc}") from exc
+
+
+def _locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The job with its shard count as created, and the refusal message if the spec differs."""
+    locked = (job["metadata"].get("annotations") or {}).get(SHARDS_ANNOTATION)
+    wanted = int(job["spec"]["parameterServers"]["shards"])
+    if locked is None or int(locked) == wanted:
+        return job, None
+    job = copy.deepcopy(job)
+    job["spec"]["parameterServers"]["shards"] = int(locked)
+    return job, (f"spec.parameterServers.shards changed from {locked} to {wanted}: resharding a job is not "
+                 f"supported; the job keeps {locked} shards (set it back, or create a new job)")
+
+
+@kopf.on.create(*RESOURCE)
+@kopf.on.resume(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None:
+    job, refusal = _locked_job(_validated(body))
+    if refusal:
+        kopf.warn(body, reason="ShardCountLocked", message=refusal)
+    elif SHARDS_ANNOTATION not in (body.metadata.annotations or {}):
+        patch.metadata.annotations[SHARDS_ANNOTATION] = str(job["spec"]["parameterServers"]["shards"])
+    finished = (body.status or {}).get("phase") in TERMINAL
+    results = apply_children(Kube(), job, finished=finished)
+    changed = {name: result for name, result in results.items() if result != "unchanged"}
+    if changed:
+        kopf.info(body, reason="ChildrenApplied" if reason != "update" else "SpecApplied",
+                  message=", ".join(f"{name} {result}" for name, result in changed.items()))
+
+
+def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool) -> dict[str, str]:
+    """Create or patch every rendered child; remove an HPA the spec no longer asks for."""
+    children = render.render_children(job, image=IMAGE, finished=finished)
+    results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c) for c in children}
+    names = contract.JobNames(job["metadata"]["name"])
+    namespace = job["metadata"].get("namespace") or "default"
+    if not any(c["kind"] == "HorizontalPodAutoscaler" for c in children):
+        if kube.delete("autoscaling/v2", "HorizontalPodAutoscaler", namespace, names.worker):
+            results[f"HorizontalPodAutoscaler/{names.worker}"] = "deleted"
+    return results
+
+
+@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=min(1.0, STATUS_INTERVAL))
+def observe(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    kube = Kube()
+    job, refusal = _locked_job(_validated(body))
+    job["status"] = copy.deepcopy(dict(body.status or {}))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    status = compute_status(job, read_observed(kube, job, refusal), now)
+    before = job["status"].get("phase")
+    if status["phase"] in TERMINAL and before not in TERMINAL:
+        _finish(kube, body, job, status)
+    if status["phase"] != before:
+        log.info("event=phase job=%s from=%s to=%s", body.metadata.name, before, status["phase"])
+    if _ttl_expired(job, status, now):
+        kopf.info(body, reason="Deleted", message="ttlSecondsAfterFinished has passed since completion")
+        kube.delete(*_job_address(job))
+        return
+    current = {k: v for k, v in job["status"].items() if k != "kopf"}
+    if status != current:
+        patch.status.update(status)
+
+
+def read_observed(kube: Kube, job: Mapping[str, Any], refusal: str | None) -> Observed:
+    meta = job["metadata"]
+    names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
+    sts = kube.get("apps/v1", "StatefulSet", namespace, names.ps) or {}
+    deployment = kube.get("apps/v1", "Deployment", namespace, names.worker) or {}
+    pods = kube.list("v1", "Pod", namespace, contract.selector_labels(meta["name"], contract.ROLE_PS))
+    restarts = [c.get("restartCount", 0) for p in pods for c in (p.get("status") or {}).get("containerStatuses", [])]
+    url = METRICS_URL.format(job=meta["name"], namespace=namespace, pod=names.shard_pod(0), service=names.ps,
+                             port=contract.METRICS_PORT)
+    return Observed(
+        shards_ready=int((sts.get("status") or {}).get("readyReplicas", 0)),
+        workers=int((deployment.get("status") or {}).get("replicas", 0)),
+        workers_ready=int((deployment.get("status") or {}).get("readyReplicas", 0)),
+        shard_restarts=max(restarts, default=0),
+        figures=scrape.read(url),
+        children_created=bool(sts),
+        shard_lock_message=refusal,
+    )
+
+
+def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+    """Scale the finished job down (its objects and checkpoints stay) and say why."""
+    condition = next(c for c in status["conditions"] if c["type"] == status["phase"])
+    try:
+        apply_children(kube, job, finished=True)
+    except KubeError as exc:
+        raise kopf.TemporaryError(f"cannot scale the finished job down: {exc}", delay=5) from exc
+    post = kopf.info if status["phase"] == "Succeeded" else kopf.warn
+    post(body, reason=condition.get("reason", status["phase"]),
+         message=f"{status['phase']}: {condition.get('message', '')}; replicas scaled to 0")
+
+
+def _ttl_expired(job: Mapping[str, Any], status: Mapping[str, Any], now: datetime.datetime) -> bool:
+    ttl = job["spec"]["runPolicy"].get("ttlSecondsAfterFinished")
+    done = status.get("completionTime")
+    return ttl is not None and done is not None and (now - parse_timestamp(done)).total_seconds() >= ttl
+
+
+def _job_address(job: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    meta = job["metadata"]
+    return (f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, meta.get("namespace") or "default",
+            meta["name"])
+
+
+def run(*, namespaces: list[str], standalone: bool, liveness: str | None, peering: str) -> None:
+    """Run the operator until it is stopped (SIGTERM/SIGINT)."""
+    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=standalone,
+             liveness_endpoint=liveness, peering_name=peering)

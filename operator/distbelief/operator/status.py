@@ -1,0 +1,142 @@
+"""The job's status as one pure function of what the operator observed.
+
+`compute_status(job, observed, now)` takes the DistBeliefJob as stored, what the
+children and the chief's metrics show, and the time; it returns the whole new status.
+The operator writes it only when it differs from the stored one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any, Mapping
+
+from distbelief.operator.scrape import Figures
+from distbelief.runtime import contract
+
+PENDING, RUNNING, SUSPENDED, SUCCEEDED, FAILED = "Pending", "Running", "Suspended", "Succeeded", "Failed"
+TERMINAL = (SUCCEEDED, FAILED)
+CONDITION_TYPES = ("Created", RUNNING, SUSPENDED, SUCCEEDED, FAILED)
+# Grace beyond maxDuration before the operator itself fails a job whose chief is silent.
+DEADLINE_GRACE_SECONDS = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What the operator read from the cluster for one job."""
+
+    shards_ready: int = 0
+    workers: int = 0
+    workers_ready: int = 0
+    shard_restarts: int = 0        # the most restarts of any one shard container
+    figures: Figures = Figures()
+    children_created: bool = False
+    shard_lock_message: str | None = None  # set when a shard-count change was refused
+
+
+def timestamp(now: datetime.datetime) -> str:
+    return now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(text: str) -> datetime.datetime:
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+
+
+def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.datetime) -> dict[str, Any]:
+    spec, meta = job["spec"], job["metadata"]
+    previous: Mapping[str, Any] = job.get("status") or {}
+    phase, reason, message = _phase(spec, previous, observed, now)
+    status: dict[str, Any] = {
+        "phase": phase,
+        "observedGeneration": meta.get("generation", 0),
+        "workers": {"replicas": observed.workers, "ready": observed.workers_ready},
+        "parameterServers": {"shards": int(spec["parameterServers"]["shards"]), "ready": observed.shards_ready},
+        "selector": ",".join(f"{k}={v}" for k, v in
+                             contract.selector_labels(meta["name"], contract.ROLE_WORKER).items()),
+        "startTime": previous.get("startTime") or timestamp(now),
+    }
+    status.update(_training_figures(previous, observed.figures))
+    if phase in TERMINAL:
+        status["completionTime"] = previous.get("completionTime") or timestamp(now)
+    status["conditions"] = _conditions(previous.get("conditions", []), phase, reason, message, observed, now)
+    return status
+
+
+def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Observed,
+           now: datetime.datetime) -> tuple[str, str, str]:
+    """(phase, reason, message); a finished job stays finished."""
+    if previous.get("phase") in TERMINAL:
+        condition = _find(previous.get("conditions", []), previous["phase"]) or {}
+        return previous["phase"], condition.get("reason", previous["phase"]), condition.get("message", "")
+    figures = observed.figures
+    if figures.finished_outcome in TERMINAL:
+        return figures.finished_outcome, figures.finished_reason or figures.finished_outcome, \
+            f"the chief ended the job at step {figures.global_step}"
+    limit = int(spec["runPolicy"]["backoffLimit"])
+    if observed.shard_restarts > limit:
+        return FAILED, "BackoffLimitExceeded", \
+            f"a parameter shard restarted {observed.shard_restarts} times (backoffLimit {limit})"
+    deadline = _deadline_passed(spec, previous, now)
+    if deadline:
+        return FAILED, "DeadlineExceeded", deadline
+    if spec["runPolicy"]["suspend"]:
+        return SUSPENDED, "Suspended", "runPolicy.suspend is true: no pods run, the checkpoints are kept"
+    shards = int(spec["parameterServers"]["shards"])
+    if observed.shards_ready >= shards and observed.workers_ready >= min(1, int(spec["workers"]["replicas"])):
+        return RUNNING, "Training", f"{shards} shards and {observed.workers_ready} replicas ready"
+    return PENDING, "WaitingForPods", f"{observed.shards_ready}/{shards} shards and " \
+        f"{observed.workers_ready}/{spec['workers']['replicas']} replicas ready"
+
+
+def _deadline_passed(spec: Mapping[str, Any], previous: Mapping[str, Any], now: datetime.datetime) -> str | None:
+    duration = spec["training"].get("maxDuration")
+    started = previous.get("startTime")
+    if not duration or not started or spec["runPolicy"]["suspend"]:
+        return None
+    elapsed = (now - parse_timestamp(started)).total_seconds()
+    if elapsed <= contract.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
+        return None
+    return f"running for {elapsed:.0f} s, past maxDuration {duration}, and the chief has not ended the job"
+
+
+def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str, Any]:
+    """The chief's figures when it answered, else the last ones known."""
+    keep = {k: previous[k] for k in ("globalStep", "loss", "accuracy", "examplesPerSecond", "lastCheckpoint")
+            if k in previous}
+    if not figures.reachable:
+        return keep
+    fresh: dict[str, Any] = {"globalStep": figures.global_step}
+    for key, value in (("loss", figures.loss), ("accuracy", figures.accuracy),
+                       ("examplesPerSecond", figures.examples_per_second)):
+        if value is not None:
+            fresh[key] = round(float(value), 6)
+    if figures.checkpoint_step and figures.checkpoint_time:
+        when = datetime.datetime.fromtimestamp(figures.checkpoint_time, tz=datetime.timezone.utc)
+        fresh["lastCheckpoint"] = {"step": figures.checkpoint_step, "time": timestamp(when)}
+    return {**keep, **fresh}
+
+
+def _conditions(previous: list[Mapping[str, Any]], phase: str, reason: str, message: str, observed: Observed,
+                now: datetime.datetime) -> list[dict[str, Any]]:
+    wanted = {kind: ("True" if kind == phase else "False", reason if kind == phase else "", message if kind == phase else "")
+              for kind in CONDITION_TYPES}
+    wanted["Created"] = ("True", "ChildrenApplied", "the job's children exist") if observed.children_created \
+        else ("False", "Pending", "the job's children are being created")
+    if observed.shard_lock_message:
+        wanted["ShardCountLocked"] = ("True", "ReshardingUnsupported", observed.shard_lock_message)
+    conditions = []
+    for kind, (state, why, text) in wanted.items():
+        before = _find(previous, kind)
+        changed = before is None or before.get("status") != state
+        condition = {"type": kind, "status": state,
+                     "lastTransitionTime": timestamp(now) if changed else before["lastTransitionTime"]}
+        if why:
+            condition["reason"] = why
+        if text:
+            condition["message"] = text
+        conditions.append(condition)
+    return conditions
+
+
+def _find(conditions: list[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == kind), None)

@@ -1,0 +1,96 @@
+"""compute_status: the job's status from what the operator observed (a pure function)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from distbelief.operator import scrape, spec
+from distbelief.operator.status import Observed, compute_status, timestamp
+
+from conftest import load_example
+
+NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+LATER = NOW + datetime.timedelta(seconds=30)
+
+
+def job(**status: Any) -> dict[str, Any]:
+    doc = spec.validate_job(load_example("digits-mlp.yaml"))
+    doc["metadata"]["generation"] = 4
+    doc["status"] = status
+    return doc
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_pending_until_every_shard_and_a_replica_are_ready() -> None:
+    pending = compute_status(job(), Observed(shards_ready=1, workers=3, workers_ready=3, children_created=True), NOW)
+    assert pending["phase"] == "Pending"
+    running = compute_status(job(), Observed(shards_ready=2, workers=3, workers_ready=1, children_created=True), NOW)
+    assert running["phase"] == "Running"
+    assert condition(running, "Running")["status"] == "True"
+    assert condition(running, "Created")["status"] == "True"
+    assert running["observedGeneration"] == 4
+    assert running["selector"] == "distbelief.io/job=digits,distbelief.io/role=worker"
+    assert running["workers"] == {"replicas": 3, "ready": 1}
+    assert running["parameterServers"] == {"shards": 2, "ready": 2}
+
+
+def test_training_figures_come_from_the_chief_and_survive_its_silence() -> None:
+    figures = scrape.Figures(global_step=1200, loss=0.1234567, accuracy=0.97, examples_per_second=5000.0,
+                             checkpoint_step=1100, checkpoint_time=NOW.timestamp())
+    first = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=figures), NOW)
+    assert (first["globalStep"], first["accuracy"], first["loss"]) == (1200, 0.97, 0.123457)
+    assert first["lastCheckpoint"] == {"step": 1100, "time": timestamp(NOW)}
+    silent = compute_status(job(**first), Observed(shards_ready=2, workers_ready=3), LATER)
+    assert silent["globalStep"] == 1200 and silent["accuracy"] == 0.97
+
+
+def test_the_chiefs_verdict_finishes_the_job_for_good() -> None:
+    figures = scrape.Figures(global_step=8000, accuracy=0.98, finished_reason="MaxStepsReached",
+                             finished_outcome="Succeeded")
+    done = compute_status(job(startTime=timestamp(NOW)), Observed(shards_ready=2, figures=figures), LATER)
+    assert done["phase"] == "Succeeded"
+    assert done["completionTime"] == timestamp(LATER)
+    assert condition(done, "Succeeded")["reason"] == "MaxStepsReached"
+    assert condition(done, "Running")["status"] == "False"
+    # Once finished, nothing observed later (pods gone, chief silent) changes the verdict.
+    after = compute_status(job(**done), Observed(), LATER + datetime.timedelta(hours=1))
+    assert after["phase"] == "Succeeded" and after["completionTime"] == timestamp(LATER)
+    assert condition(after, "Succeeded")["lastTransitionTime"] == timestamp(LATER)
+
+
+def test_a_crash_looping_shard_fails_the_job() -> None:
+    limit = job()["spec"]["runPolicy"]["backoffLimit"]
+    at_limit = compute_status(job(), Observed(shards_ready=2, workers_ready=1, shard_restarts=limit), NOW)
+    assert at_limit["phase"] == "Running"
+    over = compute_status(job(), Observed(shard_restarts=limit + 1), NOW)
+    assert over["phase"] == "Failed"
+    assert condition(over, "Failed")["reason"] == "BackoffLimitExceeded"
+
+
+def test_a_silent_job_past_its_max_duration_fails() -> None:
+    doc = job(startTime=timestamp(NOW))
+    duration = 600  # examples/digits-mlp.yaml: maxDuration 10m
+    still = compute_status(doc, Observed(), NOW + datetime.timedelta(seconds=duration + 30))
+    assert still["phase"] == "Pending"
+    late = compute_status(doc, Observed(), NOW + datetime.timedelta(seconds=duration + 120))
+    assert late["phase"] == "Failed" and condition(late, "Failed")["reason"] == "DeadlineExceeded"
+
+
+def test_suspended_and_shard_lock_conditions() -> None:
+    doc = job()
+    doc["spec"]["runPolicy"]["suspend"] = True
+    suspended = compute_status(doc, Observed(shard_lock_message="shards changed from 2 to 3"), NOW)
+    assert suspended["phase"] == "Suspended"
+    assert condition(suspended, "Suspended")["status"] == "True"
+    assert condition(suspended, "ShardCountLocked")["message"] == "shards changed from 2 to 3"
+
+
+def test_transition_times_move_only_when_a_condition_changes() -> None:
+    running = compute_status(job(), Observed(shards_ready=2, workers_ready=1, children_created=True), NOW)
+    again = compute_status(job(**running), Observed(shards_ready=2, workers_ready=2, children_created=True), LATER)
+    assert condition(again, "Running")["lastTransitionTime"] == timestamp(NOW)
+    assert again["startTime"] == running["startTime"]
