@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from distbelief.operator import local, report, spec
+from distbelief.operator import local, report, scrape, spec
 from distbelief.runtime import contract
 
 from conftest import load_example
@@ -52,7 +52,7 @@ def test_fetch_and_push_every_n_steps_still_converge(tmp_path: Path) -> None:
 def _wait_for_step(port: int, step: int, timeout: float = 120) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        seen = int(report.scrape(port).get("globalStep", 0))
+        seen = scrape.read(f"http://127.0.0.1:{port}/metrics").global_step or 0
         if seen >= step:
             return seen
         time.sleep(0.2)
