@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -195,3 +197,27 @@ def test_a_worker_role_with_another_model_exits_with_a_clear_error(tmp_path: Pat
     assert done.returncode == 2
     assert "layout mismatch" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_worker_waiting_for_absent_shards_stops_promptly_on_sigterm(tmp_path: Path) -> None:
+    config = {"name": "lonely", "namespace": "default", "spec": {
+        "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
+        "training": {"batchSize": 8, "fetchEvery": 1, "pushEvery": 1},
+        "parameterServers": {"shards": 1, "port": 7070}}}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(config))
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DISTBELIEF_PS_ADDRESSES": f"tcp://127.0.0.1:{port}"}
+    worker = subprocess.Popen([sys.executable, "-m", "distbelief.operator.cli", "worker", "--config", str(path),
+                               "--metrics-port", "0", "--listen", "127.0.0.1"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in worker.stdout:  # wait until it is up and waiting for the shard
+            if "metrics_listening" in line:
+                break
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=20) == 0
+    finally:
+        worker.kill()

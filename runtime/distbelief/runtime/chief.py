@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from distbelief.runtime import contract, models
+from distbelief.runtime import contract, errors, models
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.data import Dataset
 from distbelief.runtime.metrics import ChiefMetrics
@@ -71,7 +71,7 @@ class Chief:
         self.failure: BaseException | None = None
         self.on_failure: Callable[[], None] = lambda: None
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stop = group.stop  # also ends a round that waits for a silent shard
         self._thread = threading.Thread(target=self._run, name="chief", daemon=True)
 
     def start(self) -> None:
@@ -94,6 +94,8 @@ class Chief:
                     return
                 self._wake.wait(self.eval_every)
                 self._wake.clear()
+        except errors.Stopped:
+            pass
         except Exception as exc:  # a chief that dies must take its shard down: no job may hang
             log.exception("event=chief_failed error=%r", str(exc))
             self.failure = exc

@@ -3,8 +3,8 @@ shard at once and then collected, with timeouts, reconnects and retries.
 
 ZeroMQ errors and silences are translated here into ShardUnavailable / ShardRefused /
 LayoutMismatch; callers never see zmq. Parameter payloads are received straight into
-the caller's array (recv_into), so a pull allocates nothing; pushes send views of the
-caller's gradient without copying them.
+the caller's array (recv_into: one copy out of libzmq's buffer, no array allocated per
+pull); pushes send views of the caller's gradient without copying them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import random
+import threading
 import time
 from typing import Sequence
 
@@ -24,6 +25,8 @@ from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import Header, Op, Status
 
 log = logging.getLogger(__name__)
+
+STOP_POLL_SECONDS = 0.25  # how often a waiting round looks at its stop event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +73,13 @@ class ShardGroup:
 
     def __init__(self, addresses: Sequence[str], layout: Layout, *, worker_id: int | None = None,
                  timeouts: Timeouts = Timeouts(), context: zmq.Context | None = None,
-                 curve: dict | None = None) -> None:
+                 curve: dict | None = None, stop: threading.Event | None = None) -> None:
         if len(addresses) != layout.shards:
             raise errors.ConfigError(f"{len(addresses)} shard addresses for {layout.shards} shards")
         self.layout = layout
         self.worker_id = worker_id if worker_id is not None else random.getrandbits(32)
         self.timeouts = timeouts
+        self.stop = stop or threading.Event()  # set: a waiting round gives up (Stopped)
         self._context = context or zmq.Context.instance()
         self._connections = [_Connection(self._context, a, i, curve) for i, a in enumerate(addresses)]
         self._seq = 0
@@ -129,7 +133,9 @@ class ShardGroup:
             poller = zmq.Poller()
             for i in pending:
                 poller.register(self._connections[i].socket, zmq.POLLIN)
-            timeout_ms = max(0.0, attempt_deadline - time.monotonic()) * 1000
+            if self.stop.is_set():
+                raise errors.Stopped("stopped while waiting for the shards")
+            timeout_ms = min(STOP_POLL_SECONDS, max(0.0, attempt_deadline - time.monotonic())) * 1000
             ready = dict(poller.poll(timeout_ms))
             for i in list(pending):
                 if self._connections[i].socket in ready:

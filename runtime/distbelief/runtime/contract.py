@@ -43,6 +43,11 @@ HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation
 RESULT_FILE = "result.json"      # the job's outcome, once decided
 PARAMS_FILE = "params.npz"       # the final parameters, one array per named tensor
 
+# Environment every role runs with. Huge pages for glibc's large allocations: ZeroMQ
+# receives each large frame into a fresh buffer, and its page faults otherwise dominate
+# pulls and pushes (docs/benchmarks.md).
+ROLE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
 ROLE_PS = "ps"
 ROLE_WORKER = "worker"
 

@@ -5,6 +5,7 @@
     │   └── LayoutMismatch   a peer that partitions the model differently
     ├── ShardUnavailable     a shard that did not answer in time
     ├── ShardRefused         a shard that answered with an error
+    ├── Stopped              the role was asked to stop while it waited
     ├── CheckpointError      a checkpoint that cannot be written
     │   └── CorruptCheckpoint  a checkpoint that cannot be trusted on read
     └── ConfigError          a resolved config or data source the roles cannot use
@@ -33,6 +34,10 @@ class ShardUnavailable(RuntimeFailure):
 
 
 class ShardRefused(RuntimeFailure):
+    pass
+
+
+class Stopped(RuntimeFailure):
     pass
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from typing import Callable
 
 import prometheus_client as prom
@@ -90,12 +91,15 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str) -> int:
     settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
                               push_every=int(training["pushEvery"]))
     registry = prom.CollectorRegistry()
-    group = ShardGroup(job.config.shard_addresses(), job.layout)
-    worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry))
+    stop = threading.Event()
+    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop)
+    worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
     metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
-    _on_termination(worker.stop_requested.set)
+    _on_termination(stop.set)
     try:
         ended = worker.run()
+    except errors.Stopped:
+        ended = "stopped"
     finally:
         group.close()
         metrics.stop()

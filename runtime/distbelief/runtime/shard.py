@@ -226,7 +226,9 @@ class Shard:
         finished = self._finished_reply(header)
         if finished:
             return finished
-        return [header.reply(step=self.step, count=self.params.size).pack(), memoryview(self.params)]
+        # ZeroMQ sends after this handler returns, while the next push may already update
+        # the slice in place: send a snapshot, so a pull is one consistent step.
+        return [header.reply(step=self.step, count=self.params.size).pack(), memoryview(self.params.copy())]
 
     def _push(self, header: Header, payload: list) -> list:
         finished = self._finished_reply(header)

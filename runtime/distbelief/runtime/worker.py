@@ -38,7 +38,7 @@ class WorkerSettings:
 
 class Worker:
     def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset,
-                 metrics: WorkerMetrics) -> None:
+                 metrics: WorkerMetrics, *, stop: threading.Event | None = None) -> None:
         self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
         self.batches = minibatches(dataset, settings.batch_size, np.random.default_rng(settings.seed))
         total = group.layout.total
@@ -46,7 +46,7 @@ class Worker:
         self.accumulated = np.zeros(total, dtype=np.float32)
         self._step_grad = np.empty(total, dtype=np.float32) if settings.push_every > 1 else None
         self.pulled_steps = [0] * group.layout.shards
-        self.stop_requested = threading.Event()
+        self.stop_requested = stop or threading.Event()
         self.joined = threading.Event()
         self.steps = 0
         self._counted = (0, 0, 0)
