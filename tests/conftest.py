@@ -17,6 +17,8 @@ from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
 
+pytest_plugins = ["kube.plugin"]  # the `kube` fixture: a Kubernetes API emulator on loopback
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 

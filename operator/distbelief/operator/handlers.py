@@ -175,4 +175,4 @@ def _job_address(job: Mapping[str, Any]) -> tuple[str, str, str, str]:
 def run(*, namespaces: list[str], standalone: bool, liveness: str | None, peering: str) -> None:
     """Run the operator until it is stopped (SIGTERM/SIGINT)."""
     kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=standalone,
-             liveness_endpoint=liveness, peering_name=peering)
+             liveness_endpoint=liveness, peering_name=None if standalone else peering)

@@ -68,8 +68,8 @@ class Kube:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         method, url, headers, _, _ = self.api.param_serialize(
             method, path, query_params=query or [], header_params=headers, auth_settings=["BearerToken"])
-        response = self.api.call_api(method, url, header_params=headers,
-                                     body=None if body is None else json.dumps(body), _request_timeout=30)
+        # The client serialises the body itself for every JSON content type (+json too).
+        response = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=30)
         data = response.read()
         if not 200 <= response.status <= 299:
             raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)

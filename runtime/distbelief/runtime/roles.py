@@ -12,8 +12,6 @@ import logging
 import os
 import signal
 import threading
-from typing import Callable
-
 import prometheus_client as prom
 
 from distbelief.runtime import contract, data, errors, models
@@ -47,6 +45,7 @@ class Job:
 
 def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
            checkpoint_dir: str, linger: float) -> int:
+    stop = _stop_on_termination()
     job = Job.load(config_path)
     index = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
     training, checkpointing = job.spec["training"], job.spec["parameterServers"]["checkpoint"]
@@ -56,11 +55,11 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         learning_rate=float(training["learningRate"]), adagrad=bool(training["adagrad"]),
         warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger)
     registry = prom.CollectorRegistry()
-    server = Shard(settings, job.layout, job.model.init_params(int(training["seed"])), ShardMetrics(registry, index))
+    server = Shard(settings, job.layout, job.model.init_params(int(training["seed"])), ShardMetrics(registry, index),
+                   stop=stop)
     server.restore()
     metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     chief = _start_chief(job, server, registry, checkpoint_dir) if index == 0 else None
-    _on_termination(server.stop)
     try:
         server.serve()
     finally:
@@ -86,16 +85,15 @@ def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, outp
 
 
 def run_worker(*, config_path: str, metrics_port: int, listen: str) -> int:
+    stop = _stop_on_termination()
     job = Job.load(config_path)
     training = job.spec["training"]
     settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
                               push_every=int(training["pushEvery"]))
     registry = prom.CollectorRegistry()
-    stop = threading.Event()
     group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop)
     worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
     metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
-    _on_termination(stop.set)
     try:
         ended = worker.run()
     except errors.Stopped:
@@ -107,6 +105,9 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str) -> int:
     return 0
 
 
-def _on_termination(callback: Callable[[], None]) -> None:
+def _stop_on_termination() -> threading.Event:
+    """An event set by SIGTERM or SIGINT, installed before anything slow starts."""
+    stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: callback())
+        signal.signal(sig, lambda *_: stop.set())
+    return stop

@@ -54,13 +54,14 @@ class ShardSettings:
 
 class Shard:
     def __init__(self, settings: ShardSettings, layout: Layout, initial: np.ndarray,
-                 metrics: ShardMetrics, *, context: zmq.Context | None = None) -> None:
+                 metrics: ShardMetrics, *, context: zmq.Context | None = None,
+                 stop: threading.Event | None = None) -> None:
         self.settings, self.layout, self.metrics = settings, layout, metrics
         self.index = settings.shard
-        start, stop = layout.bounds(self.index)
+        first, last = layout.bounds(self.index)
         if initial.size != layout.total:
             raise errors.ConfigError(f"initial parameters have {initial.size} values, layout {layout.total}")
-        self.params = np.array(initial[start:stop], dtype=np.float32)
+        self.params = np.array(initial[first:last], dtype=np.float32)
         self.optimizer = make_optimizer(self.params.size, learning_rate=settings.learning_rate,
                                         adagrad=settings.adagrad)
         self.step = 0
@@ -70,7 +71,7 @@ class Shard:
         self.ready = threading.Event()
         self.endpoint = settings.bind  # the bound address (with the real port) once serving
         self.step_reached: Callable[[int], None] = lambda step: None
-        self._stop = threading.Event()
+        self._stop = stop or threading.Event()
         self._context = context or zmq.Context.instance()
         self._handlers: dict[int, Handler] = {
             Op.HELLO: self._hello, Op.PULL: self._pull, Op.PUSH: self._push,
