@@ -205,6 +205,7 @@ def test_status_follows_the_children_and_the_chief(cluster: tuple[KubeEmulator, 
     assert status["workers"] == {"replicas": 3, "ready": 3}
     assert status["observedGeneration"] == job["metadata"]["generation"]
     assert status["selector"] == "distbelief.io/job=status,distbelief.io/role=worker"
+    assert {"Pending", "Running"} <= {e["reason"] for e in events_of(kube, "status")}
     if HAVE_KUBECTL:
         table = user(kube, "get", "dbj", "status")
         assert table.returncode == 0, table.stderr

@@ -117,8 +117,9 @@ def observe(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     before = job["status"].get("phase")
     if status["phase"] in TERMINAL and before not in TERMINAL:
         _finish(kube, body, job, status)
-    if status["phase"] != before:
-        log.info("event=phase job=%s from=%s to=%s", body.metadata.name, before, status["phase"])
+    elif status["phase"] != before:
+        condition = next((c for c in status["conditions"] if c["type"] == status["phase"]), {})
+        kopf.info(body, reason=status["phase"], message=condition.get("message", status["phase"]))
     if _ttl_expired(job, status, now):
         kopf.info(body, reason="Deleted", message="ttlSecondsAfterFinished has passed since completion")
         kube.delete(*_job_address(job))
