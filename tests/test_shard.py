@@ -183,36 +183,33 @@ def test_warmstart_admits_one_replica_until_its_steps_are_applied(tmp_path: Path
         live.stop()
 
 
-def test_a_worker_role_with_another_model_exits_with_a_clear_error(tmp_path: Path, two_shards: LiveShards) -> None:
-    config = {"name": "other", "namespace": "default", "spec": {
+def _softmax_worker(tmp_path: Path, addresses: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a `distbelief worker` for a softmax job on digits."""
+    config = {"name": "softmax", "namespace": "default", "spec": {
         "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
         "training": {"batchSize": 8, "fetchEvery": 1, "pushEvery": 1},
-        "parameterServers": {"shards": 2, "port": 7070}}}
+        "parameterServers": {"shards": len(addresses), "port": 7070}}}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(config))
-    env = {**os.environ, "DISTBELIEF_PS_ADDRESSES": ",".join(two_shards.addresses)}
-    done = subprocess.run([sys.executable, "-m", "distbelief.operator.cli", "worker", "--config", str(path),
-                           "--metrics-port", "0", "--listen", "127.0.0.1"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    command = [sys.executable, "-m", "distbelief.operator.cli", "worker", "--config", str(path),
+               "--metrics-port", "0", "--listen", "127.0.0.1"]
+    return command, {**os.environ, "DISTBELIEF_PS_ADDRESSES": ",".join(addresses)}
+
+
+def test_a_worker_role_with_another_model_exits_with_a_clear_error(tmp_path: Path, two_shards: LiveShards) -> None:
+    command, env = _softmax_worker(tmp_path, two_shards.addresses)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "layout mismatch" in done.stderr
     assert "Traceback" not in done.stderr
 
 
 def test_a_worker_waiting_for_absent_shards_stops_promptly_on_sigterm(tmp_path: Path) -> None:
-    config = {"name": "lonely", "namespace": "default", "spec": {
-        "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
-        "training": {"batchSize": 8, "fetchEvery": 1, "pushEvery": 1},
-        "parameterServers": {"shards": 1, "port": 7070}}}
-    path = tmp_path / "job.json"
-    path.write_text(json.dumps(config))
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "DISTBELIEF_PS_ADDRESSES": f"tcp://127.0.0.1:{port}"}
-    worker = subprocess.Popen([sys.executable, "-m", "distbelief.operator.cli", "worker", "--config", str(path),
-                               "--metrics-port", "0", "--listen", "127.0.0.1"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command, env = _softmax_worker(tmp_path, [f"tcp://127.0.0.1:{port}"])
+    worker = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in worker.stdout:  # wait until it is up and waiting for the shard
             if "metrics_listening" in line:
