@@ -37,6 +37,10 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
     assert summary["examplesPerSecond"] > 0 and summary["wallSeconds"] > 0
     assert summary["restarts"] == 0
     assert (tmp_path / report.PLOT_FILE).read_bytes().startswith(b"\x89PNG")
+    shard_logs = sorted((tmp_path / "logs").glob("digits-ps-*.log"))
+    assert len(shard_logs) == 2
+    for log in shard_logs:  # the shards ran with the job's keys
+        assert "auth=curve" in log.read_text() and "event=unauthenticated" not in log.read_text()
     with np.load(tmp_path / contract.PARAMS_FILE) as params:
         assert params["layer0.weight"].shape == (64, 64)
         assert params["layer1.weight"].shape == (64, 10)

@@ -5,6 +5,7 @@ served with the runtime's own metric classes)."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import http.server
 import json
@@ -24,6 +25,7 @@ import prometheus_client as prom
 import pytest
 import yaml
 
+from distbelief.runtime import keys
 from distbelief.runtime.metrics import ChiefMetrics, ShardMetrics
 from kube import KubeEmulator
 from kube.plugin import project_emulator
@@ -165,8 +167,19 @@ def events_of(kube: KubeEmulator, name: str) -> list[dict[str, Any]]:
     return [e for e in kube.list("v1/events", "default") if e.get("involvedObject", {}).get("name") == name]
 
 
-CHILDREN = [("v1/configmaps", "{}-config"), ("v1/services", "{}-ps"), ("apps/v1/statefulsets", "{}-ps"),
-            ("apps/v1/deployments", "{}-worker")]
+def event_reasons(kube: KubeEmulator, name: str, wanted: set[str]) -> set[str]:
+    """The reasons of name's Events, once they include wanted (or WAIT has passed): kopf
+    posts Events from a queue of its own, so one may land after the status patch."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        reasons = {e["reason"] for e in events_of(kube, name)}
+        if wanted <= reasons or time.monotonic() >= deadline:
+            return reasons
+        time.sleep(0.1)
+
+
+CHILDREN = [("v1/secrets", "{}-keys"), ("v1/configmaps", "{}-config"), ("v1/services", "{}-ps"),
+            ("apps/v1/statefulsets", "{}-ps"), ("apps/v1/deployments", "{}-worker")]
 
 
 def test_create_makes_the_children_owned_by_the_job(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
@@ -187,6 +200,29 @@ def test_create_makes_the_children_owned_by_the_job(cluster: tuple[KubeEmulator,
         assert response.status == 200
 
 
+def test_the_keys_secret_is_made_once_and_never_rotated(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
+    kube, _, _ = cluster
+    apply(kube, new_job("keys"))
+    secret = wait(kube, "v1/secrets", "keys-keys")
+    assert secret["immutable"] is True and secret["type"] == "Opaque"
+    files = {name: base64.b64decode(value).decode() for name, value in secret["data"].items()}
+    assert sorted(files) == sorted(keys.FILES)
+    made = keys.JobKeys(server_public=files[keys.SERVER_PUBLIC].strip().encode(),
+                        server_secret=files[keys.SERVER_SECRET].strip().encode(),
+                        client_public=files[keys.CLIENT_PUBLIC].strip().encode(),
+                        client_secret=files[keys.CLIENT_SECRET].strip().encode())
+    made._check_pairs("the Secret")  # real, matching Curve keypairs
+    sts = wait(kube, "apps/v1/statefulsets", "keys-ps")
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["keys"]["secret"]["secretName"] == "keys-keys"
+    assert "KeysCreated" in event_reasons(kube, "keys", {"KeysCreated"})
+    patch_job(kube, "keys", {"spec": {"image": "example.org/distbelief:2"}})  # reconcile runs again
+    wait(kube, "apps/v1/deployments", "keys-worker",
+         lambda d: d and d["spec"]["template"]["spec"]["containers"][0]["image"] == "example.org/distbelief:2")
+    assert kube.get("v1/secrets", "keys-keys")["data"] == secret["data"]
+    assert [e["reason"] for e in events_of(kube, "keys")].count("KeysCreated") == 1
+
+
 def test_status_follows_the_children_and_the_chief(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
     kube, chiefs, _ = cluster
     apply(kube, new_job("status"))
@@ -205,7 +241,7 @@ def test_status_follows_the_children_and_the_chief(cluster: tuple[KubeEmulator, 
     assert status["workers"] == {"replicas": 3, "ready": 3}
     assert status["observedGeneration"] == job["metadata"]["generation"]
     assert status["selector"] == "distbelief.io/job=status,distbelief.io/role=worker"
-    assert {"Pending", "Running"} <= {e["reason"] for e in events_of(kube, "status")}
+    assert {"Pending", "Running"} <= event_reasons(kube, "status", {"Pending", "Running"})
     if HAVE_KUBECTL:
         table = user(kube, "get", "dbj", "status")
         assert table.returncode == 0, table.stderr

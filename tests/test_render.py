@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from distbelief.operator import render, spec
-from distbelief.runtime import contract
+from distbelief.runtime import contract, keys
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -158,7 +159,7 @@ def test_ps_container() -> None:
     assert c["name"] == contract.ROLE_PS
     assert c["command"] == ["distbelief", "ps"]
     assert c["args"] == ["--config", contract.CONFIG_PATH,
-                         "--checkpoint-dir", contract.CHECKPOINT_DIR]
+                         "--checkpoint-dir", contract.CHECKPOINT_DIR, "--keys-dir", contract.KEYS_DIR]
     assert {"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR} \
         in c["volumeMounts"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
@@ -175,7 +176,7 @@ def test_worker_container() -> None:
     (c,) = deploy["template"]["spec"]["containers"]
     assert c["name"] == contract.ROLE_WORKER
     assert c["command"] == ["distbelief", "worker"]
-    assert c["args"] == ["--config", contract.CONFIG_PATH]
+    assert c["args"] == ["--config", contract.CONFIG_PATH, "--keys-dir", contract.KEYS_DIR]
     assert [p["name"] for p in c["ports"]] == [contract.METRICS_PORT_NAME]
     assert c["resources"] == job["spec"]["workers"]["resources"]
 
@@ -197,6 +198,39 @@ def test_containers_get_identity_probes_and_mounts() -> None:
         assert volumes[mounts[contract.CONFIG_DIR]["name"]]["configMap"]["name"] == \
             contract.JobNames("digits").config_map
         assert "emptyDir" in volumes[mounts[contract.SCRATCH_DIR]["name"]]
+
+
+def test_every_pod_mounts_the_job_keys_read_only_and_a_replica_never_the_server_secret() -> None:
+    objs = children(job_of())
+    for kind, files in (("StatefulSet", None), ("Deployment", list(keys.CLIENT_FILES))):
+        pod = objs[kind]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts[contract.KEYS_DIR] == {"name": contract.KEYS_VOLUME, "mountPath": contract.KEYS_DIR,
+                                             "readOnly": True}
+        assert c["args"][-2:] == ["--keys-dir", contract.KEYS_DIR]
+        volume = {v["name"]: v for v in pod["volumes"]}[contract.KEYS_VOLUME]["secret"]
+        assert volume["secretName"] == contract.JobNames("digits").keys_secret == "digits-keys"
+        assert volume["defaultMode"] == 0o400 and "optional" not in volume  # a pod waits for its keys
+        assert [i["key"] for i in volume.get("items", [])] == (files or [])
+        assert files is None or keys.SERVER_SECRET not in files
+        # not inside the ConfigMap's read-only mount: the runtime could not create the mount point
+        assert not contract.KEYS_DIR.startswith(contract.CONFIG_DIR + "/")
+
+
+@pytest.mark.parametrize("variant", ["as-is", "stored"])
+def test_the_keys_secret_is_immutable_owned_and_holds_the_key_files(variant: str) -> None:
+    job_keys = keys.JobKeys.generate()
+    secret = render.render_keys_secret(job_of(variant=variant), job_keys.files())
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert (secret["kind"], secret["metadata"]["name"], secret["type"]) == ("Secret", "digits-keys", "Opaque")
+    assert secret["immutable"] is True
+    assert secret["metadata"]["labels"][contract.LABEL_JOB] == "digits"
+    decoded = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert decoded == job_keys.files() and sorted(decoded) == sorted(keys.FILES)
+    owners = secret["metadata"].get("ownerReferences")
+    assert (owners[0]["uid"] == "6f1c-uid") if variant == "stored" else owners is None
+    assert "Secret" not in children(job_of())  # made once by the operator, never re-applied
 
 
 def test_no_resources_key_when_the_spec_sets_none() -> None:

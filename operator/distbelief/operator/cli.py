@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
     ps.add_argument("--listen", default="0.0.0.0", metavar="HOST", help="address to serve on")
     ps.add_argument("--checkpoint-dir", default=contract.CHECKPOINT_DIR)
+    ps.add_argument("--keys-dir", default=contract.KEYS_DIR, metavar="DIR",
+                    help="the job's CurveZMQ keys; without keys there, no authentication (warned)")
     ps.add_argument("--linger", type=float, default=60.0,
                     help="seconds to keep telling replicas the job is done before exiting")
     ps.set_defaults(func=_ps)
@@ -98,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--config", default=contract.CONFIG_PATH)
     worker.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
     worker.add_argument("--listen", default="0.0.0.0", metavar="HOST", help="address to serve metrics on")
+    worker.add_argument("--keys-dir", default=contract.KEYS_DIR, metavar="DIR",
+                        help="the job's CurveZMQ keys; without keys there, no authentication (warned)")
     worker.set_defaults(func=_worker)
     return parser
 
@@ -147,13 +151,15 @@ def _ps(args: argparse.Namespace) -> int:
     from distbelief.runtime import roles
 
     return roles.run_ps(config_path=args.config, shard=args.shard, port=args.port, metrics_port=args.metrics_port,
-                        listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger)
+                        listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger,
+                        keys_dir=args.keys_dir)
 
 
 def _worker(args: argparse.Namespace) -> int:
     from distbelief.runtime import roles
 
-    return roles.run_worker(config_path=args.config, metrics_port=args.metrics_port, listen=args.listen)
+    return roles.run_worker(config_path=args.config, metrics_port=args.metrics_port, listen=args.listen,
+                            keys_dir=args.keys_dir)
 
 
 if __name__ == "__main__":

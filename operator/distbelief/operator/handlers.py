@@ -1,6 +1,7 @@
 """The kopf handlers: reconcile a DistBeliefJob's children, and keep its status current.
 
-    create / resume / spec update  ->  reconcile(): validate, render, apply every child
+    create / resume / spec update  ->  reconcile(): validate, create the key Secret once,
+                                                    render, apply every child
     timer (every STATUS_INTERVAL)  ->  observe():   read children and the chief's metrics,
                                                     compute the status, act on completion,
                                                     delete the job when its TTL has passed
@@ -24,7 +25,7 @@ import kopf
 from distbelief.operator import render, scrape, spec as job_spec
 from distbelief.operator.kube import Kube, KubeError
 from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp
-from distbelief.runtime import contract
+from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.INFO
     settings.posting.loggers = False  # only the explicit transitions below become Events
     settings.watching.server_timeout = 120
+    # A job deleted while its status timer runs: let kopf release its finalizer promptly
+    # (the default polls the timer's cancellation for 60 s).
+    settings.background.cancellation_polling = 1
     _load_kube_config()
 
 
@@ -88,11 +92,32 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None
     elif SHARDS_ANNOTATION not in (body.metadata.annotations or {}):
         patch.metadata.annotations[SHARDS_ANNOTATION] = str(job["spec"]["parameterServers"]["shards"])
     finished = (body.status or {}).get("phase") in TERMINAL
-    results = apply_children(Kube(), job, finished=finished)
+    kube = Kube()
+    if ensure_keys_secret(kube, job):
+        kopf.info(body, reason="KeysCreated",
+                  message=f"Secret {contract.JobNames(job['metadata']['name']).keys_secret} with the job's CurveZMQ keys")
+    results = apply_children(kube, job, finished=finished)
     changed = {name: result for name, result in results.items() if result != "unchanged"}
     if changed:
         kopf.info(body, reason="ChildrenApplied" if reason != "update" else "SpecApplied",
                   message=", ".join(f"{name} {result}" for name, result in changed.items()))
+
+
+def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> bool:
+    """Create the job's key Secret if it is absent; an existing one is never changed (keys
+    are not rotated behind the user's back). True if it was created now.
+
+    Looked up first so that new keys are generated only when needed; a Secret created
+    meanwhile by another operator run wins (409) and the keys made here are dropped."""
+    names = contract.JobNames(job["metadata"]["name"])
+    namespace = job["metadata"].get("namespace") or "default"
+    if kube.get("v1", "Secret", namespace, names.keys_secret) is not None:
+        return False
+    secret = render.render_keys_secret(job, keys.JobKeys.generate().files())
+    created = kube.create(secret)
+    if created:
+        log.info("event=keys_created job=%s namespace=%s secret=%s", names.job, namespace, names.keys_secret)
+    return created
 
 
 def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool) -> dict[str, str]:

@@ -101,6 +101,19 @@ class Kube:
             raise KubeError("delete", f"{kind} {namespace}/{name}", exc) from exc
         return True
 
+    def create(self, desired: Manifest) -> bool:
+        """Create desired if no object of its name exists; never touch an existing one.
+        True if this call created it."""
+        api_version, kind = desired["apiVersion"], desired["kind"]
+        namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+        try:
+            self._call("POST", path_of(api_version, kind, namespace), body=desired)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise KubeError("create", f"{kind} {namespace}/{name}", exc) from exc
+        return True
+
     def apply(self, desired: Manifest) -> str:
         """Create desired, or patch the live object toward it. Returns created|patched|unchanged."""
         api_version, kind = desired["apiVersion"], desired["kind"]

@@ -11,12 +11,16 @@ chief's metrics, and leaves a report in the output folder:
     training.png   held-out loss and accuracy over time
     params.npz     the trained parameters, one array per named tensor
     logs/          one log per pod; volumes/ holds each pod's folders (the checkpoints)
+    keys/          the job's CurveZMQ keys (0600 files), made on the first run
 
-Running the same job again with the same output folder resumes from its checkpoints.
+Running the same job again with the same output folder resumes from its checkpoints,
+with the same keys. The keys play the Secret the operator would create: each pod's
+secret volume gets a copy of the files its volume lists (0600, in the pod's folder).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -31,7 +35,7 @@ import time
 from typing import Any, Mapping
 
 from distbelief.operator import render, report, spec
-from distbelief.runtime import contract
+from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 15.0
 SHARD_LINGER_SECONDS = 2.0
 BACKOFF_START, BACKOFF_MAX = 1.0, 30.0
+KEYS_FOLDER = "keys"
 # The role flags that receive a container port's local number, by port name.
 PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "--metrics-port"}
 
@@ -107,7 +112,9 @@ class LocalRun:
         self.output = output
         self.backoff_limit = int(self.spec["runPolicy"]["backoffLimit"])
         os.makedirs(os.path.join(output, "logs"), exist_ok=True)
-        objects = render.render_children(job, image=render.DEFAULT_IMAGE)
+        job_keys = keys.ensure(os.path.join(output, KEYS_FOLDER))
+        objects = [render.render_keys_secret(job, job_keys.files()),
+                   *render.render_children(job, image=render.DEFAULT_IMAGE)]
         self.shards, self.workers = plan_pods(objects, output)
         self._interrupted = False
 
@@ -201,7 +208,7 @@ class LocalRun:
 def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[LocalPod], list[LocalPod]]:
     """The local pods of the rendered StatefulSet and Deployment, shards first."""
     by_kind = {obj["kind"]: obj for obj in objects}
-    config_maps = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "ConfigMap"}
+    sources = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] in ("ConfigMap", "Secret")}  # by name
     sts, deployment = by_kind["StatefulSet"], by_kind["Deployment"]
     shard_names = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
     shard_ports = {name: _free_ports(_container(sts)) for name in shard_names}
@@ -209,10 +216,10 @@ def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[Local
     namespace = sts["metadata"]["namespace"]
     extra_env = {contract.ENV_PS_ADDRESSES: addresses}
     loopback = ["--listen", "127.0.0.1"]
-    shards = [_pod(sts, name, shard_ports[name], output, config_maps, namespace, extra_env,
+    shards = [_pod(sts, name, shard_ports[name], output, sources, namespace, extra_env,
                    extra_args=[*loopback, "--linger", str(SHARD_LINGER_SECONDS)]) for name in shard_names]
     worker_base = deployment["metadata"]["name"]
-    workers = [_pod(deployment, f"{worker_base}-{i}", _free_ports(_container(deployment)), output, config_maps,
+    workers = [_pod(deployment, f"{worker_base}-{i}", _free_ports(_container(deployment)), output, sources,
                     namespace, extra_env, extra_args=loopback) for i in range(deployment["spec"]["replicas"])]
     return shards, workers
 
@@ -222,10 +229,10 @@ def _container(workload: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _pod(workload: Mapping[str, Any], name: str, ports: dict[str, int], output: str,
-         config_maps: Mapping[str, Mapping[str, Any]], namespace: str, extra_env: dict[str, str],
+         sources: Mapping[str, Mapping[str, Any]], namespace: str, extra_env: dict[str, str],
          extra_args: list[str] = ()) -> LocalPod:
     container = _container(workload)
-    mounts = _mount_volumes(workload, name, output, config_maps)
+    mounts = _mount_volumes(workload, name, output, sources)
     args = [_local_path(a, mounts) for a in container.get("args", [])]
     for port_name, flag in PORT_FLAGS.items():
         if port_name in ports:
@@ -260,9 +267,10 @@ def volume_dir(output: str, pod_name: str, volume: str) -> str:
 
 
 def _mount_volumes(workload: Mapping[str, Any], pod_name: str, output: str,
-                   config_maps: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
-    """A local folder for each of the container's mounts: ConfigMaps written out as files,
-    volume claims and emptyDirs as the pod's own folders. Returns mountPath -> folder."""
+                   sources: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """A local folder for each of the container's mounts: ConfigMaps and Secrets written out
+    as files (a Secret's 0600, only the items the volume lists), volume claims and emptyDirs
+    as the pod's own folders. Returns mountPath -> folder."""
     pod_spec = workload["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
     mounts = {}
@@ -271,11 +279,25 @@ def _mount_volumes(workload: Mapping[str, Any], pod_name: str, output: str,
         os.makedirs(folder, exist_ok=True)
         config_map = volumes.get(mount["name"], {}).get("configMap")
         if config_map:
-            for key, text in config_maps[config_map["name"]]["data"].items():
+            for key, text in sources[config_map["name"]]["data"].items():
                 with open(os.path.join(folder, key), "w", encoding="utf-8") as f:
                     f.write(text)
+        secret = volumes.get(mount["name"], {}).get("secret")
+        if secret:
+            _write_secret(folder, sources[secret["secretName"]], secret.get("items"))
         mounts[mount["mountPath"]] = folder
     return mounts
+
+
+def _write_secret(folder: str, secret: Mapping[str, Any], items: list[Mapping[str, str]] | None) -> None:
+    os.chmod(folder, 0o700)
+    data = secret["data"]
+    for item in items or [{"key": key, "path": key} for key in data]:
+        path = os.path.join(folder, item["path"])
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(base64.b64decode(data[item["key"]]))
+        os.chmod(path, 0o600)
 
 
 def _local_path(arg: str, mounts: Mapping[str, str]) -> str:

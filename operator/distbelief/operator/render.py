@@ -9,10 +9,16 @@ Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless S
 and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard), Deployment
 ``<job>-worker`` (the model replicas) and, when the spec asks, a HorizontalPodAutoscaler
 ``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource.
+
+Every pod mounts the Secret ``<job>-keys`` (the job's CurveZMQ keys) read-only. That
+Secret is not among the children: it holds key material that must be made once and
+never rewritten, so the operator creates it from :func:`render_keys_secret` only when it
+is absent, and local mode writes the same files into its output folder.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import hashlib
@@ -24,7 +30,7 @@ from typing import Any
 import yaml
 
 from distbelief.operator.spec import job_config
-from distbelief.runtime import contract
+from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,7 @@ JOB_API_VERSION = f"{contract.API_GROUP}/{contract.API_VERSION}"
 APP_NAME = "distbelief"
 MANAGED_BY = "distbelief-operator"
 COMPONENT_CONFIG = "config"
+COMPONENT_KEYS = "keys"
 CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
 # The image the roles run when neither the job nor the operator's settings name one.
 DEFAULT_IMAGE = "distbelief/distbelief:0.1.0"
@@ -39,6 +46,9 @@ RUN_AS_ID = 10001
 TERMINATION_GRACE_SECONDS = 30
 CONFIG_VOLUME = "config"
 SCRATCH_VOLUME = "tmp"
+# Owner-read only; with the pods' fsGroup the kubelet makes the files group-readable
+# (0440, group 10001), which is what lets the non-root roles read them.
+KEYS_MODE = 0o400
 DEFAULT_CPU_UTILIZATION = 80
 
 # Fields that only size the job. They stay in the ConfigMap but not in the config hash,
@@ -141,6 +151,23 @@ def to_yaml(objs: Iterable[Mapping[str, Any]]) -> str:
 # ------------------------------------------------------------------- the children
 
 
+def render_keys_secret(job: Mapping[str, Any], files: Mapping[str, str]) -> Manifest:
+    """The Secret ``<job>-keys`` holding ``files`` (distbelief.runtime.keys.JobKeys.files()).
+
+    Immutable: the API server refuses any change to it, so keys are never rotated by a
+    patch; rotating means deleting it and restarting the job's pods."""
+    ctx = RenderContext.of(job, image=DEFAULT_IMAGE)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(ctx, ctx.names.keys_secret, COMPONENT_KEYS),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {name: base64.b64encode(text.encode("ascii")).decode("ascii")
+                 for name, text in sorted(files.items())},
+    }
+
+
 def render_config_map(ctx: RenderContext) -> Manifest:
     return {
         "apiVersion": "v1",
@@ -174,7 +201,7 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
     storage = ps["checkpoint"]["storage"]
     container = _container(
         ctx, contract.ROLE_PS,
-        args=["--checkpoint-dir", contract.CHECKPOINT_DIR],
+        args=["--checkpoint-dir", contract.CHECKPOINT_DIR, "--keys-dir", contract.KEYS_DIR],
         ports=_ps_ports(ctx),
         mounts=[{"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR}],
     )
@@ -199,7 +226,8 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
 def render_worker_deployment(ctx: RenderContext) -> Manifest:
     """The replicas; spec.workers.replicas is kept even under autoscaling (the HPA
     scales the DistBeliefJob, whose scale subresource writes that field)."""
-    container = _container(ctx, contract.ROLE_WORKER, args=[], ports=[_metrics_port()])
+    container = _container(ctx, contract.ROLE_WORKER, args=["--keys-dir", contract.KEYS_DIR],
+                           ports=[_metrics_port()])
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -281,6 +309,7 @@ def _pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifes
             "volumes": [
                 {"name": CONFIG_VOLUME, "configMap": {"name": ctx.names.config_map}},
                 {"name": SCRATCH_VOLUME, "emptyDir": {}},
+                _keys_volume(ctx, role),
             ],
         },
     }
@@ -305,6 +334,7 @@ def _container(ctx: RenderContext, role: str, *, args: list[str],
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": contract.CONFIG_DIR, "readOnly": True},
             {"name": SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR},
+            {"name": contract.KEYS_VOLUME, "mountPath": contract.KEYS_DIR, "readOnly": True},
             *(mounts or []),
         ],
     }
@@ -315,6 +345,16 @@ def _container(ctx: RenderContext, role: str, *, args: list[str],
 
 
 _ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
+
+
+def _keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
+    """The job's keys: all of them for the shards (shard 0's chief is a client too),
+    never the server's secret for a replica. Not optional: a pod waits for the Secret
+    rather than run unauthenticated."""
+    secret: dict[str, Any] = {"secretName": ctx.names.keys_secret, "defaultMode": KEYS_MODE}
+    if role == contract.ROLE_WORKER:
+        secret["items"] = [{"key": name, "path": name} for name in keys.CLIENT_FILES]
+    return {"name": contract.KEYS_VOLUME, "secret": secret}
 
 
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:

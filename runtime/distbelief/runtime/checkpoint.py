@@ -61,6 +61,8 @@ def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
     for array in ckpt.arrays.values():
         digest.update(memoryview(_as_f32(array)))
     header = json.dumps({**body, "sha256": digest.hexdigest()}).encode()
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise errors.CheckpointError(f"cannot write checkpoint {path}: {folder} is not a folder")
     try:
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "wb") as f:

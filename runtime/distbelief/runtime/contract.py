@@ -30,6 +30,11 @@ CONFIG_DIR = "/etc/distbelief"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 CHECKPOINT_DIR = "/var/lib/distbelief/checkpoints"
 CHECKPOINT_VOLUME = "checkpoints"
+# The job's CurveZMQ keys (the Secret <job>-keys; distbelief.runtime.keys names the
+# files). Not under CONFIG_DIR: a mount point inside a read-only ConfigMap volume cannot
+# be created by the container runtime.
+KEYS_DIR = "/etc/distbelief-keys"
+KEYS_VOLUME = "keys"
 SCRATCH_DIR = "/tmp"
 
 # Environment the roles read. POD_NAME comes from the downward API; the shard
@@ -61,6 +66,7 @@ STATEFULSET_NAME_MAX = DNS_LABEL_MAX - 11
 PS_SUFFIX = "-ps"
 WORKER_SUFFIX = "-worker"
 CONFIG_SUFFIX = "-config"
+KEYS_SUFFIX = "-keys"
 MAX_JOB_NAME = STATEFULSET_NAME_MAX - len(PS_SUFFIX)
 
 
@@ -73,6 +79,11 @@ class JobNames:
     @property
     def config_map(self) -> str:
         return self.job + CONFIG_SUFFIX
+
+    @property
+    def keys_secret(self) -> str:
+        """The Secret with the job's CurveZMQ keys, made once by the operator."""
+        return self.job + KEYS_SUFFIX
 
     @property
     def ps(self) -> str:

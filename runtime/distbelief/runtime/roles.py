@@ -12,9 +12,10 @@ import logging
 import os
 import signal
 import threading
+
 import prometheus_client as prom
 
-from distbelief.runtime import contract, data, errors, models
+from distbelief.runtime import contract, data, errors, keys, models
 from distbelief.runtime.chief import Chief, StoppingRules
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
@@ -43,23 +44,35 @@ class Job:
             raise errors.ConfigError(f"cannot read job config {path}: {exc}") from exc
 
 
+def load_keys(keys_dir: str, role: str) -> keys.JobKeys | None:
+    """The job's CurveZMQ keys, or None (with a warning) when keys_dir holds none."""
+    job_keys = keys.JobKeys.read(keys_dir)
+    if job_keys is None:
+        log.warning("event=unauthenticated role=%s keys_dir=%s reason=no_keys_there "
+                    "consequence=any_peer_that_reaches_the_shards_can_pull_and_push", role, keys_dir)
+    return job_keys
+
+
 def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
-           checkpoint_dir: str, linger: float) -> int:
+           checkpoint_dir: str, linger: float, keys_dir: str = contract.KEYS_DIR) -> int:
     stop = _stop_on_termination()
     job = Job.load(config_path)
+    job_keys = load_keys(keys_dir, contract.ROLE_PS)
     index = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
     training, checkpointing = job.spec["training"], job.spec["parameterServers"]["checkpoint"]
     settings = ShardSettings(
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
         learning_rate=float(training["learningRate"]), adagrad=bool(training["adagrad"]),
-        warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger)
+        warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger,
+        curve=job_keys.server_options() if job_keys else None,
+        curve_clients=frozenset({job_keys.client_public}) if job_keys else frozenset())
     registry = prom.CollectorRegistry()
     server = Shard(settings, job.layout, job.model.init_params(int(training["seed"])), ShardMetrics(registry, index),
                    stop=stop)
     server.restore()
     metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
-    chief = _start_chief(job, server, registry, checkpoint_dir) if index == 0 else None
+    chief = _start_chief(job, server, registry, checkpoint_dir, job_keys) if index == 0 else None
     try:
         server.serve()
     finally:
@@ -71,9 +84,12 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     return 0
 
 
-def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, output_dir: str) -> Chief:
+def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, output_dir: str,
+                 job_keys: keys.JobKeys | None) -> Chief:
     training = job.spec["training"]
-    chief = Chief(group=ShardGroup(job.config.shard_addresses(), job.layout), model=job.model, dataset=job.dataset,
+    group = ShardGroup(job.config.shard_addresses(), job.layout,
+                       curve=job_keys.client_options() if job_keys else None)
+    chief = Chief(group=group, model=job.model, dataset=job.dataset,
                   rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
                   max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(registry),
@@ -84,14 +100,16 @@ def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, outp
     return chief
 
 
-def run_worker(*, config_path: str, metrics_port: int, listen: str) -> int:
+def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: str = contract.KEYS_DIR) -> int:
     stop = _stop_on_termination()
     job = Job.load(config_path)
+    job_keys = load_keys(keys_dir, contract.ROLE_WORKER)
     training = job.spec["training"]
     settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
                               push_every=int(training["pushEvery"]))
     registry = prom.CollectorRegistry()
-    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop)
+    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop,
+                       curve=job_keys.client_options() if job_keys else None)
     worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
     metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
     try:

@@ -6,6 +6,12 @@ next, so an update is never half-applied when a pull or a checkpoint reads the s
 Requests are dispatched through an op table; every header field is checked first, and a
 message that fails a check gets an error reply (or, if it cannot even be parsed, is
 dropped) while the shard keeps serving.
+
+With the job's keys (ShardSettings.curve), the socket is a CurveZMQ server and a ZAP
+handler admits only the job's client key (distbelief.runtime.keys); other peers never
+get past the handshake. A checkpoint that cannot be written (disk full, folder gone)
+is logged as event=checkpoint_failed and tried again at the next interval; training
+goes on from memory and the checkpoints already written stay as they were.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from distbelief.runtime import checkpoint, errors, protocol
+from distbelief.runtime import checkpoint, errors, keys, protocol
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
 from distbelief.runtime.optim import make_optimizer
@@ -50,6 +56,7 @@ class ShardSettings:
     warmstart_steps: int = 0
     linger_seconds: float = 60.0   # keep answering DONE this long, then exit
     curve: dict | None = None      # CurveZMQ server options, when the job has keys
+    curve_clients: frozenset[bytes] = frozenset()  # the Z85 client public keys admitted
 
 
 class Shard:
@@ -84,6 +91,8 @@ class Shard:
         self.examples_per_second = 0.0
         self.examples_total = 0
         self._saved_finished = False
+        self._admission: keys.Admission | None = None
+        self._checkpoint_failures = 0  # in a row; reset by the next checkpoint that lands
 
     # -- life cycle ------------------------------------------------------------------
 
@@ -128,21 +137,38 @@ class Shard:
                 self._maybe_checkpoint()
         finally:
             socket.close(linger=1000)
+            if self._admission is not None:
+                self._admission.close()
+                self._admission = None
             self.checkpoint_now()
 
     def _bind(self) -> zmq.Socket:
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.MAXMSGSIZE, protocol.max_message_bytes(self.params.size))
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        for option, value in (self.settings.curve or {}).items():
-            socket.setsockopt(option, value)
+        if self.settings.curve:
+            # The ZAP handler must run before the first peer connects: CurveZMQ alone
+            # admits any client that knows the server's public key.
+            domain = f"distbelief-shard-{self.index}-{id(self):x}"
+            try:
+                self._admission = keys.admit_clients(self._context, domain, self.settings.curve_clients)
+            except errors.ConfigError:
+                socket.close(linger=0)
+                raise
+            socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+            for option, value in self.settings.curve.items():
+                socket.setsockopt(option, value)
         try:
             socket.bind(self.settings.bind)
         except zmq.ZMQError as exc:
             socket.close(linger=0)
+            if self._admission is not None:
+                self._admission.close()
+                self._admission = None
             raise errors.ConfigError(f"shard {self.index} cannot listen on {self.settings.bind}: {exc}") from exc
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("event=listening shard=%d address=%s step=%d", self.index, self.endpoint, self.step)
+        log.info("event=listening shard=%d address=%s step=%d auth=%s", self.index, self.endpoint, self.step,
+                 "curve" if self.settings.curve else "none")
         return socket
 
     def _lingered(self) -> bool:
@@ -313,10 +339,17 @@ class Shard:
         try:
             path = checkpoint.save(self.settings.checkpoint_dir, ckpt, keep=self.settings.checkpoint_keep)
         except errors.CheckpointError as exc:
-            # Training goes on from memory; the previous checkpoints are untouched.
-            log.error("event=checkpoint_failed shard=%d step=%d error=%r", self.index, self.step, str(exc))
+            # Training goes on from memory; the previous checkpoints are untouched, and the
+            # next interval tries again (a full or unwritable folder may come back).
+            self._checkpoint_failures += 1
+            log.error("event=checkpoint_failed shard=%d step=%d folder=%s failures=%d error=%r", self.index,
+                      self.step, self.settings.checkpoint_dir, self._checkpoint_failures, str(exc))
             self._last_checkpoint = (time.monotonic(), self._last_checkpoint[1])
             return
+        if self._checkpoint_failures:
+            log.info("event=checkpoint_resumed shard=%d step=%d after_failures=%d", self.index, self.step,
+                     self._checkpoint_failures)
+            self._checkpoint_failures = 0
         self._last_checkpoint = (time.monotonic(), self.step)
         self._saved_finished = self.finished is not None
         self.metrics.checkpoint_step.set(self.step)

@@ -1,0 +1,198 @@
+"""The job's CurveZMQ keys (distbelief.runtime.keys): files, and live shards that admit only
+peers holding them, through the real ZeroMQ handshake and ZAP handler."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import prometheus_client as prom
+import pytest
+import zmq
+
+from distbelief.operator import local, spec
+from distbelief.runtime import contract, errors, keys, roles
+from distbelief.runtime.client import Timeouts
+from distbelief.runtime.layout import Layout
+from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.shard import Shard, ShardSettings
+
+from conftest import LiveShards, load_example, start_shards
+
+REFUSED = Timeouts(request=0.3, unavailable=1.0)
+
+
+def test_keys_round_trip_through_a_folder_of_0600_files(tmp_path: Path) -> None:
+    made = keys.JobKeys.generate()
+    made.write(str(tmp_path / "keys"))
+    assert stat.S_IMODE(os.stat(tmp_path / "keys").st_mode) == 0o700
+    for name in keys.FILES:
+        path = tmp_path / "keys" / name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert len(path.read_text().strip()) == keys.Z85_KEY_LENGTH
+    assert keys.JobKeys.read(str(tmp_path / "keys")) == made
+    assert made.server_options()[zmq.CURVE_SERVER] == 1
+    assert made.client_options()[zmq.CURVE_SERVERKEY] == made.server_public
+    with pytest.raises(errors.ConfigError):
+        made.write(str(tmp_path / "keys"))  # never overwrites a key
+
+
+def test_ensure_makes_keys_once_and_then_reuses_them(tmp_path: Path) -> None:
+    first = keys.ensure(str(tmp_path / "k"))
+    assert keys.ensure(str(tmp_path / "k")) == first
+    assert keys.JobKeys.read(str(tmp_path / "none")) is None
+    (tmp_path / "empty").mkdir()
+    assert keys.JobKeys.read(str(tmp_path / "empty")) is None
+
+
+def test_a_replica_copy_without_the_server_secret_cannot_serve(tmp_path: Path) -> None:
+    files = keys.JobKeys.generate().files()
+    (tmp_path / "k").mkdir()
+    for name in keys.CLIENT_FILES:
+        (tmp_path / "k" / name).write_text(files[name])
+    copy = keys.JobKeys.read(str(tmp_path / "k"))
+    assert copy is not None and copy.server_secret is None
+    assert copy.client_options()[zmq.CURVE_SECRETKEY] == files[keys.CLIENT_SECRET].strip().encode()
+    with pytest.raises(errors.ConfigError, match="server.secret"):
+        copy.server_options()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda folder: (folder / keys.CLIENT_SECRET).unlink(), "lacks client.secret"),
+    (lambda folder: (folder / keys.SERVER_PUBLIC).write_text("short\n"), "not a 40-character Z85 key"),
+    (lambda folder: (folder / keys.CLIENT_PUBLIC).write_text(
+        keys.JobKeys.generate().client_public.decode() + "\n"), "client.public does not match"),
+])
+def test_incomplete_or_mismatched_keys_are_one_clear_error(tmp_path: Path, damage, message: str) -> None:
+    keys.JobKeys.generate().write(str(tmp_path))
+    damage(tmp_path)
+    with pytest.raises(errors.ConfigError, match=message) as caught:
+        keys.JobKeys.read(str(tmp_path))
+    assert str(tmp_path) in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.fixture
+def job_keys() -> keys.JobKeys:
+    return keys.JobKeys.generate()
+
+
+@pytest.fixture
+def curve_shards(tmp_path: Path, job_keys: keys.JobKeys) -> Iterator[LiveShards]:
+    layout = Layout.of([("w", (10, 7)), ("b", (7,))], shards=2)
+    initial = np.arange(layout.total, dtype=np.float32) / 100
+    live = start_shards(tmp_path, layout, initial, learning_rate=0.5, checkpoint_every=3600,
+                        curve=job_keys.server_options(), curve_clients=frozenset({job_keys.client_public}))
+    yield live
+    live.stop()
+
+
+def _outsiders(job_keys: keys.JobKeys) -> dict[str, dict | None]:
+    """Peers that lack the job's client key: one that knows the server's public key, one
+    that forged a client public key without its secret, one that speaks no CurveZMQ."""
+    stranger = keys.JobKeys.generate()
+    knows_server = {**stranger.client_options(), zmq.CURVE_SERVERKEY: job_keys.server_public}
+    forged = {**knows_server, zmq.CURVE_PUBLICKEY: job_keys.client_public}
+    return {"knows-the-server-key": knows_server, "forged-client-public-key": forged, "plain": None}
+
+
+def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(curve_shards: LiveShards,
+                                                               job_keys: keys.JobKeys) -> None:
+    layout = curve_shards.layout
+    before = [s.params.copy() for s in curve_shards.shards]
+    for name, options in _outsiders(job_keys).items():
+        outsider = curve_shards.group(curve=options, timeouts=REFUSED)
+        try:
+            with pytest.raises(errors.ShardUnavailable):
+                outsider.pull(np.empty(layout.total, dtype=np.float32))
+            with pytest.raises(errors.ShardUnavailable):
+                outsider.push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
+            assert outsider.bytes_in == 0, f"{name} got bytes back"
+        finally:
+            outsider.close()
+    assert [s.step for s in curve_shards.shards] == [0, 0]
+    for shard, params in zip(curve_shards.shards, before):
+        np.testing.assert_array_equal(shard.params, params)
+        assert shard.metrics.rejected._value.get() == 0  # refused in the handshake, before any message
+
+
+def test_a_peer_with_the_job_keys_pulls_and_pushes(curve_shards: LiveShards, job_keys: keys.JobKeys) -> None:
+    layout = curve_shards.layout
+    group = curve_shards.group(curve=job_keys.client_options())
+    try:
+        out = np.zeros(layout.total, dtype=np.float32)
+        assert [r.header.step for r in group.pull(out)] == [0, 0]
+        np.testing.assert_array_equal(out, np.arange(layout.total, dtype=np.float32) / 100)
+        replies = group.push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
+        assert [r.header.step for r in replies] == [1, 1]
+    finally:
+        group.close()
+
+
+def test_stopped_shards_release_their_zap_handler(tmp_path: Path, job_keys: keys.JobKeys) -> None:
+    layout = Layout.of([("w", (3,))], shards=1)
+    live = start_shards(tmp_path, layout, np.zeros(3, np.float32), curve=job_keys.server_options(),
+                        curve_clients=frozenset({job_keys.client_public}))
+    assert id(zmq.Context.instance()) in keys._auth_by_context
+    live.stop()
+    assert id(zmq.Context.instance()) not in keys._auth_by_context
+
+
+def test_a_curve_server_without_client_keys_is_refused(tmp_path: Path, job_keys: keys.JobKeys) -> None:
+    layout = Layout.of([("w", (3,))], shards=1)
+    settings = ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path),
+                             curve=job_keys.server_options())
+    shard = Shard(settings, layout, np.zeros(3, np.float32), ShardMetrics(prom.CollectorRegistry(), 0))
+    with pytest.raises(errors.ConfigError, match="admit any peer"):
+        shard.serve()
+    assert not shard.ready.is_set()
+
+
+def test_roles_without_keys_run_unauthenticated_and_say_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert roles.load_keys(str(tmp_path / "absent"), contract.ROLE_PS) is None
+    assert "event=unauthenticated role=ps" in caplog.text
+    assert str(tmp_path / "absent") in caplog.text
+    keys.JobKeys.generate().write(str(tmp_path / "k"))
+    assert roles.load_keys(str(tmp_path / "k"), contract.ROLE_WORKER) is not None
+
+
+def test_local_mode_gives_every_pod_the_job_keys_and_keeps_them_on_resume(tmp_path: Path) -> None:
+    job = spec.validate_job(load_example("digits-mlp.yaml"))
+    run = local.LocalRun(job, str(tmp_path))
+    made = keys.JobKeys.read(str(tmp_path / local.KEYS_FOLDER))
+    assert made is not None and made.server_secret is not None
+    for pod in run.pods:
+        folder = pod.argv[pod.argv.index("--keys-dir") + 1]
+        assert folder == local.volume_dir(str(tmp_path), pod.name, contract.KEYS_VOLUME)
+        names = sorted(os.listdir(folder))
+        expected = keys.FILES if pod.role == contract.ROLE_PS else keys.CLIENT_FILES
+        assert names == sorted(expected)
+        assert all(stat.S_IMODE(os.stat(os.path.join(folder, n)).st_mode) == 0o600 for n in names)
+        copy = keys.JobKeys.read(folder)
+        assert copy is not None and copy.client_secret == made.client_secret
+    local.LocalRun(job, str(tmp_path))  # a resumed run: the same keys, not new ones
+    assert keys.JobKeys.read(str(tmp_path / local.KEYS_FOLDER)) == made
+
+
+def test_a_role_with_damaged_keys_stops_with_one_clear_line(tmp_path: Path) -> None:
+    config = {"name": "softmax", "namespace": "default", "spec": {
+        "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
+        "training": {"batchSize": 8, "fetchEvery": 1, "pushEvery": 1},
+        "parameterServers": {"shards": 1, "port": 7070}}}
+    (tmp_path / "job.json").write_text(json.dumps(config))
+    keys.JobKeys.generate().write(str(tmp_path / "k"))
+    (tmp_path / "k" / keys.CLIENT_SECRET).unlink()
+    done = subprocess.run([sys.executable, "-m", "distbelief.operator.cli", "worker", "--config",
+                           str(tmp_path / "job.json"), "--keys-dir", str(tmp_path / "k"), "--metrics-port", "0",
+                           "--listen", "127.0.0.1"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, contract.ENV_PS_ADDRESSES: "tcp://127.0.0.1:1"})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"error: keys folder {tmp_path / 'k'} lacks client.secret"
+    assert "Traceback" not in done.stderr
