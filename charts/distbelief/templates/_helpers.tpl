@@ -1,0 +1,111 @@
+{{/*
+Names, labels and the few derived values every template shares.
+*/}}
+
+{{/* The release's full name: the release name, with the chart's name unless it holds it. */}}
+{{- define "distbelief.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Cluster-scoped objects carry the release namespace too: two releases in two
+namespaces (each watching its own namespaces) must not share a ClusterRole. */}}
+{{- define "distbelief.clusterName" -}}
+{{- printf "%s-%s" (include "distbelief.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "distbelief.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "distbelief.labels" -}}
+{{ include "distbelief.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "distbelief.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "distbelief.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* repository@digest when a digest is given, else repository:tag (tag: the appVersion). */}}
+{{- define "distbelief.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "distbelief.runtimeImage" -}}
+{{- default (include "distbelief.image" .) .Values.runtimeImage -}}
+{{- end -}}
+
+{{/* Whether the operator watches every namespace (ClusterRole, ClusterKopfPeering). */}}
+{{- define "distbelief.clusterwide" -}}
+{{- if not .Values.operator.watchNamespaces -}}true{{- end -}}
+{{- end -}}
+
+{{/* The labels of the pods the operator renders for jobs (render.labels in the operator). */}}
+{{- define "distbelief.jobPodLabels" -}}
+app.kubernetes.io/name: distbelief
+app.kubernetes.io/managed-by: distbelief-operator
+{{- end -}}
+
+{{/* Prometheus Operator namespaceSelector: the watched namespaces, or all of them. */}}
+{{- define "distbelief.monitorNamespaces" -}}
+{{- if include "distbelief.clusterwide" . -}}
+any: true
+{{- else -}}
+matchNames:
+{{- toYaml .Values.operator.watchNamespaces | nindent 2 }}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator's rules on the objects of one namespace: exactly the calls it makes
+(tests/test_chart.py runs the operator and compares). Kept in one place for the
+ClusterRole (all namespaces) and the per-namespace Roles. */}}
+{{- define "distbelief.namespacedRules" -}}
+# kopf: watches DistBeliefJobs, keeps its progress in their annotations, writes status;
+# the operator deletes a finished job once runPolicy.ttlSecondsAfterFinished has passed.
+- apiGroups: [distbelief.io]
+  resources: [distbeliefjobs]
+  verbs: [list, watch, patch, delete]
+- apiGroups: [distbelief.io]
+  resources: [distbeliefjobs/status]
+  verbs: [patch]
+# The children of a job: read, created when missing, patched toward the spec.
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [get, create, patch]
+- apiGroups: [apps]
+  resources: [statefulsets, deployments]
+  verbs: [get, create, patch]
+# ... and the autoscaler, removed again when the spec stops asking for one.
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, create, patch, delete]
+# The job's CurveZMQ key Secret <job>-keys: looked up, and created once when absent.
+# Never patched, listed or deleted (it is immutable; the job's deletion takes it).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
+# The shards' restart counts (runPolicy.backoffLimit).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+# kopf's Events on the jobs (phase changes, children applied).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
