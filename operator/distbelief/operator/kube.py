@@ -120,13 +120,9 @@ class Kube:
         namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
         live = self.get(api_version, kind, namespace, name)
         if live is None:
-            try:
-                self._call("POST", path_of(api_version, kind, namespace), body=desired)
+            if self.create(desired):
                 return "created"
-            except ApiException as exc:
-                if exc.status != 409:  # 409: created meanwhile (another operator run): patch it
-                    raise KubeError("create", f"{kind} {namespace}/{name}", exc) from exc
-                live = self.get(api_version, kind, namespace, name) or {}
+            live = self.get(api_version, kind, namespace, name) or {}  # created meanwhile: patch it
         patch = _mutable_part(desired)
         if _contains(live, patch):
             return "unchanged"

@@ -205,22 +205,33 @@ class LocalRun:
 # -- from rendered children to local pods ---------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalNode:
+    """What every local pod of one job shares: the output folder, the rendered ConfigMaps
+    and Secrets its volumes come from, its namespace, and the loopback environment."""
+
+    output: str
+    sources: Mapping[str, Mapping[str, Any]]
+    namespace: str
+    env: Mapping[str, str]
+
+
 def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[LocalPod], list[LocalPod]]:
     """The local pods of the rendered StatefulSet and Deployment, shards first."""
     by_kind = {obj["kind"]: obj for obj in objects}
-    sources = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] in ("ConfigMap", "Secret")}  # by name
     sts, deployment = by_kind["StatefulSet"], by_kind["Deployment"]
     shard_names = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
     shard_ports = {name: _free_ports(_container(sts)) for name in shard_names}
     addresses = ",".join(f"tcp://127.0.0.1:{shard_ports[n][contract.SHARD_PORT_NAME]}" for n in shard_names)
-    namespace = sts["metadata"]["namespace"]
-    extra_env = {contract.ENV_PS_ADDRESSES: addresses}
+    node = LocalNode(output=output, namespace=sts["metadata"]["namespace"],
+                     sources={o["metadata"]["name"]: o for o in objects if o["kind"] in ("ConfigMap", "Secret")},
+                     env={contract.ENV_PS_ADDRESSES: addresses})
     loopback = ["--listen", "127.0.0.1"]
-    shards = [_pod(sts, name, shard_ports[name], output, sources, namespace, extra_env,
-                   extra_args=[*loopback, "--linger", str(SHARD_LINGER_SECONDS)]) for name in shard_names]
+    shards = [_pod(node, sts, name, shard_ports[name], [*loopback, "--linger", str(SHARD_LINGER_SECONDS)])
+              for name in shard_names]
     worker_base = deployment["metadata"]["name"]
-    workers = [_pod(deployment, f"{worker_base}-{i}", _free_ports(_container(deployment)), output, sources,
-                    namespace, extra_env, extra_args=loopback) for i in range(deployment["spec"]["replicas"])]
+    workers = [_pod(node, deployment, f"{worker_base}-{i}", _free_ports(_container(deployment)), loopback)
+               for i in range(deployment["spec"]["replicas"])]
     return shards, workers
 
 
@@ -228,20 +239,19 @@ def _container(workload: Mapping[str, Any]) -> Mapping[str, Any]:
     return workload["spec"]["template"]["spec"]["containers"][0]
 
 
-def _pod(workload: Mapping[str, Any], name: str, ports: dict[str, int], output: str,
-         sources: Mapping[str, Mapping[str, Any]], namespace: str, extra_env: dict[str, str],
-         extra_args: list[str] = ()) -> LocalPod:
+def _pod(node: LocalNode, workload: Mapping[str, Any], name: str, ports: dict[str, int],
+         extra_args: list[str]) -> LocalPod:
     container = _container(workload)
-    mounts = _mount_volumes(workload, name, output, sources)
+    mounts = _mount_volumes(workload, name, node.output, node.sources)
     args = [_local_path(a, mounts) for a in container.get("args", [])]
     for port_name, flag in PORT_FLAGS.items():
         if port_name in ports:
             args += [flag, str(ports[port_name])]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env,
-           **_container_env(container, pod_name=name, namespace=namespace)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **node.env,
+           **_container_env(container, pod_name=name, namespace=node.namespace)}
     return LocalPod(name=name, role=workload["metadata"]["labels"][contract.LABEL_ROLE],
-                    argv=_local_command(container["command"]) + args + list(extra_args), env=env,
-                    log_path=os.path.join(output, "logs", f"{name}.log"), ports=ports)
+                    argv=_local_command(container["command"]) + args + extra_args, env=env,
+                    log_path=os.path.join(node.output, "logs", f"{name}.log"), ports=ports)
 
 
 def _local_command(command: list[str]) -> list[str]:
