@@ -518,7 +518,8 @@ def _wait(kube: KubeEmulator, resource: str, name: str, namespace: str,
 
 
 def _drive_a_job_through_its_life(kube: KubeEmulator, chiefs: Chiefs, namespace: str) -> str:
-    """create, scale, autoscale (on, changed, off), a port change, running, finished, TTL.
+    """create, scale, autoscale (on, changed, off), NetworkPolicy (on, changed, off), a port
+    change, running, finished, TTL.
     The user's side goes through the emulator's in-process accessors, so every HTTP
     request the emulator records is the operator's. Returns the shards' image."""
     name = "rbac"
@@ -534,7 +535,14 @@ def _drive_a_job_through_its_life(kube: KubeEmulator, chiefs: Chiefs, namespace:
     _wait(kube, hpas, f"{name}-worker", namespace)
     kube.patch(JOBS, name, {"spec": {"workers": {"autoscaling": {"maxReplicas": 7}}}}, namespace)
     _wait(kube, hpas, f"{name}-worker", namespace, lambda h: h and h["spec"]["maxReplicas"] == 7)
+    policies = "networking.k8s.io/v1/networkpolicies"
+    kube.patch(JOBS, name, {"spec": {"parameterServers": {"networkPolicy": True}}}, namespace)
+    _wait(kube, policies, f"{name}-ps", namespace)
     kube.patch(JOBS, name, {"spec": {"parameterServers": {"port": 7071}}}, namespace)
+    _wait(kube, policies, f"{name}-ps", namespace,
+          lambda n: n and n["spec"]["ingress"][0]["ports"][0]["port"] == 7071)
+    kube.patch(JOBS, name, {"spec": {"parameterServers": {"networkPolicy": False}}}, namespace)
+    _wait(kube, policies, f"{name}-ps", namespace, lambda n: n is None)
     _wait(kube, "v1/services", f"{name}-ps", namespace,
           lambda s: s and any(p["port"] == 7071 for p in s["spec"]["ports"]))
     kube.patch(JOBS, name, {"spec": {"workers": {"autoscaling": None}}}, namespace)

@@ -386,3 +386,23 @@ def test_a_finished_job_runs_no_replicas_and_no_autoscaler(clean_pod_policy: str
     assert children["Deployment"]["spec"]["replicas"] == 0
     assert children["StatefulSet"]["spec"]["replicas"] == shard_replicas
     assert "HorizontalPodAutoscaler" not in children
+
+
+def test_the_shards_network_policy_admits_only_the_job_and_the_operator() -> None:
+    doc = example("digits-mlp.yaml")
+    assert "NetworkPolicy" not in {c["kind"] for c in render.render_children(spec.validate_job(doc), image=IMAGE)}
+    doc["spec"]["parameterServers"]["networkPolicy"] = True
+    children = {c["kind"]: c for c in render.render_children(spec.validate_job(doc), image=IMAGE)}
+    policy = children["NetworkPolicy"]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    shard_pods = children["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
+    worker_pods = children["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= shard_pods.items() and not selector.items() <= worker_pods.items()
+    job_rule, operator_rule = policy["spec"]["ingress"]
+    admitted = job_rule["from"][0]["podSelector"]["matchLabels"]
+    assert admitted.items() <= worker_pods.items() and admitted.items() <= shard_pods.items()
+    port = spec.validate_job(doc)["spec"]["parameterServers"]["port"]
+    assert job_rule["ports"] == [{"protocol": "TCP", "port": port}]
+    assert operator_rule["ports"] == [{"protocol": "TCP", "port": contract.METRICS_PORT}]
+    assert operator_rule["from"][0]["podSelector"]["matchLabels"] == contract.OPERATOR_LABELS

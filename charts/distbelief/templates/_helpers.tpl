@@ -95,6 +95,10 @@ ClusterRole (all namespaces) and the per-namespace Roles. */}}
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [get, create, patch, delete]
+# ... and the shards' NetworkPolicy, likewise removed when the spec stops asking for it.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch, delete]
 # The job's CurveZMQ key Secret <job>-keys: looked up, and created once when absent.
 # Never patched, listed or deleted (it is immutable; the job's deletion takes it).
 - apiGroups: [""]

@@ -121,14 +121,18 @@ def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> bool:
 
 
 def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool) -> dict[str, str]:
-    """Create or patch every rendered child; remove an HPA the spec no longer asks for."""
+    """Create or patch every rendered child; remove an optional child (the HPA, the
+    NetworkPolicy) that the spec no longer asks for."""
     children = render.render_children(job, image=IMAGE, finished=finished)
     results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c) for c in children}
     names = contract.JobNames(job["metadata"]["name"])
     namespace = job["metadata"].get("namespace") or "default"
-    if not any(c["kind"] == "HorizontalPodAutoscaler" for c in children):
-        if kube.delete("autoscaling/v2", "HorizontalPodAutoscaler", namespace, names.worker):
-            results[f"HorizontalPodAutoscaler/{names.worker}"] = "deleted"
+    optional = {("autoscaling/v2", "HorizontalPodAutoscaler"): names.worker,
+                ("networking.k8s.io/v1", "NetworkPolicy"): names.ps}
+    rendered = {(c["apiVersion"], c["kind"]) for c in children}
+    for (api_version, kind), name in optional.items():
+        if (api_version, kind) not in rendered and kube.delete(api_version, kind, namespace, name):
+            results[f"{kind}/{name}"] = "deleted"
     return results
 
 

@@ -28,6 +28,7 @@ PLURALS = {
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("distbelief.io/v1alpha1", "DistBeliefJob"): "distbeliefjobs",
 }
 # Fields the API server refuses to change after creation.

@@ -122,9 +122,7 @@ def render_children(job: Mapping[str, Any], *, image: str, finished: bool = Fals
         render_ps_statefulset(ctx),
         render_worker_deployment(ctx),
     ]
-    hpa = render_worker_hpa(ctx)
-    if hpa is not None:
-        children.append(hpa)
+    children += [c for c in (render_worker_hpa(ctx), render_ps_network_policy(ctx)) if c is not None]
     log.debug("rendered job=%s children=%d hash=%s", ctx.config.name, len(children),
               ctx.config_hash)
     return children
@@ -239,6 +237,29 @@ def render_worker_deployment(ctx: RenderContext) -> Manifest:
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
             "template": _pod_template(ctx, contract.ROLE_WORKER, container),
+        },
+    }
+
+
+def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
+    """When the spec asks: the shards admit their port only from the job's own pods (its
+    replicas, and the chief on shard 0) and their metrics port only from the operator."""
+    if not ctx.spec["parameterServers"].get("networkPolicy"):
+        return None
+    job = ctx.config.name
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "spec": {
+            "podSelector": {"matchLabels": contract.selector_labels(job, contract.ROLE_PS)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {contract.LABEL_JOB: job}}}],
+                 "ports": [{"protocol": "TCP", "port": ctx.config.shard_port}]},
+                {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(contract.OPERATOR_LABELS)}}],
+                 "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]},
+            ],
         },
     }
 

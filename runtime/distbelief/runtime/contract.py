@@ -56,6 +56,10 @@ ROLE_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 ROLE_PS = "ps"
 ROLE_WORKER = "worker"
 
+# Labels of the operator's pods (the Helm chart sets them): a job's NetworkPolicy admits
+# the operator to the shards' metrics port by them.
+OPERATOR_LABELS = {"app.kubernetes.io/name": "distbelief", "app.kubernetes.io/component": "operator"}
+
 LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ROLE = f"{API_GROUP}/role"
 
