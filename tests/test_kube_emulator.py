@@ -27,7 +27,7 @@ from kubernetes.client.rest import ApiException
 
 from kube import KubeEmulator
 from kube import objects
-from kube.plugin import JOB_CRD, kube, project_emulator  # noqa: F401  (kube is the fixture)
+from kube.plugin import JOB_CRD, project_emulator
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import logging
 import os
 import shutil
