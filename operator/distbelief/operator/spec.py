@@ -53,7 +53,6 @@ SUPPORTED_KEYWORDS = frozenset({
 _DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?\Z")
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
-_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+\Z")
 _SHOW_MAX = 60
 
 

@@ -118,8 +118,9 @@ def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str
 
 def _conditions(previous: list[Mapping[str, Any]], phase: str, reason: str, message: str, observed: Observed,
                 now: datetime.datetime) -> list[dict[str, Any]]:
-    wanted = {kind: ("True" if kind == phase else "False", reason if kind == phase else "", message if kind == phase else "")
-              for kind in CONDITION_TYPES}
+    wanted = {kind: ("False", "", "") for kind in CONDITION_TYPES}
+    if phase in wanted:  # Pending has no condition of its own
+        wanted[phase] = ("True", reason, message)
     wanted["Created"] = ("True", "ChildrenApplied", "the job's children exist") if observed.children_created \
         else ("False", "Pending", "the job's children are being created")
     if observed.shard_lock_message:

@@ -123,8 +123,8 @@ class Mlp:
                 else:
                     delta *= 1 - h * h
         if self.l2:
+            loss += self._l2_penalty(layers)
             for (weight, _), (grad_w, _) in zip(layers, grads):
-                loss += 0.5 * float(self.l2) * float(np.vdot(weight, weight))
                 grad_w += self.l2 * weight
         return loss, grad
 
@@ -134,9 +134,11 @@ class Mlp:
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         logits = self._logits(self._layers(params), x)
         loss = _softmax_cross_entropy_inplace(logits, y)
-        if self.l2:
-            loss += sum(0.5 * float(self.l2) * float(np.vdot(w, w)) for w, _ in self._layers(params))
-        return loss
+        return loss + self._l2_penalty(self._layers(params)) if self.l2 else loss
+
+    def _l2_penalty(self, layers: list[tuple[np.ndarray, np.ndarray]]) -> float:
+        """l2/2 times the sum of the squared weights (biases are not regularised)."""
+        return 0.5 * float(self.l2) * sum(float(np.vdot(weight, weight)) for weight, _ in layers)
 
 
 def _softmax_cross_entropy_inplace(logits: np.ndarray, y: np.ndarray) -> float:
