@@ -115,6 +115,11 @@ def load(path: str) -> Checkpoint:
     return Checkpoint(step=step, layout=layout, shard=shard, arrays=arrays, meta=dict(header.get("meta", {})))
 
 
+def step_of(path: str) -> int:
+    """The step a checkpoint file's name says it holds."""
+    return int(os.path.basename(path)[len("step-"):-len(SUFFIX)])
+
+
 def list_checkpoints(folder: str) -> list[str]:
     """Checkpoint files in folder, newest first."""
     try:

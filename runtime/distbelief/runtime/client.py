@@ -32,7 +32,11 @@ STOP_POLL_SECONDS = 0.25  # how often a waiting round looks at its stop event
 @dataclasses.dataclass(frozen=True)
 class Reply:
     header: Header
-    text: str = ""
+    payload: bytes = b""   # a small reply payload (text or a fixed struct), never parameters
+
+    @property
+    def text(self) -> str:
+        return self.payload.decode("utf-8", errors="replace")
 
     @property
     def done(self) -> bool:
@@ -45,7 +49,7 @@ class Timeouts:
     unavailable: float = 300.0   # give up on a shard after this long without an answer
 
 
-class _Connection:
+class Connection:
     """One DEALER socket to one shard, recreated after a silence (which drops stale replies)."""
 
     def __init__(self, context: zmq.Context, address: str, shard: int, curve: dict | None) -> None:
@@ -81,7 +85,7 @@ class ShardGroup:
         self.timeouts = timeouts
         self.stop = stop or threading.Event()  # set: a waiting round gives up (Stopped)
         self._context = context or zmq.Context.instance()
-        self._connections = [_Connection(self._context, a, i, curve) for i, a in enumerate(addresses)]
+        self._connections = [Connection(self._context, a, i, curve) for i, a in enumerate(addresses)]
         self._seq = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -109,20 +113,45 @@ class ShardGroup:
 
     def done(self, reason: str, outcome: str) -> list[Reply]:
         text = json.dumps({"reason": reason, "outcome": outcome})
-        return self._round(Op.DONE, text=text)
+        return self._round(Op.DONE, data=text.encode())
+
+    # -- Sandblaster: the coordinator's commands and the replicas' work units ----------
+
+    def begin_evaluation(self, evaluation: int, units: int) -> list[Reply]:
+        return self._round(Op.BEGIN_EVAL, step=evaluation, count=units)
+
+    def pull_point(self, out: np.ndarray) -> list[Reply]:
+        """Fill out with the trial point; each reply's step is that shard's evaluation id."""
+        return self._round(Op.PULL_POINT, receive_into=out)
+
+    def accumulate(self, grad: np.ndarray, *, evaluation: int, unit: int) -> list[Reply]:
+        return self._round(Op.ACCUMULATE, payload=grad, step=evaluation, examples=unit)
+
+    def vector(self, command: protocol.VectorCommand) -> list[Reply]:
+        return self._round(Op.VECTOR, data=command.pack())
+
+    def commit(self, iteration: int, state: dict) -> list[Reply]:
+        return self._round(Op.COMMIT, step=iteration, data=json.dumps(state).encode())
+
+    def rollback(self, iteration: int) -> list[Reply]:
+        return self._round(Op.ROLLBACK, step=iteration)
+
+    def sandblaster_state(self) -> list[Reply]:
+        return self._round(Op.STATE)
 
     # -- one request to every shard at once -------------------------------------------
 
     def _round(self, op: Op, *, payload: np.ndarray | None = None, receive_into: np.ndarray | None = None,
-               steps: Sequence[int] | None = None, examples: int = 0, loss: float = 0.0,
-               text: str | None = None) -> list[Reply]:
+               steps: Sequence[int] | None = None, step: int = 0, count: int = 0, examples: int = 0,
+               loss: float = 0.0, data: bytes | None = None) -> list[Reply]:
+        """payload: a flat vector each shard gets its slice of; data: bytes every shard gets."""
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         targets = list(range(self.layout.shards))
         headers = {i: Header(op=op, shard=i, layout=self.layout.hash, seq=self._seq, worker=self.worker_id,
-                             step=steps[i] if steps else 0, examples=examples, loss=loss,
-                             count=self.layout.size(i) if payload is not None else 0)
+                             step=steps[i] if steps else step, examples=examples, loss=loss,
+                             count=self.layout.size(i) if payload is not None else count)
                    for i in targets}
-        bodies = {i: self._body(i, payload, text) for i in targets}
+        bodies = {i: self._body(i, payload, data) for i in targets}
         for i in targets:
             self._send(i, headers[i], bodies[i])
         replies: dict[int, Reply] = {}
@@ -149,11 +178,11 @@ class ShardGroup:
                 attempt_deadline = time.monotonic() + self.timeouts.request
         return [replies[i] for i in targets]
 
-    def _body(self, shard: int, payload: np.ndarray | None, text: str | None) -> list:
+    def _body(self, shard: int, payload: np.ndarray | None, data: bytes | None) -> list:
         if payload is not None:
             start, stop = self.layout.bounds(shard)
             return [memoryview(payload[start:stop])]
-        return [text.encode()] if text is not None else []
+        return [data] if data is not None else []
 
     def _send(self, shard: int, header: Header, body: list) -> None:
         frames = [header.pack(), *body]
@@ -185,18 +214,19 @@ class ShardGroup:
             if more:
                 socket.recv(copy=False)
             return None
-        text = ""
+        data = b""
         if more and header.status == Status.OK and receive_into is not None:
             self._receive_slice(socket, shard, header, receive_into)
         elif more:
-            text = protocol.decode_text(socket.recv(copy=False).buffer)
-            self.bytes_in += len(text)
+            data = protocol.small_payload(socket.recv(copy=False).buffer)
+            self.bytes_in += len(data)
+        reply = Reply(header=header, payload=data)
         if header.status == Status.ERROR:
             address = self._connections[shard].address
-            if "layout" in text:
-                raise errors.LayoutMismatch(f"shard {shard} at {address} refused us: {text}")
-            raise errors.ShardRefused(f"shard {shard} at {address} refused {Op(request.op).name}: {text}")
-        return Reply(header=header, text=text)
+            if "layout" in reply.text:
+                raise errors.LayoutMismatch(f"shard {shard} at {address} refused us: {reply.text}")
+            raise errors.ShardRefused(f"shard {shard} at {address} refused {Op(request.op).name}: {reply.text}")
+        return reply
 
     def _receive_slice(self, socket: zmq.Socket, shard: int, header: Header, out: np.ndarray) -> None:
         start, stop = self.layout.bounds(shard)

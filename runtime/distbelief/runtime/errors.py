@@ -51,3 +51,11 @@ class CorruptCheckpoint(CheckpointError):
 
 class ConfigError(RuntimeFailure):
     pass
+
+
+class ShardRestarted(RuntimeFailure):
+    """A shard lost the state of the running Sandblaster iteration (it restarted)."""
+
+
+class JobFinished(RuntimeFailure):
+    """A shard answered that the job is done."""

@@ -65,6 +65,29 @@ class ChiefMetrics:
                                    ["reason", "outcome"], registry=registry)
 
 
+class CoordinatorMetrics:
+    """Figures of the Sandblaster coordinator (beside shard 0)."""
+
+    def __init__(self, registry: prom.CollectorRegistry) -> None:
+        def gauge(name: str, doc: str) -> prom.Gauge:
+            return prom.Gauge(f"distbelief_sandblaster_{name}", doc, registry=registry)
+
+        def counter(name: str, doc: str) -> prom.Counter:
+            return prom.Counter(f"distbelief_sandblaster_{name}", doc, registry=registry)
+
+        self.iteration = gauge("iteration", "L-BFGS iterations committed")
+        self.objective = gauge("objective", "Training objective at the committed parameters")
+        self.gradient_norm = gauge("gradient_norm", "Norm of the gradient at the committed parameters")
+        self.evaluations = counter("evaluations", "Objective and gradient evaluations over the whole batch")
+        self.units = counter("units", "Work units handed out, backup copies included")
+        self.backups = counter("backup_units", "Backup copies of unfinished work units handed out")
+        self.duplicates = counter("duplicate_results", "Results dropped because another copy finished first")
+        self.recoveries = counter("recoveries", "Rollbacks to a committed iteration after a shard restarted")
+        self.evaluation_seconds = prom.Histogram("distbelief_sandblaster_evaluation_seconds",
+                                                 "Time to evaluate the objective over the whole batch",
+                                                 buckets=LATENCY_BUCKETS, registry=registry)
+
+
 class WorkerMetrics:
     def __init__(self, registry: prom.CollectorRegistry) -> None:
         self.steps = prom.Counter("distbelief_worker_steps", "Minibatches this replica has computed", registry=registry)

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import zmq
@@ -42,6 +42,17 @@ RATE_WINDOW_SECONDS = 5.0
 LOSS_EMA = 0.05
 
 Handler = Callable[[Header, list], list]
+
+
+class Extension(Protocol):
+    """State an algorithm keeps on the shard beside its parameters (Sandblaster's vectors),
+    saved in and restored from the shard's checkpoints."""
+
+    def arrays(self) -> dict[str, np.ndarray]: ...
+
+    def meta(self) -> dict: ...
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> None: ...
 
 
 @dataclasses.dataclass
@@ -93,12 +104,17 @@ class Shard:
         self._saved_finished = False
         self._admission: keys.Admission | None = None
         self._checkpoint_failures = 0  # in a row; reset by the next checkpoint that lands
+        self.extension: Extension | None = None
 
     # -- life cycle ------------------------------------------------------------------
 
-    def register(self, op: int, handler: Handler) -> None:
-        """Add an op (the coordinator's vector ops extend the table this way)."""
-        self._handlers[op] = handler
+    def register(self, op: int, handler: Handler | None) -> None:
+        """Add an op (the coordinator's vector ops extend the table this way), or with
+        None take one away (a Sandblaster shard applies no Downpour pushes)."""
+        if handler is None:
+            self._handlers.pop(op, None)
+        else:
+            self._handlers[op] = handler
 
     def restore(self) -> None:
         try:
@@ -109,17 +125,25 @@ class Shard:
         if ckpt is None:
             log.info("event=fresh_start shard=%d params=%d", self.index, self.params.size)
             return
-        self.params[...] = ckpt.arrays["params"]
-        self.optimizer.load_state({k: v for k, v in ckpt.arrays.items() if k != "params"})
-        self.step = ckpt.step
+        self.load(ckpt)
         self.restarts = int(ckpt.meta.get("restarts", 0)) + 1
         self.start_time = float(ckpt.meta.get("startTime", self.start_time))
         self.finished = ckpt.meta.get("finished")
         self.examples_total = int(ckpt.meta.get("examples", 0))
-        self._last_checkpoint = (time.monotonic(), self.step)
-        self.metrics.checkpoint_step.set(self.step)
         log.info("event=restored shard=%d step=%d restarts=%d finished=%s",
                  self.index, self.step, self.restarts, bool(self.finished))
+
+    def load(self, ckpt: checkpoint.Checkpoint) -> None:
+        """Take the training state of a checkpoint (at start, or a Sandblaster rollback)."""
+        self.params[...] = ckpt.arrays["params"]
+        own = self.optimizer.state()
+        self.optimizer.load_state({k: v for k, v in ckpt.arrays.items() if k in own})
+        if self.extension is not None:
+            self.extension.restore(ckpt)
+        self.step = ckpt.step
+        self._last_checkpoint = (time.monotonic(), self.step)
+        self.metrics.checkpoint_step.set(self.step)
+        self.metrics.global_step.set(self.step)
 
     def stop(self) -> None:
         self._stop.set()
@@ -280,15 +304,16 @@ class Shard:
             self._warm_owner = (header.worker, time.monotonic())
         self.metrics.global_step.set(self.step)
         self.metrics.staleness.observe(staleness)
-        self.metrics.examples.inc(header.examples)
-        self.examples_total += header.examples
+        self.count_examples(header.examples)
         self._train_loss = header.loss if self._train_loss is None else (
             (1 - LOSS_EMA) * self._train_loss + LOSS_EMA * header.loss)
         self.metrics.train_loss.set(self._train_loss)
-        self._update_rate(header.examples)
         self.step_reached(self.step)
 
-    def _update_rate(self, examples: int) -> None:
+    def count_examples(self, examples: int) -> None:
+        """Examples trained on, for the totals and the examples/s rate."""
+        self.metrics.examples.inc(examples)
+        self.examples_total += examples
         now = time.monotonic()
         self._rate_window.append((now, examples))
         while self._rate_window and now - self._rate_window[0][0] > RATE_WINDOW_SECONDS:
@@ -333,6 +358,9 @@ class Shard:
         meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
                 "optimizer": self.optimizer.name, "examples": self.examples_total}
         arrays = {"params": self.params, **self.optimizer.state()}
+        if self.extension is not None:
+            arrays.update(self.extension.arrays())
+            meta.update(self.extension.meta())
         ckpt = checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index,
                                      arrays=arrays, meta=meta)
         try:

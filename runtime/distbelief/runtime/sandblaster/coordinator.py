@@ -1,0 +1,301 @@
+"""The Sandblaster coordinator: drives L-BFGS over the shards and hands out work units.
+
+It runs beside shard 0, in its own thread with its own sockets: a client of every shard
+(as the chief is) and a ROUTER that the replicas ask for work. It never holds a vector.
+ShardSpace turns each L-BFGS operation into one command to every shard and sums the
+scalars they return; an evaluation hands the batch's units to replicas until all are in.
+
+Recovery: every command's answer carries the shard's incarnation. When one changes (a
+shard restarted) or a replica reports that a shard lost its evaluation, the coordinator
+asks every shard which committed iterations it holds, rolls them all back to the newest
+common one, and resumes from the scalar state committed with it. A restarted coordinator
+(shard 0 restarted) starts the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import threading
+import time
+
+import zmq
+
+from distbelief.runtime import errors, keys, protocol
+from distbelief.runtime.client import Reply, ShardGroup
+from distbelief.runtime.metrics import CoordinatorMetrics
+from distbelief.runtime.protocol import Header, Op, Status, UnitResult, VectorCode, VectorCommand, VectorResult
+from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings, LbfgsState
+from distbelief.runtime.sandblaster.workqueue import WorkQueue
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100
+IDLE_CHECK_SECONDS = 0.5   # after converging: how often to look whether the chief has ended the job
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorSettings:
+    bind: str
+    examples: int                  # the batch: the whole training set
+    unit_size: int = 64
+    backups: bool = True
+    reissue_after: float = 30.0
+    max_iterations: int = 1000
+    lbfgs: LbfgsSettings = LbfgsSettings()
+    curve: dict | None = None
+    curve_clients: frozenset[bytes] = frozenset()
+
+
+class Coordinator:
+    def __init__(self, settings: CoordinatorSettings, group: ShardGroup, metrics: CoordinatorMetrics, *,
+                 context: zmq.Context | None = None, stop: threading.Event | None = None) -> None:
+        self.settings, self.group, self.metrics = settings, group, metrics
+        self.queue = WorkQueue(settings.examples, settings.unit_size, backups=settings.backups,
+                               reissue_after=settings.reissue_after)
+        self.space = ShardSpace(group, self._evaluate)
+        self.lbfgs = Lbfgs(self.space, settings.lbfgs)
+        self.state: LbfgsState | None = None
+        self.failure: BaseException | None = None
+        self.endpoint = settings.bind
+        self._stop = stop or group.stop
+        self._context = context or zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+        self._admission: keys.Admission | None = None
+        self._idle: dict[int, tuple[bytes, Header]] = {}   # replicas waiting for a unit
+        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._socket = self._bind()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _bind(self) -> zmq.Socket:
+        socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.MAXMSGSIZE, protocol.HEADER.size + protocol.MAX_TEXT_BYTES)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self.settings.curve:
+            domain = f"distbelief-coordinator-{id(self):x}"
+            self._admission = keys.admit_clients(self._context, domain, self.settings.curve_clients)
+            socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+            for option, value in self.settings.curve.items():
+                socket.setsockopt(option, value)
+        try:
+            socket.bind(self.settings.bind)
+        except zmq.ZMQError as exc:
+            socket.close(linger=0)
+            raise errors.ConfigError(f"the coordinator cannot listen on {self.settings.bind}: {exc}") from exc
+        self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("event=coordinator_listening address=%s units=%d unit_size=%d", self.endpoint,
+                 self.queue.units, self.settings.unit_size)
+        return socket
+
+    def _run(self) -> None:
+        try:
+            self._optimise()
+            self._answer_done_until_stopped()
+        except errors.Stopped:
+            pass
+        except Exception as exc:  # the coordinator must take its shard down rather than hang the job
+            log.exception("event=coordinator_failed error=%r", str(exc))
+            self.failure = exc
+        finally:
+            self._socket.close(linger=0)
+            if self._admission is not None:
+                self._admission.close()
+            self.group.close()
+
+    def _optimise(self) -> None:
+        """Iterate until converged, out of iterations, or the job is done; recover on the way."""
+        while not self._stop.is_set():
+            try:
+                state = self._resume()
+                while state.converged is None and state.iteration < self.settings.max_iterations:
+                    state = self.lbfgs.iterate(state)
+                    self._commit(state)
+                self._wait_for_the_end()
+                return
+            except errors.ShardRestarted as exc:
+                self.metrics.recoveries.inc()
+                log.warning("event=recovering reason=%r", str(exc))
+            except errors.JobFinished:
+                return
+
+    def _wait_for_the_end(self) -> None:
+        """Converged or out of iterations: the chief ends the job; replicas wait until then."""
+        while not self._stop.is_set():
+            self._serve(IDLE_CHECK_SECONDS)
+            self.space.check(self.group.sandblaster_state())
+
+    # -- committed state ---------------------------------------------------------------------
+
+    def _resume(self) -> LbfgsState:
+        """Bring every shard to the newest iteration they all hold; a fresh start if none."""
+        replies = self.group.sandblaster_state()
+        if any(r.done for r in replies):
+            raise errors.JobFinished()
+        states = [json.loads(r.text) for r in replies]
+        self.space.incarnations = [int(s["incarnation"]) for s in states]
+        common = set.intersection(*(set(s["checkpoints"]) for s in states))
+        if common:
+            iteration = max(common)
+            self.space.check(self.group.rollback(iteration))
+            docs = [json.loads(r.text)["coordinator"] for r in self.space.check(self.group.sandblaster_state())]
+            if all(doc is not None and doc.get("iteration") == iteration for doc in docs):
+                state = LbfgsState.from_json(docs[0])
+                log.info("event=resumed iteration=%d objective=%.6g", state.iteration, state.objective)
+                self._publish(state)
+                return state
+        state = self.lbfgs.initialize()
+        self._commit(state)
+        log.info("event=started objective=%.6g gradient_norm=%.3g", state.objective, state.gradient_norm)
+        return state
+
+    def _commit(self, state: LbfgsState) -> None:
+        self.space.check(self.group.commit(state.iteration, state.to_json()))
+        self._publish(state)
+        log.info("event=iteration iteration=%d objective=%.8g gradient_norm=%.3g evaluations=%d converged=%s",
+                 state.iteration, state.objective, state.gradient_norm, state.evaluations, state.converged)
+
+    def _publish(self, state: LbfgsState) -> None:
+        self.state = state
+        self.metrics.iteration.set(state.iteration)
+        self.metrics.objective.set(state.objective)
+        self.metrics.gradient_norm.set(state.gradient_norm)
+
+    # -- one evaluation over the whole batch -------------------------------------------------
+
+    def _evaluate(self) -> float:
+        started = time.perf_counter()
+        evaluation = random.getrandbits(63) or 1
+        self.space.check(self.group.begin_evaluation(evaluation, self.queue.units))
+        self.queue.begin(evaluation)
+        for worker in list(self._idle):
+            self._hand_out(worker)
+        while not self.queue.finished:
+            if self._stop.is_set():
+                raise errors.Stopped("stopped during an evaluation")
+            self._serve(POLL_MS / 1000)
+        self._verify(evaluation)
+        self.metrics.evaluations.inc()
+        self.metrics.evaluation_seconds.observe(time.perf_counter() - started)
+        return self.queue.objective
+
+    def _verify(self, evaluation: int) -> None:
+        """Every shard holds every unit of this evaluation (none restarted meanwhile)."""
+        states = [json.loads(r.text) for r in self.space.check(self.group.sandblaster_state())]
+        for shard, state in enumerate(states):
+            if state["evaluation"] != evaluation or state["units"] != self.queue.units:
+                raise errors.ShardRestarted(f"shard {shard} holds {state['units']} of {self.queue.units} units")
+
+    def _serve(self, seconds: float) -> None:
+        """Answer replicas' WORK requests for up to `seconds` (less once all units are in)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            timeout = max(0.0, deadline - time.monotonic())
+            if not self._socket.poll(int(timeout * 1000)):
+                return
+            self._handle(self._socket.recv_multipart())
+            if self.queue.finished and self.queue.evaluation:
+                return
+
+    def _handle(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        try:
+            header = protocol.unpack_header(body[0]) if body else None
+            if header is None or header.op != Op.WORK or header.layout != self.group.layout.hash or len(body) > 2:
+                raise errors.ProtocolError("expected a WORK request for this job's layout")
+            result = UnitResult.unpack(body[1]) if len(body) == 2 else None
+        except errors.ProtocolError as exc:
+            log.warning("event=rejected role=coordinator reason=%r", str(exc))
+            return  # dropped: nothing a replica could mistake for work
+        self._idle[header.worker] = (identity, header)
+        if result is not None:
+            self._take(header.worker, result)
+        self._hand_out(header.worker)
+
+    def _take(self, worker: int, result: UnitResult) -> None:
+        if result.lost and result.evaluation == self.queue.evaluation:
+            raise errors.ShardRestarted(f"replica {worker:08x} found a shard without evaluation {result.evaluation}")
+        before = self.queue.stats.duplicates
+        self.queue.complete(worker, result.evaluation, result.unit, result.loss)
+        self.metrics.duplicates.inc(self.queue.stats.duplicates - before)
+
+    def _hand_out(self, worker: int) -> None:
+        identity, header = self._idle[worker]
+        backups = self.queue.stats.backups
+        unit = self.queue.assign(worker)
+        if unit is None:
+            return  # stays idle until the next evaluation starts
+        del self._idle[worker]
+        self.metrics.units.inc()
+        self.metrics.backups.inc(self.queue.stats.backups - backups)
+        self._reply(identity, header, Status.OK, unit.pack())
+
+    def _reply(self, identity: bytes, header: Header, status: int, payload: bytes | None = None) -> None:
+        frames = [identity, header.reply(status=status).pack(), *([payload] if payload else [])]
+        try:
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("event=reply_dropped role=coordinator worker=%08x", header.worker)
+
+    def _answer_done_until_stopped(self) -> None:
+        """The job is over: every replica that asks (or waits) hears so, until shard 0 exits."""
+        for identity, header in self._idle.values():
+            self._reply(identity, header, Status.DONE)
+        self._idle.clear()
+        while not self._stop.is_set():
+            if self._socket.poll(POLL_MS):
+                frames = self._socket.recv_multipart()
+                try:
+                    header = protocol.unpack_header(frames[1])
+                except (errors.ProtocolError, IndexError):
+                    continue
+                self._reply(frames[0], header, Status.DONE)
+
+
+class ShardSpace:
+    """lbfgs.VectorSpace over every shard's slices: one command per operation, to all
+    shards at once; dot products are the sum of the shards' parts."""
+
+    def __init__(self, group: ShardGroup, evaluate) -> None:
+        self.group = group
+        self.evaluate = evaluate
+        self.incarnations: list[int] = []
+
+    def check(self, replies: list[Reply]) -> list[Reply]:
+        """Raise if the job is done or a shard is not the process the coordinator knew."""
+        if any(r.done for r in replies):
+            raise errors.JobFinished()
+        for shard, reply in enumerate(replies):
+            if len(reply.payload) == VectorResult.STRUCT.size:
+                incarnation = VectorResult.unpack(reply.payload).incarnation
+            else:
+                incarnation = int(json.loads(reply.text)["incarnation"])
+            if self.incarnations and incarnation != self.incarnations[shard]:
+                raise errors.ShardRestarted(f"shard {shard} restarted")
+        return replies
+
+    def _run(self, code: VectorCode, out: int = 0, a: int = 0, b: int = 0, scalar: float = 0.0) -> float:
+        replies = self.check(self.group.vector(VectorCommand(code=code, out=out, a=a, b=b, scalar=scalar)))
+        return sum(VectorResult.unpack(r.payload).value for r in replies)
+
+    def dot(self, a: int, b: int) -> float:
+        return self._run(VectorCode.DOT, a=a, b=b)
+
+    def axpy(self, out: int, alpha: float, a: int) -> None:
+        self._run(VectorCode.AXPY, out=out, a=a, scalar=alpha)
+
+    def scale(self, out: int, alpha: float) -> None:
+        self._run(VectorCode.SCALE, out=out, scalar=alpha)
+
+    def copy(self, out: int, a: int) -> None:
+        self._run(VectorCode.COPY, out=out, a=a)
+

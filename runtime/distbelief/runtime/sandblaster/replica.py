@@ -1,0 +1,133 @@
+"""One model replica under Sandblaster: asks the coordinator for work units, evaluates
+each at the current trial point, and adds the unit's gradient to the shards.
+
+    WORK (with the last unit's result) -> a unit: examples [start, stop) of the batch
+    the first unit of an evaluation: pull the trial point from every shard
+    gradient of the unit's mean loss, weighted by its share of the batch -> ACCUMULATE
+
+Weighting by share makes the units' sum the gradient of the whole batch's objective,
+whatever replica computed which unit. If a shard answers that it holds another
+evaluation than the unit's, the replica reports the unit as lost (the shard restarted).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from distbelief.runtime import errors, protocol
+from distbelief.runtime.client import Connection, ShardGroup
+from distbelief.runtime.data import Dataset
+from distbelief.runtime.metrics import WorkerMetrics
+from distbelief.runtime.models import Model
+from distbelief.runtime.protocol import Header, Op, Status, UnitResult, WorkUnit
+
+log = logging.getLogger(__name__)
+
+ASK_TIMEOUT_SECONDS = 5.0   # ask again (on a fresh connection) after this long without an answer
+STOP_POLL_MS = 250
+
+
+class CoordinatorLink:
+    """The replica's request/reply channel to the coordinator."""
+
+    def __init__(self, address: str, *, worker_id: int, layout: int, curve: dict | None,
+                 stop: threading.Event, context: zmq.Context | None = None) -> None:
+        self.worker_id, self.layout, self.stop = worker_id, layout, stop
+        self.connection = Connection(context or zmq.Context.instance(), address, 0, curve)
+        self._seq = 0
+
+    def ask(self, result: UnitResult | None) -> tuple[int, WorkUnit | None]:
+        """Send the last result, wait for the next unit: (status, unit)."""
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        header = Header(op=Op.WORK, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id)
+        frames = [header.pack(), *([result.pack()] if result else [])]
+        self.connection.socket.send_multipart(frames)
+        deadline = time.monotonic() + ASK_TIMEOUT_SECONDS
+        while not self.stop.is_set():
+            if time.monotonic() >= deadline:
+                log.info("event=coordinator_silent address=%s action=ask_again", self.connection.address)
+                self.connection.reconnect()
+                self.connection.socket.send_multipart(frames)
+                deadline = time.monotonic() + ASK_TIMEOUT_SECONDS
+            if not self.connection.socket.poll(STOP_POLL_MS):
+                continue
+            reply = self.connection.socket.recv_multipart()
+            answer = protocol.unpack_header(reply[0])
+            if answer.seq != self._seq:
+                continue  # the answer to a request asked again
+            if answer.status == Status.OK:
+                if len(reply) != 2:
+                    raise errors.ProtocolError("the coordinator sent work without a unit")
+                return answer.status, WorkUnit.unpack(reply[1])
+            return answer.status, None
+        raise errors.Stopped("stopped while waiting for the coordinator")
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+class Replica:
+    def __init__(self, group: ShardGroup, link: CoordinatorLink, model: Model, dataset: Dataset,
+                 metrics: WorkerMetrics, *, stop: threading.Event) -> None:
+        self.group, self.link, self.model, self.metrics = group, link, model, metrics
+        self.x, self.y = dataset.x_train, dataset.y_train
+        self.stop_requested = stop
+        self.joined = threading.Event()
+        self.point = np.empty(group.layout.total, dtype=np.float32)
+        self.grad = np.empty(group.layout.total, dtype=np.float32)
+        self.evaluation = 0   # the evaluation whose trial point self.point holds
+        self.steps = 0
+
+    def run(self) -> str:
+        result: UnitResult | None = None
+        while not self.stop_requested.is_set():
+            status, unit = self.link.ask(result)
+            self.joined.set()
+            if status == Status.DONE:
+                return "done"
+            if unit is None:
+                result = None
+                continue
+            try:
+                result = self._work(unit)
+            except errors.JobFinished:
+                return "done"
+        return "stopped"
+
+    def _work(self, unit: WorkUnit) -> UnitResult:
+        if unit.evaluation != self.evaluation and not self._pull(unit.evaluation):
+            return UnitResult(evaluation=unit.evaluation, unit=unit.unit, examples=0, loss=0.0, lost=True)
+        n = unit.stop - unit.start
+        share = n / unit.total
+        batch = (self.x[unit.start:unit.stop], self.y[unit.start:unit.stop])
+        loss, _ = self.model.loss_and_grad(self.point, batch, out=self.grad)
+        self.grad *= np.float32(share)
+        self.metrics.steps.inc()
+        self.metrics.examples.inc(n)
+        self.metrics.loss.set(loss)
+        started = time.perf_counter()
+        replies = self.group.accumulate(self.grad, evaluation=unit.evaluation, unit=unit.unit)
+        self.metrics.push_seconds.observe(time.perf_counter() - started)
+        if any(r.done for r in replies):
+            raise errors.JobFinished()
+        self.steps += 1
+        lost = any(r.header.step != unit.evaluation for r in replies)
+        return UnitResult(evaluation=unit.evaluation, unit=unit.unit, examples=n, loss=loss * share, lost=lost)
+
+    def _pull(self, evaluation: int) -> bool:
+        """The trial point of this evaluation; False if a shard holds another one."""
+        started = time.perf_counter()
+        replies = self.group.pull_point(self.point)
+        self.metrics.pull_seconds.observe(time.perf_counter() - started)
+        if any(r.done for r in replies):
+            raise errors.JobFinished()
+        if any(r.header.step != evaluation for r in replies):
+            self.evaluation = 0
+            return False
+        self.evaluation = evaluation
+        return True
