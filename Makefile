@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv kube-tools clean
+.PHONY: demo test venv kube-tools clean bench
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,12 @@ kube-tools: venv
 
 test: venv kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q
+
+# Benchmarks: installs the bench extra (torch, the peer), then runs benchmarks/run_all.py,
+# which merges the parameter-server and MLP-step figures into benchmarks/results.json.
+bench: venv
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/python benchmarks/run_all.py --json benchmarks/results.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
