@@ -3,7 +3,10 @@ tasks, and the whole method over real shards, a coordinator and replicas on loop
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +14,9 @@ import prometheus_client as prom
 import pytest
 import scipy.optimize
 
-from distbelief.runtime import data, errors, models, protocol
+from conftest import load_example
+from distbelief.operator import local, render, report, scrape, spec
+from distbelief.runtime import contract, data, errors, models, protocol
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
@@ -169,22 +174,35 @@ def test_vector_ops_run_on_each_slice_and_refuse_bad_commands(tmp_path):
 # -- the whole method on loopback ------------------------------------------------------------
 
 
-def run_sandblaster(folder, dataset, model, x0, *, replicas=2, shards=2, iterations=1000):
+class SlowModel:
+    """A replica's model that takes `delay` seconds longer per work unit."""
+
+    def __init__(self, model, delay):
+        self.model, self.delay = model, delay
+
+    def loss_and_grad(self, params, batch, out=None):
+        time.sleep(self.delay)
+        return self.model.loss_and_grad(params, batch, out=out)
+
+
+def run_sandblaster(folder, dataset, model, x0, *, replicas=2, shards=2, iterations=1000, backups=True,
+                    delays=()):
     layout = Layout.of(model.shapes, shards)
     live = start_vector_shards(folder, layout, x0)
     stop = threading.Event()
     settings = CoordinatorSettings(bind="tcp://127.0.0.1:*", examples=len(dataset.x_train), unit_size=64,
-                                   max_iterations=iterations,
+                                   max_iterations=iterations, backups=backups,
                                    lbfgs=LbfgsSettings(history=HISTORY, gradient_tolerance=1e-6))
     coordinator = Coordinator(settings, group_of(live, layout), CoordinatorMetrics(prom.CollectorRegistry()),
                               stop=stop)
     coordinator.start()
     workers = []
-    for _ in range(replicas):
+    for i in range(replicas):
         group = group_of(live, layout, stop=stop)
         link = CoordinatorLink(coordinator.endpoint, worker_id=group.worker_id, layout=layout.hash, curve=None,
                                stop=stop)
-        replica = Replica(group, link, model, dataset, WorkerMetrics(prom.CollectorRegistry()), stop=stop)
+        own_model = SlowModel(model, delays[i]) if i < len(delays) else model
+        replica = Replica(group, link, own_model, dataset, WorkerMetrics(prom.CollectorRegistry()), stop=stop)
         thread = threading.Thread(target=lambda r=replica: _quietly(r.run), daemon=True)
         thread.start()
         workers.append(thread)
@@ -219,3 +237,107 @@ def test_distributed_lbfgs_matches_scipy_on_a_convex_problem(tmp_path, convex_pr
         coordinator.stop()
         for shard in shards:
             shard.stop()
+
+
+def _evaluation_seconds(folder, convex_problem, **options) -> tuple[float, Coordinator]:
+    """Mean seconds per evaluation over 3 iterations with 3 replicas."""
+    dataset, model, x0, _ = convex_problem
+    shards, coordinator, stop = run_sandblaster(folder, dataset, model, x0, replicas=3, iterations=3, **options)
+    try:
+        for _ in range(600):
+            if coordinator.state is not None and coordinator.state.iteration >= 3:
+                break
+            stop.wait(0.2)
+        histogram = coordinator.metrics.evaluation_seconds
+        samples = {s.name: s.value for s in histogram.collect()[0].samples}
+        return (samples["distbelief_sandblaster_evaluation_seconds_sum"]
+                / samples["distbelief_sandblaster_evaluation_seconds_count"]), coordinator
+    finally:
+        stop.set()
+        coordinator.stop()
+        for shard in shards:
+            shard.stop()
+
+
+SLOW = 0.25  # seconds a straggler adds to each work unit (the others take about a millisecond)
+
+
+def test_backup_tasks_keep_a_slow_replica_from_holding_up_the_batch(tmp_path, convex_problem):
+    """One replica of three takes SLOW s longer per unit. With backups, its units are
+    redone by the others and its late results dropped; the factor against a run with no
+    straggler is printed (docs/benchmarks.md), not asserted: it is wall time."""
+    clean, _ = _evaluation_seconds(tmp_path / "clean", convex_problem)
+    without, plain = _evaluation_seconds(tmp_path / "no-backups", convex_problem, backups=False, delays=[SLOW])
+    slowed, coordinator = _evaluation_seconds(tmp_path / "backups", convex_problem, delays=[SLOW])
+    stats = coordinator.queue.stats
+    assert stats.backups > 0 and stats.duplicates > 0
+    assert plain.queue.stats.backups == 0
+    print(f"evaluation seconds: clean {clean:.3f}, straggler without backups {without:.3f}, "
+          f"with backups {slowed:.3f}; factors {without / clean:.1f}x and {slowed / clean:.1f}x")
+
+
+# -- the example job in local mode, with a replica and a shard killed --------------------------
+
+
+def _step(run: local.LocalRun) -> int:
+    try:
+        return scrape.read(f"http://127.0.0.1:{run.shards[0].ports[contract.METRICS_PORT_NAME]}/metrics").global_step or 0
+    except Exception:
+        return 0  # shard 0 is restarting
+
+
+def _kill_when(run: local.LocalRun, thread: threading.Thread, pod: local.LocalPod, step: int) -> bool:
+    while thread.is_alive():
+        if _step(run) >= step and pod.running:
+            pod.process.send_signal(signal.SIGKILL)
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_the_example_converges_locally_through_a_replica_and_a_shard_kill(tmp_path, convex_problem):
+    _, _, _, optimum = convex_problem
+    doc = load_example("digits-sandblaster.yaml")
+    run = local.LocalRun(spec.validate_job(doc), str(tmp_path))
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)), daemon=True)
+    thread.start()
+    try:
+        replica = next(p for p in run.pods if p.role == contract.ROLE_WORKER)
+        killed = [_kill_when(run, thread, replica, 5), _kill_when(run, thread, run.shards[1], 20)]
+        thread.join(timeout=300)
+    finally:
+        run.interrupt()
+        thread.join(timeout=60)
+    assert killed == [True, True], "the run ended before both kills"
+    assert codes == [0]
+    summary = json.loads((tmp_path / report.REPORT_FILE).read_text())
+    assert summary["phase"] == "Succeeded" and summary["reason"] == "Converged"
+    assert summary["accuracy"] >= 0.93
+    assert summary["restartsByPod"][run.shards[1].name] == 1
+    result = json.loads((Path(run.chief_dir) / contract.RESULT_FILE).read_text())
+    assert abs(result["objective"] - optimum) / optimum < 1e-4
+    shard_log = (tmp_path / "logs" / f"{run.shards[0].name}.log").read_text()
+    assert "event=recovering" in shard_log and "event=resumed" in shard_log
+
+
+# -- rendering: the coordinator's port beside shard 0 ------------------------------------------
+
+
+def test_a_sandblaster_job_exposes_the_coordinator_port_beside_shard_0():
+    doc = load_example("digits-sandblaster.yaml")
+    doc["spec"]["parameterServers"]["networkPolicy"] = True
+    objects = render.render_children(spec.validate_job(doc), image="distbelief:test")
+    by_kind = {o["kind"]: o for o in objects}
+    ports = {p["name"]: p["containerPort"]
+             for p in by_kind["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports[contract.COORDINATOR_PORT_NAME] == contract.COORDINATOR_PORT
+    assert contract.COORDINATOR_PORT in [p["port"] for p in by_kind["Service"]["spec"]["ports"]]
+    job_ingress = by_kind["NetworkPolicy"]["spec"]["ingress"][0]["ports"]
+    assert {p["port"] for p in job_ingress} == {doc["spec"]["parameterServers"].get("port", 7070),
+                                                contract.COORDINATOR_PORT}
+
+    downpour = render.render_children(spec.validate_job(load_example("digits-mlp.yaml")), image="distbelief:test")
+    sts = next(o for o in downpour if o["kind"] == "StatefulSet")
+    assert contract.COORDINATOR_PORT_NAME not in {p["name"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]}

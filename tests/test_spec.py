@@ -275,8 +275,8 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "must match"),
     ("builtin-unknown", _set("spec.data.source", "builtin:mnist"), "spec.data.source",
      "known: digits"),
-    ("sandblaster-unavailable", _set("spec.training.algorithm", "sandblaster"),
-     "spec.training.algorithm", "not available"),
+    ("sandblaster-unit-zero", _set("spec.training.sandblaster.workUnitSize", 0),
+     "spec.training.sandblaster.workUnitSize", ">= 1"),
     ("synthetic-not-integer",
      _set("spec.data.source", "synthetic:features=x,classes=3,samples=100"),
      "spec.data.source", "features must be an integer"),
@@ -400,7 +400,7 @@ SCHEMA_REFUSES = {
     "max-required", "entrypoint-pattern", "model-type-enum", "hidden-layer-minimum",
     "hidden-layers-max-items", "image-empty", "retention-enum", "storage-size",
     "quantity-pattern", "quantity-float", "training-not-object", "suspend-int",
-    "metrics-max-items", "shards-max", "status-phase",
+    "metrics-max-items", "shards-max", "status-phase", "sandblaster-unit-zero",
 }
 
 

@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--shard", type=int, default=None, help=f"default: the ordinal in ${contract.ENV_POD_NAME}")
     ps.add_argument("--port", type=int, default=None, help="default: spec.parameterServers.port")
     ps.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
+    ps.add_argument("--coordinator-port", type=int, default=contract.COORDINATOR_PORT,
+                    help="Sandblaster: where shard 0's coordinator takes replicas' requests")
     ps.add_argument("--listen", default="0.0.0.0", metavar="HOST", help="address to serve on")
     ps.add_argument("--checkpoint-dir", default=contract.CHECKPOINT_DIR)
     ps.add_argument("--keys-dir", default=contract.KEYS_DIR, metavar="DIR",
@@ -152,7 +154,7 @@ def _ps(args: argparse.Namespace) -> int:
 
     return roles.run_ps(config_path=args.config, shard=args.shard, port=args.port, metrics_port=args.metrics_port,
                         listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger,
-                        keys_dir=args.keys_dir)
+                        keys_dir=args.keys_dir, coordinator_port=args.coordinator_port)
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -44,7 +44,8 @@ SHARD_LINGER_SECONDS = 2.0
 BACKOFF_START, BACKOFF_MAX = 1.0, 30.0
 KEYS_FOLDER = "keys"
 # The role flags that receive a container port's local number, by port name.
-PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "--metrics-port"}
+PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "--metrics-port",
+              contract.COORDINATOR_PORT_NAME: "--coordinator-port"}
 
 
 @dataclasses.dataclass
@@ -222,9 +223,13 @@ def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[Local
     shard_names = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
     shard_ports = {name: _free_ports(_container(sts)) for name in shard_names}
     addresses = ",".join(f"tcp://127.0.0.1:{shard_ports[n][contract.SHARD_PORT_NAME]}" for n in shard_names)
+    env = {contract.ENV_PS_ADDRESSES: addresses}
+    coordinator_port = shard_ports[shard_names[0]].get(contract.COORDINATOR_PORT_NAME) if shard_names else None
+    if coordinator_port:
+        env[contract.ENV_COORDINATOR_ADDRESS] = f"tcp://127.0.0.1:{coordinator_port}"
     node = LocalNode(output=output, namespace=sts["metadata"]["namespace"],
                      sources={o["metadata"]["name"]: o for o in objects if o["kind"] in ("ConfigMap", "Secret")},
-                     env={contract.ENV_PS_ADDRESSES: addresses})
+                     env=env)
     loopback = ["--listen", "127.0.0.1"]
     shards = [_pod(node, sts, name, shard_ports[name], [*loopback, "--linger", str(SHARD_LINGER_SECONDS)])
               for name in shard_names]

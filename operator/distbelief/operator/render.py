@@ -256,7 +256,8 @@ def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": {contract.LABEL_JOB: job}}}],
-                 "ports": [{"protocol": "TCP", "port": ctx.config.shard_port}]},
+                 "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in _ps_ports(ctx)
+                           if p["name"] != contract.METRICS_PORT_NAME]},
                 {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(contract.OPERATOR_LABELS)}}],
                  "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]},
             ],
@@ -403,8 +404,13 @@ def _metrics_port() -> dict[str, Any]:
 
 
 def _ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
-    return [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port,
-             "protocol": "TCP"}, _metrics_port()]
+    """The shard port and metrics; under Sandblaster also the coordinator's (shard 0 serves it)."""
+    ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port, "protocol": "TCP"},
+             _metrics_port()]
+    if ctx.config.sandblaster:
+        ports.append({"name": contract.COORDINATOR_PORT_NAME, "containerPort": contract.COORDINATOR_PORT,
+                      "protocol": "TCP"})
+    return ports
 
 
 def _checkpoint_claim(ctx: RenderContext, storage: Mapping[str, Any]) -> Manifest:

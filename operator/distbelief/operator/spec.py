@@ -484,15 +484,7 @@ def _check_data(job: Mapping[str, Any], problems: _Problems) -> None:
         problems.add(path, f"npz path must be absolute inside the pod (got {_show(body)})")
 
 
-# Algorithms the schema names but this release cannot run yet: refused rather than
-# silently trained with another algorithm.
-UNAVAILABLE_ALGORITHMS = {"sandblaster": "Sandblaster L-BFGS is not available in this release; use downpour"}
-
-
 def _check_training(job: Mapping[str, Any], problems: _Problems) -> None:
-    algorithm = _get(job, "spec", "training", "algorithm")
-    if algorithm in UNAVAILABLE_ALGORITHMS and not problems.at("spec.training.algorithm"):
-        problems.add("spec.training.algorithm", UNAVAILABLE_ALGORITHMS[algorithm])
     path = "spec.training.maxDuration"
     text = _get(job, "spec", "training", "maxDuration")
     if not isinstance(text, str) or problems.at(path):

@@ -44,12 +44,15 @@ class StoppingRules:
                    target_loss=training.get("targetLoss"),
                    max_duration=contract.parse_duration(duration) if duration else None)
 
-    def verdict(self, *, step: int, loss: float, accuracy: float, elapsed: float) -> tuple[str, str] | None:
+    def verdict(self, *, step: int, loss: float, accuracy: float, elapsed: float,
+                converged: bool = False) -> tuple[str, str] | None:
         """(reason, outcome) if the job is done, else None."""
         if self.target_accuracy is not None and accuracy >= self.target_accuracy:
             return "TargetAccuracyReached", SUCCEEDED
         if self.target_loss is not None and loss <= self.target_loss:
             return "TargetLossReached", SUCCEEDED
+        if converged:
+            return "Converged", SUCCEEDED
         if step >= self.max_steps:
             return "MaxStepsReached", SUCCEEDED
         if self.max_duration is not None and elapsed >= self.max_duration:
@@ -60,11 +63,13 @@ class StoppingRules:
 class Chief:
     def __init__(self, *, group: ShardGroup, model: models.Model, dataset: Dataset, rules: StoppingRules,
                  eval_every: float, max_eval_examples: int, output_dir: str, start_time: float,
-                 metrics: ChiefMetrics, throughput: Callable[[], tuple[int, float]]) -> None:
+                 metrics: ChiefMetrics, throughput: Callable[[], tuple[int, float]],
+                 optimiser_state: Callable[[], dict | None] = lambda: None) -> None:
         self.group, self.model, self.rules = group, model, rules
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
         self.throughput = throughput  # (examples so far, examples/s now) from shard 0
+        self.optimiser_state = optimiser_state  # Sandblaster's committed state on shard 0, if any
         self.x_test = dataset.x_test[:max_eval_examples]
         self.y_test = dataset.y_test[:max_eval_examples]
         self.params = np.empty(group.layout.total, dtype=np.float32)
@@ -84,8 +89,11 @@ class Chief:
 
     def step_reached(self, step: int) -> None:
         """Called by shard 0 after each update: wake early when maxSteps is reached."""
-        if step == self.rules.max_steps:
+        if step == self.rules.max_steps or self._converged():
             self._wake.set()
+
+    def _converged(self) -> bool:
+        return bool((self.optimiser_state() or {}).get("converged"))
 
     def _run(self) -> None:
         try:
@@ -112,7 +120,8 @@ class Chief:
         loss, accuracy = models.evaluate(self.model, self.params, self.x_test, self.y_test)
         elapsed = time.time() - self.start_time
         self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed)
-        verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed)
+        verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed,
+                                     converged=self._converged())
         if verdict is None:
             return False
         self._finish(*verdict, step=step, loss=loss, accuracy=accuracy, elapsed=elapsed)
@@ -134,6 +143,9 @@ class Chief:
         result = {"phase": outcome, "reason": reason, "globalStep": step, "loss": loss, "accuracy": accuracy,
                   "examples": examples, "examplesPerSecond": examples / elapsed if elapsed > 0 else 0.0,
                   "trainingSeconds": round(elapsed, 3), "finishedAt": time.time()}
+        state = self.optimiser_state()
+        if state:
+            result["objective"] = state.get("objective")  # the training objective L-BFGS reached
         # The parameters just evaluated are the trained model: keep them beside the result.
         np.savez(os.path.join(self.output_dir, contract.PARAMS_FILE), **models.split_params(self.model, self.params))
         path = os.path.join(self.output_dir, contract.RESULT_FILE)

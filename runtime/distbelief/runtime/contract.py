@@ -21,6 +21,9 @@ PLURAL = "distbeliefjobs"
 METRICS_PORT = 9100
 METRICS_PORT_NAME = "metrics"
 SHARD_PORT_NAME = "ps"
+# Sandblaster's coordinator runs beside shard 0 and takes replicas' requests on this port.
+COORDINATOR_PORT = 7171
+COORDINATOR_PORT_NAME = "coordinator"
 HEALTH_PATH = "/healthz"   # liveness: the process runs
 READY_PATH = "/readyz"     # readiness: the role serves (a shard restored, a replica joined)
 
@@ -42,6 +45,7 @@ SCRATCH_DIR = "/tmp"
 # (local mode runs every shard on loopback).
 ENV_POD_NAME = "POD_NAME"
 ENV_PS_ADDRESSES = "DISTBELIEF_PS_ADDRESSES"
+ENV_COORDINATOR_ADDRESS = "DISTBELIEF_COORDINATOR_ADDRESS"
 
 # Files the chief (shard 0) writes beside its checkpoints.
 HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation
@@ -144,6 +148,15 @@ class JobConfig:
         return [
             self.names.shard_address(i, self.namespace, self.shard_port) for i in range(self.shards)
         ]
+
+    @property
+    def sandblaster(self) -> bool:
+        return self.spec.get("training", {}).get("algorithm") == "sandblaster"
+
+    def coordinator_address(self, environ: Mapping[str, str] = os.environ) -> str:
+        """Where Sandblaster's coordinator listens: beside shard 0 (or the override)."""
+        override = environ.get(ENV_COORDINATOR_ADDRESS, "").strip()
+        return override or self.names.shard_address(0, self.namespace, COORDINATOR_PORT)
 
     def to_json(self) -> str:
         return json.dumps(

@@ -19,7 +19,11 @@ from distbelief.runtime import contract, data, errors, keys, models
 from distbelief.runtime.chief import Chief, StoppingRules
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
+from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, MetricsServer, ShardMetrics, WorkerMetrics
+from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
+from distbelief.runtime.sandblaster.lbfgs import LbfgsSettings
+from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
+from distbelief.runtime.sandblaster.vectors import ShardVectors
 from distbelief.runtime.shard import Shard, ShardSettings
 from distbelief.runtime.worker import Worker, WorkerSettings
 
@@ -54,7 +58,8 @@ def load_keys(keys_dir: str, role: str) -> keys.JobKeys | None:
 
 
 def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
-           checkpoint_dir: str, linger: float, keys_dir: str = contract.KEYS_DIR) -> int:
+           checkpoint_dir: str, linger: float, keys_dir: str = contract.KEYS_DIR,
+           coordinator_port: int = contract.COORDINATOR_PORT) -> int:
     stop = _stop_on_termination()
     job = Job.load(config_path)
     job_keys = load_keys(keys_dir, contract.ROLE_PS)
@@ -70,22 +75,46 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     registry = prom.CollectorRegistry()
     server = Shard(settings, job.layout, job.model.init_params(int(training["seed"])), ShardMetrics(registry, index),
                    stop=stop)
+    vectors = ShardVectors(server, int(training["sandblaster"]["historySize"])) if job.config.sandblaster else None
     server.restore()
     metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
-    chief = _start_chief(job, server, registry, checkpoint_dir, job_keys) if index == 0 else None
+    chief = _start_chief(job, server, registry, checkpoint_dir, job_keys, vectors) if index == 0 else None
+    coordinator = None
+    if vectors is not None and index == 0:
+        coordinator = _start_coordinator(job, registry, f"tcp://{listen}:{coordinator_port}", job_keys)
     try:
         server.serve()
     finally:
-        if chief:
-            chief.stop()
+        for helper in (coordinator, chief):
+            if helper:
+                helper.stop()
         metrics.stop()
-    if chief and chief.failure:
-        raise errors.RuntimeFailure(f"the chief stopped: {chief.failure}")
+    for name, helper in (("chief", chief), ("coordinator", coordinator)):
+        if helper and helper.failure:
+            raise errors.RuntimeFailure(f"the {name} stopped: {helper.failure}")
     return 0
 
 
+def _start_coordinator(job: Job, registry: prom.CollectorRegistry, bind: str,
+                       job_keys: keys.JobKeys | None) -> Coordinator:
+    training = job.spec["training"]
+    options = training["sandblaster"]
+    settings = CoordinatorSettings(
+        bind=bind, examples=len(job.dataset.x_train), unit_size=int(options["workUnitSize"]),
+        backups=bool(options["backupTasks"]), max_iterations=int(training["maxSteps"]),
+        lbfgs=LbfgsSettings(history=int(options["historySize"]),
+                            gradient_tolerance=float(options["gradientTolerance"])),
+        curve=job_keys.server_options() if job_keys else None,
+        curve_clients=frozenset({job_keys.client_public}) if job_keys else frozenset())
+    group = ShardGroup(job.config.shard_addresses(), job.layout,
+                       curve=job_keys.client_options() if job_keys else None)
+    coordinator = Coordinator(settings, group, CoordinatorMetrics(registry))
+    coordinator.start()
+    return coordinator
+
+
 def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, output_dir: str,
-                 job_keys: keys.JobKeys | None) -> Chief:
+                 job_keys: keys.JobKeys | None, vectors: ShardVectors | None) -> Chief:
     training = job.spec["training"]
     group = ShardGroup(job.config.shard_addresses(), job.layout,
                        curve=job_keys.client_options() if job_keys else None)
@@ -93,7 +122,8 @@ def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, outp
                   rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
                   max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(registry),
-                  throughput=lambda: (server.examples_total, server.examples_per_second))
+                  throughput=lambda: (server.examples_total, server.examples_per_second),
+                  optimiser_state=(lambda: vectors.coordinator_state) if vectors else (lambda: None))
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()
@@ -110,7 +140,12 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     registry = prom.CollectorRegistry()
     group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop,
                        curve=job_keys.client_options() if job_keys else None)
-    worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
+    if job.config.sandblaster:
+        link = CoordinatorLink(job.config.coordinator_address(), worker_id=group.worker_id, layout=job.layout.hash,
+                               curve=job_keys.client_options() if job_keys else None, stop=stop)
+        worker = Replica(group, link, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
+    else:
+        worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
     metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
     try:
         ended = worker.run()

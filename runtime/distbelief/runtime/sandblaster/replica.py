@@ -84,6 +84,12 @@ class Replica:
         self.steps = 0
 
     def run(self) -> str:
+        try:
+            return self._serve()
+        finally:
+            self.link.close()
+
+    def _serve(self) -> str:
         result: UnitResult | None = None
         while not self.stop_requested.is_set():
             status, unit = self.link.ask(result)
