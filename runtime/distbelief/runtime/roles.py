@@ -81,7 +81,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     chief = _start_chief(job, server, registry, checkpoint_dir, job_keys, vectors) if index == 0 else None
     coordinator = None
     if vectors is not None and index == 0:
-        coordinator = _start_coordinator(job, registry, f"tcp://{listen}:{coordinator_port}", job_keys)
+        coordinator = _start_coordinator(job, server, registry, f"tcp://{listen}:{coordinator_port}", job_keys)
     try:
         server.serve()
     finally:
@@ -95,7 +95,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     return 0
 
 
-def _start_coordinator(job: Job, registry: prom.CollectorRegistry, bind: str,
+def _start_coordinator(job: Job, server: Shard, registry: prom.CollectorRegistry, bind: str,
                        job_keys: keys.JobKeys | None) -> Coordinator:
     training = job.spec["training"]
     options = training["sandblaster"]
@@ -109,6 +109,8 @@ def _start_coordinator(job: Job, registry: prom.CollectorRegistry, bind: str,
     group = ShardGroup(job.config.shard_addresses(), job.layout,
                        curve=job_keys.client_options() if job_keys else None)
     coordinator = Coordinator(settings, group, CoordinatorMetrics(registry))
+    coordinator.on_failure = server.stop
+    coordinator.on_evaluated = server.count_examples  # the job's examples/s, as Downpour's pushes feed it
     coordinator.start()
     return coordinator
 

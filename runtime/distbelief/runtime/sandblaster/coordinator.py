@@ -20,6 +20,7 @@ import logging
 import random
 import threading
 import time
+from typing import Callable
 
 import zmq
 
@@ -59,6 +60,8 @@ class Coordinator:
         self.lbfgs = Lbfgs(self.space, settings.lbfgs)
         self.state: LbfgsState | None = None
         self.failure: BaseException | None = None
+        self.on_failure: Callable[[], None] = lambda: None        # a dead coordinator must not hang the job
+        self.on_evaluated: Callable[[int], None] = lambda examples: None  # examples behind each evaluation
         self.endpoint = settings.bind
         self._stop = stop or group.stop
         self._context = context or zmq.Context.instance()
@@ -106,6 +109,7 @@ class Coordinator:
         except Exception as exc:  # the coordinator must take its shard down rather than hang the job
             log.exception("event=coordinator_failed error=%r", str(exc))
             self.failure = exc
+            self.on_failure()
         finally:
             self._socket.close(linger=0)
             if self._admission is not None:
@@ -185,6 +189,7 @@ class Coordinator:
             self._serve(POLL_MS / 1000)
         self._verify(evaluation)
         self.metrics.evaluations.inc()
+        self.on_evaluated(self.settings.examples)
         self.metrics.evaluation_seconds.observe(time.perf_counter() - started)
         return self.queue.objective
 
