@@ -244,3 +244,29 @@ def admit_clients(context: Any, domain: str, clients: frozenset[bytes]) -> Admis
         auth.allowed.by_domain[domain] = frozenset(clients)
         auth.authenticator.configure_curve_callback(domain=domain, credentials_provider=auth.allowed)
     return Admission(context=context, domain=domain)
+
+
+def bind_server(context: Any, socket: Any, address: str, *, who: str, domain: str, curve: dict | None,
+                clients: frozenset[bytes]) -> Admission | None:
+    """Bind a serving socket; with curve, as a CurveZMQ server admitting only `clients`.
+
+    The ZAP handler is registered before the bind (see admit_clients). On failure the
+    socket is closed, the admission released, and ConfigError names `who` and address."""
+    import zmq
+
+    admission = None
+    try:
+        if curve:
+            admission = admit_clients(context, domain, clients)
+            socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+            for option, value in curve.items():
+                socket.setsockopt(option, value)
+        socket.bind(address)
+    except (zmq.ZMQError, errors.ConfigError) as exc:
+        socket.close(linger=0)
+        if admission is not None:
+            admission.close()
+        if isinstance(exc, errors.ConfigError):
+            raise
+        raise errors.ConfigError(f"{who} cannot listen on {address}: {exc}") from exc
+    return admission

@@ -170,26 +170,10 @@ class Shard:
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.MAXMSGSIZE, protocol.max_message_bytes(self.params.size))
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if self.settings.curve:
-            # The ZAP handler must run before the first peer connects: CurveZMQ alone
-            # admits any client that knows the server's public key.
-            domain = f"distbelief-shard-{self.index}-{id(self):x}"
-            try:
-                self._admission = keys.admit_clients(self._context, domain, self.settings.curve_clients)
-            except errors.ConfigError:
-                socket.close(linger=0)
-                raise
-            socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-            for option, value in self.settings.curve.items():
-                socket.setsockopt(option, value)
-        try:
-            socket.bind(self.settings.bind)
-        except zmq.ZMQError as exc:
-            socket.close(linger=0)
-            if self._admission is not None:
-                self._admission.close()
-                self._admission = None
-            raise errors.ConfigError(f"shard {self.index} cannot listen on {self.settings.bind}: {exc}") from exc
+        self._admission = keys.bind_server(
+            self._context, socket, self.settings.bind, who=f"shard {self.index}",
+            domain=f"distbelief-shard-{self.index}-{id(self):x}", curve=self.settings.curve,
+            clients=self.settings.curve_clients)
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("event=listening shard=%d address=%s step=%d auth=%s", self.index, self.endpoint, self.step,
                  "curve" if self.settings.curve else "none")

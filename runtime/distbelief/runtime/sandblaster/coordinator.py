@@ -84,17 +84,10 @@ class Coordinator:
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.MAXMSGSIZE, protocol.HEADER.size + protocol.MAX_TEXT_BYTES)
         socket.setsockopt(zmq.LINGER, 0)
-        if self.settings.curve:
-            domain = f"distbelief-coordinator-{id(self):x}"
-            self._admission = keys.admit_clients(self._context, domain, self.settings.curve_clients)
-            socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-            for option, value in self.settings.curve.items():
-                socket.setsockopt(option, value)
-        try:
-            socket.bind(self.settings.bind)
-        except zmq.ZMQError as exc:
-            socket.close(linger=0)
-            raise errors.ConfigError(f"the coordinator cannot listen on {self.settings.bind}: {exc}") from exc
+        self._admission = keys.bind_server(
+            self._context, socket, self.settings.bind, who="the coordinator",
+            domain=f"distbelief-coordinator-{id(self):x}", curve=self.settings.curve,
+            clients=self.settings.curve_clients)
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("event=coordinator_listening address=%s units=%d unit_size=%d", self.endpoint,
                  self.queue.units, self.settings.unit_size)

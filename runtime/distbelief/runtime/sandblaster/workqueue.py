@@ -44,12 +44,11 @@ class WorkQueue:
         self._outstanding: dict[int, _Outstanding] = {}
         self._done: set[int] = set()
         self.objective = 0.0
-        self.completed_by: dict[int, int] = {}
 
     def begin(self, evaluation: int) -> None:
         self.evaluation = evaluation
         self._pending = deque(range(self.units))
-        self._outstanding, self._done, self.completed_by = {}, set(), {}
+        self._outstanding, self._done = {}, set()
         self.objective = 0.0
 
     @property
@@ -96,6 +95,5 @@ class WorkQueue:
             return False
         del self._outstanding[unit]
         self._done.add(unit)
-        self.completed_by[unit] = worker
         self.objective += loss
         return True
