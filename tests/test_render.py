@@ -6,6 +6,7 @@ import base64
 import copy
 import hashlib
 from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,37 @@ def test_no_resources_key_when_the_spec_sets_none() -> None:
     del job["spec"]["workers"]["resources"]["limits"]
     (c,) = children(job)["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert "resources" not in c
+
+
+def thread_env(job: dict[str, Any], kind: str) -> dict[str, str]:
+    (c,) = children(job)[kind]["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in c["env"] if e["name"] in render.THREAD_ENV}
+
+
+@pytest.mark.parametrize("resources, threads", [
+    ({"requests": {"cpu": "250m"}}, "1"),          # a fraction of a core still gets one thread
+    ({"requests": {"cpu": "1500m"}}, "2"),         # rounded up
+    ({"requests": {"cpu": 3}}, "3"),               # an integer quantity
+    ({"requests": {"cpu": "1"}, "limits": {"cpu": "4"}}, "4"),  # the limit, when set, wins
+    ({"limits": {"cpu": "2.5"}}, "3"),
+])
+def test_blas_threads_follow_the_pods_cpus(resources: dict[str, Any], threads: str) -> None:
+    job = job_of()
+    job["spec"]["workers"]["resources"] = resources
+    job["spec"]["parameterServers"]["resources"] = resources
+    for kind in ("Deployment", "StatefulSet"):
+        assert thread_env(job, kind) == {name: threads for name in render.THREAD_ENV}
+
+
+def test_no_thread_setting_without_a_cpu_quantity() -> None:
+    job = job_of()
+    job["spec"]["workers"]["resources"] = {"requests": {"memory": "1Gi"}}
+    assert thread_env(job, "Deployment") == {}
+
+
+@pytest.mark.parametrize("quantity, cores", [("100m", "0.1"), ("2", "2"), ("1k", "1000"), ("0.5", "0.5"), (4, "4")])
+def test_cpu_quantities_in_cores(quantity: Any, cores: str) -> None:
+    assert render.cpu_cores(quantity) == Decimal(cores)
 
 
 @pytest.mark.parametrize("name, variant", CASES)

@@ -24,7 +24,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Iterable, Mapping
+from decimal import Decimal
 from typing import Any
 
 import yaml
@@ -348,7 +350,8 @@ def _container(ctx: RenderContext, role: str, *, args: list[str],
         "args": ["--config", contract.CONFIG_PATH, *args],
         "env": [{"name": contract.ENV_POD_NAME,
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items())],
+                *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items()),
+                *_thread_env(ctx.spec[_ROLE_SPEC[role]].get("resources"))],
         "ports": ports,
         "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
         "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
@@ -392,6 +395,33 @@ def _pod_security() -> dict[str, Any]:
 def _container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
+# BLAS and OpenMP size their thread pools by the node's cores, not the pod's share: on a
+# shared node, replicas and shards then spin against each other (2.8x fewer examples/s,
+# measured with 4 pods on 2 cores). Each pod gets as many threads as it has CPUs.
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_SUFFIXES = {"m": Decimal("0.001"), "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
+             "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30}
+
+
+def _thread_env(resources: Mapping[str, Any] | None) -> list[dict[str, str]]:
+    """Threads = the CPU limit, else the CPU request, rounded up; nothing set without either."""
+    cpus = next((spec["cpu"] for key in ("limits", "requests")
+                 if (spec := (resources or {}).get(key)) and "cpu" in spec), None)
+    if cpus is None:
+        return []
+    threads = str(max(1, math.ceil(cpu_cores(cpus))))
+    return [{"name": name, "value": threads} for name in THREAD_ENV]
+
+
+def cpu_cores(quantity: str | int | float) -> Decimal:
+    """A Kubernetes CPU quantity ("500m", "2", "1.5", 2) in cores."""
+    text = str(quantity)
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            return Decimal(text[: -len(suffix)]) * _SUFFIXES[suffix]
+    return Decimal(text)
 
 
 def _resources(spec: Mapping[str, Any] | None) -> dict[str, Any]:
