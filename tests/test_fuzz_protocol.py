@@ -105,7 +105,7 @@ FIELDS = st.builds(
     Fields,
     magic=mixed(MAGIC, st.sampled_from([b"XX", b"\0\0", b"BD", b"db"])),
     version=mixed(VERSION, U8),
-    op=mixed(st.sampled_from([Op.PUSH] * 4 + [Op.PULL, Op.HELLO, Op.STATS, Op.DONE]), U8),
+    op=mixed(st.sampled_from([Op.PUSH] * 3 + [Op.PUSH_PULL, Op.PULL, Op.HELLO, Op.STATS, Op.DONE]), U8),
     status=mixed(0, st.one_of(st.sampled_from([1, 2, 3]), U8)),
     shard=mixed(0, st.one_of(st.just(1), U16)),
     worker=U32,
@@ -190,12 +190,12 @@ def expected(frames: list[bytes]) -> tuple[str, np.ndarray | None]:
     if len(head) != HEADER.size:
         return DROP, None
     magic, version, op, status, shard, _, _, layout, _, count, _, loss = struct.unpack("<2sBBBxHIIQQQIf", head)
-    if magic != b"DB" or version != 1 or op not in range(1, 14) or status not in (0, 1, 2, 3) \
+    if magic != b"DB" or version != 1 or op not in set(Op) or status not in (0, 1, 2, 3) \
             or not np.isfinite(loss):
         return DROP, None
     if shard != 0 or layout != LAYOUT.hash or len(frames) > 2:  # a header and at most one payload
         return ERROR, None
-    if op not in (Op.HELLO, Op.PULL, Op.PUSH, Op.STATS, Op.DONE):  # Sandblaster's ops: not a Downpour shard's
+    if op not in (Op.HELLO, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.STATS, Op.DONE):  # Sandblaster's ops: not a Downpour shard's
         return ERROR, None
     if op == Op.PULL:
         return (OK if not body else ERROR), None

@@ -51,6 +51,22 @@ def test_push_applies_adagrad_on_every_shard(two_shards: LiveShards) -> None:
     assert [s["step"] for s in stats] == [3, 3]
 
 
+def test_push_and_pull_returns_the_parameters_with_the_push_applied(two_shards: LiveShards) -> None:
+    layout, group = two_shards.layout, two_shards.group()
+    expected = np.arange(layout.total, dtype=np.float32) / 100
+    Adagrad(layout.total, 0.5).apply(expected, np.full(layout.total, 2.0, np.float32))
+    out = np.zeros(layout.total, dtype=np.float32)
+    replies = group.push_and_pull(np.full(layout.total, 2.0, np.float32), out, steps=[0, 0], examples=8, loss=1.0)
+    assert [r.header.step for r in replies] == [1, 1]
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    pulled = np.empty_like(out)
+    group.pull(pulled)
+    np.testing.assert_array_equal(pulled, out)  # what came back is what the shards hold
+    group.done("MaxStepsReached", "Succeeded")
+    assert all(r.done for r in group.push_and_pull(np.ones_like(out), out, steps=[1, 1], examples=8, loss=1.0))
+    np.testing.assert_array_equal(out, pulled)  # a finished job takes no more updates
+
+
 def test_a_peer_with_another_layout_is_refused_by_name(two_shards: LiveShards) -> None:
     other = Layout.of([("w", (10, 7)), ("b", (7,))], shards=3)  # same model, other shard count
     foreign = ShardGroup(two_shards.addresses + ["tcp://127.0.0.1:1"], other,

@@ -131,8 +131,9 @@ class Chief:
         self.metrics.loss.set(loss)
         self.metrics.accuracy.set(accuracy)
         self.metrics.evaluated_step.set(step)
+        examples, rate = self.throughput()
         line = {"time": time.time(), "elapsed": round(elapsed, 3), "step": step, "loss": loss,
-                "accuracy": accuracy, "examplesPerSecond": self.throughput()[1]}
+                "accuracy": accuracy, "examples": examples, "examplesPerSecond": rate}
         with open(os.path.join(self.output_dir, contract.HISTORY_FILE), "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         log.info("event=evaluated step=%d loss=%.4f accuracy=%.4f", step, loss, accuracy)

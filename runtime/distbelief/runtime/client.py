@@ -111,6 +111,11 @@ class ShardGroup:
         """Send each shard its slice of grad; steps[i] is the step pulled from shard i."""
         return self._round(Op.PUSH, payload=grad, steps=steps, examples=examples, loss=loss)
 
+    def push_and_pull(self, grad: np.ndarray, out: np.ndarray, *, steps: Sequence[int], examples: int,
+                      loss: float) -> list[Reply]:
+        """push, then fill out with the parameters that include it: one round trip, not two."""
+        return self._round(Op.PUSH_PULL, payload=grad, receive_into=out, steps=steps, examples=examples, loss=loss)
+
     def done(self, reason: str, outcome: str) -> list[Reply]:
         text = json.dumps({"reason": reason, "outcome": outcome})
         return self._round(Op.DONE, data=text.encode())

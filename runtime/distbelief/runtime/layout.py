@@ -8,6 +8,7 @@ catches a peer that derived it from something else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Sequence
@@ -28,7 +29,7 @@ class Layout:
             raise ValueError(f"{layout.total} parameters cannot be split over {shards} shards")
         return layout
 
-    @property
+    @functools.cached_property  # asked on every request: shapes never change
     def total(self) -> int:
         count = 0
         for _, shape in self.shapes:
@@ -48,7 +49,7 @@ class Layout:
         start, stop = self.bounds(shard)
         return stop - start
 
-    @property
+    @functools.cached_property
     def hash(self) -> int:
         """A 64-bit fingerprint of the shapes, their order, the dtype and the shard count."""
         text = json.dumps({"dtype": "float32", "shards": self.shards,

@@ -95,8 +95,9 @@ class WorkerMetrics:
         self.loss = prom.Gauge("distbelief_worker_loss", "Loss of this replica's last minibatch", registry=registry)
         self.pull_seconds = prom.Histogram("distbelief_pull_seconds", "Time to pull the parameters from all shards",
                                            buckets=LATENCY_BUCKETS, registry=registry)
-        self.push_seconds = prom.Histogram("distbelief_push_seconds", "Time to push a gradient to all shards",
-                                           buckets=LATENCY_BUCKETS, registry=registry)
+        self.push_seconds = prom.Histogram("distbelief_push_seconds",
+                                           "Time to push a gradient to all shards (and get the parameters back, "
+                                           "when the push fetches too)", buckets=LATENCY_BUCKETS, registry=registry)
         self.staleness = prom.Histogram("distbelief_worker_staleness_updates",
                                         "Updates other replicas applied between this replica's pull and push",
                                         buckets=STALENESS_BUCKETS, registry=registry)

@@ -60,6 +60,8 @@ class Op(enum.IntEnum):
     ROLLBACK = 11    # reload a committed iteration from the shard's checkpoint
     STATE = 12       # -> the shard's Sandblaster state as JSON
     WORK = 13        # replica <-> coordinator: a result in, the next work unit out
+    PUSH_PULL = 14   # gradient in; -> the parameters with it applied (a push and the next pull
+                     # in one round trip, when a replica fetches right after it pushes)
 
 
 class Status(enum.IntEnum):

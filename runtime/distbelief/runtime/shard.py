@@ -92,11 +92,12 @@ class Shard:
         self._stop = stop or threading.Event()
         self._context = context or zmq.Context.instance()
         self._handlers: dict[int, Handler] = {
-            Op.HELLO: self._hello, Op.PULL: self._pull, Op.PUSH: self._push,
+            Op.HELLO: self._hello, Op.PULL: self._pull, Op.PUSH: self._push, Op.PUSH_PULL: self._push_pull,
             Op.STATS: self._stats, Op.DONE: self._done,
         }
         self._warm_owner: tuple[int, float] | None = None
         self._rate_window: deque[tuple[float, int]] = deque()
+        self._rate_sum = 0  # the examples in _rate_window
         self._last_checkpoint = (time.monotonic(), -1)
         self._train_loss: float | None = None
         self.examples_per_second = 0.0
@@ -260,8 +261,11 @@ class Shard:
         finished = self._finished_reply(header)
         if finished:
             return finished
-        # ZeroMQ sends after this handler returns, while the next push may already update
-        # the slice in place: send a snapshot, so a pull is one consistent step.
+        return self._snapshot(header)
+
+    def _snapshot(self, header: Header) -> list:
+        # ZeroMQ sends after the handler returns, while the next push may already update
+        # the slice in place: send a copy, so a pull is one consistent step.
         return [header.reply(step=self.step, count=self.params.size).pack(), memoryview(self.params.copy())]
 
     def _push(self, header: Header, payload: list) -> list:
@@ -280,6 +284,10 @@ class Shard:
         self.optimizer.apply(self.params, grad)
         self._count_update(header)
         return [header.reply(step=self.step).pack()]
+
+    def _push_pull(self, header: Header, payload: list) -> list:
+        reply = self._push(header, payload)
+        return reply if self.finished is not None else self._snapshot(header)
 
     def _count_update(self, header: Header) -> None:
         staleness = self.step - header.step if header.step <= self.step else 0
@@ -300,11 +308,12 @@ class Shard:
         self.examples_total += examples
         now = time.monotonic()
         self._rate_window.append((now, examples))
+        self._rate_sum += examples
         while self._rate_window and now - self._rate_window[0][0] > RATE_WINDOW_SECONDS:
-            self._rate_window.popleft()
+            self._rate_sum -= self._rate_window.popleft()[1]
         span = now - self._rate_window[0][0]
         if span > 0.5:
-            self.examples_per_second = sum(e for _, e in self._rate_window) / span
+            self.examples_per_second = self._rate_sum / span
             self.metrics.examples_per_second.set(self.examples_per_second)
 
     def _stats(self, header: Header, payload: list) -> list:

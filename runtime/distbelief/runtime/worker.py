@@ -4,6 +4,9 @@
     compute the minibatch gradient, accumulate it
     push every pushEvery steps    -> each shard gets its slice of the accumulated gradient
 
+A push followed at once by a fetch is one PUSH_PULL round trip: the shards reply with
+their parameters, the push included, instead of waiting for a separate pull.
+
 Warm-start: shard 0 admits one replica at a time until warmstartSteps updates are
 applied; the others wait. The replica stops (exit 0) as soon as any shard says the job
 is done, and on SIGTERM after its current step.
@@ -56,14 +59,17 @@ class Worker:
         if not self._join():
             return "stopped"
         examples, loss_sum = 0, 0.0
+        fetched = False  # the last push brought the parameters back: this step's fetch is done
         while not self.stop_requested.is_set():
-            if self.steps % self.settings.fetch_every == 0 and self._pull():
+            if self.steps % self.settings.fetch_every == 0 and not fetched and self._pull():
                 return "done"
             loss, n = self._compute()
             examples, loss_sum = examples + n, loss_sum + loss * n
             self.steps += 1
+            fetched = False
             if self.steps % self.settings.push_every == 0:
-                if self._push(examples, loss_sum / examples):
+                fetched = self.steps % self.settings.fetch_every == 0
+                if self._push(examples, loss_sum / examples, fetch=fetched):
                     return "done"
                 examples, loss_sum = 0, 0.0
         return "stopped"
@@ -102,9 +108,14 @@ class Worker:
         self.metrics.loss.set(loss)
         return loss, len(x)
 
-    def _push(self, examples: int, loss: float) -> bool:
+    def _push(self, examples: int, loss: float, *, fetch: bool) -> bool:
+        """Push the accumulated gradient; with fetch, the replies also refill self.params."""
         started = time.perf_counter()
-        replies = self.group.push(self.accumulated, steps=self.pulled_steps, examples=examples, loss=loss)
+        if fetch:
+            replies = self.group.push_and_pull(self.accumulated, self.params, steps=self.pulled_steps,
+                                               examples=examples, loss=loss)
+        else:
+            replies = self.group.push(self.accumulated, steps=self.pulled_steps, examples=examples, loss=loss)
         self.metrics.push_seconds.observe(time.perf_counter() - started)
         self._count_traffic()
         if self._step_grad is not None:
@@ -113,6 +124,8 @@ class Worker:
             return True
         for pulled, reply in zip(self.pulled_steps, replies):
             self.metrics.staleness.observe(max(0, reply.header.step - 1 - pulled))
+        if fetch:
+            self.pulled_steps = [r.header.step for r in replies]
         return False
 
     def _count_traffic(self) -> None:
