@@ -90,8 +90,12 @@ def kill_at_random(run: local.LocalRun, thread: threading.Thread, rng: random.Ra
     return kills
 
 
-def restored_steps(log_path: Path) -> list[int]:
-    return [int(m.group(1)) for m in re.finditer(r"event=restored shard=\d+ step=(\d+)", log_path.read_text())]
+def restart_steps(log_path: Path) -> list[int]:
+    """The step each restart of a shard began from. Every start logs either a restore or,
+    when the shard was killed before its first checkpoint, a fresh start (step 0); the
+    first start of all is not a restart."""
+    starts = re.finditer(r"event=(?:restored shard=\d+ step=(\d+)|fresh_start)", log_path.read_text())
+    return [int(m.group(1) or 0) for m in starts][1:]
 
 
 def checkpoint_steps(log_path: Path) -> list[int]:
@@ -134,7 +138,7 @@ def test_random_sigkills_of_shards_and_replicas_lose_nothing_but_the_last_interv
     for shard in run.shards:
         shard_log = output / "logs" / f"{shard.name}.log"
         mine = [k for k in shard_kills if k["pod"] == shard.name]
-        restored = restored_steps(shard_log)
+        restored = restart_steps(shard_log)
         assert len(restored) == len(mine), (shard.name, restored, mine)
         for kill, step in zip(mine, restored):
             assert step >= kill["checkpointStep"], (kill, step)
