@@ -1,8 +1,10 @@
-"""The job's CurveZMQ keys (distbelief.runtime.keys): files, and live shards that admit only
-peers holding them, through the real ZeroMQ handshake and ZAP handler."""
+"""The job's keys (distbelief.runtime.keys): files, and live shards that admit only peers
+holding them, through the real ZeroMQ handshake and ZAP handler, encrypted (CurveZMQ) or not
+(PLAIN with a token derived from the keys)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +40,9 @@ def test_keys_round_trip_through_a_folder_of_0600_files(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert len(path.read_text().strip()) == keys.Z85_KEY_LENGTH
     assert keys.JobKeys.read(str(tmp_path / "keys")) == made
-    assert made.server_options()[zmq.CURVE_SERVER] == 1
+    security = made.server_security()
+    assert security.mechanism == "curve" and security.options[zmq.CURVE_SERVER] == 1
+    assert security.admitted == {made.client_public}
     assert made.client_options()[zmq.CURVE_SERVERKEY] == made.server_public
     with pytest.raises(errors.ConfigError):
         made.write(str(tmp_path / "keys"))  # never overwrites a key
@@ -61,7 +65,7 @@ def test_a_replica_copy_without_the_server_secret_cannot_serve(tmp_path: Path) -
     assert copy is not None and copy.server_secret is None
     assert copy.client_options()[zmq.CURVE_SECRETKEY] == files[keys.CLIENT_SECRET].strip().encode()
     with pytest.raises(errors.ConfigError, match="server.secret"):
-        copy.server_options()
+        copy.server_security()
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -78,36 +82,57 @@ def test_incomplete_or_mismatched_keys_are_one_clear_error(tmp_path: Path, damag
     assert str(tmp_path) in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_the_plain_token_comes_from_the_client_secret_without_revealing_it() -> None:
+    made, other = keys.JobKeys.generate(), keys.JobKeys.generate()
+    token = made.plain_token()
+    assert token == keys.JobKeys(**{**made.__dict__, "server_secret": None}).plain_token()  # a replica's copy
+    assert token != other.plain_token() and made.client_secret not in token and len(token) == 64
+    assert made.client_options(encrypted=False) == {zmq.PLAIN_USERNAME: keys.PLAIN_USERNAME.encode(),
+                                                    zmq.PLAIN_PASSWORD: token}
+    security = made.server_security(encrypted=False)
+    assert security.mechanism == "plain" and security.options == {zmq.PLAIN_SERVER: 1}
+    assert security.admitted == {token}
+
+
 @pytest.fixture
 def job_keys() -> keys.JobKeys:
     return keys.JobKeys.generate()
 
 
+@pytest.fixture(params=[True, False], ids=["encrypted", "unencrypted"])
+def encrypted(request: pytest.FixtureRequest) -> bool:
+    return request.param
+
+
 @pytest.fixture
-def curve_shards(tmp_path: Path, job_keys: keys.JobKeys) -> Iterator[LiveShards]:
+def secured_shards(tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool) -> Iterator[LiveShards]:
     layout = Layout.of([("w", (10, 7)), ("b", (7,))], shards=2)
     initial = np.arange(layout.total, dtype=np.float32) / 100
     live = start_shards(tmp_path, layout, initial, learning_rate=0.5, checkpoint_every=3600,
-                        curve=job_keys.server_options(), curve_clients=frozenset({job_keys.client_public}))
+                        security=job_keys.server_security(encrypted=encrypted))
     yield live
     live.stop()
 
 
 def _outsiders(job_keys: keys.JobKeys) -> dict[str, dict | None]:
-    """Peers that lack the job's client key: one that knows the server's public key, one
-    that forged a client public key without its secret, one that speaks no CurveZMQ."""
+    """Peers that lack the job's keys: a CurveZMQ one that knows the server's public key,
+    one that forged a client public key without its secret, a PLAIN one with another job's
+    token, one with the right user name and a guessed token, and one with no security."""
     stranger = keys.JobKeys.generate()
     knows_server = {**stranger.client_options(), zmq.CURVE_SERVERKEY: job_keys.server_public}
     forged = {**knows_server, zmq.CURVE_PUBLICKEY: job_keys.client_public}
-    return {"knows-the-server-key": knows_server, "forged-client-public-key": forged, "plain": None}
+    guessed = {**stranger.client_options(encrypted=False), zmq.PLAIN_PASSWORD: b"0" * 64}
+    return {"knows-the-server-key": knows_server, "forged-client-public-key": forged,
+            "another-jobs-token": stranger.client_options(encrypted=False), "guessed-token": guessed,
+            "no-security": None}
 
 
-def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(curve_shards: LiveShards,
+def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(secured_shards: LiveShards,
                                                                job_keys: keys.JobKeys) -> None:
-    layout = curve_shards.layout
-    before = [s.params.copy() for s in curve_shards.shards]
+    layout = secured_shards.layout
+    before = [s.params.copy() for s in secured_shards.shards]
     for name, options in _outsiders(job_keys).items():
-        outsider = curve_shards.group(curve=options, timeouts=REFUSED)
+        outsider = secured_shards.group(security=options, timeouts=REFUSED)
         try:
             with pytest.raises(errors.ShardUnavailable):
                 outsider.pull(np.empty(layout.total, dtype=np.float32))
@@ -116,15 +141,16 @@ def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(curve_shards: Liv
             assert outsider.bytes_in == 0, f"{name} got bytes back"
         finally:
             outsider.close()
-    assert [s.step for s in curve_shards.shards] == [0, 0]
-    for shard, params in zip(curve_shards.shards, before):
+    assert [s.step for s in secured_shards.shards] == [0, 0]
+    for shard, params in zip(secured_shards.shards, before):
         np.testing.assert_array_equal(shard.params, params)
         assert shard.metrics.rejected._value.get() == 0  # refused in the handshake, before any message
 
 
-def test_a_peer_with_the_job_keys_pulls_and_pushes(curve_shards: LiveShards, job_keys: keys.JobKeys) -> None:
-    layout = curve_shards.layout
-    group = curve_shards.group(curve=job_keys.client_options())
+def test_a_peer_with_the_job_keys_pulls_and_pushes(secured_shards: LiveShards, job_keys: keys.JobKeys,
+                                                   encrypted: bool) -> None:
+    layout = secured_shards.layout
+    group = secured_shards.group(security=job_keys.client_options(encrypted=encrypted))
     try:
         out = np.zeros(layout.total, dtype=np.float32)
         assert [r.header.step for r in group.pull(out)] == [0, 0]
@@ -137,30 +163,50 @@ def test_a_peer_with_the_job_keys_pulls_and_pushes(curve_shards: LiveShards, job
 
 def test_stopped_shards_release_their_zap_handler(tmp_path: Path, job_keys: keys.JobKeys) -> None:
     layout = Layout.of([("w", (3,))], shards=1)
-    live = start_shards(tmp_path, layout, np.zeros(3, np.float32), curve=job_keys.server_options(),
-                        curve_clients=frozenset({job_keys.client_public}))
+    live = start_shards(tmp_path, layout, np.zeros(3, np.float32), security=job_keys.server_security())
     assert id(zmq.Context.instance()) in keys._auth_by_context
     live.stop()
     assert id(zmq.Context.instance()) not in keys._auth_by_context
 
 
-def test_a_curve_server_without_client_keys_is_refused(tmp_path: Path, job_keys: keys.JobKeys) -> None:
+def test_a_secured_server_without_client_credentials_is_refused(tmp_path: Path, job_keys: keys.JobKeys,
+                                                                 encrypted: bool) -> None:
     layout = Layout.of([("w", (3,))], shards=1)
-    settings = ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path),
-                             curve=job_keys.server_options())
+    security = dataclasses.replace(job_keys.server_security(encrypted=encrypted), admitted=frozenset())
+    settings = ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path), security=security)
     shard = Shard(settings, layout, np.zeros(3, np.float32), ShardMetrics(prom.CollectorRegistry(), 0))
     with pytest.raises(errors.ConfigError, match="admit any peer"):
         shard.serve()
     assert not shard.ready.is_set()
 
 
+class _Job:
+    def __init__(self, **parameter_servers: object) -> None:
+        self.spec = {"parameterServers": parameter_servers}
+
+
 def test_roles_without_keys_run_unauthenticated_and_say_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert roles.load_keys(str(tmp_path / "absent"), contract.ROLE_PS) is None
+        assert roles.load_access(str(tmp_path / "absent"), contract.ROLE_PS, _Job()) == roles.Access()
     assert "event=unauthenticated role=ps" in caplog.text
     assert str(tmp_path / "absent") in caplog.text
-    keys.JobKeys.generate().write(str(tmp_path / "k"))
-    assert roles.load_keys(str(tmp_path / "k"), contract.ROLE_WORKER) is not None
+
+
+def test_roles_take_the_jobs_choice_of_encryption_and_warn_when_it_is_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    made = keys.JobKeys.generate()
+    made.write(str(tmp_path / "k"))
+    with caplog.at_level(logging.WARNING):
+        shard = roles.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job())  # a config from before the field
+        worker = roles.load_access(str(tmp_path / "k"), contract.ROLE_WORKER, _Job(encryption=True))
+    assert "event=unencrypted" not in caplog.text
+    assert shard == roles.Access(server=made.server_security(), client=made.client_options())
+    assert worker == roles.Access(server=None, client=made.client_options())
+    with caplog.at_level(logging.WARNING):
+        plain = roles.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job(encryption=False))
+    assert plain == roles.Access(server=made.server_security(encrypted=False),
+                                 client=made.client_options(encrypted=False))
+    assert "event=unencrypted role=ps" in caplog.text
 
 
 def test_local_mode_gives_every_pod_the_job_keys_and_keeps_them_on_resume(tmp_path: Path) -> None:

@@ -52,6 +52,17 @@ def test_fetch_and_push_every_n_steps_still_converge(tmp_path: Path) -> None:
     assert code == 0 and summary["accuracy"] >= 0.95
 
 
+def test_an_unencrypted_job_trains_with_its_keys_checked_and_says_so(tmp_path: Path) -> None:
+    doc = load_example("digits-mlp.yaml")
+    doc["spec"]["parameterServers"]["encryption"] = False
+    doc["spec"]["training"].update(maxSteps=3000, targetAccuracy=0.95)
+    code, summary = run_job(doc, tmp_path)
+    assert code == 0 and summary["accuracy"] >= 0.95
+    logs = {log.name: log.read_text() for log in (tmp_path / "logs").glob("digits-*.log")}
+    assert len(logs) == 5 and all("event=unencrypted" in text for text in logs.values())
+    assert all("auth=plain" in text for name, text in logs.items() if "-ps-" in name)
+
+
 def _wait_for_step(port: int, step: int, timeout: float = 120) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

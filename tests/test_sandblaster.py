@@ -199,7 +199,7 @@ def run_sandblaster(folder, dataset, model, x0, *, replicas=2, shards=2, iterati
     workers = []
     for i in range(replicas):
         group = group_of(live, layout, stop=stop)
-        link = CoordinatorLink(coordinator.endpoint, worker_id=group.worker_id, layout=layout.hash, curve=None,
+        link = CoordinatorLink(coordinator.endpoint, worker_id=group.worker_id, layout=layout.hash, security=None,
                                stop=stop)
         own_model = SlowModel(model, delays[i]) if i < len(delays) else model
         replica = Replica(group, link, own_model, dataset, WorkerMetrics(prom.CollectorRegistry()), stop=stop)

@@ -52,14 +52,14 @@ class Timeouts:
 class Connection:
     """One DEALER socket to one shard, recreated after a silence (which drops stale replies)."""
 
-    def __init__(self, context: zmq.Context, address: str, shard: int, curve: dict | None) -> None:
-        self.context, self.address, self.shard, self.curve = context, address, shard, curve
+    def __init__(self, context: zmq.Context, address: str, shard: int, security: dict | None) -> None:
+        self.context, self.address, self.shard, self.security = context, address, shard, security
         self.socket = self._connect()
 
     def _connect(self) -> zmq.Socket:
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        for option, value in (self.curve or {}).items():
+        for option, value in (self.security or {}).items():
             socket.setsockopt(option, value)
         socket.connect(self.address)
         return socket
@@ -77,7 +77,8 @@ class ShardGroup:
 
     def __init__(self, addresses: Sequence[str], layout: Layout, *, worker_id: int | None = None,
                  timeouts: Timeouts = Timeouts(), context: zmq.Context | None = None,
-                 curve: dict | None = None, stop: threading.Event | None = None) -> None:
+                 security: dict | None = None, stop: threading.Event | None = None) -> None:
+        """security: the job keys' client socket options (keys.JobKeys.client_options)."""
         if len(addresses) != layout.shards:
             raise errors.ConfigError(f"{len(addresses)} shard addresses for {layout.shards} shards")
         self.layout = layout
@@ -85,7 +86,7 @@ class ShardGroup:
         self.timeouts = timeouts
         self.stop = stop or threading.Event()  # set: a waiting round gives up (Stopped)
         self._context = context or zmq.Context.instance()
-        self._connections = [Connection(self._context, a, i, curve) for i, a in enumerate(addresses)]
+        self._connections = [Connection(self._context, a, i, security) for i, a in enumerate(addresses)]
         self._seq = 0
         self.bytes_in = 0
         self.bytes_out = 0

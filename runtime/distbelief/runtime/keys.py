@@ -1,4 +1,4 @@
-"""CurveZMQ keys of one job: who may talk to its parameter shards.
+"""Keys of one job: who may talk to its parameter shards, and whether the traffic is encrypted.
 
 A job has two Curve25519 keypairs, made once when the job is created and never rotated
 silently:
@@ -23,6 +23,13 @@ per ZeroMQ context, shared by the shards of that context) that admits, per shard
 socket's ZAP domain, only the job's client public key; a peer that knows the server's
 public key but not the client secret fails the handshake and gets nothing back.
 
+Encryption is the default: CurveZMQ authenticates and encrypts every message. A job with
+spec.parameterServers.encryption false trades the encryption for speed (on 2 cores the
+cipher takes most of a large model's step): its sockets use ZeroMQ's PLAIN mechanism with
+a token derived from the client secret key, so only key holders still get in, but the
+token and all traffic cross the network in the clear (docs/security.md says what that
+leaves open).
+
 The operator imports this module to make a job's Secret, and must not need the runtime's
 dependencies to do so at import time: zmq is imported inside the functions that use it.
 """
@@ -30,6 +37,7 @@ dependencies to do so at import time: zmq is imported inside the functions that 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -48,6 +56,10 @@ FILES = (SERVER_PUBLIC, SERVER_SECRET, CLIENT_PUBLIC, CLIENT_SECRET)
 # What a replica needs: it never serves, so it never holds the server's secret.
 CLIENT_FILES = (SERVER_PUBLIC, CLIENT_PUBLIC, CLIENT_SECRET)
 Z85_KEY_LENGTH = 40
+PLAIN_USERNAME = "distbelief"
+# A PLAIN token is a keyed hash of the client secret, never the secret itself: a token
+# seen on the wire does not open the job's encrypted transport.
+PLAIN_TOKEN_KEY = b"distbelief plain transport token v1"
 FILE_MODE = 0o600
 FOLDER_MODE = 0o700
 
@@ -123,21 +135,40 @@ class JobKeys:
             if zmq.curve_public(secret) != public:
                 raise errors.ConfigError(f"keys folder {folder}: {name} does not match its secret key")
 
-    def server_options(self) -> dict[int, Any]:
-        """Socket options of a shard's ROUTER: a CurveZMQ server with the job's keypair."""
+    def server_security(self, *, encrypted: bool = True) -> "ServerSecurity":
+        """How a shard's (or the coordinator's) ROUTER admits peers: CurveZMQ with the
+        job's server keypair, admitting the client public key; or PLAIN, admitting the token."""
         import zmq
 
         if self.server_secret is None:
             raise errors.ConfigError(f"the job keys have no {SERVER_SECRET}: only a shard's copy does")
-        return {zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: self.server_secret,
-                zmq.CURVE_PUBLICKEY: self.server_public}
+        if not encrypted:
+            return ServerSecurity(mechanism="plain", options={zmq.PLAIN_SERVER: 1},
+                                  admitted=frozenset({self.plain_token()}))
+        return ServerSecurity(mechanism="curve", admitted=frozenset({self.client_public}), options={
+            zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: self.server_secret, zmq.CURVE_PUBLICKEY: self.server_public})
 
-    def client_options(self) -> dict[int, Any]:
-        """Socket options of a replica's (or the chief's) DEALERs: the job's client keypair."""
+    def client_options(self, *, encrypted: bool = True) -> dict[int, Any]:
+        """Socket options of a replica's (or the chief's) DEALERs."""
         import zmq
 
+        if not encrypted:
+            return {zmq.PLAIN_USERNAME: PLAIN_USERNAME.encode(), zmq.PLAIN_PASSWORD: self.plain_token()}
         return {zmq.CURVE_SERVERKEY: self.server_public, zmq.CURVE_PUBLICKEY: self.client_public,
                 zmq.CURVE_SECRETKEY: self.client_secret}
+
+    def plain_token(self) -> bytes:
+        return hashlib.blake2b(self.client_secret, key=PLAIN_TOKEN_KEY, digest_size=32).hexdigest().encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSecurity:
+    """A serving socket's side of the handshake: its socket options, and what the ZAP
+    handler admits (client public keys for "curve", tokens for "plain")."""
+
+    mechanism: str
+    options: dict[int, Any]
+    admitted: frozenset[bytes]
 
 
 def ensure(folder: str) -> JobKeys:
@@ -220,20 +251,21 @@ class Admission:
             auth = _auth_by_context[id(self.context)]
             auth.allowed.by_domain.pop(self.domain, None)
             auth.authenticator.credentials_providers.pop(self.domain, None)
+            auth.authenticator.passwords.pop(self.domain, None)
             auth.users -= 1
             if auth.users == 0:
                 auth.authenticator.stop()
                 del _auth_by_context[id(self.context)]
 
 
-def admit_clients(context: Any, domain: str, clients: frozenset[bytes]) -> Admission:
-    """Start (or share) the ZAP handler of context; on domain, admit only these client keys.
+def admit_clients(context: Any, domain: str, security: ServerSecurity) -> Admission:
+    """Start (or share) the ZAP handler of context; on domain, admit only security.admitted.
 
     Call before binding the socket that sets zmq.ZAP_DOMAIN to domain (a CurveZMQ server
     socket in a context without a ZAP handler admits any client key). Each serving socket
     takes its own domain, so shards of different jobs in one process never share a list."""
-    if not clients:
-        raise errors.ConfigError("CurveZMQ server without client keys would admit any peer")
+    if not security.admitted:
+        raise errors.ConfigError(f"a {security.mechanism} server without client credentials would admit any peer")
     with _auth_lock:
         auth = _auth_by_context.get(id(context))
         if auth is None:
@@ -241,14 +273,18 @@ def admit_clients(context: Any, domain: str, clients: frozenset[bytes]) -> Admis
         if domain in auth.allowed.by_domain:
             raise errors.ConfigError(f"ZAP domain {domain} is already in use")
         auth.users += 1
-        auth.allowed.by_domain[domain] = frozenset(clients)
-        auth.authenticator.configure_curve_callback(domain=domain, credentials_provider=auth.allowed)
+        auth.allowed.by_domain[domain] = frozenset(security.admitted)
+        if security.mechanism == "plain":
+            [token] = security.admitted
+            auth.authenticator.configure_plain(domain=domain, passwords={PLAIN_USERNAME: token.decode("ascii")})
+        else:
+            auth.authenticator.configure_curve_callback(domain=domain, credentials_provider=auth.allowed)
     return Admission(context=context, domain=domain)
 
 
-def bind_server(context: Any, socket: Any, address: str, *, who: str, domain: str, curve: dict | None,
-                clients: frozenset[bytes]) -> Admission | None:
-    """Bind a serving socket; with curve, as a CurveZMQ server admitting only `clients`.
+def bind_server(context: Any, socket: Any, address: str, *, who: str, domain: str,
+                security: ServerSecurity | None) -> Admission | None:
+    """Bind a serving socket; with security, admitting only its credentials (without, anyone).
 
     The ZAP handler is registered before the bind (see admit_clients). On failure the
     socket is closed, the admission released, and ConfigError names `who` and address."""
@@ -256,10 +292,10 @@ def bind_server(context: Any, socket: Any, address: str, *, who: str, domain: st
 
     admission = None
     try:
-        if curve:
-            admission = admit_clients(context, domain, clients)
+        if security:
+            admission = admit_clients(context, domain, security)
             socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-            for option, value in curve.items():
+            for option, value in security.options.items():
                 socket.setsockopt(option, value)
         socket.bind(address)
     except (zmq.ZMQError, errors.ConfigError) as exc:

@@ -8,6 +8,7 @@ a shard stayed unreachable, 2 for a config or layout the role cannot work with.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -48,13 +49,27 @@ class Job:
             raise errors.ConfigError(f"cannot read job config {path}: {exc}") from exc
 
 
-def load_keys(keys_dir: str, role: str) -> keys.JobKeys | None:
-    """The job's CurveZMQ keys, or None (with a warning) when keys_dir holds none."""
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """The job's keys as one role's sockets use them; without keys, both None (anyone gets in)."""
+
+    server: keys.ServerSecurity | None = None  # a shard's or the coordinator's serving socket
+    client: dict | None = None                 # a DEALER to a shard or to the coordinator
+
+
+def load_access(keys_dir: str, role: str, job: Job) -> Access:
+    """The job's keys in keys_dir, for role, with the job's choice of encryption."""
     job_keys = keys.JobKeys.read(keys_dir)
     if job_keys is None:
         log.warning("event=unauthenticated role=%s keys_dir=%s reason=no_keys_there "
                     "consequence=any_peer_that_reaches_the_shards_can_pull_and_push", role, keys_dir)
-    return job_keys
+        return Access()
+    encrypted = bool(job.spec["parameterServers"].get("encryption", True))
+    if not encrypted:
+        log.warning("event=unencrypted role=%s reason=spec.parameterServers.encryption_is_false "
+                    "consequence=parameters_gradients_and_the_join_token_cross_the_network_in_the_clear", role)
+    server = job_keys.server_security(encrypted=encrypted) if role == contract.ROLE_PS else None
+    return Access(server=server, client=job_keys.client_options(encrypted=encrypted))
 
 
 def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
@@ -62,7 +77,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
            coordinator_port: int = contract.COORDINATOR_PORT) -> int:
     stop = _stop_on_termination()
     job = Job.load(config_path)
-    job_keys = load_keys(keys_dir, contract.ROLE_PS)
+    access = load_access(keys_dir, contract.ROLE_PS, job)
     index = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
     training, checkpointing = job.spec["training"], job.spec["parameterServers"]["checkpoint"]
     settings = ShardSettings(
@@ -70,18 +85,17 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
         learning_rate=float(training["learningRate"]), adagrad=bool(training["adagrad"]),
         warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger,
-        curve=job_keys.server_options() if job_keys else None,
-        curve_clients=frozenset({job_keys.client_public}) if job_keys else frozenset())
+        security=access.server)
     registry = prom.CollectorRegistry()
     server = Shard(settings, job.layout, job.model.init_params(int(training["seed"])), ShardMetrics(registry, index),
                    stop=stop)
     vectors = ShardVectors(server, int(training["sandblaster"]["historySize"])) if job.config.sandblaster else None
     server.restore()
     metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
-    chief = _start_chief(job, server, registry, checkpoint_dir, job_keys, vectors) if index == 0 else None
+    chief = _start_chief(job, server, registry, checkpoint_dir, access, vectors) if index == 0 else None
     coordinator = None
     if vectors is not None and index == 0:
-        coordinator = _start_coordinator(job, server, registry, f"tcp://{listen}:{coordinator_port}", job_keys)
+        coordinator = _start_coordinator(job, server, registry, f"tcp://{listen}:{coordinator_port}", access)
     try:
         server.serve()
     finally:
@@ -96,7 +110,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
 
 
 def _start_coordinator(job: Job, server: Shard, registry: prom.CollectorRegistry, bind: str,
-                       job_keys: keys.JobKeys | None) -> Coordinator:
+                       access: Access) -> Coordinator:
     training = job.spec["training"]
     options = training["sandblaster"]
     settings = CoordinatorSettings(
@@ -104,10 +118,9 @@ def _start_coordinator(job: Job, server: Shard, registry: prom.CollectorRegistry
         backups=bool(options["backupTasks"]), max_iterations=int(training["maxSteps"]),
         lbfgs=LbfgsSettings(history=int(options["historySize"]),
                             gradient_tolerance=float(options["gradientTolerance"])),
-        curve=job_keys.server_options() if job_keys else None,
-        curve_clients=frozenset({job_keys.client_public}) if job_keys else frozenset())
+        security=access.server)
     group = ShardGroup(job.config.shard_addresses(), job.layout,
-                       curve=job_keys.client_options() if job_keys else None)
+                       security=access.client)
     coordinator = Coordinator(settings, group, CoordinatorMetrics(registry))
     coordinator.on_failure = server.stop
     coordinator.on_evaluated = server.count_examples  # the job's examples/s, as Downpour's pushes feed it
@@ -116,10 +129,10 @@ def _start_coordinator(job: Job, server: Shard, registry: prom.CollectorRegistry
 
 
 def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, output_dir: str,
-                 job_keys: keys.JobKeys | None, vectors: ShardVectors | None) -> Chief:
+                 access: Access, vectors: ShardVectors | None) -> Chief:
     training = job.spec["training"]
     group = ShardGroup(job.config.shard_addresses(), job.layout,
-                       curve=job_keys.client_options() if job_keys else None)
+                       security=access.client)
     chief = Chief(group=group, model=job.model, dataset=job.dataset,
                   rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
                   max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
@@ -135,16 +148,16 @@ def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, outp
 def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: str = contract.KEYS_DIR) -> int:
     stop = _stop_on_termination()
     job = Job.load(config_path)
-    job_keys = load_keys(keys_dir, contract.ROLE_WORKER)
+    access = load_access(keys_dir, contract.ROLE_WORKER, job)
     training = job.spec["training"]
     settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
                               push_every=int(training["pushEvery"]))
     registry = prom.CollectorRegistry()
     group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop,
-                       curve=job_keys.client_options() if job_keys else None)
+                       security=access.client)
     if job.config.sandblaster:
         link = CoordinatorLink(job.config.coordinator_address(), worker_id=group.worker_id, layout=job.layout.hash,
-                               curve=job_keys.client_options() if job_keys else None, stop=stop)
+                               security=access.client, stop=stop)
         worker = Replica(group, link, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
     else:
         worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry), stop=stop)

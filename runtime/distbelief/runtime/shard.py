@@ -7,9 +7,9 @@ Requests are dispatched through an op table; every header field is checked first
 message that fails a check gets an error reply (or, if it cannot even be parsed, is
 dropped) while the shard keeps serving.
 
-With the job's keys (ShardSettings.curve), the socket is a CurveZMQ server and a ZAP
-handler admits only the job's client key (distbelief.runtime.keys); other peers never
-get past the handshake. A checkpoint that cannot be written (disk full, folder gone)
+With the job's keys (ShardSettings.security), a ZAP handler admits only peers that hold
+them (distbelief.runtime.keys: CurveZMQ, or PLAIN when the job turns encryption off);
+other peers never get past the handshake. A checkpoint that cannot be written (disk full, folder gone)
 is logged as event=checkpoint_failed and tried again at the next interval; training
 goes on from memory and the checkpoints already written stay as they were.
 """
@@ -66,8 +66,7 @@ class ShardSettings:
     adagrad: bool = True
     warmstart_steps: int = 0
     linger_seconds: float = 60.0   # keep answering DONE this long, then exit
-    curve: dict | None = None      # CurveZMQ server options, when the job has keys
-    curve_clients: frozenset[bytes] = frozenset()  # the Z85 client public keys admitted
+    security: keys.ServerSecurity | None = None  # who is admitted, when the job has keys
 
 
 class Shard:
@@ -173,11 +172,10 @@ class Shard:
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._admission = keys.bind_server(
             self._context, socket, self.settings.bind, who=f"shard {self.index}",
-            domain=f"distbelief-shard-{self.index}-{id(self):x}", curve=self.settings.curve,
-            clients=self.settings.curve_clients)
+            domain=f"distbelief-shard-{self.index}-{id(self):x}", security=self.settings.security)
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("event=listening shard=%d address=%s step=%d auth=%s", self.index, self.endpoint, self.step,
-                 "curve" if self.settings.curve else "none")
+                 self.settings.security.mechanism if self.settings.security else "none")
         return socket
 
     def _lingered(self) -> bool:

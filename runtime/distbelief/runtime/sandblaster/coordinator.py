@@ -46,8 +46,7 @@ class CoordinatorSettings:
     reissue_after: float = 30.0
     max_iterations: int = 1000
     lbfgs: LbfgsSettings = LbfgsSettings()
-    curve: dict | None = None
-    curve_clients: frozenset[bytes] = frozenset()
+    security: keys.ServerSecurity | None = None
 
 
 class Coordinator:
@@ -86,8 +85,7 @@ class Coordinator:
         socket.setsockopt(zmq.LINGER, 0)
         self._admission = keys.bind_server(
             self._context, socket, self.settings.bind, who="the coordinator",
-            domain=f"distbelief-coordinator-{id(self):x}", curve=self.settings.curve,
-            clients=self.settings.curve_clients)
+            domain=f"distbelief-coordinator-{id(self):x}", security=self.settings.security)
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("event=coordinator_listening address=%s units=%d unit_size=%d", self.endpoint,
                  self.queue.units, self.settings.unit_size)

@@ -35,10 +35,10 @@ STOP_POLL_MS = 250
 class CoordinatorLink:
     """The replica's request/reply channel to the coordinator."""
 
-    def __init__(self, address: str, *, worker_id: int, layout: int, curve: dict | None,
+    def __init__(self, address: str, *, worker_id: int, layout: int, security: dict | None,
                  stop: threading.Event, context: zmq.Context | None = None) -> None:
         self.worker_id, self.layout, self.stop = worker_id, layout, stop
-        self.connection = Connection(context or zmq.Context.instance(), address, 0, curve)
+        self.connection = Connection(context or zmq.Context.instance(), address, 0, security)
         self._seq = 0
 
     def ask(self, result: UnitResult | None) -> tuple[int, WorkUnit | None]:
