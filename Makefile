@@ -28,8 +28,9 @@ kube-tools: venv
 test: venv kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q
 
-# Benchmarks: installs the bench extra (torch, the peer), then runs benchmarks/run_all.py,
-# which merges the parameter-server and MLP-step figures into benchmarks/results.json.
+# Benchmarks (~10 min): installs the bench extra (torch, the peer), then runs
+# benchmarks/run_all.py: every figure of docs/benchmarks.md, 5 runs each, into
+# benchmarks/results.json and docs/benchmarks.png, with the target ratios printed.
 bench: venv
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python benchmarks/run_all.py --json benchmarks/results.json

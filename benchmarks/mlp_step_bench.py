@@ -11,9 +11,7 @@ figure is the median [min-max] over --runs runs. numpy's BLAS is held to 1 threa
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,12 +25,10 @@ import numpy as np  # noqa: E402
 
 from distbelief.runtime.models import Mlp  # noqa: E402
 
+from figures import fmt, save, summarize  # noqa: E402
+
 SHAPES = (784, (512, 512), 10)
 BATCH = 128
-
-
-def summarize(runs: list[float]) -> dict:
-    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
 
 
 def numpy_step(steps: int):
@@ -87,10 +83,9 @@ def main() -> int:
     args = p.parse_args()
     out = measure(args.runs, args.steps)
     for k, v in out.items():
-        print(f"mlp_step_ms {k:<10} {v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]")
+        print(f"mlp_step_ms {k:<10} {fmt(v)}")
     print(f"ratio distbelief/torch {out['distbelief']['median'] / out['torch']['median']:.2f} (target <= 1.0)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    save(out, args.json)
     return 0
 
 

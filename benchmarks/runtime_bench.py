@@ -57,16 +57,14 @@ from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import Status
 
+from figures import summarize
+
 HUGETLB = "glibc.malloc.hugetlb=1"
 VARIANTS = {"default": None, "hugetlb": HUGETLB}
 perf = time.perf_counter
 
 
 # -- measurement helpers ------------------------------------------------------------
-
-def summarize(runs: list[float]) -> dict:
-    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
-
 
 def rate_runs(fn: Callable[[], None], nbytes: int, repeats: int, calls: int) -> list[float]:
     """GB/s of nbytes per call; one warm-up run, then `repeats` timed runs of `calls` calls."""
