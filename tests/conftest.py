@@ -54,8 +54,8 @@ class LiveShards:
 def start_shards(folder: Path, layout: Layout, initial: np.ndarray, **settings: Any) -> LiveShards:
     shards, threads = [], []
     for index in range(layout.shards):
-        shard = Shard(ShardSettings(shard=index, bind="tcp://127.0.0.1:*", checkpoint_dir=str(folder / f"shard-{index}"),
-                                    **settings),
+        options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
+        shard = Shard(ShardSettings(shard=index, **options),
                       layout, initial, ShardMetrics(prom.CollectorRegistry(), index))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)

@@ -57,7 +57,7 @@ BATCH = 40
 EXAMPLES = 300                      # 300 batches of 40: 12,000 messages
 MIN_MESSAGES = 10_000
 MAX_FRAME = protocol.max_message_bytes(SIZE)
-PULL_MARKER = 0xFFFFFFFF            # the seq of the checking pull (batch messages use 1..BATCH)
+PULL_MARKER = 0xFFFFFFFF            # the seq of the checking pull (batch messages count up from 1)
 # What the process (hypothesis aside) still holds after a replay of every batch (12,000
 # messages): a leak of 22 bytes per message would exceed it (one of 100 bytes, tried,
 # does); measured, about 24 KB stays (the shard's rate window, codec caches).
@@ -259,13 +259,14 @@ class Peer:
         self.optimizer = make_optimizer(SIZE, learning_rate=LEARNING_RATE, adagrad=True)
         self.step = live.shards[0].step
         self.tally = Tally()
+        self.sent = 0  # seqs run on across batches: a shard applies a repeated (worker, seq) push once
 
     def close(self) -> None:
         self.socket.close(linger=0)
 
     def send_batch(self, specs: list[Spec]) -> None:
         outcomes: dict[int, str] = {}
-        for seq, spec in enumerate(specs, start=1):
+        for seq, spec in enumerate(specs, start=self.sent + 1):
             frames = build(spec, seq)
             if spec.oversize:
                 self._send_oversize(frames[0])
@@ -278,6 +279,7 @@ class Peer:
             self.socket.send_multipart(frames)
             self.tally.outcomes[outcome] = self.tally.outcomes.get(outcome, 0) + 1
         self.tally.messages += len(specs)
+        self.sent += len(specs)
         self.tally.applied += sum(o == APPLY for o in outcomes.values())
         self._check(outcomes)
 

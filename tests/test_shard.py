@@ -4,6 +4,7 @@ checkpoints and warm-start, through the real ZeroMQ protocol."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -11,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +67,66 @@ def test_push_and_pull_returns_the_parameters_with_the_push_applied(two_shards: 
     group.done("MaxStepsReached", "Succeeded")
     assert all(r.done for r in group.push_and_pull(np.ones_like(out), out, steps=[1, 1], examples=8, loss=1.0))
     np.testing.assert_array_equal(out, pulled)  # a finished job takes no more updates
+
+
+def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards) -> None:
+    """The same (worker, seq) twice is a resend whose reply was lost; another seq is a new push."""
+    layout, shard = two_shards.layout, two_shards.shards[0]
+    grad = np.full(layout.size(0), 0.5, dtype=np.float32)
+    expected = shard.params.copy()
+    Adagrad(layout.size(0), 0.5).apply(expected, grad)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(two_shards.addresses[0])
+    try:
+        replies = []
+        for seq in (7, 7, 8):
+            header = Header(op=Op.PUSH, shard=0, layout=layout.hash, seq=seq, worker=42, count=layout.size(0))
+            peer.send_multipart([header.pack(), grad.tobytes()])
+            assert peer.poll(5000)
+            replies.append(protocol.unpack_header(peer.recv_multipart()[0]))
+            if seq == 7 and len(replies) == 2:
+                np.testing.assert_array_equal(shard.params, expected)  # the resend changed nothing
+    finally:
+        peer.close()
+    assert [(r.status, r.seq, r.step) for r in replies] == [(Status.OK, 7, 1), (Status.OK, 7, 1), (Status.OK, 8, 2)]
+    assert shard.step == 2
+
+
+def test_a_request_lost_with_its_shard_is_resent_when_the_connection_breaks(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A shard that takes a request and dies: the replica resends on the disconnect, to the
+    shard that comes back on the same port, without waiting out the request timeout."""
+    layout = Layout.of([("w", (4, 3))], shards=1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dying = zmq.Context.instance().socket(zmq.ROUTER)
+    dying.bind(f"tcp://127.0.0.1:{port}")
+    group = ShardGroup([f"tcp://127.0.0.1:{port}"], layout, timeouts=Timeouts(request=120.0, unavailable=240.0))
+    live = None
+    try:
+        group._send(0, Header(op=Op.HELLO, shard=0, layout=layout.hash, seq=0), [])  # connect, handshake
+        assert dying.poll(5000)
+        dying.recv_multipart()
+        pulled: list = []
+        puller = threading.Thread(target=lambda: pulled.append(group.pull(np.empty(layout.total, np.float32))),
+                                  daemon=True)
+        with caplog.at_level(logging.INFO, logger="distbelief.runtime.client"):
+            puller.start()
+            assert dying.poll(5000), "the pull never reached the first shard"
+            dying.close(linger=0)  # dies holding the request
+            live = start_shards(tmp_path, layout, np.ones(layout.total, np.float32),
+                                bind=f"tcp://127.0.0.1:{port}")
+            puller.join(timeout=60)
+        assert not puller.is_alive(), "the pull waited for its request timeout"
+        assert pulled and pulled[0][0].header.status == Status.OK
+        assert "event=shard_disconnected shard=0" in caplog.text and "event=shard_silent" not in caplog.text
+        assert group.retries == 1
+    finally:
+        group.close()
+        if live:
+            live.stop()
 
 
 def test_a_peer_with_another_layout_is_refused_by_name(two_shards: LiveShards) -> None:

@@ -1,6 +1,12 @@
 """The replica's side of the wire: one DEALER socket per shard, requests sent to every
 shard at once and then collected, with timeouts, reconnects and retries.
 
+A request lost with its connection (the shard restarted, or the link broke) is sent
+again as soon as ZeroMQ reports the disconnect, on a fresh socket, rather than after the
+request timeout: a restarted shard costs the replicas its restart time, not 10 s. The
+fresh socket drops any copy still queued on the old one; a shard applies a resent push
+only once (Shard keeps each replica's last push seq).
+
 ZeroMQ errors and silences are translated here into ShardUnavailable / ShardRefused /
 LayoutMismatch; callers never see zmq. Parameter payloads are received straight into
 the caller's array (recv_into: one copy out of libzmq's buffer, no array allocated per
@@ -19,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from distbelief.runtime import errors, protocol
 from distbelief.runtime.layout import Layout
@@ -50,25 +57,44 @@ class Timeouts:
 
 
 class Connection:
-    """One DEALER socket to one shard, recreated after a silence (which drops stale replies)."""
+    """One DEALER socket to one shard, recreated after a silence or a disconnect (which
+    drops stale replies and requests still queued), with a monitor reporting disconnects."""
 
     def __init__(self, context: zmq.Context, address: str, shard: int, security: dict | None) -> None:
         self.context, self.address, self.shard, self.security = context, address, shard, security
-        self.socket = self._connect()
+        self.socket, self.monitor = self._connect()
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         for option, value in (self.security or {}).items():
             socket.setsockopt(option, value)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         socket.connect(self.address)
-        return socket
+        self.handshaken = False
+        return socket, monitor
+
+    def disconnected(self) -> bool:
+        """Whether a connection that had completed its handshake broke since the last call.
+        (A refused handshake ends in a disconnect too; that one lost no request.)"""
+        broke = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshaken = True
+            elif self.handshaken:
+                self.handshaken, broke = False, True
+        return broke
 
     def reconnect(self) -> None:
-        self.socket.close(linger=0)
-        self.socket = self._connect()
+        self.close()
+        self.socket, self.monitor = self._connect()
 
     def close(self) -> None:
+        if self.socket.closed:
+            return
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close(linger=0)
 
 
@@ -159,6 +185,7 @@ class ShardGroup:
                    for i in targets}
         bodies = {i: self._body(i, payload, data) for i in targets}
         for i in targets:
+            self._connections[i].disconnected()  # a break before this request cost it nothing
             self._send(i, headers[i], bodies[i])
         replies: dict[int, Reply] = {}
         pending = set(targets)
@@ -168,11 +195,14 @@ class ShardGroup:
             poller = zmq.Poller()
             for i in pending:
                 poller.register(self._connections[i].socket, zmq.POLLIN)
+                poller.register(self._connections[i].monitor, zmq.POLLIN)
             if self.stop.is_set():
                 raise errors.Stopped("stopped while waiting for the shards")
             timeout_ms = min(STOP_POLL_SECONDS, max(0.0, attempt_deadline - time.monotonic())) * 1000
             ready = dict(poller.poll(timeout_ms))
             for i in list(pending):
+                if self._connections[i].monitor in ready and self._connections[i].disconnected():
+                    self._resend(i, headers[i], bodies[i])
                 if self._connections[i].socket in ready:
                     reply = self._receive(i, headers[i], receive_into)
                     if reply is not None:
@@ -197,6 +227,13 @@ class ShardGroup:
         except zmq.Again:
             return  # the queue to this shard is full: the round's timeout retries it
         self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+
+    def _resend(self, shard: int, header: Header, body: list) -> None:
+        connection = self._connections[shard]
+        log.warning("event=shard_disconnected shard=%d address=%s action=resend", shard, connection.address)
+        self.retries += 1
+        connection.reconnect()
+        self._send(shard, header, body)
 
     def _retry(self, shard: int, header: Header, body: list, started: float) -> None:
         connection = self._connections[shard]

@@ -9,9 +9,11 @@ dropped) while the shard keeps serving.
 
 With the job's keys (ShardSettings.security), a ZAP handler admits only peers that hold
 them (distbelief.runtime.keys: CurveZMQ, or PLAIN when the job turns encryption off);
-other peers never get past the handshake. A checkpoint that cannot be written (disk full, folder gone)
-is logged as event=checkpoint_failed and tried again at the next interval; training
-goes on from memory and the checkpoints already written stay as they were.
+other peers never get past the handshake. A push sent again with the seq of the
+replica's last one (its reply was lost) is answered but not applied twice. A checkpoint
+that cannot be written (disk full, folder gone) is logged as event=checkpoint_failed and
+tried again at the next interval; training goes on from memory and the checkpoints
+already written stay as they were.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable, Protocol
 
 import numpy as np
@@ -40,6 +42,7 @@ POLL_MS = 100
 WARMSTART_LEASE_SECONDS = 10.0
 RATE_WINDOW_SECONDS = 5.0
 LOSS_EMA = 0.05
+REMEMBERED_REPLICAS = 4096  # replicas whose last push seq a shard keeps, to apply a resent push once
 
 Handler = Callable[[Header, list], list]
 
@@ -97,6 +100,7 @@ class Shard:
         self._warm_owner: tuple[int, float] | None = None
         self._rate_window: deque[tuple[float, int]] = deque()
         self._rate_sum = 0  # the examples in _rate_window
+        self._last_push: OrderedDict[int, int] = OrderedDict()  # replica (worker id) -> seq of its last push
         self._last_checkpoint = (time.monotonic(), -1)
         self._train_loss: float | None = None
         self.examples_per_second = 0.0
@@ -274,14 +278,26 @@ class Shard:
             raise errors.ProtocolError(
                 f"a push to shard {self.index} must carry {self.params.size} float32 values, "
                 f"header declares {header.count}")
+        if self._last_push.get(header.worker) == header.seq:
+            # Sent again because the reply was lost (a reconnect or a timeout): applied once.
+            log.info("event=push_resent shard=%d worker=%08x step=%d action=not_applied_again",
+                     self.index, header.worker, self.step)
+            return [header.reply(step=self.step).pack()]
         grad = protocol.float_view(payload[0].buffer, header.count)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we test for
             finite = np.isfinite(np.dot(grad, grad))
         if not finite:
             raise errors.ProtocolError("gradient has non-finite values; update refused")
         self.optimizer.apply(self.params, grad)
+        self._remember_push(header)
         self._count_update(header)
         return [header.reply(step=self.step).pack()]
+
+    def _remember_push(self, header: Header) -> None:
+        self._last_push[header.worker] = header.seq
+        self._last_push.move_to_end(header.worker)
+        if len(self._last_push) > REMEMBERED_REPLICAS:
+            self._last_push.popitem(last=False)  # the replica heard from least recently
 
     def _push_pull(self, header: Header, payload: list) -> list:
         reply = self._push(header, payload)
