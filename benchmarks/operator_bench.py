@@ -18,7 +18,8 @@ annotation, i.e. the handler has returned (so lazy imports and the first keypair
 Then --jobs jobs are created in-process, back to back (jobs_1: one job), and the store is
 polled every 10 ms for the children still missing; the figure is first create -> last
 child seen, so it is late by at most one poll (10 ms). Per-job latency (own create -> own
-last child) is summarised by its median and p90 over each run.
+last child) is summarised by its median and p90 over each run, and the API requests the
+operator made in that window (the emulator's request log) by their number per job.
 
 The operator runs with its default status interval (DISTBELIEF_STATUS_INTERVAL, 5 s
 unless set) and its metrics URL pointed at a closed loopback port, so each status timer's
@@ -110,8 +111,10 @@ def settled(job: dict | None) -> bool:
     return job is not None and SETTLED in (job["metadata"].get("annotations") or {})
 
 
-def create_and_wait(kube: KubeEmulator, names: list[str], timeout: float) -> tuple[float, list[float]]:
-    """Create the jobs back to back; (first create -> last child seen, per-job latencies)."""
+def create_and_wait(kube: KubeEmulator, names: list[str], timeout: float) -> tuple[float, list[float], float]:
+    """Create the jobs back to back; (first create -> last child seen, per-job latencies,
+    API requests the operator made meanwhile per job)."""
+    requests_before = len(kube.requests)
     created: dict[str, float] = {}
     for name in names:
         doc = copy.deepcopy(MANIFEST)
@@ -134,10 +137,11 @@ def create_and_wait(kube: KubeEmulator, names: list[str], timeout: float) -> tup
                                f"{dict(list(missing.items())[:3])}")
         time.sleep(POLL_S)
     first = min(created.values())
-    return max(done.values()) - first, [done[n] - created[n] for n in names]
+    requests = (len(kube.requests) - requests_before) / len(names)
+    return max(done.values()) - first, [done[n] - created[n] for n in names], requests
 
 
-def one_run(jobs: int, timeout: float, folder: Path) -> tuple[float, list[float]]:
+def one_run(jobs: int, timeout: float, folder: Path) -> tuple[float, list[float], float]:
     kube = project_emulator().start()
     try:
         kube.write_kubeconfig(folder / "kubeconfig")
@@ -159,14 +163,15 @@ def measure(runs: int, jobs: int, timeout: float) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in (1, jobs):
-            totals, medians, p90s = [], [], []
+            totals, medians, p90s, requests = [], [], [], []
             for _ in range(runs):
-                total, per_job = one_run(n, timeout, Path(tmp))
+                total, per_job, per_job_requests = one_run(n, timeout, Path(tmp))
                 totals.append(total)
                 medians.append(statistics.median(per_job))
                 p90s.append(p90(per_job))
+                requests.append(per_job_requests)
             out[f"jobs_{n}"] = {**summarize(totals), "per_job_median": summarize(medians),
-                                "per_job_p90": summarize(p90s)}
+                                "per_job_p90": summarize(p90s), "api_requests_per_job": summarize(requests)}
     return out
 
 
@@ -181,7 +186,7 @@ def main() -> int:
     for k, v in out.items():
         pm, pp = v["per_job_median"]["median"], v["per_job_p90"]["median"]
         print(f"operator_create_to_children_s {k:<8} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]"
-              f"  per job median {pm:.3f} p90 {pp:.3f}")
+              f"  per job median {pm:.3f} p90 {pp:.3f}  API requests per job {v['api_requests_per_job']['median']:.1f}")
     if args.json:
         meta = {"runs": args.runs, "poll_s": POLL_S, "children": [r for r, _ in CHILDREN],
                 "status_interval_s": float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5")),

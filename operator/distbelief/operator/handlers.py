@@ -93,25 +93,27 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None
         patch.metadata.annotations[SHARDS_ANNOTATION] = str(job["spec"]["parameterServers"]["shards"])
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
-    if ensure_keys_secret(kube, job):
+    new = reason == "create"  # nothing of the job exists yet: create without reading first
+    if ensure_keys_secret(kube, job, new=new):
         kopf.info(body, reason="KeysCreated",
                   message=f"Secret {contract.JobNames(job['metadata']['name']).keys_secret} with the job's CurveZMQ keys")
-    results = apply_children(kube, job, finished=finished)
+    results = apply_children(kube, job, finished=finished, new=new)
     changed = {name: result for name, result in results.items() if result != "unchanged"}
     if changed:
         kopf.info(body, reason="ChildrenApplied" if reason != "update" else "SpecApplied",
                   message=", ".join(f"{name} {result}" for name, result in changed.items()))
 
 
-def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> bool:
+def ensure_keys_secret(kube: Kube, job: Mapping[str, Any], *, new: bool = False) -> bool:
     """Create the job's key Secret if it is absent; an existing one is never changed (keys
     are not rotated behind the user's back). True if it was created now.
 
-    Looked up first so that new keys are generated only when needed; a Secret created
-    meanwhile by another operator run wins (409) and the keys made here are dropped."""
+    For a job already seen it is looked up first, so that keys are generated only when
+    needed; for a new one it is created straight away. Either way a Secret that exists
+    wins (409) and the keys made here are dropped."""
     names = contract.JobNames(job["metadata"]["name"])
     namespace = job["metadata"].get("namespace") or "default"
-    if kube.get("v1", "Secret", namespace, names.keys_secret) is not None:
+    if not new and kube.get("v1", "Secret", namespace, names.keys_secret) is not None:
         return False
     secret = render.render_keys_secret(job, keys.JobKeys.generate().files())
     created = kube.create(secret)
@@ -120,11 +122,13 @@ def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> bool:
     return created
 
 
-def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool) -> dict[str, str]:
+def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool, new: bool = False) -> dict[str, str]:
     """Create or patch every rendered child; remove an optional child (the HPA, the
-    NetworkPolicy) that the spec no longer asks for."""
+    NetworkPolicy) that the spec no longer asks for, which a new job cannot have."""
     children = render.render_children(job, image=IMAGE, finished=finished)
-    results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c) for c in children}
+    results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c, likely_absent=new) for c in children}
+    if new:
+        return results
     names = contract.JobNames(job["metadata"]["name"])
     namespace = job["metadata"].get("namespace") or "default"
     optional = {("autoscaling/v2", "HorizontalPodAutoscaler"): names.worker,

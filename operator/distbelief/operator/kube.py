@@ -115,11 +115,14 @@ class Kube:
             raise KubeError("create", f"{kind} {namespace}/{name}", exc) from exc
         return True
 
-    def apply(self, desired: Manifest) -> str:
-        """Create desired, or patch the live object toward it. Returns created|patched|unchanged."""
+    def apply(self, desired: Manifest, *, likely_absent: bool = False) -> str:
+        """Create desired, or patch the live object toward it. Returns created|patched|unchanged.
+
+        likely_absent (a new job's children): try the create first, which saves the read
+        when it succeeds and costs one request more when the object was there after all."""
         api_version, kind = desired["apiVersion"], desired["kind"]
         namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
-        live = self.get(api_version, kind, namespace, name)
+        live = None if likely_absent else self.get(api_version, kind, namespace, name)
         if live is None:
             if self.create(desired):
                 return "created"
