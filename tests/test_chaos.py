@@ -223,6 +223,7 @@ def test_a_sigkill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one_u
         assert torn == newest + 1, (leftovers, complete)  # the kill hit the next write
         ckpt = checkpoint.restore_latest(str(folder), layout=7, shard=0)
         assert ckpt is not None and ckpt.step == newest
+        assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]  # the torn write is gone
         assert float(ckpt.arrays["params"][0]) == newest and float(ckpt.arrays["params"][-1]) == newest
         assert not [p for p in folder.iterdir() if p.name.endswith(".corrupt")]
         for path in complete:

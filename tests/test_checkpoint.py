@@ -157,6 +157,17 @@ def test_failed_write_leaves_no_temporary_and_the_old_set_intact(tmp_path, monke
     assert checkpoint.restore_latest(str(tmp_path), layout=LAYOUT, shard=SHARD).step == 2
 
 
+def test_restore_removes_the_temporaries_of_interrupted_writes(tmp_path):
+    for step in (1, 2):
+        checkpoint.save(str(tmp_path), make(step), keep=5)
+    for torn in (3, 7):  # half-written, as a crash mid-write leaves them
+        (tmp_path / f".{checkpoint.file_name(torn)}.tmp").write_bytes(checkpoint.MAGIC + b"\0" * 100)
+    (tmp_path / "notes.tmp").write_text("not ours")
+    assert checkpoint.restore_latest(str(tmp_path), layout=LAYOUT, shard=SHARD).step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", checkpoint.file_name(1),
+                                                          checkpoint.file_name(2)]
+
+
 def test_blocked_temporary_path_is_a_checkpoint_error(tmp_path):
     """A folder where the new file cannot be created (here its temporary name is taken by a
     directory) fails with CheckpointError, and the earlier checkpoints stay."""

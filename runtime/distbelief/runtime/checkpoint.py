@@ -10,7 +10,7 @@ damaged header cannot pass for a checkpoint of another step, layout or shard. A 
 written under a temporary name, fsynced, renamed into place and the folder fsynced, so a
 crash leaves either the old set or the new one. On restore the newest file that verifies
 wins; one that does not is reported and renamed aside (never deleted), and the one before
-it is used.
+it is used. The temporary of a write that a crash interrupted is removed at restore.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ MAGIC = b"DBCKPT01"
 LENGTH = struct.Struct("<Q")
 MAX_HEADER_BYTES = 1 << 20
 SUFFIX = ".ckpt"
+TEMPORARY = ".tmp"
 DTYPE = np.dtype("<f4")
 
 
@@ -49,10 +50,14 @@ def file_name(step: int) -> str:
     return f"step-{step:012d}{SUFFIX}"
 
 
+def _temporary_name(step: int) -> str:
+    return f".{file_name(step)}{TEMPORARY}"
+
+
 def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
     """Write ckpt atomically into folder and prune all but the newest `keep`."""
     path = os.path.join(folder, file_name(ckpt.step))
-    tmp = os.path.join(folder, f".{file_name(ckpt.step)}.tmp")
+    tmp = os.path.join(folder, _temporary_name(ckpt.step))
     body = {
         "step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
         "arrays": [[name, int(a.size)] for name, a in ckpt.arrays.items()],
@@ -134,7 +139,10 @@ def restore_latest(folder: str, *, layout: int, shard: int) -> Checkpoint | None
 
     A corrupt file is renamed to *.corrupt and the previous one tried. A valid file
     written for another layout or shard is an error: continuing would train a different
-    model on top of it, and discarding it would lose the user's work."""
+    model on top of it, and discarding it would lose the user's work. Temporaries of
+    interrupted writes are deleted first: they are never complete checkpoints, and only
+    this shard, not yet serving, writes the folder."""
+    _remove_partial_writes(folder)
     for path in list_checkpoints(folder):
         try:
             ckpt = load(path)
@@ -149,6 +157,17 @@ def restore_latest(folder: str, *, layout: int, shard: int) -> Checkpoint | None
                 "point the shard at another checkpoint folder")
         return ckpt
     return None
+
+
+def _remove_partial_writes(folder: str) -> None:
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(".step-") and n.endswith(SUFFIX + TEMPORARY)]
+    except FileNotFoundError:
+        return
+    for path in (os.path.join(folder, name) for name in names):
+        if os.path.isfile(path):
+            log.info("event=partial_checkpoint_removed path=%s", path)
+            _remove_quietly(path)
 
 
 def _as_f32(array: np.ndarray) -> np.ndarray:
