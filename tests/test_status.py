@@ -5,8 +5,11 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import prometheus_client as prom
+
 from distbelief.operator import scrape, spec
 from distbelief.operator.status import Observed, compute_status, timestamp
+from distbelief.runtime.metrics import CoordinatorMetrics, ShardMetrics
 
 from conftest import load_example
 
@@ -46,6 +49,21 @@ def test_training_figures_come_from_the_chief_and_survive_its_silence() -> None:
     assert first["lastCheckpoint"] == {"step": 1100, "time": timestamp(NOW)}
     silent = compute_status(job(**first), Observed(shards_ready=2, workers_ready=3), LATER)
     assert silent["globalStep"] == 1200 and silent["accuracy"] == 0.97
+
+
+def test_a_sandblaster_jobs_objective_is_read_once_it_has_evaluated() -> None:
+    registry = prom.CollectorRegistry()
+    coordinator = CoordinatorMetrics(registry)
+    ShardMetrics(registry, 0).global_step.set(3)
+    assert scrape.parse(prom.generate_latest(registry).decode()).objective is None  # no evaluation yet
+    coordinator.evaluations.inc()
+    coordinator.objective.set(0.4321)
+    figures = scrape.parse(prom.generate_latest(registry).decode())
+    assert figures.objective == 0.4321
+    status = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=figures), NOW)
+    assert (status["globalStep"], status["objective"]) == (3, 0.4321)
+    downpour = scrape.Figures(global_step=5, loss=0.5)
+    assert "objective" not in compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=downpour), NOW)
 
 
 def test_the_chiefs_verdict_finishes_the_job_for_good() -> None:

@@ -27,7 +27,8 @@ SCRAPE_TIMEOUT = 0.5
 
 
 class Progress:
-    """A progress bar over global steps, with loss, accuracy and examples/s beside it."""
+    """A progress bar over global steps, with loss, accuracy and examples/s beside it (and
+    a Sandblaster job's objective)."""
 
     def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool) -> None:
         self.url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -41,8 +42,9 @@ class Progress:
             return
         self.bar.update(max(0, min(figures.global_step, self.bar.total) - self.bar.n))
         nan = float("nan")
+        objective = "" if figures.objective is None else f"objective={figures.objective:.5g} "
         self.bar.set_postfix_str(
-            f"loss={_or(figures.loss, nan):.4f} acc={_or(figures.accuracy, nan):.4f} "
+            f"{objective}loss={_or(figures.loss, nan):.4f} acc={_or(figures.accuracy, nan):.4f} "
             f"ex/s={_or(figures.examples_per_second, 0.0):,.0f}", refresh=False)
 
     def close(self) -> None:

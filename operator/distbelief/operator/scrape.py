@@ -20,6 +20,7 @@ class Figures:
     loss: float | None = None
     accuracy: float | None = None
     examples_per_second: float | None = None
+    objective: float | None = None          # Sandblaster's, at the committed iteration
     checkpoint_step: int | None = None
     checkpoint_time: float | None = None
     finished_reason: str | None = None
@@ -48,6 +49,9 @@ def parse(text: str) -> Figures:
         loss=values.get("distbelief_heldout_loss"),
         accuracy=values.get("distbelief_heldout_accuracy"),
         examples_per_second=values.get("distbelief_examples_per_second"),
+        # The gauge exists from the coordinator's start; it means something after an evaluation.
+        objective=values.get("distbelief_sandblaster_objective") if values.get(
+            "distbelief_sandblaster_evaluations_total") else None,
         checkpoint_step=integer("distbelief_checkpoint_step"),
         checkpoint_time=values.get("distbelief_checkpoint_timestamp_seconds") or None,
         finished_reason=finished[0] if finished else None,
