@@ -13,6 +13,7 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 import scipy.optimize
+import zmq
 
 from conftest import load_example
 from distbelief.operator import local, render, report, scrape, spec
@@ -139,6 +140,32 @@ def start_vector_shards(folder: Path, layout: Layout, initial: np.ndarray) -> li
 
 def group_of(shards: list[Shard], layout: Layout, **kwargs) -> ShardGroup:
     return ShardGroup([s.endpoint for s in shards], layout, timeouts=Timeouts(request=2.0, unavailable=20.0), **kwargs)
+
+
+def test_a_repeated_vector_command_gets_its_first_reply_and_acts_once(tmp_path):
+    """The coordinator resends a command whose reply it lost: an AXPY applied twice would
+    silently corrupt the search direction."""
+    layout = Layout.of([("w", (6,))], shards=1)
+    [shard] = start_vector_shards(tmp_path, layout, np.arange(6, dtype=np.float32))
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(shard.endpoint)
+    axpy = VectorCommand(code=VectorCode.AXPY, out=Slots.D, a=Slots.X, scalar=2.0).pack()
+    replies = []
+    try:
+        for seq in (5, 5, 6):
+            header = protocol.Header(op=protocol.Op.VECTOR, shard=0, layout=layout.hash, seq=seq, worker=9)
+            peer.send_multipart([header.pack(), axpy])
+            assert peer.poll(5000)
+            replies.append([protocol.unpack_header(f).seq if i == 0 else f for i, f in
+                            enumerate(peer.recv_multipart())])
+            if len(replies) == 2:
+                np.testing.assert_array_equal(shard.extension.vectors[Slots.D], 2 * np.arange(6))
+    finally:
+        peer.close()
+        shard.stop()
+    assert replies[0] == replies[1] and replies[2][0] == 6
+    np.testing.assert_array_equal(shard.extension.vectors[Slots.D], 4 * np.arange(6))  # seq 6 is a new command
 
 
 def test_vector_ops_run_on_each_slice_and_refuse_bad_commands(tmp_path):

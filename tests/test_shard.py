@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,8 @@ def test_push_and_pull_returns_the_parameters_with_the_push_applied(two_shards: 
     np.testing.assert_array_equal(out, pulled)  # a finished job takes no more updates
 
 
-def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards) -> None:
+@pytest.mark.parametrize("op", [Op.PUSH, Op.PUSH_PULL])
+def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards, op: Op) -> None:
     """The same (worker, seq) twice is a resend whose reply was lost; another seq is a new push."""
     layout, shard = two_shards.layout, two_shards.shards[0]
     grad = np.full(layout.size(0), 0.5, dtype=np.float32)
@@ -81,16 +83,33 @@ def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards) -> N
     try:
         replies = []
         for seq in (7, 7, 8):
-            header = Header(op=Op.PUSH, shard=0, layout=layout.hash, seq=seq, worker=42, count=layout.size(0))
+            header = Header(op=op, shard=0, layout=layout.hash, seq=seq, worker=42, count=layout.size(0))
             peer.send_multipart([header.pack(), grad.tobytes()])
             assert peer.poll(5000)
-            replies.append(protocol.unpack_header(peer.recv_multipart()[0]))
+            frames = peer.recv_multipart()
+            replies.append(protocol.unpack_header(frames[0]))
+            if op == Op.PUSH_PULL:  # every reply, the repeat's too, carries the parameters as they are
+                np.testing.assert_array_equal(np.frombuffer(frames[1], np.float32), shard.params)
             if seq == 7 and len(replies) == 2:
                 np.testing.assert_array_equal(shard.params, expected)  # the resend changed nothing
     finally:
         peer.close()
     assert [(r.status, r.seq, r.step) for r in replies] == [(Status.OK, 7, 1), (Status.OK, 7, 1), (Status.OK, 8, 2)]
     assert shard.step == 2
+
+
+def _wait_until_free(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds
+            try:
+                probe.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+        time.sleep(0.05)
 
 
 def test_a_request_lost_with_its_shard_is_resent_when_the_connection_breaks(
@@ -116,6 +135,7 @@ def test_a_request_lost_with_its_shard_is_resent_when_the_connection_breaks(
             puller.start()
             assert dying.poll(5000), "the pull never reached the first shard"
             dying.close(linger=0)  # dies holding the request
+            _wait_until_free(port)  # libzmq closes the listener in its I/O thread, a moment later
             live = start_shards(tmp_path, layout, np.ones(layout.total, np.float32),
                                 bind=f"tcp://127.0.0.1:{port}")
             puller.join(timeout=60)

@@ -4,8 +4,8 @@ shard at once and then collected, with timeouts, reconnects and retries.
 A request lost with its connection (the shard restarted, or the link broke) is sent
 again as soon as ZeroMQ reports the disconnect, on a fresh socket, rather than after the
 request timeout: a restarted shard costs the replicas its restart time, not 10 s. The
-fresh socket drops any copy still queued on the old one; a shard applies a resent push
-only once (Shard keeps each replica's last push seq).
+fresh socket drops any copy still queued on the old one; a shard acts on a resent
+command once (Shard keeps each peer's last command and its reply).
 
 ZeroMQ errors and silences are translated here into ShardUnavailable / ShardRefused /
 LayoutMismatch; callers never see zmq. Parameter payloads are received straight into

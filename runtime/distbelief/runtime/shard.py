@@ -9,11 +9,12 @@ dropped) while the shard keeps serving.
 
 With the job's keys (ShardSettings.security), a ZAP handler admits only peers that hold
 them (distbelief.runtime.keys: CurveZMQ, or PLAIN when the job turns encryption off);
-other peers never get past the handshake. A push sent again with the seq of the
-replica's last one (its reply was lost) is answered but not applied twice. A checkpoint
-that cannot be written (disk full, folder gone) is logged as event=checkpoint_failed and
-tried again at the next interval; training goes on from memory and the checkpoints
-already written stay as they were.
+other peers never get past the handshake. A command (a push, a Sandblaster vector op)
+sent again with the seq of the peer's last one, because its reply was lost, gets the
+first reply again and is not applied twice. A checkpoint that cannot be written (disk
+full, folder gone) is logged as event=checkpoint_failed and tried again at the next
+interval; training goes on from memory and the checkpoints already written stay as
+they were.
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ POLL_MS = 100
 WARMSTART_LEASE_SECONDS = 10.0
 RATE_WINDOW_SECONDS = 5.0
 LOSS_EMA = 0.05
-REMEMBERED_REPLICAS = 4096  # replicas whose last push seq a shard keeps, to apply a resent push once
+REMEMBERED_PEERS = 4096  # peers (replicas, the coordinator) whose last command a shard remembers
+# Requests that change the shard's state. A peer resends one when the reply was lost (a
+# reconnect, a timeout); the repeat, with the same worker, seq and op, gets the first
+# reply again and does not act twice (an AXPY or a push applied twice is silently wrong).
+COMMANDS = frozenset({Op.PUSH, Op.PUSH_PULL, Op.DONE, Op.BEGIN_EVAL, Op.ACCUMULATE, Op.VECTOR, Op.COMMIT,
+                      Op.ROLLBACK})
 
 Handler = Callable[[Header, list], list]
 
@@ -100,7 +106,7 @@ class Shard:
         self._warm_owner: tuple[int, float] | None = None
         self._rate_window: deque[tuple[float, int]] = deque()
         self._rate_sum = 0  # the examples in _rate_window
-        self._last_push: OrderedDict[int, int] = OrderedDict()  # replica (worker id) -> seq of its last push
+        self._last_command: OrderedDict[int, tuple[int, int, list | None]] = OrderedDict()  # worker -> seq, op, reply
         self._last_checkpoint = (time.monotonic(), -1)
         self._train_loss: float | None = None
         self.examples_per_second = 0.0
@@ -204,7 +210,10 @@ class Shard:
         started = time.perf_counter()
         try:
             self._check(header, body)
-            reply = self._handlers[header.op](header, body[1:])
+            reply = self._repeated(header)
+            if reply is None:
+                reply = self._handlers[header.op](header, body[1:])
+                self._remember(header, reply)
         except errors.ProtocolError as exc:
             self._reject(str(exc))
             reply = [header.reply(status=Status.ERROR, step=self.step).pack(), str(exc).encode()]
@@ -222,6 +231,27 @@ class Shard:
             raise errors.ProtocolError(f"op {header.op} is not served here")
         if len(body) > 2:
             raise errors.ProtocolError(f"{len(body)} frames, at most 2 expected")
+
+    def _repeated(self, header: Header) -> list | None:
+        """The reply to a command this peer sent before, if this is that command again."""
+        if header.op not in COMMANDS:
+            return None
+        seq, op, reply = self._last_command.get(header.worker, (None, None, None))
+        if (seq, op) != (header.seq, header.op):
+            return None
+        log.info("event=command_repeated shard=%d worker=%08x op=%s action=first_reply_again",
+                 self.index, header.worker, Op(op).name)
+        return reply if reply is not None else self._snapshot(header)  # a PUSH_PULL: today's parameters
+
+    def _remember(self, header: Header, reply: list) -> None:
+        if header.op not in COMMANDS:
+            return
+        # A PUSH_PULL reply holds a parameter copy; a repeat gets a fresh one instead.
+        kept = None if header.op == Op.PUSH_PULL and self.finished is None else reply
+        self._last_command[header.worker] = (header.seq, header.op, kept)
+        self._last_command.move_to_end(header.worker)
+        if len(self._last_command) > REMEMBERED_PEERS:
+            self._last_command.popitem(last=False)  # the peer heard from least recently
 
     def _reject(self, reason: str) -> None:
         self.metrics.rejected.inc()
@@ -278,26 +308,14 @@ class Shard:
             raise errors.ProtocolError(
                 f"a push to shard {self.index} must carry {self.params.size} float32 values, "
                 f"header declares {header.count}")
-        if self._last_push.get(header.worker) == header.seq:
-            # Sent again because the reply was lost (a reconnect or a timeout): applied once.
-            log.info("event=push_resent shard=%d worker=%08x step=%d action=not_applied_again",
-                     self.index, header.worker, self.step)
-            return [header.reply(step=self.step).pack()]
         grad = protocol.float_view(payload[0].buffer, header.count)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we test for
             finite = np.isfinite(np.dot(grad, grad))
         if not finite:
             raise errors.ProtocolError("gradient has non-finite values; update refused")
         self.optimizer.apply(self.params, grad)
-        self._remember_push(header)
         self._count_update(header)
         return [header.reply(step=self.step).pack()]
-
-    def _remember_push(self, header: Header) -> None:
-        self._last_push[header.worker] = header.seq
-        self._last_push.move_to_end(header.worker)
-        if len(self._last_push) > REMEMBERED_REPLICAS:
-            self._last_push.popitem(last=False)  # the replica heard from least recently
 
     def _push_pull(self, header: Header, payload: list) -> list:
         reply = self._push(header, payload)
