@@ -148,12 +148,14 @@ def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(secured_shards: L
 
 
 def test_a_peer_with_the_job_keys_pulls_and_pushes(secured_shards: LiveShards, job_keys: keys.JobKeys,
-                                                   encrypted: bool) -> None:
+                                                   encrypted: bool, caplog: pytest.LogCaptureFixture) -> None:
     layout = secured_shards.layout
     group = secured_shards.group(security=job_keys.client_options(encrypted=encrypted))
     try:
         out = np.zeros(layout.total, dtype=np.float32)
-        assert [r.header.step for r in group.pull(out)] == [0, 0]
+        with caplog.at_level(logging.DEBUG):  # what --log-level debug would show
+            assert [r.header.step for r in group.pull(out)] == [0, 0]
+        assert job_keys.plain_token().decode() not in caplog.text  # pyzmq logs PLAIN passwords at debug
         np.testing.assert_array_equal(out, np.arange(layout.total, dtype=np.float32) / 100)
         replies = group.push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
         assert [r.header.step for r in replies] == [1, 1]

@@ -98,6 +98,40 @@ def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards, op: 
     assert shard.step == 2
 
 
+def test_a_push_pull_repeated_after_the_job_finished_says_done(two_shards: LiveShards) -> None:
+    layout, group = two_shards.layout, two_shards.group(worker_id=42)
+    out = np.empty(layout.total, dtype=np.float32)
+    group.push_and_pull(np.ones(layout.total, np.float32), out, steps=[0, 0], examples=1, loss=1.0)
+    seq = group._seq
+    group.done("MaxStepsReached", "Succeeded")
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(two_shards.addresses[0])
+    try:
+        header = Header(op=Op.PUSH_PULL, shard=0, layout=layout.hash, seq=seq, worker=42, count=layout.size(0))
+        peer.send_multipart([header.pack(), np.ones(layout.size(0), np.float32).tobytes()])
+        assert peer.poll(5000)
+        reply = protocol.unpack_header(peer.recv_multipart()[0])
+    finally:
+        peer.close()
+    assert (reply.status, reply.step) == (Status.DONE, 1)
+
+
+def test_a_request_that_breaks_its_connection_is_resent_once_per_attempt(tmp_path: Path) -> None:
+    """A push larger than the shard accepts (ZMQ_MAXMSGSIZE) makes libzmq drop the link after
+    every handshake: the replica must not resend it in a tight loop."""
+    live = start_shards(tmp_path, Layout.of([("w", (4, 3))], shards=1), np.zeros(12, np.float32))
+    bigger = Layout.of([("w", (400, 300))], shards=1)
+    group = ShardGroup(live.addresses, bigger, timeouts=Timeouts(request=0.5, unavailable=1.4))
+    try:
+        with pytest.raises(errors.ShardUnavailable):
+            group.push(np.ones(bigger.total, np.float32), steps=[0], examples=1, loss=1.0)
+    finally:
+        group.close()
+        live.stop()
+    assert 2 <= group.retries <= 6, group.retries  # per 0.5 s attempt: a resend, then the timeout's retry
+
+
 def _wait_until_free(port: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:

@@ -123,12 +123,12 @@ def ensure_keys_secret(kube: Kube, job: Mapping[str, Any], *, new: bool = False)
 
 
 def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool, new: bool = False) -> dict[str, str]:
-    """Create or patch every rendered child; remove an optional child (the HPA, the
-    NetworkPolicy) that the spec no longer asks for, which a new job cannot have."""
+    """Create (a new job's: without reading first) or patch every rendered child; remove
+    an optional child (the HPA, the NetworkPolicy) that the spec no longer asks for. The
+    removal runs for a new job too: a retried create, or an orphaned child of an earlier
+    job of the same name, may have left one."""
     children = render.render_children(job, image=IMAGE, finished=finished)
     results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c, likely_absent=new) for c in children}
-    if new:
-        return results
     names = contract.JobNames(job["metadata"]["name"])
     namespace = job["metadata"].get("namespace") or "default"
     optional = {("autoscaling/v2", "HorizontalPodAutoscaler"): names.worker,

@@ -58,19 +58,30 @@ class Timeouts:
 
 class Connection:
     """One DEALER socket to one shard, recreated after a silence or a disconnect (which
-    drops stale replies and requests still queued), with a monitor reporting disconnects."""
+    drops stale replies and requests still queued). With watch, a monitor reports
+    disconnects; it must then be read (disconnected()), or its queue fills and stalls
+    the context's I/O thread."""
 
-    def __init__(self, context: zmq.Context, address: str, shard: int, security: dict | None) -> None:
+    def __init__(self, context: zmq.Context, address: str, shard: int, security: dict | None, *,
+                 watch: bool = True) -> None:
         self.context, self.address, self.shard, self.security = context, address, shard, security
+        self.watch = watch
         self.socket, self.monitor = self._connect()
 
-    def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
-        socket = self.context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        for option, value in (self.security or {}).items():
-            socket.setsockopt(option, value)
-        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        socket.connect(self.address)
+    def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        socket, monitor = self.context.socket(zmq.DEALER), None
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            for option, value in (self.security or {}).items():
+                socket.setsockopt(option, value)
+            if self.watch:
+                monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            socket.connect(self.address)
+        except zmq.ZMQError:
+            if monitor is not None:
+                monitor.close(linger=0)
+            socket.close(linger=0)
+            raise
         self.handshaken = False
         return socket, monitor
 
@@ -78,7 +89,7 @@ class Connection:
         """Whether a connection that had completed its handshake broke since the last call.
         (A refused handshake ends in a disconnect too; that one lost no request.)"""
         broke = False
-        while self.monitor.poll(0):
+        while self.monitor is not None and self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshaken = True
@@ -93,8 +104,9 @@ class Connection:
     def close(self) -> None:
         if self.socket.closed:
             return
-        self.socket.disable_monitor()
-        self.monitor.close(linger=0)
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
         self.socket.close(linger=0)
 
 
@@ -189,29 +201,35 @@ class ShardGroup:
             self._send(i, headers[i], bodies[i])
         replies: dict[int, Reply] = {}
         pending = set(targets)
+        resent: set[int] = set()  # resent to on a disconnect in this attempt: once each, then the timeout
         started = {i: time.monotonic() for i in targets}
         attempt_deadline = time.monotonic() + self.timeouts.request
         while pending:
             poller = zmq.Poller()
             for i in pending:
                 poller.register(self._connections[i].socket, zmq.POLLIN)
-                poller.register(self._connections[i].monitor, zmq.POLLIN)
+                if self._connections[i].monitor is not None:
+                    poller.register(self._connections[i].monitor, zmq.POLLIN)
             if self.stop.is_set():
                 raise errors.Stopped("stopped while waiting for the shards")
             timeout_ms = min(STOP_POLL_SECONDS, max(0.0, attempt_deadline - time.monotonic())) * 1000
             ready = dict(poller.poll(timeout_ms))
             for i in list(pending):
-                if self._connections[i].monitor in ready and self._connections[i].disconnected():
-                    self._resend(i, headers[i], bodies[i])
-                if self._connections[i].socket in ready:
+                connection = self._connections[i]
+                if connection.socket in ready:  # a reply that beat the disconnect counts
                     reply = self._receive(i, headers[i], receive_into)
                     if reply is not None:
                         replies[i] = reply
                         pending.discard(i)
+                        continue
+                if connection.monitor in ready and connection.disconnected() and i not in resent:
+                    resent.add(i)
+                    self._resend(i, headers[i], bodies[i])
             if pending and time.monotonic() >= attempt_deadline:
                 for i in pending:
                     self._retry(i, headers[i], bodies[i], started[i])
                 attempt_deadline = time.monotonic() + self.timeouts.request
+                resent.clear()
         return [replies[i] for i in targets]
 
     def _body(self, shard: int, payload: np.ndarray | None, data: bytes | None) -> list:

@@ -226,7 +226,9 @@ class _ContextAuth:
         from zmq.auth.thread import ThreadAuthenticator
 
         self.allowed = _Allowed()
-        self.authenticator = ThreadAuthenticator(context, log=logging.getLogger(__name__ + ".zap"))
+        zap_log = logging.getLogger(__name__ + ".zap")
+        zap_log.setLevel(logging.INFO)  # never debug: pyzmq logs PLAIN passwords (our join tokens) there
+        self.authenticator = ThreadAuthenticator(context, log=zap_log)
         self.authenticator.start()
         self.users = 0
 

@@ -241,7 +241,9 @@ class Shard:
             return None
         log.info("event=command_repeated shard=%d worker=%08x op=%s action=first_reply_again",
                  self.index, header.worker, Op(op).name)
-        return reply if reply is not None else self._snapshot(header)  # a PUSH_PULL: today's parameters
+        if reply is not None:
+            return reply
+        return self._finished_reply(header) or self._snapshot(header)  # a PUSH_PULL: today's parameters
 
     def _remember(self, header: Header, reply: list) -> None:
         if header.op not in COMMANDS:

@@ -38,7 +38,8 @@ class CoordinatorLink:
     def __init__(self, address: str, *, worker_id: int, layout: int, security: dict | None,
                  stop: threading.Event, context: zmq.Context | None = None) -> None:
         self.worker_id, self.layout, self.stop = worker_id, layout, stop
-        self.connection = Connection(context or zmq.Context.instance(), address, 0, security)
+        self.connection = Connection(context or zmq.Context.instance(), address, 0, security,
+                                     watch=False)  # ask() has its own short timeout
         self._seq = 0
 
     def ask(self, result: UnitResult | None) -> tuple[int, WorkUnit | None]:
