@@ -90,6 +90,17 @@ def init_gloo(c: dict) -> None:
                             timeout=datetime.timedelta(seconds=c["timeout"]))
 
 
+def timed(step, steps: int, barrier) -> dict:
+    """WARMUP untimed steps, the replicas' barrier, then `steps` timed ones: this replica's report."""
+    for _ in range(WARMUP):
+        step()
+    barrier()
+    start = time.time()
+    for _ in range(steps):
+        step()
+    return {"start": start, "end": time.time(), "examples": steps * BATCH}
+
+
 def ddp_examples(c: dict) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -106,15 +117,9 @@ def ddp_examples(c: dict) -> dict:
         loss_fn(net(x), y).backward()
         opt.step()
 
-    for _ in range(WARMUP):
-        step()
-    dist.barrier()
-    start = time.time()
-    for _ in range(c["steps"]):
-        step()
-    end = time.time()
+    report = timed(step, c["steps"], dist.barrier)
     dist.destroy_process_group()
-    return {"start": start, "end": end, "examples": c["steps"] * BATCH}
+    return report
 
 
 def ddp_accuracy(c: dict) -> dict:
@@ -209,15 +214,9 @@ def rpc_ps(c: dict) -> dict | None:
         grad = torch.nn.utils.parameters_to_vector(p.grad for p in net.parameters())
         rpc.rpc_sync("ps", ps_push, args=(grad,))
 
-    for _ in range(WARMUP):
-        step()
-    rpc.rpc_sync("ps", ps_barrier, args=(c["timeout"],))
-    start = time.time()
-    for _ in range(c["steps"]):
-        step()
-    end = time.time()
+    report = timed(step, c["steps"], lambda: rpc.rpc_sync("ps", ps_barrier, args=(c["timeout"],)))
     rpc.shutdown()
-    return {"start": start, "end": end, "examples": c["steps"] * BATCH}
+    return report
 
 
 CHILDREN = {"ddp_examples": ddp_examples, "ddp_accuracy": ddp_accuracy, "rpc_ps": rpc_ps}
