@@ -224,6 +224,7 @@ class ShardGroup:
                         continue
                 if connection.monitor in ready and connection.disconnected() and i not in resent:
                     resent.add(i)
+                    log.warning("event=shard_disconnected shard=%d address=%s action=resend", i, connection.address)
                     self._resend(i, headers[i], bodies[i])
             if pending and time.monotonic() >= attempt_deadline:
                 for i in pending:
@@ -247,10 +248,9 @@ class ShardGroup:
         self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
 
     def _resend(self, shard: int, header: Header, body: list) -> None:
-        connection = self._connections[shard]
-        log.warning("event=shard_disconnected shard=%d address=%s action=resend", shard, connection.address)
+        """The request again, on a fresh connection (stale replies and queued copies dropped)."""
         self.retries += 1
-        connection.reconnect()
+        self._connections[shard].reconnect()
         self._send(shard, header, body)
 
     def _retry(self, shard: int, header: Header, body: list, started: float) -> None:
@@ -261,9 +261,7 @@ class ShardGroup:
                 f"shard {shard} at {connection.address} has not answered for {waited:.0f} s")
         log.warning("event=shard_silent shard=%d address=%s waited_s=%.1f action=reconnect",
                     shard, connection.address, waited)
-        self.retries += 1
-        connection.reconnect()
-        self._send(shard, header, body)
+        self._resend(shard, header, body)
 
     def _receive(self, shard: int, request: Header, receive_into: np.ndarray | None) -> Reply | None:
         """Read one reply from a shard; None if it was a stale one (an old seq)."""
