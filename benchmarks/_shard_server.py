@@ -142,7 +142,7 @@ def main() -> int:
     try:
         shard = Shard(ShardSettings(shard=args.shard, bind="tcp://127.0.0.1:*", checkpoint_dir=folder,
                                     checkpoint_every=1e9, learning_rate=args.learning_rate,
-                                    adagrad=not args.sgd),
+                                    optimizer="sgd" if args.sgd else "adagrad"),
                       layout, initial, ShardMetrics(prom.CollectorRegistry(), args.shard), context=context)
         del initial
         shard.restore()

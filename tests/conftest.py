@@ -70,6 +70,6 @@ def start_shards(folder: Path, layout: Layout, initial: np.ndarray, **settings: 
 def two_shards(tmp_path: Path) -> Iterator[LiveShards]:
     layout = Layout.of([("w", (10, 7)), ("b", (7,))], shards=2)
     initial = np.arange(layout.total, dtype=np.float32) / 100
-    live = start_shards(tmp_path, layout, initial, learning_rate=0.5, adagrad=True, checkpoint_every=3600)
+    live = start_shards(tmp_path, layout, initial, learning_rate=0.5, optimizer="adagrad", checkpoint_every=3600)
     yield live
     live.stop()

@@ -230,7 +230,7 @@ def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveShards]:
     level = shard_log.level
     shard_log.setLevel(logging.ERROR)
     live = start_shards(tmp_path_factory.mktemp("fuzz"), LAYOUT, initial, learning_rate=LEARNING_RATE,
-                        adagrad=True, checkpoint_every=3600)
+                        optimizer="adagrad", checkpoint_every=3600)
     try:
         yield live
     finally:
@@ -256,7 +256,7 @@ class Peer:
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.connect(live.addresses[0])
         self.params = live.shards[0].params.copy()
-        self.optimizer = make_optimizer(SIZE, learning_rate=LEARNING_RATE, adagrad=True)
+        self.optimizer = make_optimizer("adagrad", SIZE, learning_rate=LEARNING_RATE)
         self.step = live.shards[0].step
         self.tally = Tally()
         self.sent = 0  # seqs run on across batches: a shard applies a repeated (worker, seq) push once

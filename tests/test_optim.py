@@ -145,11 +145,23 @@ def test_sgd_has_no_state():
     np.testing.assert_allclose(params, -LR)
 
 
-@pytest.mark.parametrize("adagrad, kind", [(True, Adagrad), (False, Sgd)])
-def test_make_optimizer(adagrad, kind):
-    opt = optim.make_optimizer(100, learning_rate=0.3, adagrad=adagrad)
-    assert type(opt) is kind and opt.name == kind.name
+@pytest.mark.parametrize("name, kind", [("adagrad", Adagrad), ("sgd", Sgd)])
+def test_make_optimizer_by_name(name, kind):
+    opt = optim.make_optimizer(name, 100, learning_rate=0.3)
+    assert type(opt) is kind and opt.name == name
     assert opt.learning_rate == np.float32(0.3)
+
+
+def test_an_unknown_optimizer_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown optimizer 'adam' \\(known: adagrad, sgd\\)"):
+        optim.make_optimizer("adam", 10, learning_rate=0.1)
+
+
+def test_the_crd_offers_exactly_the_registered_optimizers():
+    from distbelief.operator import spec
+
+    training = spec.openapi_schema()["properties"]["spec"]["properties"]["training"]["properties"]
+    assert sorted(training["optimizer"]["enum"]) == sorted(optim.OPTIMIZERS)
 
 
 @pytest.mark.parametrize("make", [Sgd, Adagrad])

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import zmq
 
-from distbelief.runtime import errors, protocol
+from distbelief.runtime import errors, protocol, roles
+from distbelief.runtime.contract import JobConfig
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.optim import Adagrad
@@ -350,3 +351,27 @@ def test_a_worker_waiting_for_absent_shards_stops_promptly_on_sigterm(tmp_path: 
         assert worker.wait(timeout=20) == 0
     finally:
         worker.kill()
+
+
+def test_a_shard_resumed_with_another_optimizer_stops_in_one_line_and_keeps_its_checkpoints(tmp_path: Path) -> None:
+    config = {"name": "softmax", "namespace": "default", "spec": {
+        "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
+        "training": {"learningRate": 0.1, "optimizer": "adagrad", "warmstartSteps": 0, "seed": 0,
+                     "maxSteps": 10, "evalEverySeconds": 5, "sandblaster": {"historySize": 4}},
+        "parameterServers": {"shards": 1, "port": 7070, "checkpoint": {"everySeconds": 30, "keep": 3}}}}
+    job = roles.Job(JobConfig.from_json(json.dumps(config)))
+    written = start_shards(tmp_path, job.layout, job.model.init_params(0), optimizer="sgd")
+    written.group().push(np.ones(job.layout.total, np.float32), steps=[0], examples=1, loss=1.0)
+    written.stop()  # its final checkpoint records sgd
+    saved = sorted(os.listdir(tmp_path / "shard-0"))
+    (tmp_path / "job.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "distbelief.operator.cli", "ps", "--config", str(tmp_path / "job.json"),
+         "--shard", "0", "--port", "0", "--metrics-port", "0", "--listen", "127.0.0.1",
+         "--checkpoint-dir", str(tmp_path / "shard-0"), "--keys-dir", str(tmp_path / "no-keys")],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    errors_said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors_said) == 1 and "'sgd'" in errors_said[0] and "'adagrad'" in errors_said[0]
+    assert "Traceback" not in done.stderr
+    assert sorted(os.listdir(tmp_path / "shard-0")) == saved

@@ -262,8 +262,10 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "must be of type number"),
     ("lr-exclusive-minimum", _set("spec.training.learningRate", 0),
      "spec.training.learningRate", "must be > 0 (got 0)"),
-    ("adagrad-string", _set("spec.training.adagrad", "yes"), "spec.training.adagrad",
-     "boolean"),
+    ("adagrad-boolean-replaced", _set("spec.training.adagrad", True), "spec.training.adagrad",
+     "replaced by spec.training.optimizer (adagrad | sgd)"),
+    ("optimizer-enum", _set("spec.training.optimizer", "adam"), "spec.training.optimizer",
+     "must be one of adagrad, sgd"),
     ("algorithm-enum", _set("spec.training.algorithm", "hogwild"), "spec.training.algorithm",
      "must be one of downpour, sandblaster"),
     ("unknown-field", _set("spec.workers.replikas", 3), "spec.workers.replikas",
@@ -395,7 +397,7 @@ def test_the_validate_command_accepts_the_good_fixture(
 # data-source rules) are caught by `distbelief validate` and the operator only.
 SCHEMA_REFUSES = {
     "batch-too-big", "batch-zero", "batch-bool", "batch-fraction", "lr-string",
-    "lr-exclusive-minimum", "adagrad-string", "algorithm-enum", "source-required",
+    "lr-exclusive-minimum", "optimizer-enum", "algorithm-enum", "source-required",
     "spec-required", "source-pattern", "test-fraction-max", "duration-pattern",
     "max-required", "entrypoint-pattern", "model-type-enum", "hidden-layer-minimum",
     "hidden-layers-max-items", "image-empty", "retention-enum", "storage-size",

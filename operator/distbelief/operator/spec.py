@@ -340,7 +340,8 @@ class _Walker:
             sub = props.get(key, extra if isinstance(extra, Mapping) else None)
             if sub is None:
                 if not opaque:
-                    self.problems.add(_join(path, key), _unknown(key, props))
+                    where = _join(path, key)
+                    self.problems.add(where, REPLACED.get(where) or _unknown(key, props))
             elif value[key] is None and not sub.get("nullable"):
                 del value[key]  # the API server prunes nulls of non-nullable fields
         for key, sub in props.items():
@@ -353,6 +354,10 @@ class _Walker:
             sub = props.get(key, extra if isinstance(extra, Mapping) else None)
             if sub is not None:
                 value[key] = self.walk(value[key], sub, _join(path, key))
+
+
+# Fields of earlier versions of v1alpha1, and what took their place.
+REPLACED = {"spec.training.adagrad": "replaced by spec.training.optimizer (adagrad | sgd)"}
 
 
 def _unknown(key: str, props: Mapping[str, Any]) -> str:

@@ -1,4 +1,7 @@
-"""The update rules a shard applies to its slice: plain SGD and Adagrad.
+"""The update rules a shard applies to its slice, by name: plain SGD and Adagrad.
+
+spec.training.optimizer picks one from OPTIMIZERS; a third rule is one more class with
+the same four members (name, state, load_state, apply) and a line in that table.
 
 Both run in place over cache-sized blocks with one preallocated scratch block, so a
 push costs no temporary as large as the model. Adagrad follows Dean et al. (2012): each
@@ -68,5 +71,13 @@ class Adagrad:
             params[start:stop] -= tmp
 
 
-def make_optimizer(size: int, *, learning_rate: float, adagrad: bool) -> Sgd | Adagrad:
-    return (Adagrad if adagrad else Sgd)(size, learning_rate)
+Optimizer = Sgd | Adagrad
+OPTIMIZERS: dict[str, type[Optimizer]] = {cls.name: cls for cls in (Adagrad, Sgd)}
+
+
+def make_optimizer(name: str, size: int, *, learning_rate: float) -> Optimizer:
+    try:
+        kind = OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})") from None
+    return kind(size, learning_rate)

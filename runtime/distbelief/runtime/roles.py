@@ -83,7 +83,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     settings = ShardSettings(
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
-        learning_rate=float(training["learningRate"]), adagrad=bool(training["adagrad"]),
+        learning_rate=float(training["learningRate"]), optimizer=str(training["optimizer"]),
         warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger,
         security=access.server)
     registry = prom.CollectorRegistry()

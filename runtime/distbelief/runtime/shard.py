@@ -72,7 +72,7 @@ class ShardSettings:
     checkpoint_every: float = 30.0
     checkpoint_keep: int = 3
     learning_rate: float = 0.1
-    adagrad: bool = True
+    optimizer: str = "adagrad"
     warmstart_steps: int = 0
     linger_seconds: float = 60.0   # keep answering DONE this long, then exit
     security: keys.ServerSecurity | None = None  # who is admitted, when the job has keys
@@ -88,8 +88,7 @@ class Shard:
         if initial.size != layout.total:
             raise errors.ConfigError(f"initial parameters have {initial.size} values, layout {layout.total}")
         self.params = np.array(initial[first:last], dtype=np.float32)
-        self.optimizer = make_optimizer(self.params.size, learning_rate=settings.learning_rate,
-                                        adagrad=settings.adagrad)
+        self.optimizer = make_optimizer(settings.optimizer, self.params.size, learning_rate=settings.learning_rate)
         self.step = 0
         self.restarts = 0
         self.start_time = time.time()
@@ -135,6 +134,7 @@ class Shard:
         if ckpt is None:
             log.info("event=fresh_start shard=%d params=%d", self.index, self.params.size)
             return
+        self._check_optimizer(ckpt)
         self.load(ckpt)
         self.restarts = int(ckpt.meta.get("restarts", 0)) + 1
         self.start_time = float(ckpt.meta.get("startTime", self.start_time))
@@ -142,6 +142,16 @@ class Shard:
         self.examples_total = int(ckpt.meta.get("examples", 0))
         log.info("event=restored shard=%d step=%d restarts=%d finished=%s",
                  self.index, self.step, self.restarts, bool(self.finished))
+
+    def _check_optimizer(self, ckpt: checkpoint.Checkpoint) -> None:
+        # Another rule's state would be read as this one's (or be missing): refuse, and
+        # leave the checkpoints as they are for the user to resume with their optimizer.
+        written_by = ckpt.meta.get("optimizer", self.optimizer.name)
+        if written_by != self.optimizer.name:
+            raise errors.ConfigError(
+                f"shard {self.index}: the checkpoints in {self.settings.checkpoint_dir} were written with "
+                f"optimizer {written_by!r}, but the job now asks for {self.optimizer.name!r}; resume with "
+                f"spec.training.optimizer: {written_by}, or train afresh in another output folder")
 
     def load(self, ckpt: checkpoint.Checkpoint) -> None:
         """Take the training state of a checkpoint (at start, or a Sandblaster rollback)."""

@@ -1,0 +1,440 @@
+"""Every socket of the runtime, client and server side, behind one small interface.
+
+    Transport     makes Servers and Links; ZmqTransport (ZeroMQ over tcp:// or ipc://) for
+                  the roles, MemoryTransport (in-process queues) as a twin for unit tests
+    Server        a bound ROUTER: admission of the job's keys, message size and queue
+                  bounds; receive() -> Incoming (the peer, its authenticated user, frames)
+    Link          one DEALER to one address, made anew after a silence or a disconnect
+    exchange()    one request to several links at once, the replies collected under one
+                  RetryPolicy (attempt timeout, resend on disconnect, give up)
+
+ZeroMQ's errors are translated here into distbelief.runtime.errors and nowhere else;
+no other module of the runtime imports zmq (keys.py registers the ZAP handler for it).
+Frames are memoryviews (or bytes) on both sides; parameter payloads are received
+straight into the caller's array (Link.receive's sink), so a pull costs one copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from distbelief.runtime import errors, keys
+
+log = logging.getLogger(__name__)
+
+STOP_POLL_SECONDS = 0.25  # how often a waiting exchange looks at its stop event
+SEND_HWM = 64             # replies queued for one peer before further ones are dropped
+RECEIVE_HWM = 256         # requests queued from one peer before it is pushed back
+
+Frame = bytes | memoryview
+Sink = Callable[[memoryview], "np.ndarray | None"]  # header frame -> where its payload goes, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How a client waits for a peer: each attempt gets `attempt` seconds, then the request
+    goes again on a fresh connection; after `give_up` seconds without an answer the peer is
+    unavailable (None: never give up). A broken connection resends at once when
+    `resend_on_disconnect` (a restarted shard then costs its restart time, not a timeout)."""
+
+    attempt: float = 10.0
+    give_up: float | None = 300.0
+    resend_on_disconnect: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Incoming:
+    """One request a Server received: reply to `peer`; `user` is who the handshake proved
+    the peer to be (a role name from the job's keys), or None on an unauthenticated server."""
+
+    peer: bytes
+    user: str | None
+    frames: list[memoryview]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """A reply a Link read: the header frame, then either the number of bytes that went into
+    the sink's array or the payload frame itself."""
+
+    header: memoryview
+    payload: memoryview | None = None
+    into_sink: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + (len(self.payload) if self.payload is not None else self.into_sink)
+
+
+def frames_nbytes(frames: Iterable[Frame]) -> int:
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+
+
+# -- ZeroMQ ------------------------------------------------------------------------------
+
+
+class ZmqServer:
+    def __init__(self, context: zmq.Context, address: str, *, who: str, max_frame: int, max_frames: int,
+                 security: keys.ServerSecurity | None) -> None:
+        self.who, self.max_frames = who, max_frames
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        socket.setsockopt(zmq.LINGER, 1000)
+        self._admission = keys.bind_server(context, socket, address, who=who,
+                                           domain=f"distbelief-{who.replace(' ', '-')}-{id(self):x}",
+                                           security=security)
+        self._socket = socket
+        self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def poll(self, seconds: float) -> bool:
+        return bool(self._socket.poll(int(seconds * 1000)))
+
+    def receive(self) -> Incoming | None:
+        """The next request, or None when it was dropped (more frames than any op has)."""
+        frames = self._socket.recv_multipart(copy=False)
+        if len(frames) - 1 > self.max_frames:
+            log.warning("event=rejected server=%r reason=too_many_frames frames=%d", self.who, len(frames) - 1)
+            return None
+        user = frames[-1].get("User-Id") if self._admission is not None else None
+        return Incoming(peer=frames[0].bytes, user=user,
+                        frames=[f.buffer for f in frames[1:]])
+
+    def send(self, peer: bytes, frames: Sequence[Frame]) -> bool:
+        """Queue a reply; False when the peer's queue is full (it does not read its replies)."""
+        try:
+            self._socket.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            log.warning("event=reply_failed server=%r error=%r", self.who, str(exc))
+            return False
+        return True
+
+    def close(self) -> None:
+        self._socket.close()
+        if self._admission is not None:
+            self._admission.close()
+            self._admission = None
+
+
+class ZmqLink:
+    """One DEALER socket to one address. With watch, a monitor reports broken connections;
+    it is read by broke(), or its queue fills and stalls the context's I/O thread."""
+
+    def __init__(self, context: zmq.Context, address: str, options: dict | None, *, watch: bool) -> None:
+        self.context, self.address, self.options, self.watch = context, address, options, watch
+        self._socket, self._monitor = self._connect()
+
+    def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        socket, monitor = self.context.socket(zmq.DEALER), None
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            for option, value in (self.options or {}).items():
+                socket.setsockopt(option, value)
+            if self.watch:
+                monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            socket.connect(self.address)
+        except zmq.ZMQError as exc:
+            if monitor is not None:
+                monitor.close(linger=0)
+            socket.close(linger=0)
+            raise errors.ConfigError(f"cannot connect to {self.address}: {exc}") from exc
+        self._handshaken = False
+        return socket, monitor
+
+    def pollables(self) -> list[zmq.Socket]:
+        return [self._socket] if self._monitor is None else [self._socket, self._monitor]
+
+    def readable(self, ready: dict) -> bool:
+        return self._socket in ready
+
+    def broke(self, ready: dict | None = None) -> bool:
+        """Whether a connection that had completed its handshake broke since the last call
+        (a refused handshake ends in a disconnect too; that one lost no request)."""
+        if self._monitor is None or (ready is not None and self._monitor not in ready):
+            return False
+        broke = False
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+            elif self._handshaken:
+                self._handshaken, broke = False, True
+        return broke
+
+    def send(self, frames: Sequence[Frame]) -> bool:
+        try:
+            self._socket.send_multipart(list(frames), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False  # the queue to this peer is full: the attempt's timeout sends again
+        return True
+
+    def receive(self, sink: Sink | None = None) -> Received:
+        header = self._socket.recv(copy=False).buffer
+        if not self._socket.getsockopt(zmq.RCVMORE):
+            return Received(header=header)
+        target = sink(header) if sink is not None else None
+        if target is not None:
+            nbytes = self._socket.recv_into(target)
+            self._discard_rest()
+            return Received(header=header, into_sink=nbytes)
+        payload = self._socket.recv(copy=False).buffer
+        self._discard_rest()
+        return Received(header=header, payload=payload)
+
+    def _discard_rest(self) -> None:
+        while self._socket.getsockopt(zmq.RCVMORE):
+            self._socket.recv(copy=False)
+
+    def reconnect(self) -> None:
+        """A fresh socket: replies to earlier requests and copies still queued are dropped."""
+        self.close()
+        self._socket, self._monitor = self._connect()
+
+    def close(self) -> None:
+        if self._socket.closed:
+            return
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+
+
+class ZmqTransport:
+    """ZeroMQ over tcp:// (or ipc://), one context per process by default."""
+
+    def __init__(self, context: zmq.Context | None = None) -> None:
+        self.context = context or zmq.Context.instance()
+
+    def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
+               security: keys.ServerSecurity | None) -> ZmqServer:
+        return ZmqServer(self.context, address, who=who, max_frame=max_frame, max_frames=max_frames,
+                         security=security)
+
+    def link(self, address: str, options: dict | None, *, watch: bool = True) -> ZmqLink:
+        return ZmqLink(self.context, address, options, watch=watch)
+
+    def wait(self, links: Sequence[ZmqLink], seconds: float) -> dict:
+        poller = zmq.Poller()
+        for link in links:
+            for pollable in link.pollables():
+                poller.register(pollable, zmq.POLLIN)
+        return dict(poller.poll(seconds * 1000))
+
+
+# -- the in-process twin -------------------------------------------------------------------
+
+
+class MemoryTransport:
+    """Servers and links that pass frames through in-process queues: the same interface as
+    ZmqTransport, for unit tests of shards and replicas without sockets. Addresses are any
+    strings; a link may connect before its server binds. Nothing is authenticated."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._servers: dict[str, "MemoryServer"] = {}
+        self._links: dict[bytes, "MemoryLink"] = {}
+        self._next_peer = 0
+
+    def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
+               security: keys.ServerSecurity | None = None) -> "MemoryServer":
+        with self._changed:
+            if address in self._servers:
+                raise errors.ConfigError(f"{who} cannot listen on {address}: address in use")
+            server = self._servers[address] = MemoryServer(self, address, max_frame=max_frame, max_frames=max_frames)
+        return server
+
+    def link(self, address: str, options: dict | None = None, *, watch: bool = True) -> "MemoryLink":
+        with self._changed:
+            self._next_peer += 1
+            peer = self._next_peer.to_bytes(4, "big")
+            link = self._links[peer] = MemoryLink(self, address, peer)
+        return link
+
+    def wait(self, links: Sequence["MemoryLink"], seconds: float) -> dict:
+        with self._changed:
+            self._changed.wait_for(lambda: any(link.inbox for link in links), timeout=seconds)
+            return {link: True for link in links if link.inbox}
+
+    def _deliver_to_server(self, address: str, peer: bytes, frames: list[memoryview]) -> None:
+        with self._changed:
+            server = self._servers.get(address)
+            if server is not None:
+                server.inbox.append((peer, frames))
+                self._changed.notify_all()
+
+    def _deliver_to_link(self, peer: bytes, frames: list[memoryview]) -> bool:
+        with self._changed:
+            link = self._links.get(peer)
+            if link is None:
+                return False
+            link.inbox.append(frames)
+            self._changed.notify_all()
+            return True
+
+    def _unbind(self, address: str) -> None:
+        with self._changed:
+            self._servers.pop(address, None)
+
+
+class MemoryServer:
+    def __init__(self, transport: MemoryTransport, address: str, *, max_frame: int, max_frames: int) -> None:
+        self.transport, self.endpoint = transport, address
+        self.max_frame, self.max_frames = max_frame, max_frames
+        self.inbox: collections.deque[tuple[bytes, list[memoryview]]] = collections.deque()
+
+    def poll(self, seconds: float) -> bool:
+        with self.transport._changed:
+            return self.transport._changed.wait_for(lambda: bool(self.inbox), timeout=seconds)
+
+    def receive(self) -> Incoming | None:
+        with self.transport._changed:
+            peer, frames = self.inbox.popleft()
+        if len(frames) > self.max_frames or any(len(f) > self.max_frame for f in frames):
+            return None
+        return Incoming(peer=peer, user=None, frames=frames)
+
+    def send(self, peer: bytes, frames: Sequence[Frame]) -> bool:
+        return self.transport._deliver_to_link(peer, [memoryview(bytes(f)) for f in frames])
+
+    def close(self) -> None:
+        self.transport._unbind(self.endpoint)
+
+
+class MemoryLink:
+    def __init__(self, transport: MemoryTransport, address: str, peer: bytes) -> None:
+        self.transport, self.address, self.peer = transport, address, peer
+        self.inbox: collections.deque[list[memoryview]] = collections.deque()
+
+    def readable(self, ready: dict) -> bool:
+        return self in ready
+
+    def broke(self, ready: dict | None = None) -> bool:
+        return False
+
+    def send(self, frames: Sequence[Frame]) -> bool:
+        # A copy, as a socket would make: the sender may reuse its buffers at once.
+        self.transport._deliver_to_server(self.address, self.peer, [memoryview(bytes(f)) for f in frames])
+        return True
+
+    def receive(self, sink: Sink | None = None) -> Received:
+        with self.transport._changed:
+            frames = self.inbox.popleft()
+        header, rest = frames[0], frames[1:]
+        if not rest:
+            return Received(header=header)
+        target = sink(header) if sink is not None else None
+        if target is None:
+            return Received(header=header, payload=rest[0])
+        flat = target.reshape(-1).view(np.uint8)
+        nbytes = min(len(rest[0]), flat.size)
+        flat[:nbytes] = np.frombuffer(rest[0], dtype=np.uint8, count=nbytes)
+        return Received(header=header, into_sink=len(rest[0]))
+
+    def reconnect(self) -> None:
+        with self.transport._changed:
+            self.inbox.clear()
+
+    def close(self) -> None:
+        with self.transport._changed:
+            self.transport._links.pop(self.peer, None)
+
+
+Transport = ZmqTransport | MemoryTransport
+Link = ZmqLink | MemoryLink
+Server = ZmqServer | MemoryServer
+
+
+def default() -> ZmqTransport:
+    return ZmqTransport()
+
+
+# -- one request to several peers at once --------------------------------------------------
+
+
+@dataclasses.dataclass
+class Exchange:
+    """The state of one request sent to several links: what each gets, what came back."""
+
+    links: Sequence[Link]
+    requests: Sequence[Sequence[Frame]]
+    policy: RetryPolicy
+    names: Sequence[str]  # how errors name each peer ("shard 1 at tcp://...")
+    bytes_out: int = 0
+    resends: int = 0
+
+
+def exchange(transport: Transport, ex: Exchange, *, accept: Callable[[int, Received], bool],
+             stop: threading.Event, sink: Callable[[int], Sink | None] = lambda i: None) -> None:
+    """Send requests[i] to links[i] for every i, then wait until accept(i, reply) has said
+    True for each. A reply accept() turns down (a stale answer to an earlier attempt) is
+    skipped. A link that breaks gets the request again at once (once per attempt); one
+    silent for policy.attempt gets it again on a fresh connection; one silent for
+    policy.give_up raises ShardUnavailable. A set stop raises Stopped."""
+    pending = set(range(len(ex.links)))
+    for i in pending:
+        ex.links[i].broke()  # a break before this request cost it nothing
+        _send(ex, i)
+    started = time.monotonic()
+    attempt_deadline = started + ex.policy.attempt
+    resent: set[int] = set()
+    while pending:
+        if stop.is_set():
+            raise errors.Stopped("stopped while waiting for an answer")
+        timeout = min(STOP_POLL_SECONDS, max(0.0, attempt_deadline - time.monotonic()))
+        ready = transport.wait([ex.links[i] for i in pending], timeout)
+        for i in list(pending):
+            link = ex.links[i]
+            if link.readable(ready) and accept(i, _receive(link, sink(i))):
+                pending.discard(i)  # a reply that beat a disconnect counts
+            elif ex.policy.resend_on_disconnect and link.broke(ready) and i not in resent:
+                resent.add(i)
+                log.warning("event=peer_disconnected peer=%r action=resend", ex.names[i])
+                _resend(ex, i)
+        if pending and time.monotonic() >= attempt_deadline:
+            _retry_silent(ex, pending, time.monotonic() - started)
+            attempt_deadline = time.monotonic() + ex.policy.attempt
+            resent.clear()
+
+
+def _receive(link: Link, sink: Sink | None) -> Received:
+    try:
+        return link.receive(sink)
+    except zmq.ZMQError as exc:
+        raise errors.ProtocolError(f"reading a reply from {getattr(link, 'address', '?')} failed: {exc}") from exc
+
+
+def _send(ex: Exchange, i: int) -> None:
+    if ex.links[i].send(ex.requests[i]):
+        ex.bytes_out += frames_nbytes(ex.requests[i])
+
+
+def _resend(ex: Exchange, i: int) -> None:
+    ex.resends += 1
+    ex.links[i].reconnect()
+    _send(ex, i)
+
+
+def _retry_silent(ex: Exchange, pending: set[int], waited: float) -> None:
+    give_up = ex.policy.give_up
+    for i in pending:
+        if give_up is not None and waited >= give_up:
+            raise errors.ShardUnavailable(f"{ex.names[i]} has not answered for {waited:.0f} s")
+        log.warning("event=peer_silent peer=%r waited_s=%.1f action=reconnect", ex.names[i], waited)
+        _resend(ex, i)
