@@ -11,7 +11,7 @@ once it serves; when stdin closes the shard stops, and one JSON line with per-re
 timing splits (measured around, never inside, the runtime code) is printed.
 
 The instrumentation wraps the socket the shard receives on (a zmq.Socket subclass
-handed over through the `context=` argument the Shard accepts) and the shard instance's
+handed over through the ZeroMQ transport the Shard accepts) and the shard instance's
 handler table and optimizer; no runtime file is changed.
 """
 
@@ -36,9 +36,10 @@ import numpy as np
 import prometheus_client as prom
 import zmq
 
+from distbelief.runtime import protocol, transport
+from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.protocol import Op
 from distbelief.runtime.shard import Shard, ShardSettings
 
 perf = time.perf_counter
@@ -107,23 +108,24 @@ def instrument(shard: Shard) -> None:
     shard._handle = timed_handle  # type: ignore[method-assign]
 
     for op, handler in list(shard._handlers.items()):
-        def timed_handler(header, payload, _handler=handler, _op=op):
-            REC.current["op"] = Op(_op).name
+        def timed_handler(message, _handler=handler, _op=op):
+            REC.current["op"] = protocol.spec_of(_op).name
             started = perf()
             try:
-                return _handler(header, payload)
+                return _handler(message)
             finally:
                 REC.current["handler_s"] = perf() - started
         shard._handlers[op] = timed_handler
 
-    apply = shard.optimizer.apply
+    optimizer = shard.plugin(DenseSlice).optimizer
+    apply = optimizer.apply
 
     def timed_apply(params, grad):
         started = perf()
         apply(params, grad)
         REC.current["apply_s"] = perf() - started
 
-    shard.optimizer.apply = timed_apply  # type: ignore[method-assign]
+    optimizer.apply = timed_apply  # type: ignore[method-assign]
 
 
 def main() -> int:
@@ -141,9 +143,11 @@ def main() -> int:
     context = TimedContext()
     try:
         shard = Shard(ShardSettings(shard=args.shard, bind="tcp://127.0.0.1:*", checkpoint_dir=folder,
-                                    checkpoint_every=1e9, learning_rate=args.learning_rate,
-                                    optimizer="sgd" if args.sgd else "adagrad"),
-                      layout, initial, ShardMetrics(prom.CollectorRegistry(), args.shard), context=context)
+                                    checkpoint_every=1e9),
+                      layout, ShardMetrics(prom.CollectorRegistry(), args.shard),
+                      transport_=transport.ZmqTransport(context))
+        shard.attach(DenseSlice(shard, initial, optimizer="sgd" if args.sgd else "adagrad",
+                                learning_rate=args.learning_rate))
         del initial
         shard.restore()
         instrument(shard)

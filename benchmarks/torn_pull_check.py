@@ -28,8 +28,9 @@ except ImportError:
 import numpy as np
 import zmq
 
+from distbelief.runtime import dense
 from distbelief.runtime.layout import Layout
-from distbelief.runtime.protocol import Header, Op, unpack_header
+from distbelief.runtime.protocol import Header, unpack_header
 
 
 def main() -> int:
@@ -56,9 +57,9 @@ def main() -> int:
     try:
         for trial in range(args.trials):
             for socket in pullers:
-                socket.send(Header(op=Op.PULL, shard=0, layout=layout.hash, seq=trial).pack())
-            pusher.send_multipart([Header(op=Op.PUSH, shard=0, layout=layout.hash, seq=trial, count=n).pack(),
-                                   memoryview(grad)], copy=False)
+                socket.send(Header(op=dense.PULL.code, shard=0, layout=layout.hash, seq=trial).pack())
+            pusher.send_multipart([Header(op=dense.PUSH.code, shard=0, layout=layout.hash, seq=trial, count=n).pack(),
+                                   dense.Update(examples=1, loss=0.0).pack(), memoryview(grad)], copy=False)
             unpack_header(pusher.recv())
             for socket, out in zip(pullers, outs):
                 header = unpack_header(socket.recv())

@@ -13,6 +13,7 @@ import pytest
 
 from distbelief.operator import spec
 from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
@@ -44,6 +45,10 @@ class LiveShards:
         kwargs.setdefault("timeouts", Timeouts(request=2.0, unavailable=10.0))
         return ShardGroup(self.addresses, self.layout, **kwargs)
 
+    def params(self, index: int) -> np.ndarray:
+        """Shard index's dense slice, as it is now."""
+        return self.shards[index].plugin(DenseSlice).params
+
     def stop(self) -> None:
         for shard in self.shards:
             shard.stop()
@@ -53,10 +58,11 @@ class LiveShards:
 
 def start_shards(folder: Path, layout: Layout, initial: np.ndarray, **settings: Any) -> LiveShards:
     shards, threads = [], []
+    optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1)}
     for index in range(layout.shards):
         options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
-        shard = Shard(ShardSettings(shard=index, **options),
-                      layout, initial, ShardMetrics(prom.CollectorRegistry(), index))
+        shard = Shard(ShardSettings(shard=index, **options), layout, ShardMetrics(prom.CollectorRegistry(), index))
+        shard.attach(DenseSlice(shard, initial, **optimizer))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
         thread.start()

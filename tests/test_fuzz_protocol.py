@@ -42,10 +42,11 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from distbelief.runtime import protocol
+from distbelief.runtime import dense, protocol
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.optim import make_optimizer
-from distbelief.runtime.protocol import HEADER, MAGIC, VERSION, Op
+from distbelief.runtime.protocol import HEADER, MAGIC, VERSION
+from distbelief.runtime.sandblaster import ops as sandblaster_ops
 from distbelief.runtime.shard import RATE_WINDOW_SECONDS
 
 from conftest import LiveShards, start_shards
@@ -56,7 +57,9 @@ LEARNING_RATE = 0.05
 BATCH = 40
 EXAMPLES = 300                      # 300 batches of 40: 12,000 messages
 MIN_MESSAGES = 10_000
-MAX_FRAME = protocol.max_message_bytes(SIZE)
+MAX_FRAME = protocol.max_frame_bytes(SIZE)
+PUSH, PUSH_PULL, PULL = dense.PUSH.code, dense.PUSH_PULL.code, dense.PULL.code
+HELLO, STATS, DONE = protocol.HELLO.code, protocol.STATS.code, protocol.DONE.code
 PULL_MARKER = 0xFFFFFFFF            # the seq of the checking pull (batch messages count up from 1)
 # What the process (hypothesis aside) still holds after a replay of every batch (12,000
 # messages): a leak of 22 bytes per message would exceed it (one of 100 bytes, tried,
@@ -92,29 +95,27 @@ class Fields:
     version: int
     op: int
     status: int
+    error: int
     shard: int
     worker: int
     layout: int
     step: int
     count: int
-    examples: int
-    loss: float
 
 
 FIELDS = st.builds(
     Fields,
     magic=mixed(MAGIC, st.sampled_from([b"XX", b"\0\0", b"BD", b"db"])),
     version=mixed(VERSION, U8),
-    op=mixed(st.sampled_from([Op.PUSH] * 3 + [Op.PUSH_PULL, Op.PULL, Op.HELLO, Op.STATS, Op.DONE]), U8),
+    op=mixed(st.sampled_from([PUSH] * 3 + [PUSH_PULL, PULL, HELLO, STATS, DONE, sandblaster_ops.VECTOR.code]), U8),
     status=mixed(0, st.one_of(st.sampled_from([1, 2, 3]), U8)),
+    error=mixed(0, st.one_of(st.sampled_from([1, 3, 6]), U8)),
     shard=mixed(0, st.one_of(st.just(1), U16)),
     worker=U32,
     layout=mixed(LAYOUT.hash, st.one_of(st.just(LAYOUT.hash ^ 1), st.just(0), U64)),
     step=mixed(st.integers(0, 50), U64),
     count=mixed(SIZE, st.one_of(st.sampled_from([0, SIZE - 1, SIZE + 1, 2 * SIZE, 2**31, 2**40, 2**64 - 1]),
                                 U64)),
-    examples=mixed(st.integers(0, 64), U32),
-    loss=mixed(0.5, st.floats(width=32)),  # nan, inf and extremes included
 )
 
 DAMAGE_SIZES = {"none": st.just(0), "truncate": st.integers(0, HEADER.size - 1), "extend": st.integers(1, 64),
@@ -122,11 +123,13 @@ DAMAGE_SIZES = {"none": st.just(0), "truncate": st.integers(0, HEADER.size - 1),
 HEADER_DAMAGE = st.sampled_from(["none"] * 9 + ["truncate", "extend", "noise"]).flatmap(
     lambda how: st.tuples(st.just(how), DAMAGE_SIZES[how]))
 
-PAYLOAD_KINDS = ["grad", "grad", "grad", "grad", "short", "long", "float64", "nan", "inf", "overflow",
-                 "noise", "empty", "text", "done-text"]
+PAYLOAD_KINDS = ["grad", "grad", "grad", "update", "update", "short", "long", "float64", "nan", "inf", "overflow",
+                 "noise", "empty", "text", "done-text", "no-examples", "many-examples", "nan-loss", "huge-loss"]
 PAYLOADS = st.sampled_from([True, False]).flatmap(
-    lambda plain: st.just(("grad",)) if plain else
-    st.lists(st.sampled_from(PAYLOAD_KINDS), min_size=0, max_size=3).map(tuple))
+    lambda plain: st.just(("update", "grad")) if plain else
+    st.lists(st.sampled_from(PAYLOAD_KINDS), min_size=0, max_size=4).map(tuple))
+UPDATES = {"update": (8, 0.5), "no-examples": (0, 0.5), "many-examples": (2**32 - 1, 0.5),
+           "nan-loss": (8, float("nan")), "huge-loss": (8, 3e38)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,12 +141,22 @@ class Spec:
     oversize: bool
 
 
-SPECS = st.builds(Spec, fields=FIELDS, damage=HEADER_DAMAGE, payloads=PAYLOADS, seed=U32,
-                  oversize=st.sampled_from([False] * 99 + [True]))
+def _spec_for(fields: Fields) -> st.SearchStrategy:
+    """A message around fields: ops that read carry no array (count 0) and no payload, mostly."""
+    reads = fields.op in (PULL, HELLO, STATS)
+    count = mixed(0, st.just(fields.count)) if reads else st.just(fields.count)
+    payloads = mixed((), PAYLOADS) if reads else PAYLOADS
+    return st.builds(Spec, fields=count.map(lambda c: dataclasses.replace(fields, count=c)), damage=HEADER_DAMAGE,
+                     payloads=payloads, seed=U32, oversize=st.sampled_from([False] * 99 + [True]))
+
+
+SPECS = FIELDS.flatmap(_spec_for)
 
 
 def payload(kind: str, rng: np.random.Generator) -> bytes:
     grad = (rng.standard_normal(SIZE) * 0.01).astype("<f4")
+    if kind in UPDATES:
+        return struct.pack("<If", *UPDATES[kind])
     if kind == "grad":
         return grad.tobytes()
     if kind == "short":
@@ -168,8 +181,8 @@ def payload(kind: str, rng: np.random.Generator) -> bytes:
 
 def build(spec: Spec, seq: int) -> list[bytes]:
     f = spec.fields
-    header = HEADER.pack(f.magic, f.version, f.op, f.status, f.shard, seq, f.worker, f.layout, f.step, f.count,
-                         f.examples, f.loss)
+    header = HEADER.pack(f.magic, f.version, f.op, f.status, f.error, f.shard, seq, f.worker, f.layout, f.step,
+                         f.count)
     rng = np.random.default_rng(spec.seed)
     how, n = spec.damage
     if how == "truncate":
@@ -184,31 +197,42 @@ def build(spec: Spec, seq: int) -> list[bytes]:
 # -- the oracle: what the protocol's rules say a message must do --------------------
 
 
+OLD = "old-version"  # a version-1 header: the answer is an error in version 1's format
+
+
 def expected(frames: list[bytes]) -> tuple[str, np.ndarray | None]:
     """(outcome, gradient to apply) by the rules in protocol.py and shard.py's docstrings."""
     head, body = frames[0], frames[1:]
+    if len(frames) > 3:  # no op has more than a header, a payload and an array
+        return DROP, None
+    if len(head) == protocol.V1_HEADER.size and head[:3] == b"DB\x01":
+        return OLD, None
     if len(head) != HEADER.size:
         return DROP, None
-    magic, version, op, status, shard, _, _, layout, _, count, _, loss = struct.unpack("<2sBBBxHIIQQQIf", head)
-    if magic != b"DB" or version != 1 or op not in set(Op) or status not in (0, 1, 2, 3) \
-            or not np.isfinite(loss):
+    magic, version, op, status, error, shard, _, _, layout, _, count = HEADER.unpack(head)
+    if magic != b"DB" or version != VERSION or op not in protocol.OPS or status not in (0, 1, 2, 3) or error > 6:
         return DROP, None
-    if shard != 0 or layout != LAYOUT.hash or len(frames) > 2:  # a header and at most one payload
+    if shard != 0 or layout != LAYOUT.hash or op not in (HELLO, PULL, PUSH, PUSH_PULL, STATS, DONE):
+        return ERROR, None  # Sandblaster's ops are not a Downpour shard's
+    if status != 0 or error != 0:
         return ERROR, None
-    if op not in (Op.HELLO, Op.PULL, Op.PUSH, Op.PUSH_PULL, Op.STATS, Op.DONE):  # Sandblaster's ops: not a Downpour shard's
-        return ERROR, None
-    if op == Op.PULL:
-        return (OK if not body else ERROR), None
-    if op in (Op.HELLO, Op.STATS):
-        return OK, None
-    if op == Op.DONE:
+    if op in (PULL, HELLO, STATS):
+        return (OK if not body and count == 0 else ERROR), None
+    if op == DONE:
         return ERROR, None  # no generated text is a valid reason (asserted by the shard not finishing)
-    if len(body) != 1 or count != SIZE or len(body[0]) != SIZE * 4:
+    if len(body) != 2 or count != SIZE or len(body[1]) != SIZE * 4 or not _valid_update(body[0]):
         return ERROR, None
-    grad = np.frombuffer(body[0], dtype="<f4")
+    grad = np.frombuffer(body[1], dtype="<f4")
     with np.errstate(over="ignore", invalid="ignore"):
         finite = bool(np.isfinite(np.dot(grad, grad)))
     return (APPLY, grad) if finite else (ERROR, None)
+
+
+def _valid_update(frame: bytes) -> bool:
+    if len(frame) != 8:
+        return False
+    examples, loss = struct.unpack("<If", frame)
+    return 0 < examples <= 2**24 and abs(loss) <= 1e30
 
 
 # -- the run ------------------------------------------------------------------------
@@ -255,7 +279,7 @@ class Peer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.connect(live.addresses[0])
-        self.params = live.shards[0].params.copy()
+        self.params = live.params(0).copy()
         self.optimizer = make_optimizer("adagrad", SIZE, learning_rate=LEARNING_RATE)
         self.step = live.shards[0].step
         self.tally = Tally()
@@ -293,13 +317,17 @@ class Peer:
         self.tally.outcomes["oversize"] = self.tally.outcomes.get("oversize", 0) + 1
 
     def _check(self, outcomes: dict[int, str]) -> None:
-        pull = protocol.Header(op=Op.PULL, shard=0, layout=LAYOUT.hash, seq=PULL_MARKER).pack()
+        pull = protocol.Header(op=PULL, shard=0, layout=LAYOUT.hash, seq=PULL_MARKER).pack()
         self.socket.send_multipart([pull])
         replies: dict[int, int] = {}
         texts: dict[int, bytes] = {}
         while True:
             assert self.socket.poll(10_000), "the shard stopped answering"
             frames = self.socket.recv_multipart()
+            if len(frames[0]) == protocol.V1_HEADER.size:  # the refusal of a version-1 message
+                seq = struct.unpack_from("<I", frames[0], 8)[0]
+                replies[seq], texts[seq] = OLD, frames[1][:200]
+                continue
             header = protocol.unpack_header(frames[0])
             if header.seq == PULL_MARKER:
                 break
@@ -311,15 +339,16 @@ class Peer:
         np.testing.assert_array_equal(np.frombuffer(frames[1], dtype="<f4"), self.params)
         for seq, outcome in outcomes.items():
             got = replies.get(seq)
-            want = {APPLY: protocol.Status.OK, OK: protocol.Status.OK, ERROR: protocol.Status.ERROR, DROP: None}[outcome]
+            want = {APPLY: protocol.Status.OK, OK: protocol.Status.OK, ERROR: protocol.Status.ERROR, DROP: None,
+                    OLD: OLD}[outcome]
             assert got == want, f"message {seq}: expected {outcome}, the shard replied {got} {texts.get(seq)!r}"
 
 
 def test_fuzzed_messages_never_crash_the_shard_nor_apply_an_invalid_update(shard: LiveShards) -> None:
     server, thread = shard.shards[0], shard.threads[0]
     peer = Peer(shard)
-    warmup = [Spec(Fields(MAGIC, VERSION, Op.PUSH, 0, 0, 1, LAYOUT.hash, 0, SIZE, 1, 0.5), ("none", 0),
-                   ("grad",), seed, False) for seed in range(BATCH)]
+    warmup = [Spec(Fields(MAGIC, VERSION, PUSH, 0, 0, 0, 1, LAYOUT.hash, 0, SIZE), ("none", 0),
+                   ("update", "grad"), seed, False) for seed in range(BATCH)]
     peer.send_batch(warmup)  # sockets, metrics children and caches exist before anything is measured
     batches: list[list[Spec]] = []
 

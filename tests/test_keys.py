@@ -130,7 +130,7 @@ def _outsiders(job_keys: keys.JobKeys) -> dict[str, dict | None]:
 def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(secured_shards: LiveShards,
                                                                job_keys: keys.JobKeys) -> None:
     layout = secured_shards.layout
-    before = [s.params.copy() for s in secured_shards.shards]
+    before = [secured_shards.params(i).copy() for i in range(2)]
     for name, options in _outsiders(job_keys).items():
         outsider = secured_shards.group(security=options, timeouts=REFUSED)
         try:
@@ -142,8 +142,8 @@ def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(secured_shards: L
         finally:
             outsider.close()
     assert [s.step for s in secured_shards.shards] == [0, 0]
-    for shard, params in zip(secured_shards.shards, before):
-        np.testing.assert_array_equal(shard.params, params)
+    for index, (shard, params) in enumerate(zip(secured_shards.shards, before)):
+        np.testing.assert_array_equal(secured_shards.params(index), params)
         assert shard.metrics.rejected._value.get() == 0  # refused in the handshake, before any message
 
 
@@ -163,6 +163,23 @@ def test_a_peer_with_the_job_keys_pulls_and_pushes(secured_shards: LiveShards, j
         group.close()
 
 
+def test_a_slice_of_exactly_the_largest_accepted_size_gets_through_the_cipher(
+        tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool) -> None:
+    """The shard's frame limit is its slice; CurveZMQ wraps each frame in a box, which the
+    limit must leave room for (a slice over 64 KiB, where the limit is the slice itself)."""
+    layout = Layout.of([("w", (300, 100))], shards=1)
+    live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32),
+                        security=job_keys.server_security(encrypted=encrypted))
+    group = live.group(security=job_keys.client_options(encrypted=encrypted))
+    try:
+        out = np.empty(layout.total, np.float32)
+        replies = group.push_and_pull(np.ones(layout.total, np.float32), out, steps=[0], examples=1, loss=1.0)
+        assert [r.step for r in replies] == [1] and np.all(out < 0)
+    finally:
+        group.close()
+        live.stop()
+
+
 def test_stopped_shards_release_their_zap_handler(tmp_path: Path, job_keys: keys.JobKeys) -> None:
     layout = Layout.of([("w", (3,))], shards=1)
     live = start_shards(tmp_path, layout, np.zeros(3, np.float32), security=job_keys.server_security())
@@ -176,7 +193,7 @@ def test_a_secured_server_without_client_credentials_is_refused(tmp_path: Path, 
     layout = Layout.of([("w", (3,))], shards=1)
     security = dataclasses.replace(job_keys.server_security(encrypted=encrypted), admitted=frozenset())
     settings = ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path), security=security)
-    shard = Shard(settings, layout, np.zeros(3, np.float32), ShardMetrics(prom.CollectorRegistry(), 0))
+    shard = Shard(settings, layout, ShardMetrics(prom.CollectorRegistry(), 0))
     with pytest.raises(errors.ConfigError, match="admit any peer"):
         shard.serve()
     assert not shard.ready.is_set()

@@ -21,8 +21,10 @@ from distbelief.runtime import contract, data, errors, models, protocol
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
-from distbelief.runtime.protocol import VectorCode, VectorCommand
+from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
 from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
+from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings
 from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
 from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
@@ -129,8 +131,10 @@ def start_vector_shards(folder: Path, layout: Layout, initial: np.ndarray) -> li
     for index in range(layout.shards):
         shard = Shard(ShardSettings(shard=index, bind="tcp://127.0.0.1:*", checkpoint_dir=str(folder / f"shard-{index}"),
                                     checkpoint_every=3600),
-                      layout, initial, ShardMetrics(prom.CollectorRegistry(), index))
-        ShardVectors(shard, HISTORY)
+                      layout, ShardMetrics(prom.CollectorRegistry(), index))
+        dense = DenseSlice(shard, initial, optimizer="adagrad", learning_rate=0.1, pushes=False)
+        shard.attach(dense)
+        shard.attach(ShardVectors(shard, dense, HISTORY))
         shard.restore()
         threading.Thread(target=shard.serve, daemon=True).start()
         assert shard.ready.wait(10)
@@ -154,18 +158,18 @@ def test_a_repeated_vector_command_gets_its_first_reply_and_acts_once(tmp_path):
     replies = []
     try:
         for seq in (5, 5, 6):
-            header = protocol.Header(op=protocol.Op.VECTOR, shard=0, layout=layout.hash, seq=seq, worker=9)
+            header = protocol.Header(op=ops.VECTOR.code, shard=0, layout=layout.hash, seq=seq, worker=9)
             peer.send_multipart([header.pack(), axpy])
             assert peer.poll(5000)
             replies.append([protocol.unpack_header(f).seq if i == 0 else f for i, f in
                             enumerate(peer.recv_multipart())])
             if len(replies) == 2:
-                np.testing.assert_array_equal(shard.extension.vectors[Slots.D], 2 * np.arange(6))
+                np.testing.assert_array_equal(shard.plugin(ShardVectors).vectors[Slots.D], 2 * np.arange(6))
     finally:
         peer.close()
         shard.stop()
     assert replies[0] == replies[1] and replies[2][0] == 6
-    np.testing.assert_array_equal(shard.extension.vectors[Slots.D], 4 * np.arange(6))  # seq 6 is a new command
+    np.testing.assert_array_equal(shard.plugin(ShardVectors).vectors[Slots.D], 4 * np.arange(6))  # seq 6 is a new command
 
 
 def test_vector_ops_run_on_each_slice_and_refuse_bad_commands(tmp_path):
@@ -173,29 +177,52 @@ def test_vector_ops_run_on_each_slice_and_refuse_bad_commands(tmp_path):
     initial = np.arange(layout.total, dtype=np.float32)
     shards = start_vector_shards(tmp_path, layout, initial)
     group = group_of(shards, layout)
+    sandblaster = SandblasterShards(group)
     try:
-        group.vector(VectorCommand(code=VectorCode.COPY, out=Slots.D, a=Slots.X))
-        group.vector(VectorCommand(code=VectorCode.SCALE, out=Slots.D, scalar=2.0))
-        replies = group.vector(VectorCommand(code=VectorCode.DOT, a=Slots.X, b=Slots.D))
-        parts = [protocol.VectorResult.unpack(r.payload).value for r in replies]
+        sandblaster.vector(VectorCommand(code=VectorCode.COPY, out=Slots.D, a=Slots.X))
+        sandblaster.vector(VectorCommand(code=VectorCode.SCALE, out=Slots.D, scalar=2.0))
+        replies = sandblaster.vector(VectorCommand(code=VectorCode.DOT, a=Slots.X, b=Slots.D))
+        parts = [r.meta.value for r in replies]
         assert sum(parts) == pytest.approx(2 * float(np.dot(initial, initial)))
         assert all(p > 0 for p in parts)   # each shard answered for its own slice
         with pytest.raises(errors.ShardRefused, match="slot"):
-            group.vector(VectorCommand(code=VectorCode.COPY, out=Slots(HISTORY).count, a=0))
-        with pytest.raises(errors.ShardRefused, match="not served"):
-            group.push(np.ones(layout.total, np.float32), steps=[0, 0], examples=1, loss=0.1)
+            sandblaster.vector(VectorCommand(code=VectorCode.COPY, out=Slots(HISTORY).count, a=0))
+        with pytest.raises(errors.ShardRefused, match="scalar"):
+            sandblaster.vector(VectorCommand(code=VectorCode.SCALE, out=Slots.D, scalar=1e300))
         # A unit's gradient counts once per evaluation: a backup's duplicate is dropped.
-        group.begin_evaluation(5, units=2)
+        sandblaster.begin_evaluation(5, units=2)
         ones = np.ones(layout.total, np.float32)
-        assert [r.header.count for r in group.accumulate(ones, evaluation=5, unit=1)] == [1, 1]
-        assert [r.header.count for r in group.accumulate(ones, evaluation=5, unit=1)] == [0, 0]
-        assert [r.header.count for r in group.accumulate(ones, evaluation=4, unit=0)] == [0, 0]
-        replies = group.vector(VectorCommand(code=VectorCode.DOT, a=Slots.GT, b=Slots.GT))
-        assert sum(protocol.VectorResult.unpack(r.payload).value for r in replies) == layout.total
+        assert [r.meta.added for r in sandblaster.accumulate(ones, evaluation=5, unit=1)] == [1, 1]
+        assert [r.meta.added for r in sandblaster.accumulate(ones, evaluation=5, unit=1)] == [0, 0]
+        assert [r.meta.added for r in sandblaster.accumulate(ones, evaluation=4, unit=0)] == [0, 0]
+        replies = sandblaster.vector(VectorCommand(code=VectorCode.DOT, a=Slots.GT, b=Slots.GT))
+        assert sum(r.meta.value for r in replies) == layout.total
     finally:
         group.close()
         for shard in shards:
             shard.stop()
+
+
+@pytest.mark.parametrize("push", ["push", "push_and_pull"])
+def test_a_sandblaster_shard_applies_no_downpour_push(tmp_path, push):
+    """Its parameters move only by the coordinator's vector ops: a push of either kind
+    is refused and changes nothing."""
+    layout = Layout.of([("w", (12,))], shards=1)
+    initial = np.arange(layout.total, dtype=np.float32)
+    [shard] = start_vector_shards(tmp_path, layout, initial)
+    group = group_of([shard], layout)
+    ones = np.ones(layout.total, np.float32)
+    try:
+        with pytest.raises(errors.ShardRefused, match="not served"):
+            if push == "push":
+                group.push(ones, steps=[0], examples=1, loss=0.1)
+            else:
+                group.push_and_pull(ones, np.empty_like(ones), steps=[0], examples=1, loss=0.1)
+        np.testing.assert_array_equal(shard.plugin(DenseSlice).params, initial)
+        assert shard.step == 0
+    finally:
+        group.close()
+        shard.stop()
 
 
 # -- the whole method on loopback ------------------------------------------------------------
@@ -255,7 +282,7 @@ def test_distributed_lbfgs_matches_scipy_on_a_convex_problem(tmp_path, convex_pr
         assert state is not None and state.converged is not None, "did not converge"
         assert abs(state.objective - optimum) / optimum < 1e-4
         # The trained parameters are the shards' X: held-out accuracy of the convex optimum.
-        params = np.concatenate([s.params for s in shards])
+        params = np.concatenate([s.plugin(DenseSlice).params for s in shards])
         _, accuracy = models.evaluate(model, params, dataset.x_test, dataset.y_test)
         assert accuracy > 0.93
         assert shards[0].step == state.iteration   # every iteration was committed

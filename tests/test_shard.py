@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import zmq
 
-from distbelief.runtime import errors, protocol, roles
+from distbelief.runtime import dense, errors, protocol, roles
 from distbelief.runtime.contract import JobConfig
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.optim import Adagrad
-from distbelief.runtime.protocol import Header, Op, Status
+from distbelief.runtime.protocol import Header, Status
 
 from conftest import LiveShards, start_shards
 
@@ -71,12 +71,15 @@ def test_push_and_pull_returns_the_parameters_with_the_push_applied(two_shards: 
     np.testing.assert_array_equal(out, pulled)  # a finished job takes no more updates
 
 
-@pytest.mark.parametrize("op", [Op.PUSH, Op.PUSH_PULL])
-def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards, op: Op) -> None:
+UPDATE = dense.Update(examples=1, loss=1.0).pack()
+
+
+@pytest.mark.parametrize("op", [dense.PUSH, dense.PUSH_PULL])
+def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards, op: protocol.OpSpec) -> None:
     """The same (worker, seq) twice is a resend whose reply was lost; another seq is a new push."""
-    layout, shard = two_shards.layout, two_shards.shards[0]
+    layout, shard, params = two_shards.layout, two_shards.shards[0], two_shards.params(0)
     grad = np.full(layout.size(0), 0.5, dtype=np.float32)
-    expected = shard.params.copy()
+    expected = params.copy()
     Adagrad(layout.size(0), 0.5).apply(expected, grad)
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
@@ -84,15 +87,15 @@ def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards, op: 
     try:
         replies = []
         for seq in (7, 7, 8):
-            header = Header(op=op, shard=0, layout=layout.hash, seq=seq, worker=42, count=layout.size(0))
-            peer.send_multipart([header.pack(), grad.tobytes()])
+            header = Header(op=op.code, shard=0, layout=layout.hash, seq=seq, worker=42, count=layout.size(0))
+            peer.send_multipart([header.pack(), UPDATE, grad.tobytes()])
             assert peer.poll(5000)
             frames = peer.recv_multipart()
             replies.append(protocol.unpack_header(frames[0]))
-            if op == Op.PUSH_PULL:  # every reply, the repeat's too, carries the parameters as they are
-                np.testing.assert_array_equal(np.frombuffer(frames[1], np.float32), shard.params)
+            if op == dense.PUSH_PULL:  # every reply, the repeat's too, carries the parameters as they are
+                np.testing.assert_array_equal(np.frombuffer(frames[1], np.float32), params)
             if seq == 7 and len(replies) == 2:
-                np.testing.assert_array_equal(shard.params, expected)  # the resend changed nothing
+                np.testing.assert_array_equal(params, expected)  # the resend changed nothing
     finally:
         peer.close()
     assert [(r.status, r.seq, r.step) for r in replies] == [(Status.OK, 7, 1), (Status.OK, 7, 1), (Status.OK, 8, 2)]
@@ -109,8 +112,9 @@ def test_a_push_pull_repeated_after_the_job_finished_says_done(two_shards: LiveS
     peer.setsockopt(zmq.LINGER, 0)
     peer.connect(two_shards.addresses[0])
     try:
-        header = Header(op=Op.PUSH_PULL, shard=0, layout=layout.hash, seq=seq, worker=42, count=layout.size(0))
-        peer.send_multipart([header.pack(), np.ones(layout.size(0), np.float32).tobytes()])
+        header = Header(op=dense.PUSH_PULL.code, shard=0, layout=layout.hash, seq=seq, worker=42,
+                        count=layout.size(0))
+        peer.send_multipart([header.pack(), UPDATE, np.ones(layout.size(0), np.float32).tobytes()])
         assert peer.poll(5000)
         reply = protocol.unpack_header(peer.recv_multipart()[0])
     finally:
@@ -160,13 +164,13 @@ def test_a_request_lost_with_its_shard_is_resent_when_the_connection_breaks(
     group = ShardGroup([f"tcp://127.0.0.1:{port}"], layout, timeouts=Timeouts(request=120.0, unavailable=240.0))
     live = None
     try:
-        group._send(0, Header(op=Op.HELLO, shard=0, layout=layout.hash, seq=0), [])  # connect, handshake
+        group._links[0].send([Header(op=protocol.HELLO.code, shard=0, layout=layout.hash).pack()])  # handshake
         assert dying.poll(5000)
         dying.recv_multipart()
         pulled: list = []
         puller = threading.Thread(target=lambda: pulled.append(group.pull(np.empty(layout.total, np.float32))),
                                   daemon=True)
-        with caplog.at_level(logging.INFO, logger="distbelief.runtime.client"):
+        with caplog.at_level(logging.INFO, logger="distbelief.runtime.transport"):
             puller.start()
             assert dying.poll(5000), "the pull never reached the first shard"
             dying.close(linger=0)  # dies holding the request
@@ -176,7 +180,7 @@ def test_a_request_lost_with_its_shard_is_resent_when_the_connection_breaks(
             puller.join(timeout=60)
         assert not puller.is_alive(), "the pull waited for its request timeout"
         assert pulled and pulled[0][0].header.status == Status.OK
-        assert "event=shard_disconnected shard=0" in caplog.text and "event=shard_silent" not in caplog.text
+        assert "event=peer_disconnected peer='shard 0 at" in caplog.text and "event=peer_silent" not in caplog.text
         assert group.retries == 1
     finally:
         group.close()
@@ -203,7 +207,7 @@ def test_a_silent_shard_is_reported_with_its_address(two_shards: LiveShards) -> 
 def _hostile_messages(layout: Layout, rng: random.Random) -> list[list[bytes]]:
     """Malformed, mis-sized, mis-addressed, non-finite and foreign messages."""
     size0 = layout.size(0)
-    good = dict(op=Op.PUSH, shard=0, layout=layout.hash, count=size0)
+    good = dict(op=dense.PUSH.code, shard=0, layout=layout.hash, count=size0)
     nan = np.full(size0, np.nan, dtype=np.float32).tobytes()
     huge = np.full(size0, 3e38, dtype=np.float32).tobytes()
     valid = np.ones(size0, dtype=np.float32).tobytes()
@@ -211,32 +215,38 @@ def _hostile_messages(layout: Layout, rng: random.Random) -> list[list[bytes]]:
     def header(**fields: int) -> bytes:
         return Header(**{**good, **fields}).pack()
 
-    def raw_header(magic: bytes = protocol.MAGIC, version: int = protocol.VERSION, op: int = Op.PUSH,
-                   status: int = 0, count: int = size0) -> bytes:
-        return protocol.HEADER.pack(magic, version, op, status, 0, 1, 1, layout.hash, 0, count, 1, 0.0)
+    def raw_header(magic: bytes = protocol.MAGIC, version: int = protocol.VERSION, op: int = dense.PUSH.code,
+                   status: int = 0, error: int = 0, count: int = size0) -> bytes:
+        return protocol.HEADER.pack(magic, version, op, status, error, 0, 1, 1, layout.hash, 0, count)
 
+    unknown_ops = [op for op in range(256) if op not in protocol.OPS]
     kinds = [
         lambda: [rng.randbytes(rng.randint(0, 200))],
-        lambda: [header()[: rng.randint(0, protocol.HEADER.size - 1)], valid],
-        lambda: [raw_header(magic=b"XX"), valid],
-        lambda: [raw_header(version=9), valid],
-        lambda: [raw_header(op=rng.randint(6, 255)), valid],
-        lambda: [raw_header(status=rng.randint(4, 255)), valid],
-        lambda: [header(count=size0 + rng.randint(1, 10)), valid],
-        lambda: [header(count=2**40), valid],
-        lambda: [header(), valid[: rng.randint(0, len(valid) - 1)]],
-        lambda: [header(), valid + b"\0\0\0\0"],
-        lambda: [header(), nan],
-        lambda: [header(), huge],
-        lambda: [header(layout=layout.hash ^ 1), valid],
-        lambda: [header(shard=1), valid],
-        lambda: [header(shard=7), valid],
-        lambda: [header(), valid, valid],
+        lambda: [header()[: rng.randint(0, protocol.HEADER.size - 1)], UPDATE, valid],
+        lambda: [raw_header(magic=b"XX"), UPDATE, valid],
+        lambda: [raw_header(version=9), UPDATE, valid],
+        lambda: [raw_header(op=rng.choice(unknown_ops)), UPDATE, valid],
+        lambda: [raw_header(status=rng.randint(4, 255)), UPDATE, valid],
+        lambda: [raw_header(status=Status.ERROR, error=1), UPDATE, valid],
+        lambda: [header(count=size0 + rng.randint(1, 10)), UPDATE, valid],
+        lambda: [header(count=2**40), UPDATE, valid],
+        lambda: [header(), UPDATE, valid[: rng.randint(0, len(valid) - 1)]],
+        lambda: [header(), UPDATE, valid + b"\0\0\0\0"],
+        lambda: [header(), UPDATE, nan],
+        lambda: [header(), UPDATE, huge],
+        lambda: [header(), dense.Update(examples=0, loss=1.0).pack(), valid],
+        lambda: [header(), struct.pack("<If", 1, float("nan")), valid],
+        lambda: [header(), UPDATE[:-1], valid],
+        lambda: [header(), valid],
+        lambda: [header(layout=layout.hash ^ 1), UPDATE, valid],
+        lambda: [header(shard=1), UPDATE, valid],
+        lambda: [header(shard=7), UPDATE, valid],
+        lambda: [header(), UPDATE, valid, valid],
         lambda: [header()],
-        lambda: [header(op=Op.PULL), valid],
-        lambda: [header(op=Op.DONE), b"\xff\xfe not json"],
-        lambda: [header(op=Op.DONE)],
-        lambda: [struct.pack("<Q", rng.getrandbits(64)) * 6, valid],
+        lambda: [header(op=dense.PULL.code, count=0), valid],
+        lambda: [header(op=protocol.DONE.code, count=0), b"\xff\xfe not json"],
+        lambda: [header(op=protocol.DONE.code, count=0)],
+        lambda: [struct.pack("<Q", rng.getrandbits(64)) * 5, UPDATE, valid],
     ]
     return [rng.choice(kinds)() for _ in range(1000)]
 
@@ -244,7 +254,7 @@ def _hostile_messages(layout: Layout, rng: random.Random) -> list[list[bytes]]:
 def test_hostile_frames_never_update_and_the_shard_keeps_serving(two_shards: LiveShards) -> None:
     layout = two_shards.layout
     shard = two_shards.shards[0]
-    before = shard.params.copy()
+    before = two_shards.params(0).copy()
     context = zmq.Context.instance()
     attacker = context.socket(zmq.DEALER)
     attacker.setsockopt(zmq.LINGER, 0)
@@ -261,7 +271,7 @@ def test_hostile_frames_never_update_and_the_shard_keeps_serving(two_shards: Liv
     out = np.empty(layout.total, dtype=np.float32)
     pulled = two_shards.group().pull(out)
     assert pulled[0].header.step == 0, "a hostile message was applied as an update"
-    np.testing.assert_array_equal(shard.params, before)
+    np.testing.assert_array_equal(two_shards.params(0), before)
     np.testing.assert_array_equal(out[: layout.size(0)], before)
     assert shard.metrics.rejected._value.get() == len(messages)  # every one refused...
     assert 0 < replies < len(messages)  # ...with an error reply, or dropped when unparseable
@@ -274,7 +284,7 @@ def test_done_reaches_every_peer_and_survives_a_restart(tmp_path: Path, two_shar
     out = np.empty(two_shards.layout.total, dtype=np.float32)
     assert all(r.done for r in group.pull(out))
     assert all(r.done for r in group.hello())
-    assert json.loads(group.hello()[0].text)["reason"] == "MaxStepsReached"
+    assert group.stats()[0]["finished"]["reason"] == "MaxStepsReached"
     two_shards.stop()
     again = start_shards(tmp_path, two_shards.layout, np.zeros(two_shards.layout.total, np.float32))
     try:
@@ -288,7 +298,7 @@ def test_a_restarted_shard_continues_from_its_checkpoint(tmp_path: Path, two_sha
     layout, group = two_shards.layout, two_shards.group()
     for _ in range(5):
         group.push(np.full(layout.total, 0.1, dtype=np.float32), steps=[0, 0], examples=4, loss=0.5)
-    trained = np.concatenate([s.params.copy() for s in two_shards.shards])
+    trained = np.concatenate([two_shards.params(i).copy() for i in range(2)])
     two_shards.stop()  # writes the final checkpoint
     again = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), learning_rate=0.5)
     try:

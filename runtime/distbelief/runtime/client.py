@@ -1,53 +1,43 @@
-"""The replica's side of the wire: one DEALER socket per shard, requests sent to every
-shard at once and then collected, with timeouts, reconnects and retries.
+"""The replica's (and the chief's, and the coordinator's) view of a job's shards.
 
-A request lost with its connection (the shard restarted, or the link broke) is sent
-again as soon as ZeroMQ reports the disconnect, on a fresh socket, rather than after the
-request timeout: a restarted shard costs the replicas its restart time, not 10 s. The
-fresh socket drops any copy still queued on the old one; a shard acts on a resent
-command once (Shard keeps each peer's last command and its reply).
+    group.request(op, ...)   one request to every shard at once, the replies collected
+    hello, stats, done       the core's ops
+    pull, push, push_and_pull    the dense slices (dense.py): each shard gets its slice
+                                 of a flat vector; pulls land straight in the caller's array
 
-ZeroMQ errors and silences are translated here into ShardUnavailable / ShardRefused /
-LayoutMismatch; callers never see zmq. Parameter payloads are received straight into
-the caller's array (recv_into: one copy out of libzmq's buffer, no array allocated per
-pull); pushes send views of the caller's gradient without copying them.
+The sockets, timeouts and resends are the transport's (transport.exchange under one
+RetryPolicy); this module builds the frames of each op and reads the replies, turning
+error replies into errors by their code: LayoutMismatch for another layout, ShardRefused
+for the rest. A shard acts on a resent command once (the shard core keeps each peer's
+last command and its reply).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import random
 import threading
-import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from distbelief.runtime import errors, protocol
+from distbelief.runtime import dense, errors, protocol, transport
 from distbelief.runtime.layout import Layout
-from distbelief.runtime.protocol import Header, Op, Status
-
-log = logging.getLogger(__name__)
-
-STOP_POLL_SECONDS = 0.25  # how often a waiting round looks at its stop event
+from distbelief.runtime.protocol import ErrorCode, Header, OpSpec, Status
 
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
     header: Header
-    payload: bytes = b""   # a small reply payload (text or a fixed struct), never parameters
-
-    @property
-    def text(self) -> str:
-        return self.payload.decode("utf-8", errors="replace")
+    meta: Any = None   # the op's reply payload, decoded
 
     @property
     def done(self) -> bool:
         return self.header.status == Status.DONE
+
+    @property
+    def step(self) -> int:
+        return self.header.step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,243 +45,137 @@ class Timeouts:
     request: float = 10.0        # one attempt
     unavailable: float = 300.0   # give up on a shard after this long without an answer
 
-
-class Connection:
-    """One DEALER socket to one shard, recreated after a silence or a disconnect (which
-    drops stale replies and requests still queued). With watch, a monitor reports
-    disconnects; it must then be read (disconnected()), or its queue fills and stalls
-    the context's I/O thread."""
-
-    def __init__(self, context: zmq.Context, address: str, shard: int, security: dict | None, *,
-                 watch: bool = True) -> None:
-        self.context, self.address, self.shard, self.security = context, address, shard, security
-        self.watch = watch
-        self.socket, self.monitor = self._connect()
-
-    def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
-        socket, monitor = self.context.socket(zmq.DEALER), None
-        try:
-            socket.setsockopt(zmq.LINGER, 0)
-            for option, value in (self.security or {}).items():
-                socket.setsockopt(option, value)
-            if self.watch:
-                monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-            socket.connect(self.address)
-        except zmq.ZMQError:
-            if monitor is not None:
-                monitor.close(linger=0)
-            socket.close(linger=0)
-            raise
-        self.handshaken = False
-        return socket, monitor
-
-    def disconnected(self) -> bool:
-        """Whether a connection that had completed its handshake broke since the last call.
-        (A refused handshake ends in a disconnect too; that one lost no request.)"""
-        broke = False
-        while self.monitor is not None and self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshaken = True
-            elif self.handshaken:
-                self.handshaken, broke = False, True
-        return broke
-
-    def reconnect(self) -> None:
-        self.close()
-        self.socket, self.monitor = self._connect()
-
-    def close(self) -> None:
-        if self.socket.closed:
-            return
-        if self.monitor is not None:
-            self.socket.disable_monitor()
-            self.monitor.close(linger=0)
-        self.socket.close(linger=0)
+    def policy(self) -> transport.RetryPolicy:
+        return transport.RetryPolicy(attempt=self.request, give_up=self.unavailable)
 
 
 class ShardGroup:
     """All shards of one job, as seen by one replica (or by the chief)."""
 
     def __init__(self, addresses: Sequence[str], layout: Layout, *, worker_id: int | None = None,
-                 timeouts: Timeouts = Timeouts(), context: zmq.Context | None = None,
+                 timeouts: Timeouts = Timeouts(), transport_: transport.Transport | None = None,
                  security: dict | None = None, stop: threading.Event | None = None) -> None:
         """security: the job keys' client socket options (keys.JobKeys.client_options)."""
         if len(addresses) != layout.shards:
             raise errors.ConfigError(f"{len(addresses)} shard addresses for {layout.shards} shards")
         self.layout = layout
+        self.addresses = list(addresses)
         self.worker_id = worker_id if worker_id is not None else random.getrandbits(32)
-        self.timeouts = timeouts
-        self.stop = stop or threading.Event()  # set: a waiting round gives up (Stopped)
-        self._context = context or zmq.Context.instance()
-        self._connections = [Connection(self._context, a, i, security) for i, a in enumerate(addresses)]
+        self.policy = timeouts.policy()
+        self.stop = stop or threading.Event()  # set: a waiting request gives up (Stopped)
+        self._transport = transport_ or transport.default()
+        self._links = [self._transport.link(a, security) for a in addresses]
         self._seq = 0
         self.bytes_in = 0
         self.bytes_out = 0
         self.retries = 0
 
     def close(self) -> None:
-        for connection in self._connections:
-            connection.close()
+        for link in self._links:
+            link.close()
 
-    # -- the ops ---------------------------------------------------------------------
+    # -- the core's ops ----------------------------------------------------------------------
 
     def hello(self) -> list[Reply]:
-        return self._round(Op.HELLO)
+        return self.request(protocol.HELLO)
 
     def stats(self) -> list[dict]:
-        return [json.loads(r.text or "{}") for r in self._round(Op.STATS)]
+        return [r.meta.value if r.meta else {} for r in self.request(protocol.STATS)]
+
+    def done(self, reason: str, outcome: str) -> list[Reply]:
+        return self.request(protocol.DONE, meta=protocol.JsonObject({"reason": reason, "outcome": outcome}))
+
+    # -- dense slices --------------------------------------------------------------------------
 
     def pull(self, out: np.ndarray) -> list[Reply]:
         """Fill out (the full flat vector) with every shard's slice; the replies carry steps."""
-        return self._round(Op.PULL, receive_into=out)
+        return self.request(dense.PULL, receive_into=out)
 
     def push(self, grad: np.ndarray, *, steps: Sequence[int], examples: int, loss: float) -> list[Reply]:
         """Send each shard its slice of grad; steps[i] is the step pulled from shard i."""
-        return self._round(Op.PUSH, payload=grad, steps=steps, examples=examples, loss=loss)
+        return self.request(dense.PUSH, array=grad, steps=steps, meta=dense.Update(examples=examples, loss=loss))
 
     def push_and_pull(self, grad: np.ndarray, out: np.ndarray, *, steps: Sequence[int], examples: int,
                       loss: float) -> list[Reply]:
         """push, then fill out with the parameters that include it: one round trip, not two."""
-        return self._round(Op.PUSH_PULL, payload=grad, receive_into=out, steps=steps, examples=examples, loss=loss)
+        return self.request(dense.PUSH_PULL, array=grad, receive_into=out, steps=steps,
+                            meta=dense.Update(examples=examples, loss=loss))
 
-    def done(self, reason: str, outcome: str) -> list[Reply]:
-        text = json.dumps({"reason": reason, "outcome": outcome})
-        return self._round(Op.DONE, data=text.encode())
+    # -- one request to every shard at once ------------------------------------------------------
 
-    # -- Sandblaster: the coordinator's commands and the replicas' work units ----------
-
-    def begin_evaluation(self, evaluation: int, units: int) -> list[Reply]:
-        return self._round(Op.BEGIN_EVAL, step=evaluation, count=units)
-
-    def pull_point(self, out: np.ndarray) -> list[Reply]:
-        """Fill out with the trial point; each reply's step is that shard's evaluation id."""
-        return self._round(Op.PULL_POINT, receive_into=out)
-
-    def accumulate(self, grad: np.ndarray, *, evaluation: int, unit: int) -> list[Reply]:
-        return self._round(Op.ACCUMULATE, payload=grad, step=evaluation, examples=unit)
-
-    def vector(self, command: protocol.VectorCommand) -> list[Reply]:
-        return self._round(Op.VECTOR, data=command.pack())
-
-    def commit(self, iteration: int, state: dict) -> list[Reply]:
-        return self._round(Op.COMMIT, step=iteration, data=json.dumps(state).encode())
-
-    def rollback(self, iteration: int) -> list[Reply]:
-        return self._round(Op.ROLLBACK, step=iteration)
-
-    def sandblaster_state(self) -> list[Reply]:
-        return self._round(Op.STATE)
-
-    # -- one request to every shard at once -------------------------------------------
-
-    def _round(self, op: Op, *, payload: np.ndarray | None = None, receive_into: np.ndarray | None = None,
-               steps: Sequence[int] | None = None, step: int = 0, count: int = 0, examples: int = 0,
-               loss: float = 0.0, data: bytes | None = None) -> list[Reply]:
-        """payload: a flat vector each shard gets its slice of; data: bytes every shard gets."""
+    def request(self, op: OpSpec, *, meta: protocol.Payload | Sequence[protocol.Payload] | None = None,
+                array: np.ndarray | None = None, receive_into: np.ndarray | None = None,
+                steps: Sequence[int] | None = None) -> list[Reply]:
+        """array: a flat vector each shard gets its slice of; receive_into: one the replies'
+        slices fill; meta: one payload for every shard, or one per shard."""
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        targets = list(range(self.layout.shards))
-        headers = {i: Header(op=op, shard=i, layout=self.layout.hash, seq=self._seq, worker=self.worker_id,
-                             step=steps[i] if steps else step, examples=examples, loss=loss,
-                             count=self.layout.size(i) if payload is not None else count)
-                   for i in targets}
-        bodies = {i: self._body(i, payload, data) for i in targets}
-        for i in targets:
-            self._connections[i].disconnected()  # a break before this request cost it nothing
-            self._send(i, headers[i], bodies[i])
+        shards = range(self.layout.shards)
+        headers = [Header(op=op.code, shard=i, layout=self.layout.hash, seq=self._seq, worker=self.worker_id,
+                          step=steps[i] if steps else 0, count=self.layout.size(i) if array is not None else 0)
+                   for i in shards]
+        metas = list(meta) if isinstance(meta, Sequence) else [meta] * self.layout.shards
+        requests = [[h.pack(), *self._body(i, metas[i], array)] for i, h in enumerate(headers)]
+        exchange = transport.Exchange(self._links, requests, self.policy,
+                                      names=[f"shard {i} at {a}" for i, a in enumerate(self.addresses)])
         replies: dict[int, Reply] = {}
-        pending = set(targets)
-        resent: set[int] = set()  # resent to on a disconnect in this attempt: once each, then the timeout
-        started = {i: time.monotonic() for i in targets}
-        attempt_deadline = time.monotonic() + self.timeouts.request
-        while pending:
-            poller = zmq.Poller()
-            for i in pending:
-                poller.register(self._connections[i].socket, zmq.POLLIN)
-                if self._connections[i].monitor is not None:
-                    poller.register(self._connections[i].monitor, zmq.POLLIN)
-            if self.stop.is_set():
-                raise errors.Stopped("stopped while waiting for the shards")
-            timeout_ms = min(STOP_POLL_SECONDS, max(0.0, attempt_deadline - time.monotonic())) * 1000
-            ready = dict(poller.poll(timeout_ms))
-            for i in list(pending):
-                connection = self._connections[i]
-                if connection.socket in ready:  # a reply that beat the disconnect counts
-                    reply = self._receive(i, headers[i], receive_into)
-                    if reply is not None:
-                        replies[i] = reply
-                        pending.discard(i)
-                        continue
-                if connection.monitor in ready and connection.disconnected() and i not in resent:
-                    resent.add(i)
-                    log.warning("event=shard_disconnected shard=%d address=%s action=resend", i, connection.address)
-                    self._resend(i, headers[i], bodies[i])
-            if pending and time.monotonic() >= attempt_deadline:
-                for i in pending:
-                    self._retry(i, headers[i], bodies[i], started[i])
-                attempt_deadline = time.monotonic() + self.timeouts.request
-                resent.clear()
-        return [replies[i] for i in targets]
 
-    def _body(self, shard: int, payload: np.ndarray | None, data: bytes | None) -> list:
-        if payload is not None:
-            start, stop = self.layout.bounds(shard)
-            return [memoryview(payload[start:stop])]
-        return [data] if data is not None else []
+        def accept(i: int, received: transport.Received) -> bool:
+            self.bytes_in += received.nbytes
+            reply = self._read(i, op, headers[i], received, receive_into)
+            if reply is not None:
+                replies[i] = reply
+            return reply is not None
 
-    def _send(self, shard: int, header: Header, body: list) -> None:
-        frames = [header.pack(), *body]
+        def sink(i: int) -> transport.Sink | None:
+            return None if receive_into is None else self._sink(i, op, headers[i], receive_into)
+
         try:
-            self._connections[shard].socket.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return  # the queue to this shard is full: the round's timeout retries it
-        self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+            transport.exchange(self._transport, exchange, accept=accept, stop=self.stop, sink=sink)
+        finally:
+            self.bytes_out += exchange.bytes_out
+            self.retries += exchange.resends
+        return [replies[i] for i in shards]
 
-    def _resend(self, shard: int, header: Header, body: list) -> None:
-        """The request again, on a fresh connection (stale replies and queued copies dropped)."""
-        self.retries += 1
-        self._connections[shard].reconnect()
-        self._send(shard, header, body)
+    def _body(self, shard: int, meta: protocol.Payload | None, array: np.ndarray | None) -> list:
+        body: list = [meta.pack()] if meta is not None else []
+        if array is not None:
+            start, stop = self.layout.bounds(shard)
+            body.append(memoryview(array[start:stop]))
+        return body
 
-    def _retry(self, shard: int, header: Header, body: list, started: float) -> None:
-        connection = self._connections[shard]
-        waited = time.monotonic() - started
-        if waited >= self.timeouts.unavailable:
-            raise errors.ShardUnavailable(
-                f"shard {shard} at {connection.address} has not answered for {waited:.0f} s")
-        log.warning("event=shard_silent shard=%d address=%s waited_s=%.1f action=reconnect",
-                    shard, connection.address, waited)
-        self._resend(shard, header, body)
+    def _sink(self, shard: int, op: OpSpec, request: Header, out: np.ndarray) -> transport.Sink:
+        array_frame = 1 if op.reply is not None else 0  # the reply's meta, if any, comes first
 
-    def _receive(self, shard: int, request: Header, receive_into: np.ndarray | None) -> Reply | None:
-        """Read one reply from a shard; None if it was a stale one (an old seq)."""
-        socket = self._connections[shard].socket
-        header = protocol.unpack_header(socket.recv())
-        self.bytes_in += protocol.HEADER.size
-        more = socket.getsockopt(zmq.RCVMORE)
+        def where(frame: memoryview, index: int) -> np.ndarray | None:
+            if index != array_frame:
+                return None
+            header = protocol.unpack_header(frame)
+            if header.seq != request.seq or header.status != Status.OK:
+                return None  # a stale reply, or an error's text: not parameters
+            start, stop = self.layout.bounds(shard)
+            return out[start:stop]
+        return where
+
+    def _read(self, shard: int, op: OpSpec, request: Header, received: transport.Received,
+              receive_into: np.ndarray | None) -> Reply | None:
+        """The reply of one shard; None if it was a stale one (an earlier seq)."""
+        header = protocol.unpack_header(received.header)
         if header.seq != request.seq or header.shard != shard:
-            if more:
-                socket.recv(copy=False)
             return None
-        data = b""
-        if more and header.status == Status.OK and receive_into is not None:
-            self._receive_slice(socket, shard, header, receive_into)
-        elif more:
-            data = protocol.small_payload(socket.recv(copy=False).buffer)
-            self.bytes_in += len(data)
-        reply = Reply(header=header, payload=data)
+        address = self.addresses[shard]
         if header.status == Status.ERROR:
-            address = self._connections[shard].address
-            if "layout" in reply.text:
-                raise errors.LayoutMismatch(f"shard {shard} at {address} refused us: {reply.text}")
-            raise errors.ShardRefused(f"shard {shard} at {address} refused {Op(request.op).name}: {reply.text}")
-        return reply
-
-    def _receive_slice(self, socket: zmq.Socket, shard: int, header: Header, out: np.ndarray) -> None:
-        start, stop = self.layout.bounds(shard)
-        target = out[start:stop]
-        nbytes = socket.recv_into(target)
-        self.bytes_in += nbytes
-        if header.count != stop - start or nbytes != target.nbytes:
-            raise errors.ProtocolError(
-                f"shard {shard} sent {nbytes} bytes, expected {target.nbytes}")
+            text = protocol.decode_text(received.frames[0]) if received.frames else ""
+            if header.error == ErrorCode.LAYOUT:
+                raise errors.LayoutMismatch(f"shard {shard} at {address} refused us: {text}")
+            raise errors.ShardRefused(f"shard {shard} at {address} refused {op.name}: {text}")
+        if header.status != Status.OK:
+            return Reply(header=header)
+        if op.reply_array and receive_into is not None:
+            expected = self.layout.size(shard) * protocol.DTYPE.itemsize
+            if header.count != self.layout.size(shard) or received.into_sink != expected:
+                raise errors.ProtocolError(f"shard {shard} sent {received.into_sink} bytes, expected {expected}")
+        if op.reply is None:
+            return Reply(header=header)
+        if not received.frames:
+            raise errors.ProtocolError(f"shard {shard} at {address} answered {op.name} without its payload")
+        return Reply(header=header, meta=op.reply.unpack(received.frames[0]))

@@ -2,7 +2,11 @@
 
     RuntimeFailure
     ├── ProtocolError        a message that breaks the wire protocol (bad header, size, op)
-    │   └── LayoutMismatch   a peer that partitions the model differently
+    │   ├── LayoutMismatch   a peer that partitions the model differently
+    │   ├── WrongShard       a request addressed to another shard
+    │   ├── NotServed        an op the shard's algorithm does not serve
+    │   ├── Refused          well formed, but not applied (a non-finite gradient)
+    │   └── StateConflict    what the shard's state cannot take (a rollback it cannot do)
     ├── ShardUnavailable     a shard that did not answer in time
     ├── ShardRefused         a shard that answered with an error
     ├── Stopped              the role was asked to stop while it waited
@@ -10,8 +14,9 @@
     │   └── CorruptCheckpoint  a checkpoint that cannot be trusted on read
     └── ConfigError          a resolved config or data source the roles cannot use
 
-ZeroMQ's own errors are translated into these inside the transport (client.py and
-shard.py); nothing above them sees a zmq exception.
+ZeroMQ's own errors are translated into these inside transport.py; nothing above it
+sees a zmq exception. A shard's ProtocolError travels back as an error reply whose code
+(protocol.ErrorCode) names its kind.
 """
 
 from __future__ import annotations
@@ -26,6 +31,22 @@ class ProtocolError(RuntimeFailure):
 
 
 class LayoutMismatch(ProtocolError):
+    pass
+
+
+class WrongShard(ProtocolError):
+    pass
+
+
+class NotServed(ProtocolError):
+    pass
+
+
+class Refused(ProtocolError):
+    pass
+
+
+class StateConflict(ProtocolError):
     pass
 
 

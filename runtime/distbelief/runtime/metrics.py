@@ -15,7 +15,6 @@ from typing import Callable
 import prometheus_client as prom
 
 from distbelief.runtime import contract
-from distbelief.runtime.protocol import Op
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +46,19 @@ class ShardMetrics:
         self.staleness = prom.Histogram(
             "distbelief_staleness_updates", "Updates applied between a replica's pull and its push",
             list(labels), buckets=STALENESS_BUCKETS, registry=registry).labels(**labels)
-        request_seconds = prom.Histogram(
+        self._shard = str(shard)
+        self._request_seconds = prom.Histogram(
             "distbelief_shard_request_seconds", "Time a shard spends on one request",
             ["shard", "op"], buckets=LATENCY_BUCKETS, registry=registry)
-        # One child per op, made once: a label lookup per request would sit in the hot path.
-        self.handle_seconds = {op: request_seconds.labels(shard=str(shard), op=op.name) for op in Op}
+        self._by_op: dict[str, prom.Histogram] = {}
+
+    def request_seconds(self, op: str) -> prom.Histogram:
+        # One child per op, made on its first request: a label lookup per request would
+        # sit in the hot path.
+        child = self._by_op.get(op)
+        if child is None:
+            child = self._by_op[op] = self._request_seconds.labels(shard=self._shard, op=op)
+        return child
 
 
 class ChiefMetrics:

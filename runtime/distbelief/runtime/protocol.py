@@ -1,74 +1,164 @@
-"""The wire protocol between replicas, the chief and the parameter shards.
+"""The wire protocol between replicas, the chief, the coordinator and the parameter shards.
 
-A message is one fixed-size header frame, optionally followed by one payload frame:
+A message is a fixed header frame, then the op's own frames:
 
-    header   48 bytes, little-endian (see HEADER)
-    payload  raw float32 values (pull replies, pushes) or UTF-8 text (errors, stats, done)
+    header   40 bytes, little-endian (HEADER): magic, version, op, status, error code,
+             shard, seq, worker, layout hash, step, count
+    meta     the op's payload struct (a fixed-size Payload, or a bounded JSON object)
+    array    raw float32 values, `count` of them (parameters, gradients)
 
-The header carries the protocol version, the op, a reply status, the shard index, a
-request sequence number, the sender's worker id, the model layout hash, a step, the
-number of float32 values in the payload, and for pushes the examples and mean loss the
-gradient stands for. Everything a peer sends is checked here before a shard acts on it;
-nothing is ever unpickled.
+Which frames an op carries, in its request and in its reply, is its OpSpec; the module
+that owns an op defines it (`define`), so an algorithm adds ops without touching this
+file. Header fields mean one thing for every op: `step` is the shard's step in a reply
+and the step a request was computed from; `count` is the length of the array frame.
+A reply with status ERROR carries an ErrorCode and one text frame; DONE and WAIT carry
+nothing. Everything a peer sends is checked here before a shard acts on it; nothing is
+ever unpickled.
 
-Sandblaster L-BFGS adds ops whose small fixed payloads are the structs below
-(VectorCommand, VectorResult, WorkUnit, UnitResult). Their header fields:
-
-    BEGIN_EVAL   step = evaluation id, count = work units in it
-    PULL_POINT   reply: step = the shard's current evaluation id; payload = the trial point
-    ACCUMULATE   step = evaluation id, examples = unit index; payload = the unit's gradient;
-                 reply: count = 1 if added, 0 if dropped (a duplicate or a stale evaluation)
-    VECTOR       payload = VectorCommand; reply payload = VectorResult
-    COMMIT       step = L-BFGS iteration; payload = the coordinator's state (JSON text)
-    ROLLBACK     step = the committed iteration to go back to
-    STATE        reply payload = JSON text (iteration, incarnation, checkpoints held, ...)
-    WORK         replica -> coordinator; payload = UnitResult of the last unit, if any;
-                 reply: OK + WorkUnit, WAIT, or DONE
+A peer of protocol version 1 gets one error reply in its own header format, naming both
+versions, rather than silence.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import struct
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
 from distbelief.runtime import errors
 
 MAGIC = b"DB"
-VERSION = 1
+VERSION = 2
 DTYPE = np.dtype("<f4")
-HEADER = struct.Struct("<2sBBBxHIIQQQIf")
-# Text payloads (errors, stats, done reasons) are small; refuse anything bigger.
+HEADER = struct.Struct("<2sBBBBHIIQQQ")
+# Text and struct payloads (errors, stats, done reasons, coordinator state) are small.
 MAX_TEXT_BYTES = 64 * 1024
-
-
-class Op(enum.IntEnum):
-    """The op table. New ops (the coordinator's vector ops) are added here."""
-
-    HELLO = 1   # -> shard size, step; warm-start admission from shard 0
-    PULL = 2    # -> the shard's parameters
-    PUSH = 3    # gradient in; -> new step
-    STATS = 4   # -> JSON text with the shard's figures
-    DONE = 5    # the chief ends the job; payload: the reason
-    BEGIN_EVAL = 6   # Sandblaster: start accumulating a new evaluation of the trial point
-    PULL_POINT = 7   # -> the trial point the current evaluation is at
-    ACCUMULATE = 8   # one work unit's gradient in, added once per unit
-    VECTOR = 9       # one vector op on the shard's slice; -> a scalar
-    COMMIT = 10      # end of an L-BFGS iteration: checkpoint it with the coordinator's state
-    ROLLBACK = 11    # reload a committed iteration from the shard's checkpoint
-    STATE = 12       # -> the shard's Sandblaster state as JSON
-    WORK = 13        # replica <-> coordinator: a result in, the next work unit out
-    PUSH_PULL = 14   # gradient in; -> the parameters with it applied (a push and the next pull
-                     # in one round trip, when a replica fetches right after it pushes)
+# Version 1's header, only to tell its peers in their own format that they are too old.
+V1_HEADER = struct.Struct("<2sBBBxHIIQQQIf")
+V1_ERROR = 3
 
 
 class Status(enum.IntEnum):
     OK = 0
     DONE = 1    # the job has finished: the peer should stop
-    WAIT = 2    # warm-start: another replica trains alone for now
-    ERROR = 3   # payload: UTF-8 message
+    WAIT = 2    # warm-start: another replica trains alone for now; no work unit yet
+    ERROR = 3   # header.error says which; one text frame says why
+
+
+class ErrorCode(enum.IntEnum):
+    NONE = 0
+    MALFORMED = 1    # a message that breaks the protocol (frames, sizes, values)
+    WRONG_SHARD = 2  # addressed to another shard
+    LAYOUT = 3       # the peer partitions another model, or over another shard count
+    NOT_SERVED = 4   # an op this shard's algorithm does not serve
+    REFUSED = 5      # well formed, but not applied (a non-finite gradient)
+    STATE = 6        # the shard's state cannot take it (a rollback to an iteration it lacks)
+
+
+# -- payloads ------------------------------------------------------------------------------
+
+
+class Payload:
+    """A fixed-size struct payload; subclasses are frozen dataclasses with FORMAT and check()."""
+
+    FORMAT: ClassVar[struct.Struct]
+
+    def pack(self) -> bytes:
+        return self.FORMAT.pack(*dataclasses.astuple(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def unpack(cls, frame: bytes | memoryview) -> Self:
+        if len(frame) != cls.FORMAT.size:
+            raise errors.ProtocolError(f"{cls.__name__} is {len(frame)} bytes, expected {cls.FORMAT.size}")
+        payload = cls(*cls.FORMAT.unpack(frame))
+        payload.check()
+        return payload
+
+    def check(self) -> None:
+        """Raise ProtocolError for values no honest peer sends."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonObject(Payload):
+    """A JSON object of at most MAX_TEXT_BYTES (stats, a done reason, coordinator state)."""
+
+    value: dict[str, Any]
+
+    def pack(self) -> bytes:
+        return json.dumps(self.value).encode()
+
+    @classmethod
+    def unpack(cls, frame: bytes | memoryview) -> Self:
+        try:
+            value = json.loads(small_payload(frame).decode("utf-8"))
+        except ValueError as exc:
+            raise errors.ProtocolError(f"unreadable JSON payload: {exc}") from exc
+        if not isinstance(value, dict):
+            raise errors.ProtocolError("a JSON payload must be an object")
+        return cls(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo(Payload):
+    """HELLO's answer: the size of the shard's dense slice."""
+
+    size: int
+    FORMAT = struct.Struct("<Q")
+
+
+# -- ops -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """What an op's request and reply carry, and how a shard must treat it.
+
+    command: it changes the shard's state, so a resend (same peer, worker, seq) gets the
+    first reply and is not applied twice."""
+
+    code: int
+    name: str
+    request: type[Payload] | None = None
+    reply: type[Payload] | None = None
+    request_array: bool = False
+    reply_array: bool = False
+    optional_request: bool = False
+    command: bool = False
+
+    def __int__(self) -> int:
+        return self.code
+
+
+OPS: dict[int, OpSpec] = {}
+
+
+def define(spec: OpSpec) -> OpSpec:
+    """Register an op; its code must be new."""
+    if spec.code in OPS and OPS[spec.code] != spec:
+        raise ValueError(f"op code {spec.code} is taken by {OPS[spec.code].name}")
+    if spec.optional_request and spec.request_array:
+        raise ValueError(f"op {spec.name}: an optional payload cannot precede an array")
+    OPS[spec.code] = spec
+    return spec
+
+
+HELLO = define(OpSpec(1, "HELLO", reply=ShardInfo))           # join: layout check, warm-start admission
+STATS = define(OpSpec(4, "STATS", reply=JsonObject))          # the shard's figures
+DONE = define(OpSpec(5, "DONE", request=JsonObject, command=True))  # the chief ends the job
+
+
+def spec_of(code: int) -> OpSpec:
+    try:
+        return OPS[code]
+    except KeyError:
+        raise errors.ProtocolError(f"unknown op {code}") from None
+
+
+# -- the header ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,152 +167,108 @@ class Header:
     shard: int
     layout: int
     status: int = Status.OK
+    error: int = ErrorCode.NONE
     seq: int = 0
     worker: int = 0
     step: int = 0
     count: int = 0
-    examples: int = 0
-    loss: float = 0.0
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, VERSION, self.op, self.status, self.shard, self.seq,
-                           self.worker, self.layout, self.step, self.count, self.examples,
-                           self.loss)
+        return HEADER.pack(MAGIC, VERSION, self.op, self.status, self.error, self.shard, self.seq,
+                           self.worker, self.layout, self.step, self.count)
 
-    def reply(self, *, status: int = Status.OK, step: int = 0, count: int = 0) -> "Header":
-        """The header of the answer to this request: same op, shard, seq and layout."""
-        return dataclasses.replace(self, status=status, step=step, count=count,
-                                   examples=0, loss=0.0)
+    def reply(self, *, status: int = Status.OK, step: int = 0, count: int = 0,
+              error: int = ErrorCode.NONE) -> "Header":
+        """The header of the answer to this request: same op, shard, seq, worker and layout."""
+        return dataclasses.replace(self, status=status, step=step, count=count, error=error)
 
 
 def unpack_header(frame: bytes | memoryview) -> Header:
     """Parse and check a header frame; ProtocolError says what is wrong with it."""
+    if len(frame) >= 3 and bytes(frame[:2]) == MAGIC and frame[2] != VERSION:
+        raise errors.ProtocolError(f"the peer speaks protocol version {frame[2]}, this one speaks {VERSION}")
     if len(frame) != HEADER.size:
         raise errors.ProtocolError(f"header is {len(frame)} bytes, expected {HEADER.size}")
-    (magic, version, op, status, shard, seq, worker, layout, step, count, examples,
-     loss) = HEADER.unpack(frame)
+    (magic, _, op, status, error, shard, seq, worker, layout, step, count) = HEADER.unpack(frame)
     if magic != MAGIC:
         raise errors.ProtocolError(f"bad magic {magic!r}")
-    if version != VERSION:
-        raise errors.ProtocolError(f"protocol version {version}, this peer speaks {VERSION}")
-    if op not in Op._value2member_map_:
-        raise errors.ProtocolError(f"unknown op {op}")
+    spec_of(op)
     if status not in Status._value2member_map_:
         raise errors.ProtocolError(f"unknown status {status}")
-    if not np.isfinite(loss):
-        raise errors.ProtocolError("loss is not a finite number")
-    return Header(op=op, status=status, shard=shard, seq=seq, worker=worker, layout=layout,
-                  step=step, count=count, examples=examples, loss=loss)
+    if error not in ErrorCode._value2member_map_:
+        raise errors.ProtocolError(f"unknown error code {error}")
+    return Header(op=op, status=status, error=error, shard=shard, seq=seq, worker=worker, layout=layout,
+                  step=step, count=count)
 
 
-class VectorCode(enum.IntEnum):
-    """What a VECTOR command does with the shard's named vectors (out, a, b are slots)."""
-
-    ZERO = 1    # out = 0
-    COPY = 2    # out = a
-    SCALE = 3   # out *= scalar
-    AXPY = 4    # out += scalar * a
-    DOT = 5     # -> a . b (this shard's part of it)
+def old_version_refusal(frame: bytes | memoryview) -> bytes | None:
+    """For a version-1 request, the error header a version-1 peer can read; else None."""
+    if len(frame) != V1_HEADER.size or bytes(frame[:2]) != MAGIC or frame[2] != 1:
+        return None
+    (_, _, op, _, shard, seq, worker, layout, *_) = V1_HEADER.unpack(frame)
+    return V1_HEADER.pack(MAGIC, 1, op, V1_ERROR, shard, seq, worker, layout, 0, 0, 0, 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class VectorCommand:
-    code: int
-    out: int = 0
-    a: int = 0
-    b: int = 0
-    scalar: float = 0.0
+def version_refusal_text() -> bytes:
+    return f"this shard speaks protocol version {VERSION}, the peer speaks 1: upgrade the peer's image".encode()
 
-    STRUCT = struct.Struct("<BBBBxxxxd")
 
-    def pack(self) -> bytes:
-        return self.STRUCT.pack(self.code, self.out, self.a, self.b, self.scalar)
-
-    @classmethod
-    def unpack(cls, frame: memoryview | bytes, slots: int) -> "VectorCommand":
-        """Parse and check a command against the number of vector slots the shard has."""
-        code, out, a, b, scalar = _unpack(cls.STRUCT, frame, "vector command")
-        if code not in VectorCode._value2member_map_:
-            raise errors.ProtocolError(f"unknown vector op {code}")
-        for name, slot in (("out", out), ("a", a), ("b", b)):
-            if slot >= slots:
-                raise errors.ProtocolError(f"vector slot {name}={slot} out of range (the shard has {slots})")
-        if not np.isfinite(scalar):
-            raise errors.ProtocolError("vector op scalar is not a finite number")
-        return cls(code=code, out=out, a=a, b=b, scalar=scalar)
+# -- whole messages --------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class VectorResult:
-    value: float      # the dot product (0 for other ops)
-    units: int        # work units accumulated in the shard's current evaluation
-    incarnation: int  # changes when the shard process restarts
+class Message:
+    """A parsed request (or reply): its header, its op's payload, its float32 array."""
 
-    STRUCT = struct.Struct("<dQQ")
-
-    def pack(self) -> bytes:
-        return self.STRUCT.pack(self.value, self.units, self.incarnation)
-
-    @classmethod
-    def unpack(cls, frame: memoryview | bytes) -> "VectorResult":
-        value, units, incarnation = _unpack(cls.STRUCT, frame, "vector result")
-        if not np.isfinite(value):
-            raise errors.ProtocolError("vector result is not a finite number")
-        return cls(value=value, units=units, incarnation=incarnation)
+    header: Header
+    spec: OpSpec
+    meta: Any = None
+    array: np.ndarray | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkUnit:
-    """Examples [start, stop) of the training set, to evaluate at evaluation `evaluation`'s
-    point; `total` examples make up the whole batch (the gradient is weighted by share)."""
-
-    evaluation: int
-    unit: int
-    start: int
-    stop: int
-    total: int
-
-    STRUCT = struct.Struct("<QIIII")
-
-    def pack(self) -> bytes:
-        return self.STRUCT.pack(self.evaluation, self.unit, self.start, self.stop, self.total)
-
-    @classmethod
-    def unpack(cls, frame: memoryview | bytes) -> "WorkUnit":
-        evaluation, unit, start, stop, total = _unpack(cls.STRUCT, frame, "work unit")
-        if not 0 <= start < stop <= total:
-            raise errors.ProtocolError(f"work unit [{start}, {stop}) is not within a batch of {total}")
-        return cls(evaluation=evaluation, unit=unit, start=start, stop=stop, total=total)
+def parse_request(frames: list[memoryview]) -> Message:
+    """Check a request's frames against its op's spec; ProtocolError says what is wrong."""
+    header = unpack_header(frames[0])
+    if header.status != Status.OK or header.error != ErrorCode.NONE:
+        raise errors.ProtocolError("a request must have status OK and no error code")
+    spec = spec_of(header.op)
+    body = frames[1:]
+    meta_frames = 1 if spec.request is not None else 0
+    expected = meta_frames + (1 if spec.request_array else 0)
+    if spec.optional_request and len(body) == 0:
+        return Message(header=header, spec=spec)
+    if len(body) != expected:
+        raise errors.ProtocolError(f"{spec.name} carries {expected} frames after its header, got {len(body)}")
+    meta = spec.request.unpack(body[0]) if spec.request is not None else None
+    array = float_view(body[-1], header.count) if spec.request_array else None
+    if not spec.request_array and header.count:
+        raise errors.ProtocolError(f"{spec.name} carries no array, but the header declares {header.count} values")
+    return Message(header=header, spec=spec, meta=meta, array=array)
 
 
-@dataclasses.dataclass(frozen=True)
-class UnitResult:
-    """A replica's answer for one work unit: its share of the objective, or `lost` when a
-    shard no longer held the unit's evaluation (it restarted)."""
-
-    evaluation: int
-    unit: int
-    examples: int
-    loss: float
-    lost: bool = False
-
-    STRUCT = struct.Struct("<QIIdB7x")
-
-    def pack(self) -> bytes:
-        return self.STRUCT.pack(self.evaluation, self.unit, self.examples, self.loss, self.lost)
-
-    @classmethod
-    def unpack(cls, frame: memoryview | bytes) -> "UnitResult":
-        evaluation, unit, examples, loss, lost = _unpack(cls.STRUCT, frame, "unit result")
-        if not np.isfinite(loss):
-            raise errors.ProtocolError("unit result loss is not a finite number")
-        return cls(evaluation=evaluation, unit=unit, examples=examples, loss=loss, lost=bool(lost))
+def reply_frames(request: Header, *, step: int, status: int = Status.OK, meta: Payload | None = None,
+                 array: np.ndarray | None = None) -> list:
+    frames: list = [request.reply(status=status, step=step, count=0 if array is None else array.size).pack()]
+    if meta is not None:
+        frames.append(meta.pack())
+    if array is not None:
+        frames.append(memoryview(array))
+    return frames
 
 
-def _unpack(layout: struct.Struct, frame: memoryview | bytes, what: str) -> tuple:
-    if len(frame) != layout.size:
-        raise errors.ProtocolError(f"{what} is {len(frame)} bytes, expected {layout.size}")
-    return layout.unpack(frame)
+def error_frames(request: Header, code: ErrorCode, text: str, *, step: int = 0) -> list:
+    return [request.reply(status=Status.ERROR, error=code, step=step).pack(), text.encode()[:MAX_TEXT_BYTES]]
+
+
+_CODES: tuple[tuple[type, ErrorCode], ...] = (
+    (errors.LayoutMismatch, ErrorCode.LAYOUT), (errors.WrongShard, ErrorCode.WRONG_SHARD),
+    (errors.NotServed, ErrorCode.NOT_SERVED), (errors.Refused, ErrorCode.REFUSED),
+    (errors.StateConflict, ErrorCode.STATE))
+
+
+def error_code(exc: errors.ProtocolError) -> ErrorCode:
+    """The code an error reply carries for exc."""
+    return next((code for kind, code in _CODES if isinstance(exc, kind)), ErrorCode.MALFORMED)
 
 
 def float_view(frame: memoryview | bytes, count: int) -> np.ndarray:
@@ -246,6 +292,6 @@ def decode_text(frame: memoryview | bytes) -> str:
     return small_payload(frame).decode("utf-8", errors="replace")
 
 
-def max_message_bytes(slice_size: int) -> int:
-    """The largest message a shard of this size accepts (ZMQ_MAXMSGSIZE)."""
-    return HEADER.size + max(slice_size * DTYPE.itemsize, MAX_TEXT_BYTES)
+def max_frame_bytes(array_values: int) -> int:
+    """The largest frame a server of arrays this long accepts (ZMQ_MAXMSGSIZE is per frame)."""
+    return max(array_values * DTYPE.itemsize, MAX_TEXT_BYTES, HEADER.size)

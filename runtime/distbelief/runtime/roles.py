@@ -16,17 +16,12 @@ import threading
 
 import prometheus_client as prom
 
-from distbelief.runtime import contract, data, errors, keys, models
+from distbelief.runtime import algorithms, contract, data, errors, keys, models
 from distbelief.runtime.chief import Chief, StoppingRules
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, MetricsServer, ShardMetrics, WorkerMetrics
-from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
-from distbelief.runtime.sandblaster.lbfgs import LbfgsSettings
-from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
-from distbelief.runtime.sandblaster.vectors import ShardVectors
+from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
-from distbelief.runtime.worker import Worker, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -78,67 +73,49 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     stop = _stop_on_termination()
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_PS, job)
+    algorithm = algorithms.of(job)
     index = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
     training, checkpointing = job.spec["training"], job.spec["parameterServers"]["checkpoint"]
     settings = ShardSettings(
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
-        learning_rate=float(training["learningRate"]), optimizer=str(training["optimizer"]),
-        warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger,
-        security=access.server)
+        warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger, security=access.server)
     registry = prom.CollectorRegistry()
-    server = Shard(settings, job.layout, job.model.init_params(int(training["seed"])), ShardMetrics(registry, index),
-                   stop=stop)
-    vectors = ShardVectors(server, int(training["sandblaster"]["historySize"])) if job.config.sandblaster else None
+    server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
+    algorithm.attach(server, job)
     server.restore()
     metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
-    chief = _start_chief(job, server, registry, checkpoint_dir, access, vectors) if index == 0 else None
-    coordinator = None
-    if vectors is not None and index == 0:
-        coordinator = _start_coordinator(job, server, registry, f"tcp://{listen}:{coordinator_port}", access)
+    helpers: list[tuple[str, algorithms.Helper]] = []
+    if index == 0:
+        context = algorithms.ChiefContext(
+            job=job, shard=server, registry=registry, server_security=access.server,
+            group=lambda: ShardGroup(job.config.shard_addresses(), job.layout, security=access.client),
+            coordinator_bind=f"tcp://{listen}:{coordinator_port}")
+        helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm.optimiser_state(server))))
+        beside = algorithm.beside_chief(context)
+        if beside is not None:
+            helpers.append((algorithm.name, beside))
     try:
         server.serve()
     finally:
-        for helper in (coordinator, chief):
-            if helper:
-                helper.stop()
+        for _, helper in reversed(helpers):
+            helper.stop()
         metrics.stop()
-    for name, helper in (("chief", chief), ("coordinator", coordinator)):
-        if helper and helper.failure:
+    for name, helper in helpers:
+        if helper.failure:
             raise errors.RuntimeFailure(f"the {name} stopped: {helper.failure}")
     return 0
 
 
-def _start_coordinator(job: Job, server: Shard, registry: prom.CollectorRegistry, bind: str,
-                       access: Access) -> Coordinator:
+def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, optimiser_state) -> Chief:
+    job, server = ctx.job, ctx.shard
     training = job.spec["training"]
-    options = training["sandblaster"]
-    settings = CoordinatorSettings(
-        bind=bind, examples=len(job.dataset.x_train), unit_size=int(options["workUnitSize"]),
-        backups=bool(options["backupTasks"]), max_iterations=int(training["maxSteps"]),
-        lbfgs=LbfgsSettings(history=int(options["historySize"]),
-                            gradient_tolerance=float(options["gradientTolerance"])),
-        security=access.server)
-    group = ShardGroup(job.config.shard_addresses(), job.layout,
-                       security=access.client)
-    coordinator = Coordinator(settings, group, CoordinatorMetrics(registry))
-    coordinator.on_failure = server.stop
-    coordinator.on_evaluated = server.count_examples  # the job's examples/s, as Downpour's pushes feed it
-    coordinator.start()
-    return coordinator
-
-
-def _start_chief(job: Job, server: Shard, registry: prom.CollectorRegistry, output_dir: str,
-                 access: Access, vectors: ShardVectors | None) -> Chief:
-    training = job.spec["training"]
-    group = ShardGroup(job.config.shard_addresses(), job.layout,
-                       security=access.client)
-    chief = Chief(group=group, model=job.model, dataset=job.dataset,
+    chief = Chief(group=ctx.group(), model=job.model, dataset=job.dataset,
                   rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
                   max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
-                  start_time=server.start_time, metrics=ChiefMetrics(registry),
+                  start_time=server.start_time, metrics=ChiefMetrics(ctx.registry),
                   throughput=lambda: (server.examples_total, server.examples_per_second),
-                  optimiser_state=(lambda: vectors.coordinator_state) if vectors else (lambda: None))
+                  optimiser_state=optimiser_state)
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()
@@ -149,18 +126,10 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     stop = _stop_on_termination()
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_WORKER, job)
-    training = job.spec["training"]
-    settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
-                              push_every=int(training["pushEvery"]))
     registry = prom.CollectorRegistry()
-    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop,
-                       security=access.client)
-    if job.config.sandblaster:
-        link = CoordinatorLink(job.config.coordinator_address(), worker_id=group.worker_id, layout=job.layout.hash,
-                               security=access.client, stop=stop)
-        worker = Replica(group, link, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
-    else:
-        worker = Worker(settings, group, job.model, job.dataset, WorkerMetrics(registry), stop=stop)
+    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop, security=access.client)
+    worker = algorithms.of(job).replica(algorithms.ReplicaContext(
+        job=job, group=group, metrics=WorkerMetrics(registry), client_security=access.client, stop=stop))
     metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
     try:
         ended = worker.run()

@@ -1,65 +1,74 @@
-"""One parameter shard: owns a contiguous slice of the parameters, applies pushed
-gradients, serves pulls, checkpoints, and stops cleanly when the job is done.
+"""The core of one parameter shard: serving, admission, resends, completion, checkpoints.
 
-The serving loop is single-threaded: every request is handled to completion before the
-next, so an update is never half-applied when a pull or a checkpoint reads the slice.
-Requests are dispatched through an op table; every header field is checked first, and a
-message that fails a check gets an error reply (or, if it cannot even be parsed, is
-dropped) while the shard keeps serving.
+The core serves requests one at a time (an update is never half-applied when a pull or
+a checkpoint reads the state) and knows nothing of any algorithm. What a shard holds and
+which ops it answers come from its plugins (ShardPlugin): the dense slice with its
+optimizer (dense.py), Sandblaster's vectors, and whatever an algorithm adds. The core:
 
-With the job's keys (ShardSettings.security), a ZAP handler admits only peers that hold
-them (distbelief.runtime.keys: CurveZMQ, or PLAIN when the job turns encryption off);
-other peers never get past the handshake. A command (a push, a Sandblaster vector op)
-sent again with the seq of the peer's last one, because its reply was lost, gets the
-first reply again and is not applied twice. A checkpoint that cannot be written (disk
-full, folder gone) is logged as event=checkpoint_failed and tried again at the next
-interval; training goes on from memory and the checkpoints already written stay as
-they were.
+- parses and checks every request against its op's spec (protocol.parse_request); a
+  malformed one gets an error reply, or is dropped, and the shard keeps serving;
+- answers HELLO (the layout check, and the warm-start admission), STATS and DONE;
+- answers a resent command (same peer, worker and seq) with its first reply, so an
+  update is applied once however often the reply was lost;
+- writes atomic checkpoints of every plugin's state on an interval and at the end; a
+  checkpoint that cannot be written is logged and tried again at the next interval.
+
+Plugins see the core through its members: index, layout, step, finished, metrics,
+settings.checkpoint_dir, applied(), count_examples(), checkpoint_now() and load().
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
-import zmq
 
-from distbelief.runtime import checkpoint, errors, keys, protocol
+from distbelief.runtime import checkpoint, errors, keys, protocol, transport
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.optim import make_optimizer
-from distbelief.runtime.protocol import Header, Op, Status
+from distbelief.runtime.protocol import Header, Message, OpSpec, Status
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 100
+POLL_SECONDS = 0.1
 WARMSTART_LEASE_SECONDS = 10.0
 RATE_WINDOW_SECONDS = 5.0
 LOSS_EMA = 0.05
 REMEMBERED_PEERS = 4096  # peers (replicas, the coordinator) whose last command a shard remembers
-# Requests that change the shard's state. A peer resends one when the reply was lost (a
-# reconnect, a timeout); the repeat, with the same worker, seq and op, gets the first
-# reply again and does not act twice (an AXPY or a push applied twice is silently wrong).
-COMMANDS = frozenset({Op.PUSH, Op.PUSH_PULL, Op.DONE, Op.BEGIN_EVAL, Op.ACCUMULATE, Op.VECTOR, Op.COMMIT,
-                      Op.ROLLBACK})
-
-Handler = Callable[[Header, list], list]
 
 
-class Extension(Protocol):
-    """State an algorithm keeps on the shard beside its parameters (Sandblaster's vectors),
-    saved in and restored from the shard's checkpoints."""
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What a handler returns; the core adds the header (the shard's step) and sends it."""
 
-    def arrays(self) -> dict[str, np.ndarray]: ...
+    meta: protocol.Payload | None = None
+    array: np.ndarray | None = None
+    status: int = Status.OK
 
-    def meta(self) -> dict: ...
+
+Handler = Callable[[Message], Answer]
+
+
+class ShardPlugin(Protocol):
+    """An algorithm's part of a shard: the ops it serves and its state in checkpoints."""
+
+    def handlers(self) -> Mapping[OpSpec, Handler]: ...
+
+    def repeat_handlers(self) -> Mapping[OpSpec, Handler]:
+        """Commands whose reply is not kept for resends, and what a resend gets instead."""
+        ...
+
+    def array_values(self) -> int:
+        """The longest float32 array a request of this plugin carries."""
+        ...
+
+    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]: ...
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None: ...
 
@@ -71,24 +80,16 @@ class ShardSettings:
     checkpoint_dir: str
     checkpoint_every: float = 30.0
     checkpoint_keep: int = 3
-    learning_rate: float = 0.1
-    optimizer: str = "adagrad"
     warmstart_steps: int = 0
     linger_seconds: float = 60.0   # keep answering DONE this long, then exit
     security: keys.ServerSecurity | None = None  # who is admitted, when the job has keys
 
 
 class Shard:
-    def __init__(self, settings: ShardSettings, layout: Layout, initial: np.ndarray,
-                 metrics: ShardMetrics, *, context: zmq.Context | None = None,
-                 stop: threading.Event | None = None) -> None:
+    def __init__(self, settings: ShardSettings, layout: Layout, metrics: ShardMetrics, *,
+                 transport_: transport.Transport | None = None, stop: threading.Event | None = None) -> None:
         self.settings, self.layout, self.metrics = settings, layout, metrics
         self.index = settings.shard
-        first, last = layout.bounds(self.index)
-        if initial.size != layout.total:
-            raise errors.ConfigError(f"initial parameters have {initial.size} values, layout {layout.total}")
-        self.params = np.array(initial[first:last], dtype=np.float32)
-        self.optimizer = make_optimizer(settings.optimizer, self.params.size, learning_rate=settings.learning_rate)
         self.step = 0
         self.restarts = 0
         self.start_time = time.time()
@@ -96,34 +97,39 @@ class Shard:
         self.ready = threading.Event()
         self.endpoint = settings.bind  # the bound address (with the real port) once serving
         self.step_reached: Callable[[int], None] = lambda step: None
-        self._stop = stop or threading.Event()
-        self._context = context or zmq.Context.instance()
-        self._handlers: dict[int, Handler] = {
-            Op.HELLO: self._hello, Op.PULL: self._pull, Op.PUSH: self._push, Op.PUSH_PULL: self._push_pull,
-            Op.STATS: self._stats, Op.DONE: self._done,
-        }
-        self._warm_owner: tuple[int, float] | None = None
-        self._rate_window: deque[tuple[float, int]] = deque()
-        self._rate_sum = 0  # the examples in _rate_window
-        self._last_command: OrderedDict[int, tuple[int, int, list | None]] = OrderedDict()  # worker -> seq, op, reply
-        self._last_checkpoint = (time.monotonic(), -1)
-        self._train_loss: float | None = None
         self.examples_per_second = 0.0
         self.examples_total = 0
+        self.plugins: list[ShardPlugin] = []
+        self._transport = transport_ or transport.default()
+        self._stop = stop or threading.Event()
+        self._handlers: dict[int, Handler] = {protocol.HELLO.code: self._hello, protocol.STATS.code: self._stats,
+                                              protocol.DONE.code: self._done}
+        self._repeats: dict[int, Handler] = {}
+        self._warm_owner: tuple[tuple, float] | None = None
+        self._rate_window: deque[tuple[float, int]] = deque()
+        self._rate_sum = 0  # the examples in _rate_window
+        self._last_command: OrderedDict[tuple, tuple[int, int, list | None]] = OrderedDict()
+        self._last_checkpoint = (time.monotonic(), -1)
+        self._train_loss: float | None = None
         self._saved_finished = False
-        self._admission: keys.Admission | None = None
         self._checkpoint_failures = 0  # in a row; reset by the next checkpoint that lands
-        self.extension: Extension | None = None
 
-    # -- life cycle ------------------------------------------------------------------
+    # -- plugins ---------------------------------------------------------------------------
 
-    def register(self, op: int, handler: Handler | None) -> None:
-        """Add an op (the coordinator's vector ops extend the table this way), or with
-        None take one away (a Sandblaster shard applies no Downpour pushes)."""
-        if handler is None:
-            self._handlers.pop(op, None)
-        else:
-            self._handlers[op] = handler
+    def attach(self, plugin: ShardPlugin) -> None:
+        """Serve a plugin's ops (each op has one owner) and keep its state in checkpoints."""
+        for table, ops in ((self._handlers, plugin.handlers()), (self._repeats, plugin.repeat_handlers())):
+            for spec, handler in ops.items():
+                if table is self._handlers and spec.code in table:
+                    raise errors.ConfigError(f"op {spec.name} is served twice on shard {self.index}")
+                table[spec.code] = handler
+        self.plugins.append(plugin)
+
+    def plugin(self, kind: type) -> Any:
+        """The attached plugin of this class."""
+        return next(p for p in self.plugins if isinstance(p, kind))
+
+    # -- life cycle ------------------------------------------------------------------------
 
     def restore(self) -> None:
         try:
@@ -132,9 +138,8 @@ class Shard:
             raise errors.CheckpointError(f"cannot create checkpoint folder {self.settings.checkpoint_dir}: {exc}") from exc
         ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index)
         if ckpt is None:
-            log.info("event=fresh_start shard=%d params=%d", self.index, self.params.size)
+            log.info("event=fresh_start shard=%d", self.index)
             return
-        self._check_optimizer(ckpt)
         self.load(ckpt)
         self.restarts = int(ckpt.meta.get("restarts", 0)) + 1
         self.start_time = float(ckpt.meta.get("startTime", self.start_time))
@@ -143,23 +148,10 @@ class Shard:
         log.info("event=restored shard=%d step=%d restarts=%d finished=%s",
                  self.index, self.step, self.restarts, bool(self.finished))
 
-    def _check_optimizer(self, ckpt: checkpoint.Checkpoint) -> None:
-        # Another rule's state would be read as this one's (or be missing): refuse, and
-        # leave the checkpoints as they are for the user to resume with their optimizer.
-        written_by = ckpt.meta.get("optimizer", self.optimizer.name)
-        if written_by != self.optimizer.name:
-            raise errors.ConfigError(
-                f"shard {self.index}: the checkpoints in {self.settings.checkpoint_dir} were written with "
-                f"optimizer {written_by!r}, but the job now asks for {self.optimizer.name!r}; resume with "
-                f"spec.training.optimizer: {written_by}, or train afresh in another output folder")
-
     def load(self, ckpt: checkpoint.Checkpoint) -> None:
         """Take the training state of a checkpoint (at start, or a Sandblaster rollback)."""
-        self.params[...] = ckpt.arrays["params"]
-        own = self.optimizer.state()
-        self.optimizer.load_state({k: v for k, v in ckpt.arrays.items() if k in own})
-        if self.extension is not None:
-            self.extension.restore(ckpt)
+        for plugin in self.plugins:
+            plugin.restore(ckpt)
         self.step = ckpt.step
         self._last_checkpoint = (time.monotonic(), self.step)
         self.metrics.checkpoint_step.set(self.step)
@@ -170,98 +162,115 @@ class Shard:
 
     def serve(self) -> None:
         """Answer requests until the job is done and the linger has passed, or stop()."""
-        socket = self._bind()
+        server = self._bind()
         self.metrics.restarts.set(self.restarts)
         self.metrics.global_step.set(self.step)
         self.ready.set()
         try:
             while not self._stop.is_set() and not self._lingered():
-                if socket.poll(POLL_MS):
-                    self._handle(socket)
+                if server.poll(POLL_SECONDS):
+                    self._handle(server)
                 self._maybe_checkpoint()
         finally:
-            socket.close(linger=1000)
-            if self._admission is not None:
-                self._admission.close()
-                self._admission = None
+            server.close()
             self.checkpoint_now()
 
-    def _bind(self) -> zmq.Socket:
-        socket = self._context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.MAXMSGSIZE, protocol.max_message_bytes(self.params.size))
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._admission = keys.bind_server(
-            self._context, socket, self.settings.bind, who=f"shard {self.index}",
-            domain=f"distbelief-shard-{self.index}-{id(self):x}", security=self.settings.security)
-        self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    def _bind(self) -> transport.Server:
+        longest = max([0, *(p.array_values() for p in self.plugins)])
+        server = self._transport.server(self.settings.bind, who=f"shard {self.index}",
+                                        max_frame=protocol.max_frame_bytes(longest), max_frames=3,
+                                        security=self.settings.security)
+        self.endpoint = server.endpoint
         log.info("event=listening shard=%d address=%s step=%d auth=%s", self.index, self.endpoint, self.step,
                  self.settings.security.mechanism if self.settings.security else "none")
-        return socket
+        return server
 
     def _lingered(self) -> bool:
         if self.finished is None:
             return False
         return time.time() - float(self.finished["at"]) >= self.settings.linger_seconds
 
-    # -- requests --------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------
 
-    def _handle(self, socket: zmq.Socket) -> None:
-        frames = socket.recv_multipart(copy=False)
-        self.metrics.bytes_in.inc(sum(len(f.buffer) for f in frames))
-        identity, body = frames[0].bytes, frames[1:]
+    def _handle(self, server: transport.Server) -> None:
+        incoming = server.receive()
+        if incoming is None:
+            self._reject("dropped a message with too many frames")
+            return
+        self.metrics.bytes_in.inc(incoming.nbytes)
+        if not incoming.frames:
+            self._reject("dropped an empty message")
+            return
+        old = protocol.old_version_refusal(incoming.frames[0])
+        if old is not None:
+            self._reject("a peer of protocol version 1")
+            self._send(server, incoming.peer, [old, protocol.version_refusal_text()])
+            return
         try:
-            header = protocol.unpack_header(body[0].buffer) if body else None
+            header = protocol.unpack_header(incoming.frames[0])
         except errors.ProtocolError as exc:
             self._reject(f"dropped a message: {exc}")
             return
-        if header is None:
-            self._reject("dropped an empty message")
-            return
         started = time.perf_counter()
+        reply = self._answer(header, incoming)
+        self._send(server, incoming.peer, reply)
+        self.metrics.request_seconds(protocol.spec_of(header.op).name).observe(time.perf_counter() - started)
+
+    def _answer(self, header: Header, incoming: transport.Incoming) -> list:
         try:
-            self._check(header, body)
-            reply = self._repeated(header)
-            if reply is None:
-                reply = self._handlers[header.op](header, body[1:])
-                self._remember(header, reply)
+            self._check(header)
+            message = protocol.parse_request(incoming.frames)
         except errors.ProtocolError as exc:
             self._reject(str(exc))
-            reply = [header.reply(status=Status.ERROR, step=self.step).pack(), str(exc).encode()]
-        self._send(socket, identity, reply)
-        self.metrics.handle_seconds[Op(header.op)].observe(time.perf_counter() - started)
+            return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
+        peer = (incoming.user, header.worker)
+        reply = self._repeated(peer, message)
+        if reply is None:
+            try:
+                reply = self._dispatch(message, self._handlers[header.op])
+            except errors.ProtocolError as exc:
+                self._reject(str(exc))
+                return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
+            self._remember(peer, message, reply)
+        return reply
 
-    def _check(self, header: Header, body: list) -> None:
+    def _dispatch(self, message: Message, handler: Handler) -> list:
+        if self.finished is not None and message.spec is not protocol.STATS:
+            return protocol.reply_frames(message.header, step=self.step, status=Status.DONE)
+        answer = handler(message)
+        return protocol.reply_frames(message.header, step=self.step, status=answer.status, meta=answer.meta,
+                                     array=answer.array)
+
+    def _check(self, header: Header) -> None:
         if header.shard != self.index:
-            raise errors.ProtocolError(f"message addressed to shard {header.shard}, this is shard {self.index}")
+            raise errors.WrongShard(f"message addressed to shard {header.shard}, this is shard {self.index}")
         if header.layout != self.layout.hash:
             raise errors.LayoutMismatch(
                 f"layout mismatch: peer has {header.layout:016x}, shard {self.index} has "
                 f"{self.layout.hash:016x} (another model or shard count)")
+        spec = protocol.spec_of(header.op)
         if header.op not in self._handlers:
-            raise errors.ProtocolError(f"op {header.op} is not served here")
-        if len(body) > 2:
-            raise errors.ProtocolError(f"{len(body)} frames, at most 2 expected")
+            raise errors.NotServed(f"op {spec.name} is not served by this job's algorithm")
 
-    def _repeated(self, header: Header) -> list | None:
+    def _repeated(self, peer: tuple, message: Message) -> list | None:
         """The reply to a command this peer sent before, if this is that command again."""
-        if header.op not in COMMANDS:
+        header = message.header
+        if not message.spec.command:
             return None
-        seq, op, reply = self._last_command.get(header.worker, (None, None, None))
+        seq, op, reply = self._last_command.get(peer, (None, None, None))
         if (seq, op) != (header.seq, header.op):
             return None
         log.info("event=command_repeated shard=%d worker=%08x op=%s action=first_reply_again",
-                 self.index, header.worker, Op(op).name)
-        if reply is not None:
-            return reply
-        return self._finished_reply(header) or self._snapshot(header)  # a PUSH_PULL: today's parameters
+                 self.index, header.worker, message.spec.name)
+        return reply if reply is not None else self._dispatch(message, self._repeats[header.op])
 
-    def _remember(self, header: Header, reply: list) -> None:
-        if header.op not in COMMANDS:
+    def _remember(self, peer: tuple, message: Message, reply: list) -> None:
+        if not message.spec.command:
             return
-        # A PUSH_PULL reply holds a parameter copy; a repeat gets a fresh one instead.
-        kept = None if header.op == Op.PUSH_PULL and self.finished is None else reply
-        self._last_command[header.worker] = (header.seq, header.op, kept)
-        self._last_command.move_to_end(header.worker)
+        # A reply holding a parameter copy is not kept; a repeat gets a fresh one instead.
+        kept = None if message.header.op in self._repeats and self.finished is None else reply
+        self._last_command[peer] = (message.header.seq, message.header.op, kept)
+        self._last_command.move_to_end(peer)
         if len(self._last_command) > REMEMBERED_PEERS:
             self._last_command.popitem(last=False)  # the peer heard from least recently
 
@@ -269,80 +278,57 @@ class Shard:
         self.metrics.rejected.inc()
         log.warning("event=rejected shard=%d reason=%r", self.index, reason)
 
-    def _send(self, socket: zmq.Socket, identity: bytes, reply: list) -> None:
-        try:
-            socket.send_multipart([identity, *reply], copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
+    def _send(self, server: transport.Server, peer: bytes, reply: list) -> None:
+        if not server.send(peer, reply):
             log.warning("event=reply_dropped shard=%d reason=peer_queue_full", self.index)
             return
-        self.metrics.bytes_out.inc(sum(len(r) if isinstance(r, bytes) else r.nbytes for r in reply))
+        self.metrics.bytes_out.inc(transport.frames_nbytes(reply))
 
-    def _finished_reply(self, header: Header) -> list | None:
-        if self.finished is None:
-            return None
-        return [header.reply(status=Status.DONE, step=self.step).pack(), json.dumps(self.finished).encode()]
+    # -- the core's ops --------------------------------------------------------------------
 
-    def _hello(self, header: Header, payload: list) -> list:
-        finished = self._finished_reply(header)
-        if finished:
-            return finished
-        status = Status.OK if self._admit_warmstart(header.worker) else Status.WAIT
-        return [header.reply(status=status, step=self.step, count=self.params.size).pack()]
+    def _hello(self, message: Message) -> Answer:
+        size = sum(p.array_values() for p in self.plugins)
+        status = Status.OK if self._admit_warmstart(message.header) else Status.WAIT
+        return Answer(meta=protocol.ShardInfo(size=size), status=status)
 
-    def _admit_warmstart(self, worker: int) -> bool:
+    def _admit_warmstart(self, header: Header) -> bool:
         """Shard 0 lets one replica train alone until warmstartSteps updates are applied."""
         if self.index != 0 or self.step >= self.settings.warmstart_steps:
             return True
-        now = time.monotonic()
+        now, worker = time.monotonic(), header.worker
         if self._warm_owner and self._warm_owner[0] != worker and now - self._warm_owner[1] < WARMSTART_LEASE_SECONDS:
             return False
         self._warm_owner = (worker, now)
         return True
 
-    def _pull(self, header: Header, payload: list) -> list:
-        if payload:
-            raise errors.ProtocolError("a pull carries no payload")
-        finished = self._finished_reply(header)
-        if finished:
-            return finished
-        return self._snapshot(header)
+    def _stats(self, message: Message) -> Answer:
+        stats = {"shard": self.index, "step": self.step, "restarts": self.restarts, "startTime": self.start_time,
+                 "finished": self.finished, "trainLoss": self._train_loss}
+        return Answer(meta=protocol.JsonObject(stats))
 
-    def _snapshot(self, header: Header) -> list:
-        # ZeroMQ sends after the handler returns, while the next push may already update
-        # the slice in place: send a copy, so a pull is one consistent step.
-        return [header.reply(step=self.step, count=self.params.size).pack(), memoryview(self.params.copy())]
+    def _done(self, message: Message) -> Answer:
+        try:
+            reason, outcome = (str(message.meta.value[k]) for k in ("reason", "outcome"))
+        except KeyError as exc:
+            raise errors.ProtocolError(f"done: no {exc}") from exc
+        self.finished = {"reason": reason, "outcome": outcome, "at": time.time(), "step": self.step}
+        self.metrics.done.set(1)
+        log.info("event=job_finished shard=%d step=%d reason=%r outcome=%r", self.index, self.step, reason, outcome)
+        self.checkpoint_now()
+        return Answer(status=Status.DONE)
 
-    def _push(self, header: Header, payload: list) -> list:
-        finished = self._finished_reply(header)
-        if finished:
-            return finished
-        if len(payload) != 1 or header.count != self.params.size:
-            raise errors.ProtocolError(
-                f"a push to shard {self.index} must carry {self.params.size} float32 values, "
-                f"header declares {header.count}")
-        grad = protocol.float_view(payload[0].buffer, header.count)
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we test for
-            finite = np.isfinite(np.dot(grad, grad))
-        if not finite:
-            raise errors.ProtocolError("gradient has non-finite values; update refused")
-        self.optimizer.apply(self.params, grad)
-        self._count_update(header)
-        return [header.reply(step=self.step).pack()]
+    # -- what plugins report -----------------------------------------------------------------
 
-    def _push_pull(self, header: Header, payload: list) -> list:
-        reply = self._push(header, payload)
-        return reply if self.finished is not None else self._snapshot(header)
-
-    def _count_update(self, header: Header) -> None:
+    def applied(self, header: Header, *, examples: int, loss: float) -> None:
+        """One update applied: the step advances; staleness, examples and loss are counted."""
         staleness = self.step - header.step if header.step <= self.step else 0
         self.step += 1
         if self._warm_owner and self._warm_owner[0] == header.worker:
             self._warm_owner = (header.worker, time.monotonic())
         self.metrics.global_step.set(self.step)
         self.metrics.staleness.observe(staleness)
-        self.count_examples(header.examples)
-        self._train_loss = header.loss if self._train_loss is None else (
-            (1 - LOSS_EMA) * self._train_loss + LOSS_EMA * header.loss)
+        self.count_examples(examples)
+        self._train_loss = loss if self._train_loss is None else (1 - LOSS_EMA) * self._train_loss + LOSS_EMA * loss
         self.metrics.train_loss.set(self._train_loss)
         self.step_reached(self.step)
 
@@ -360,28 +346,7 @@ class Shard:
             self.examples_per_second = self._rate_sum / span
             self.metrics.examples_per_second.set(self.examples_per_second)
 
-    def _stats(self, header: Header, payload: list) -> list:
-        stats = {"shard": self.index, "step": self.step, "size": int(self.params.size),
-                 "restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
-                 "trainLoss": self._train_loss}
-        return [header.reply(step=self.step).pack(), json.dumps(stats).encode()]
-
-    def _done(self, header: Header, payload: list) -> list:
-        if len(payload) != 1:
-            raise errors.ProtocolError("done carries the reason as text")
-        try:
-            finished = json.loads(protocol.decode_text(payload[0].buffer))
-            reason, outcome = str(finished["reason"]), str(finished["outcome"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise errors.ProtocolError(f"done: unreadable reason: {exc}") from exc
-        if self.finished is None:
-            self.finished = {"reason": reason, "outcome": outcome, "at": time.time(), "step": self.step}
-            self.metrics.done.set(1)
-            log.info("event=job_finished shard=%d step=%d reason=%s outcome=%s", self.index, self.step, reason, outcome)
-            self.checkpoint_now()
-        return [header.reply(status=Status.DONE, step=self.step).pack()]
-
-    # -- checkpoints -----------------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------
 
     def _maybe_checkpoint(self) -> None:
         when, step = self._last_checkpoint
@@ -393,11 +358,12 @@ class Shard:
         if self._last_checkpoint[1] == self.step and not self._finished_unsaved():
             return
         meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
-                "optimizer": self.optimizer.name, "examples": self.examples_total}
-        arrays = {"params": self.params, **self.optimizer.state()}
-        if self.extension is not None:
-            arrays.update(self.extension.arrays())
-            meta.update(self.extension.meta())
+                "examples": self.examples_total}
+        arrays: dict[str, np.ndarray] = {}
+        for plugin in self.plugins:
+            plugin_arrays, plugin_meta = plugin.checkpoint_state()
+            arrays.update(plugin_arrays)
+            meta.update(plugin_meta)
         ckpt = checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index,
                                      arrays=arrays, meta=meta)
         try:
@@ -422,3 +388,4 @@ class Shard:
 
     def _finished_unsaved(self) -> bool:
         return self.finished is not None and not self._saved_finished
+

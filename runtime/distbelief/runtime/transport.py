@@ -1,7 +1,7 @@
 """Every socket of the runtime, client and server side, behind one small interface.
 
     Transport     makes Servers and Links; ZmqTransport (ZeroMQ over tcp:// or ipc://) for
-                  the roles, MemoryTransport (in-process queues) as a twin for unit tests
+                  the roles; memory_transport.MemoryTransport, an in-process twin for unit tests
     Server        a bound ROUTER: admission of the job's keys, message size and queue
                   bounds; receive() -> Incoming (the peer, its authenticated user, frames)
     Link          one DEALER to one address, made anew after a silence or a disconnect
@@ -16,12 +16,11 @@ straight into the caller's array (Link.receive's sink), so a pull costs one copy
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 import zmq
@@ -33,10 +32,16 @@ log = logging.getLogger(__name__)
 
 STOP_POLL_SECONDS = 0.25  # how often a waiting exchange looks at its stop event
 SEND_HWM = 64             # replies queued for one peer before further ones are dropped
+# libzmq checks ZMQ_MAXMSGSIZE against a frame as it arrives, and CurveZMQ's box (flags,
+# nonce, MAC: 33 bytes) arrives around every frame: a frame of exactly the allowed size
+# must still get in.
+FRAME_OVERHEAD = 64
 RECEIVE_HWM = 256         # requests queued from one peer before it is pushed back
 
 Frame = bytes | memoryview
-Sink = Callable[[memoryview], "np.ndarray | None"]  # header frame -> where its payload goes, or None
+# (header frame, index of a frame after it) -> the array that frame goes into, or None
+Sink = Callable[[memoryview, int], "np.ndarray | None"]
+MAX_REPLY_FRAMES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,16 +72,16 @@ class Incoming:
 
 @dataclasses.dataclass(frozen=True)
 class Received:
-    """A reply a Link read: the header frame, then either the number of bytes that went into
-    the sink's array or the payload frame itself."""
+    """A reply a Link read: the header frame, the frames after it that did not go into the
+    sink's array, and the bytes that did."""
 
     header: memoryview
-    payload: memoryview | None = None
+    frames: list[memoryview] = dataclasses.field(default_factory=list)
     into_sink: int = 0
 
     @property
     def nbytes(self) -> int:
-        return len(self.header) + (len(self.payload) if self.payload is not None else self.into_sink)
+        return len(self.header) + sum(len(f) for f in self.frames) + self.into_sink
 
 
 def frames_nbytes(frames: Iterable[Frame]) -> int:
@@ -91,7 +96,7 @@ class ZmqServer:
                  security: keys.ServerSecurity | None) -> None:
         self.who, self.max_frames = who, max_frames
         socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_frame + FRAME_OVERHEAD)
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
@@ -106,10 +111,9 @@ class ZmqServer:
         return bool(self._socket.poll(int(seconds * 1000)))
 
     def receive(self) -> Incoming | None:
-        """The next request, or None when it was dropped (more frames than any op has)."""
+        """The next request, or None when it must be dropped (more frames than any op has)."""
         frames = self._socket.recv_multipart(copy=False)
         if len(frames) - 1 > self.max_frames:
-            log.warning("event=rejected server=%r reason=too_many_frames frames=%d", self.who, len(frames) - 1)
             return None
         user = frames[-1].get("User-Id") if self._admission is not None else None
         return Incoming(peer=frames[0].bytes, user=user,
@@ -187,20 +191,19 @@ class ZmqLink:
 
     def receive(self, sink: Sink | None = None) -> Received:
         header = self._socket.recv(copy=False).buffer
-        if not self._socket.getsockopt(zmq.RCVMORE):
-            return Received(header=header)
-        target = sink(header) if sink is not None else None
-        if target is not None:
-            nbytes = self._socket.recv_into(target)
-            self._discard_rest()
-            return Received(header=header, into_sink=nbytes)
-        payload = self._socket.recv(copy=False).buffer
-        self._discard_rest()
-        return Received(header=header, payload=payload)
-
-    def _discard_rest(self) -> None:
+        frames: list[memoryview] = []
+        into_sink = 0
+        index = 0
         while self._socket.getsockopt(zmq.RCVMORE):
-            self._socket.recv(copy=False)
+            target = sink(header, index) if sink is not None and index < MAX_REPLY_FRAMES else None
+            if target is not None:
+                into_sink += self._socket.recv_into(target)
+            elif index < MAX_REPLY_FRAMES:
+                frames.append(self._socket.recv(copy=False).buffer)
+            else:
+                self._socket.recv(copy=False)  # beyond any op's reply: dropped
+            index += 1
+        return Received(header=header, frames=frames, into_sink=into_sink)
 
     def reconnect(self) -> None:
         """A fresh socket: replies to earlier requests and copies still queued are dropped."""
@@ -238,127 +241,44 @@ class ZmqTransport:
         return dict(poller.poll(seconds * 1000))
 
 
-# -- the in-process twin -------------------------------------------------------------------
+# -- the interface both transports offer ---------------------------------------------------
 
 
-class MemoryTransport:
-    """Servers and links that pass frames through in-process queues: the same interface as
-    ZmqTransport, for unit tests of shards and replicas without sockets. Addresses are any
-    strings; a link may connect before its server binds. Nothing is authenticated."""
+class Server(Protocol):
+    endpoint: str
 
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._servers: dict[str, "MemoryServer"] = {}
-        self._links: dict[bytes, "MemoryLink"] = {}
-        self._next_peer = 0
+    def poll(self, seconds: float) -> bool: ...
 
+    def receive(self) -> Incoming | None: ...
+
+    def send(self, peer: bytes, frames: Sequence[Frame]) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class Link(Protocol):
+    address: str
+
+    def readable(self, ready: dict) -> bool: ...
+
+    def broke(self, ready: dict | None = None) -> bool: ...
+
+    def send(self, frames: Sequence[Frame]) -> bool: ...
+
+    def receive(self, sink: Sink | None = None) -> Received: ...
+
+    def reconnect(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
     def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
-               security: keys.ServerSecurity | None = None) -> "MemoryServer":
-        with self._changed:
-            if address in self._servers:
-                raise errors.ConfigError(f"{who} cannot listen on {address}: address in use")
-            server = self._servers[address] = MemoryServer(self, address, max_frame=max_frame, max_frames=max_frames)
-        return server
+               security: keys.ServerSecurity | None) -> Server: ...
 
-    def link(self, address: str, options: dict | None = None, *, watch: bool = True) -> "MemoryLink":
-        with self._changed:
-            self._next_peer += 1
-            peer = self._next_peer.to_bytes(4, "big")
-            link = self._links[peer] = MemoryLink(self, address, peer)
-        return link
+    def link(self, address: str, options: dict | None, *, watch: bool = True) -> Link: ...
 
-    def wait(self, links: Sequence["MemoryLink"], seconds: float) -> dict:
-        with self._changed:
-            self._changed.wait_for(lambda: any(link.inbox for link in links), timeout=seconds)
-            return {link: True for link in links if link.inbox}
-
-    def _deliver_to_server(self, address: str, peer: bytes, frames: list[memoryview]) -> None:
-        with self._changed:
-            server = self._servers.get(address)
-            if server is not None:
-                server.inbox.append((peer, frames))
-                self._changed.notify_all()
-
-    def _deliver_to_link(self, peer: bytes, frames: list[memoryview]) -> bool:
-        with self._changed:
-            link = self._links.get(peer)
-            if link is None:
-                return False
-            link.inbox.append(frames)
-            self._changed.notify_all()
-            return True
-
-    def _unbind(self, address: str) -> None:
-        with self._changed:
-            self._servers.pop(address, None)
-
-
-class MemoryServer:
-    def __init__(self, transport: MemoryTransport, address: str, *, max_frame: int, max_frames: int) -> None:
-        self.transport, self.endpoint = transport, address
-        self.max_frame, self.max_frames = max_frame, max_frames
-        self.inbox: collections.deque[tuple[bytes, list[memoryview]]] = collections.deque()
-
-    def poll(self, seconds: float) -> bool:
-        with self.transport._changed:
-            return self.transport._changed.wait_for(lambda: bool(self.inbox), timeout=seconds)
-
-    def receive(self) -> Incoming | None:
-        with self.transport._changed:
-            peer, frames = self.inbox.popleft()
-        if len(frames) > self.max_frames or any(len(f) > self.max_frame for f in frames):
-            return None
-        return Incoming(peer=peer, user=None, frames=frames)
-
-    def send(self, peer: bytes, frames: Sequence[Frame]) -> bool:
-        return self.transport._deliver_to_link(peer, [memoryview(bytes(f)) for f in frames])
-
-    def close(self) -> None:
-        self.transport._unbind(self.endpoint)
-
-
-class MemoryLink:
-    def __init__(self, transport: MemoryTransport, address: str, peer: bytes) -> None:
-        self.transport, self.address, self.peer = transport, address, peer
-        self.inbox: collections.deque[list[memoryview]] = collections.deque()
-
-    def readable(self, ready: dict) -> bool:
-        return self in ready
-
-    def broke(self, ready: dict | None = None) -> bool:
-        return False
-
-    def send(self, frames: Sequence[Frame]) -> bool:
-        # A copy, as a socket would make: the sender may reuse its buffers at once.
-        self.transport._deliver_to_server(self.address, self.peer, [memoryview(bytes(f)) for f in frames])
-        return True
-
-    def receive(self, sink: Sink | None = None) -> Received:
-        with self.transport._changed:
-            frames = self.inbox.popleft()
-        header, rest = frames[0], frames[1:]
-        if not rest:
-            return Received(header=header)
-        target = sink(header) if sink is not None else None
-        if target is None:
-            return Received(header=header, payload=rest[0])
-        flat = target.reshape(-1).view(np.uint8)
-        nbytes = min(len(rest[0]), flat.size)
-        flat[:nbytes] = np.frombuffer(rest[0], dtype=np.uint8, count=nbytes)
-        return Received(header=header, into_sink=len(rest[0]))
-
-    def reconnect(self) -> None:
-        with self.transport._changed:
-            self.inbox.clear()
-
-    def close(self) -> None:
-        with self.transport._changed:
-            self.transport._links.pop(self.peer, None)
-
-
-Transport = ZmqTransport | MemoryTransport
-Link = ZmqLink | MemoryLink
-Server = ZmqServer | MemoryServer
+    def wait(self, links: Sequence[Link], seconds: float) -> dict: ...
 
 
 def default() -> ZmqTransport:

@@ -15,25 +15,24 @@ common one, and resumes from the scalar state committed with it. A restarted coo
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import threading
 import time
 from typing import Callable
 
-import zmq
-
-from distbelief.runtime import errors, keys, protocol
+from distbelief.runtime import errors, keys, protocol, transport
 from distbelief.runtime.client import Reply, ShardGroup
 from distbelief.runtime.metrics import CoordinatorMetrics
-from distbelief.runtime.protocol import Header, Op, Status, UnitResult, VectorCode, VectorCommand, VectorResult
+from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings, LbfgsState
+from distbelief.runtime.sandblaster.ops import SandblasterShards, UnitResult, VectorCode, VectorCommand
 from distbelief.runtime.sandblaster.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 100
+POLL_SECONDS = 0.1
 IDLE_CHECK_SECONDS = 0.5   # after converging: how often to look whether the chief has ended the job
 
 
@@ -51,11 +50,12 @@ class CoordinatorSettings:
 
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings, group: ShardGroup, metrics: CoordinatorMetrics, *,
-                 context: zmq.Context | None = None, stop: threading.Event | None = None) -> None:
+                 transport_: transport.Transport | None = None, stop: threading.Event | None = None) -> None:
         self.settings, self.group, self.metrics = settings, group, metrics
         self.queue = WorkQueue(settings.examples, settings.unit_size, backups=settings.backups,
                                reissue_after=settings.reissue_after)
-        self.space = ShardSpace(group, self._evaluate)
+        self.shards = SandblasterShards(group)
+        self.space = ShardSpace(self.shards, self._evaluate)
         self.lbfgs = Lbfgs(self.space, settings.lbfgs)
         self.state: LbfgsState | None = None
         self.failure: BaseException | None = None
@@ -63,33 +63,29 @@ class Coordinator:
         self.on_evaluated: Callable[[int], None] = lambda examples: None  # examples behind each evaluation
         self.endpoint = settings.bind
         self._stop = stop or group.stop
-        self._context = context or zmq.Context.instance()
-        self._socket: zmq.Socket | None = None
-        self._admission: keys.Admission | None = None
+        self._transport = transport_ or transport.default()
+        self._server: transport.Server | None = None
         self._idle: dict[int, tuple[bytes, Header]] = {}   # replicas waiting for a unit
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
 
     # -- life cycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._socket = self._bind()
+        self._server = self._bind()
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
 
-    def _bind(self) -> zmq.Socket:
-        socket = self._context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.MAXMSGSIZE, protocol.HEADER.size + protocol.MAX_TEXT_BYTES)
-        socket.setsockopt(zmq.LINGER, 0)
-        self._admission = keys.bind_server(
-            self._context, socket, self.settings.bind, who="the coordinator",
-            domain=f"distbelief-coordinator-{id(self):x}", security=self.settings.security)
-        self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    def _bind(self) -> transport.Server:
+        server = self._transport.server(self.settings.bind, who="the coordinator",
+                                        max_frame=protocol.max_frame_bytes(0), max_frames=2,
+                                        security=self.settings.security)
+        self.endpoint = server.endpoint
         log.info("event=coordinator_listening address=%s units=%d unit_size=%d", self.endpoint,
                  self.queue.units, self.settings.unit_size)
-        return socket
+        return server
 
     def _run(self) -> None:
         try:
@@ -102,9 +98,7 @@ class Coordinator:
             self.failure = exc
             self.on_failure()
         finally:
-            self._socket.close(linger=0)
-            if self._admission is not None:
-                self._admission.close()
+            self._server.close()
             self.group.close()
 
     def _optimise(self) -> None:
@@ -127,22 +121,19 @@ class Coordinator:
         """Converged or out of iterations: the chief ends the job; replicas wait until then."""
         while not self._stop.is_set():
             self._serve(IDLE_CHECK_SECONDS)
-            self.space.check(self.group.sandblaster_state())
+            self.space.check_states(self.shards.state())
 
     # -- committed state ---------------------------------------------------------------------
 
     def _resume(self) -> LbfgsState:
         """Bring every shard to the newest iteration they all hold; a fresh start if none."""
-        replies = self.group.sandblaster_state()
-        if any(r.done for r in replies):
-            raise errors.JobFinished()
-        states = [json.loads(r.text) for r in replies]
+        states = self.shards.state()
         self.space.incarnations = [int(s["incarnation"]) for s in states]
         common = set.intersection(*(set(s["checkpoints"]) for s in states))
         if common:
             iteration = max(common)
-            self.space.check(self.group.rollback(iteration))
-            docs = [json.loads(r.text)["coordinator"] for r in self.space.check(self.group.sandblaster_state())]
+            self.space.check(self.shards.rollback(iteration))
+            docs = [s["coordinator"] for s in self.space.check_states(self.shards.state())]
             if all(doc is not None and doc.get("iteration") == iteration for doc in docs):
                 state = LbfgsState.from_json(docs[0])
                 log.info("event=resumed iteration=%d objective=%.6g", state.iteration, state.objective)
@@ -154,7 +145,7 @@ class Coordinator:
         return state
 
     def _commit(self, state: LbfgsState) -> None:
-        self.space.check(self.group.commit(state.iteration, state.to_json()))
+        self.space.check(self.shards.commit(state.iteration, state.to_json()))
         self._publish(state)
         log.info("event=iteration iteration=%d objective=%.8g gradient_norm=%.3g evaluations=%d converged=%s",
                  state.iteration, state.objective, state.gradient_norm, state.evaluations, state.converged)
@@ -170,14 +161,14 @@ class Coordinator:
     def _evaluate(self) -> float:
         started = time.perf_counter()
         evaluation = random.getrandbits(63) or 1
-        self.space.check(self.group.begin_evaluation(evaluation, self.queue.units))
+        self.space.check(self.shards.begin_evaluation(evaluation, self.queue.units))
         self.queue.begin(evaluation)
         for worker in list(self._idle):
             self._hand_out(worker)
         while not self.queue.finished:
             if self._stop.is_set():
                 raise errors.Stopped("stopped during an evaluation")
-            self._serve(POLL_MS / 1000)
+            self._serve(POLL_SECONDS)
         self._verify(evaluation)
         self.metrics.evaluations.inc()
         self.on_evaluated(self.settings.examples)
@@ -186,7 +177,7 @@ class Coordinator:
 
     def _verify(self, evaluation: int) -> None:
         """Every shard holds every unit of this evaluation (none restarted meanwhile)."""
-        states = [json.loads(r.text) for r in self.space.check(self.group.sandblaster_state())]
+        states = self.space.check_states(self.shards.state())
         for shard, state in enumerate(states):
             if state["evaluation"] != evaluation or state["units"] != self.queue.units:
                 raise errors.ShardRestarted(f"shard {shard} holds {state['units']} of {self.queue.units} units")
@@ -195,27 +186,33 @@ class Coordinator:
         """Answer replicas' WORK requests for up to `seconds` (less once all units are in)."""
         deadline = time.monotonic() + seconds
         while True:
-            timeout = max(0.0, deadline - time.monotonic())
-            if not self._socket.poll(int(timeout * 1000)):
+            if not self._server.poll(max(0.0, deadline - time.monotonic())):
                 return
-            self._handle(self._socket.recv_multipart())
+            self._handle(self._server.receive())
             if self.queue.finished and self.queue.evaluation:
                 return
 
-    def _handle(self, frames: list[bytes]) -> None:
-        identity, body = frames[0], frames[1:]
-        try:
-            header = protocol.unpack_header(body[0]) if body else None
-            if header is None or header.op != Op.WORK or header.layout != self.group.layout.hash or len(body) > 2:
-                raise errors.ProtocolError("expected a WORK request for this job's layout")
-            result = UnitResult.unpack(body[1]) if len(body) == 2 else None
-        except errors.ProtocolError as exc:
-            log.warning("event=rejected role=coordinator reason=%r", str(exc))
+    def _handle(self, incoming: transport.Incoming | None) -> None:
+        request = self._parse(incoming)
+        if request is None:
             return  # dropped: nothing a replica could mistake for work
-        self._idle[header.worker] = (identity, header)
+        header, result = request.header, request.meta
+        self._idle[header.worker] = (incoming.peer, header)
         if result is not None:
             self._take(header.worker, result)
         self._hand_out(header.worker)
+
+    def _parse(self, incoming: transport.Incoming | None) -> protocol.Message | None:
+        try:
+            if incoming is None or not incoming.frames:
+                raise errors.ProtocolError("an empty message or one with too many frames")
+            request = protocol.parse_request(incoming.frames)
+            if request.spec is not ops.WORK or request.header.layout != self.group.layout.hash:
+                raise errors.ProtocolError("expected a WORK request for this job's layout")
+        except errors.ProtocolError as exc:
+            log.warning("event=rejected role=coordinator reason=%r", str(exc))
+            return None
+        return request
 
     def _take(self, worker: int, result: UnitResult) -> None:
         if result.lost and result.evaluation == self.queue.evaluation:
@@ -233,13 +230,10 @@ class Coordinator:
         del self._idle[worker]
         self.metrics.units.inc()
         self.metrics.backups.inc(self.queue.stats.backups - backups)
-        self._reply(identity, header, Status.OK, unit.pack())
+        self._reply(identity, header, Status.OK, unit)
 
-    def _reply(self, identity: bytes, header: Header, status: int, payload: bytes | None = None) -> None:
-        frames = [identity, header.reply(status=status).pack(), *([payload] if payload else [])]
-        try:
-            self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
+    def _reply(self, identity: bytes, header: Header, status: int, unit: ops.WorkUnit | None = None) -> None:
+        if not self._server.send(identity, protocol.reply_frames(header, step=0, status=status, meta=unit)):
             log.warning("event=reply_dropped role=coordinator worker=%08x", header.worker)
 
     def _answer_done_until_stopped(self) -> None:
@@ -248,21 +242,19 @@ class Coordinator:
             self._reply(identity, header, Status.DONE)
         self._idle.clear()
         while not self._stop.is_set():
-            if self._socket.poll(POLL_MS):
-                frames = self._socket.recv_multipart()
-                try:
-                    header = protocol.unpack_header(frames[1])
-                except (errors.ProtocolError, IndexError):
-                    continue
-                self._reply(frames[0], header, Status.DONE)
+            if self._server.poll(POLL_SECONDS):
+                incoming = self._server.receive()
+                request = self._parse(incoming)
+                if request is not None:
+                    self._reply(incoming.peer, request.header, Status.DONE)
 
 
 class ShardSpace:
     """lbfgs.VectorSpace over every shard's slices: one command per operation, to all
     shards at once; dot products are the sum of the shards' parts."""
 
-    def __init__(self, group: ShardGroup, evaluate) -> None:
-        self.group = group
+    def __init__(self, shards: SandblasterShards, evaluate) -> None:
+        self.shards = shards
         self.evaluate = evaluate
         self.incarnations: list[int] = []
 
@@ -270,18 +262,22 @@ class ShardSpace:
         """Raise if the job is done or a shard is not the process the coordinator knew."""
         if any(r.done for r in replies):
             raise errors.JobFinished()
-        for shard, reply in enumerate(replies):
-            if len(reply.payload) == VectorResult.STRUCT.size:
-                incarnation = VectorResult.unpack(reply.payload).incarnation
-            else:
-                incarnation = int(json.loads(reply.text)["incarnation"])
-            if self.incarnations and incarnation != self.incarnations[shard]:
-                raise errors.ShardRestarted(f"shard {shard} restarted")
+        self._same_processes([r.meta.incarnation for r in replies])
         return replies
 
+    def check_states(self, states: list[dict]) -> list[dict]:
+        """check() for the shards' STATE documents."""
+        self._same_processes([int(s["incarnation"]) for s in states])
+        return states
+
+    def _same_processes(self, incarnations: list[int]) -> None:
+        for shard, incarnation in enumerate(incarnations):
+            if self.incarnations and incarnation != self.incarnations[shard]:
+                raise errors.ShardRestarted(f"shard {shard} restarted")
+
     def _run(self, code: VectorCode, out: int = 0, a: int = 0, b: int = 0, scalar: float = 0.0) -> float:
-        replies = self.check(self.group.vector(VectorCommand(code=code, out=out, a=a, b=b, scalar=scalar)))
-        return sum(VectorResult.unpack(r.payload).value for r in replies)
+        replies = self.check(self.shards.vector(VectorCommand(code=code, out=out, a=a, b=b, scalar=scalar)))
+        return sum(r.meta.value for r in replies)
 
     def dot(self, a: int, b: int) -> float:
         return self._run(VectorCode.DOT, a=a, b=b)

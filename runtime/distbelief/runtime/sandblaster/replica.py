@@ -17,65 +17,64 @@ import threading
 import time
 
 import numpy as np
-import zmq
 
-from distbelief.runtime import errors, protocol
-from distbelief.runtime.client import Connection, ShardGroup
+from distbelief.runtime import errors, protocol, transport
+from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.data import Dataset
 from distbelief.runtime.metrics import WorkerMetrics
 from distbelief.runtime.models import Model
-from distbelief.runtime.protocol import Header, Op, Status, UnitResult, WorkUnit
+from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime.sandblaster import ops
+from distbelief.runtime.sandblaster.ops import SandblasterShards, UnitResult, WorkUnit
 
 log = logging.getLogger(__name__)
 
-ASK_TIMEOUT_SECONDS = 5.0   # ask again (on a fresh connection) after this long without an answer
-STOP_POLL_MS = 250
+# Ask again, on a fresh connection, after 5 s without an answer; never give up: the
+# coordinator is shard 0's, and a replica has nothing else to do until it answers.
+ASK_POLICY = transport.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect=False)
 
 
 class CoordinatorLink:
     """The replica's request/reply channel to the coordinator."""
 
     def __init__(self, address: str, *, worker_id: int, layout: int, security: dict | None,
-                 stop: threading.Event, context: zmq.Context | None = None) -> None:
+                 stop: threading.Event, transport_: transport.Transport | None = None) -> None:
         self.worker_id, self.layout, self.stop = worker_id, layout, stop
-        self.connection = Connection(context or zmq.Context.instance(), address, 0, security,
-                                     watch=False)  # ask() has its own short timeout
+        self._transport = transport_ or transport.default()
+        self._link = self._transport.link(address, security, watch=False)
+        self._name = f"the coordinator at {address}"
         self._seq = 0
 
     def ask(self, result: UnitResult | None) -> tuple[int, WorkUnit | None]:
         """Send the last result, wait for the next unit: (status, unit)."""
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        header = Header(op=Op.WORK, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id)
+        header = Header(op=ops.WORK.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id)
         frames = [header.pack(), *([result.pack()] if result else [])]
-        self.connection.socket.send_multipart(frames)
-        deadline = time.monotonic() + ASK_TIMEOUT_SECONDS
-        while not self.stop.is_set():
-            if time.monotonic() >= deadline:
-                log.info("event=coordinator_silent address=%s action=ask_again", self.connection.address)
-                self.connection.reconnect()
-                self.connection.socket.send_multipart(frames)
-                deadline = time.monotonic() + ASK_TIMEOUT_SECONDS
-            if not self.connection.socket.poll(STOP_POLL_MS):
-                continue
-            reply = self.connection.socket.recv_multipart()
-            answer = protocol.unpack_header(reply[0])
+        answers: list[tuple[int, WorkUnit | None]] = []
+
+        def accept(_: int, received: transport.Received) -> bool:
+            answer = protocol.unpack_header(received.header)
             if answer.seq != self._seq:
-                continue  # the answer to a request asked again
-            if answer.status == Status.OK:
-                if len(reply) != 2:
-                    raise errors.ProtocolError("the coordinator sent work without a unit")
-                return answer.status, WorkUnit.unpack(reply[1])
-            return answer.status, None
-        raise errors.Stopped("stopped while waiting for the coordinator")
+                return False  # the answer to a request asked again
+            if answer.status == Status.OK and not received.frames:
+                raise errors.ProtocolError("the coordinator sent work without a unit")
+            unit = WorkUnit.unpack(received.frames[0]) if answer.status == Status.OK else None
+            answers.append((answer.status, unit))
+            return True
+
+        transport.exchange(self._transport, transport.Exchange([self._link], [frames], ASK_POLICY, [self._name]),
+                           accept=accept, stop=self.stop)
+        return answers[0]
 
     def close(self) -> None:
-        self.connection.close()
+        self._link.close()
 
 
 class Replica:
     def __init__(self, group: ShardGroup, link: CoordinatorLink, model: Model, dataset: Dataset,
                  metrics: WorkerMetrics, *, stop: threading.Event) -> None:
         self.group, self.link, self.model, self.metrics = group, link, model, metrics
+        self.shards = SandblasterShards(group)
         self.x, self.y = dataset.x_train, dataset.y_train
         self.stop_requested = stop
         self.joined = threading.Event()
@@ -118,22 +117,22 @@ class Replica:
         self.metrics.examples.inc(n)
         self.metrics.loss.set(loss)
         started = time.perf_counter()
-        replies = self.group.accumulate(self.grad, evaluation=unit.evaluation, unit=unit.unit)
+        replies = self.shards.accumulate(self.grad, evaluation=unit.evaluation, unit=unit.unit)
         self.metrics.push_seconds.observe(time.perf_counter() - started)
         if any(r.done for r in replies):
             raise errors.JobFinished()
         self.steps += 1
-        lost = any(r.header.step != unit.evaluation for r in replies)
+        lost = any(r.meta.evaluation != unit.evaluation for r in replies)
         return UnitResult(evaluation=unit.evaluation, unit=unit.unit, examples=n, loss=loss * share, lost=lost)
 
     def _pull(self, evaluation: int) -> bool:
         """The trial point of this evaluation; False if a shard holds another one."""
         started = time.perf_counter()
-        replies = self.group.pull_point(self.point)
+        replies = self.shards.pull_point(self.point)
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         if any(r.done for r in replies):
             raise errors.JobFinished()
-        if any(r.header.step != evaluation for r in replies):
+        if any(r.meta.evaluation != evaluation for r in replies):
             self.evaluation = 0
             return False
         self.evaluation = evaluation

@@ -10,19 +10,22 @@ one, so all shards can return to an iteration they all hold.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
+from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors, protocol
-from distbelief.runtime.protocol import Header, Op, Status, VectorCode, VectorCommand, VectorResult
+from distbelief.runtime import checkpoint, errors
+from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.protocol import JsonObject, Message, OpSpec
+from distbelief.runtime.sandblaster import ops
+from distbelief.runtime.sandblaster.ops import Accumulated, EvaluationId, VectorCode, VectorResult
+from distbelief.runtime.shard import Answer, Handler, Shard
 
 log = logging.getLogger(__name__)
 
-MAX_UNITS = 1 << 20          # work units in one evaluation
 DOT_BLOCK = 64 * 1024        # dot products accumulate in float64, block by block
 STATE_KEY = "sandblaster"    # the coordinator's state in the checkpoint's metadata
 ARRAY_PREFIX = "sandblaster."
@@ -50,32 +53,35 @@ class Slots:
 
 
 class ShardVectors:
-    """Attach to a Shard: adds the Sandblaster ops and takes Downpour's push away."""
+    """A shard plugin: the method's vectors beside the dense slice (X is the slice itself)."""
 
-    def __init__(self, shard, history: int) -> None:
+    def __init__(self, shard: Shard, dense: DenseSlice, history: int) -> None:
         self.shard = shard
         self.slots = Slots(history)
-        size = shard.params.size
-        self.vectors = [shard.params] + [np.zeros(size, dtype=np.float32) for _ in range(self.slots.count - 1)]
+        size = dense.params.size
+        self.vectors = [dense.params] + [np.zeros(size, dtype=np.float32) for _ in range(self.slots.count - 1)]
         self.incarnation = random.getrandbits(63) or 1
         self.evaluation = 0
         self.units = np.zeros(0, dtype=bool)
         self.units_added = 0
         self.coordinator_state: dict | None = None
-        shard.extension = self
-        for op, handler in ((Op.BEGIN_EVAL, self._begin_eval), (Op.PULL_POINT, self._pull_point),
-                            (Op.ACCUMULATE, self._accumulate), (Op.VECTOR, self._vector),
-                            (Op.COMMIT, self._commit), (Op.ROLLBACK, self._rollback), (Op.STATE, self._state)):
-            shard.register(op, handler)
-        shard.register(Op.PUSH, None)
 
-    # -- checkpoint extension ------------------------------------------------------------
+    def handlers(self) -> Mapping[OpSpec, Handler]:
+        return {ops.BEGIN_EVAL: self._begin_eval, ops.PULL_POINT: self._pull_point, ops.ACCUMULATE: self._accumulate,
+                ops.VECTOR: self._vector, ops.COMMIT: self._commit, ops.ROLLBACK: self._rollback,
+                ops.STATE: self._state}
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {f"{ARRAY_PREFIX}{slot}": self.vectors[slot] for slot in self.slots.durable()}
+    def repeat_handlers(self) -> Mapping[OpSpec, Handler]:
+        return {}
 
-    def meta(self) -> dict:
-        return {STATE_KEY: self.coordinator_state}
+    def array_values(self) -> int:
+        return 0  # its arrays travel under the dense slice's size
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        arrays = {f"{ARRAY_PREFIX}{slot}": self.vectors[slot] for slot in self.slots.durable()}
+        return arrays, {STATE_KEY: self.coordinator_state}
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         for slot in self.slots.durable():
@@ -86,52 +92,43 @@ class ShardVectors:
 
     # -- evaluations: the replicas' side -------------------------------------------------
 
-    def _begin_eval(self, header: Header, payload: list) -> list:
-        if not 0 < header.count <= MAX_UNITS or header.step == 0:
-            raise errors.ProtocolError(f"an evaluation needs an id and 1..{MAX_UNITS} units (got {header.count})")
-        self.evaluation = header.step
-        self.units = np.zeros(header.count, dtype=bool)
+    def _begin_eval(self, message: Message) -> Answer:
+        self.evaluation = message.meta.evaluation
+        self.units = np.zeros(message.meta.units, dtype=bool)
         self.units_added = 0
         self.vectors[Slots.GT][...] = 0
-        return self._reply(header)
+        return self._result()
 
-    def _pull_point(self, header: Header, payload: list) -> list:
-        if payload:
-            raise errors.ProtocolError("a pull carries no payload")
+    def _pull_point(self, message: Message) -> Answer:
         point = self.vectors[Slots.XT].copy()  # a snapshot, as for a Downpour pull
-        return self._finished(header) or [header.reply(step=self.evaluation, count=point.size).pack(),
-                                          memoryview(point)]
+        return Answer(meta=EvaluationId(self.evaluation), array=point)
 
-    def _accumulate(self, header: Header, payload: list) -> list:
-        finished = self._finished(header)
-        if finished:
-            return finished
-        size = self.shard.params.size
-        if len(payload) != 1 or header.count != size:
-            raise errors.ProtocolError(f"a unit gradient for shard {self.shard.index} must carry {size} "
-                                       f"float32 values, header declares {header.count}")
-        grad = protocol.float_view(payload[0].buffer, header.count)
+    def _accumulate(self, message: Message) -> Answer:
+        grad, unit = message.array, message.meta.unit
+        if grad is None or grad.size != self.vectors[0].size:
+            raise errors.ProtocolError(f"a unit gradient for shard {self.shard.index} must carry "
+                                       f"{self.vectors[0].size} float32 values, header declares {message.header.count}")
         with np.errstate(over="ignore", invalid="ignore"):
             if not np.isfinite(np.dot(grad, grad)):
-                raise errors.ProtocolError("gradient has non-finite values; unit refused")
-        unit = header.examples
-        if header.step != self.evaluation:
-            return [header.reply(step=self.evaluation, count=0).pack()]
+                raise errors.Refused("gradient has non-finite values; unit refused")
+        if message.meta.evaluation != self.evaluation:
+            return Answer(meta=Accumulated(evaluation=self.evaluation, added=0))
         if unit >= self.units.size:
-            raise errors.ProtocolError(f"unit {unit} is not in evaluation {header.step} ({self.units.size} units)")
+            raise errors.ProtocolError(f"unit {unit} is not in evaluation {self.evaluation} ({self.units.size} units)")
         if self.units[unit]:
-            return [header.reply(step=self.evaluation, count=0).pack()]
+            return Answer(meta=Accumulated(evaluation=self.evaluation, added=0))
         self.vectors[Slots.GT] += grad
         self.units[unit] = True
         self.units_added += 1
-        return [header.reply(step=self.evaluation, count=1).pack()]
+        return Answer(meta=Accumulated(evaluation=self.evaluation, added=1))
 
     # -- the coordinator's commands ------------------------------------------------------
 
-    def _vector(self, header: Header, payload: list) -> list:
-        if len(payload) != 1:
-            raise errors.ProtocolError("a vector op carries one command")
-        command = VectorCommand.unpack(payload[0].buffer, self.slots.count)
+    def _vector(self, message: Message) -> Answer:
+        command = message.meta
+        for name, slot in (("out", command.out), ("a", command.a), ("b", command.b)):
+            if slot >= self.slots.count:
+                raise errors.ProtocolError(f"vector slot {name}={slot} out of range (the shard has {self.slots.count})")
         out, a, b = (self.vectors[i] for i in (command.out, command.a, command.b))
         value = 0.0
         if command.code == VectorCode.ZERO:
@@ -144,65 +141,49 @@ class ShardVectors:
             out += np.float32(command.scalar) * a
         else:
             value = _dot(a, b)
-        return self._reply(header, value)
+        return self._result(value)
 
-    def _commit(self, header: Header, payload: list) -> list:
-        if len(payload) != 1:
-            raise errors.ProtocolError("a commit carries the coordinator's state")
+    def _commit(self, message: Message) -> Answer:
         try:
-            state = json.loads(protocol.decode_text(payload[0].buffer))
-        except ValueError as exc:
-            raise errors.ProtocolError(f"commit: unreadable state: {exc}") from exc
-        if not isinstance(state, dict):
-            raise errors.ProtocolError("commit: the state must be a JSON object")
+            iteration, state = int(message.meta.value["iteration"]), message.meta.value["state"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise errors.ProtocolError(f"commit: needs an iteration and a state: {exc}") from exc
+        if not isinstance(state, dict) or iteration < 0:
+            raise errors.ProtocolError("commit: the state must be a JSON object, the iteration >= 0")
         shard = self.shard
         self.coordinator_state = state
-        shard.step = header.step
+        shard.step = iteration
         shard.metrics.global_step.set(shard.step)
         shard.checkpoint_now()
         shard.step_reached(shard.step)
-        return self._reply(header)
+        return self._result()
 
-    def _rollback(self, header: Header, payload: list) -> list:
-        shard = self.shard
+    def _rollback(self, message: Message) -> Answer:
+        shard, iteration = self.shard, message.meta.iteration
         folder = shard.settings.checkpoint_dir
-        path = os.path.join(folder, checkpoint.file_name(header.step))
+        path = os.path.join(folder, checkpoint.file_name(iteration))
         try:
             ckpt = checkpoint.load(path)
         except errors.CheckpointError as exc:
-            raise errors.ProtocolError(f"rollback to iteration {header.step}: {exc}") from exc
+            raise errors.StateConflict(f"rollback to iteration {iteration}: {exc}") from exc
         if ckpt.layout != shard.layout.hash or ckpt.shard != shard.index:
-            raise errors.ProtocolError(f"rollback: {path} belongs to another shard or layout")
+            raise errors.StateConflict(f"rollback: {path} belongs to another shard or layout")
         shard.load(ckpt)
         for newer in checkpoint.list_checkpoints(folder):
-            if checkpoint.step_of(newer) > header.step:
+            if checkpoint.step_of(newer) > iteration:
                 os.remove(newer)  # an abandoned iteration: it must not win a later restore
-        log.info("event=rolled_back shard=%d iteration=%d", shard.index, header.step)
-        return self._reply(header)
+        log.info("event=rolled_back shard=%d iteration=%d", shard.index, iteration)
+        return self._result()
 
-    def _state(self, header: Header, payload: list) -> list:
+    def _state(self, message: Message) -> Answer:
         shard = self.shard
         held = sorted(checkpoint.step_of(p) for p in checkpoint.list_checkpoints(shard.settings.checkpoint_dir))
-        state = {"iteration": shard.step, "incarnation": self.incarnation, "coordinator": self.coordinator_state,
-                 "checkpoints": held, "evaluation": self.evaluation, "units": self.units_added,
-                 "finished": shard.finished}
-        status = Status.DONE if shard.finished else Status.OK
-        return [header.reply(status=status, step=shard.step).pack(), json.dumps(state).encode()]
+        return Answer(meta=JsonObject({
+            "iteration": shard.step, "incarnation": self.incarnation, "coordinator": self.coordinator_state,
+            "checkpoints": held, "evaluation": self.evaluation, "units": self.units_added}))
 
-    # -- replies -------------------------------------------------------------------------
-
-    def _reply(self, header: Header, value: float = 0.0) -> list:
-        finished = self._finished(header)
-        if finished:
-            return finished
-        result = VectorResult(value=value, units=self.units_added, incarnation=self.incarnation)
-        return [header.reply(step=self.evaluation).pack(), result.pack()]
-
-    def _finished(self, header: Header) -> list | None:
-        if self.shard.finished is None:
-            return None
-        return [header.reply(status=Status.DONE, step=self.shard.step).pack(),
-                json.dumps(self.shard.finished).encode()]
+    def _result(self, value: float = 0.0) -> Answer:
+        return Answer(meta=VectorResult(value=value, units=self.units_added, incarnation=self.incarnation))
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> float:

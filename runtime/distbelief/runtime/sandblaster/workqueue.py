@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections import deque
 
-from distbelief.runtime.protocol import WorkUnit
+from distbelief.runtime.sandblaster.ops import WorkUnit
 
 
 @dataclasses.dataclass

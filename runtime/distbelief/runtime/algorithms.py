@@ -1,0 +1,139 @@
+"""The training algorithms, by the name spec.training.algorithm gives them.
+
+An algorithm is three hooks on the roles' common core:
+
+    attach(shard, job)           the plugins a shard serves (its ops and checkpointed state)
+    beside_chief(ctx)            what runs beside shard 0 with the chief (Sandblaster's
+                                 coordinator), or None; returns something with stop()/failure
+    replica(ctx)                 the replica's loop: an object with run() -> why it ended,
+                                 joined (an Event) and steps
+
+Adding an algorithm is a module with these three functions and one line in ALGORITHMS;
+the shard core, the replica runner and the roles do not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Protocol
+
+import prometheus_client as prom
+
+from distbelief.runtime import keys
+from distbelief.runtime.client import ShardGroup
+from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.metrics import CoordinatorMetrics, WorkerMetrics
+from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
+from distbelief.runtime.sandblaster.lbfgs import LbfgsSettings
+from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
+from distbelief.runtime.sandblaster.vectors import ShardVectors
+from distbelief.runtime.shard import Shard
+from distbelief.runtime.worker import Worker, WorkerSettings
+
+
+class ReplicaLoop(Protocol):
+    joined: threading.Event
+    steps: int
+
+    def run(self) -> str: ...
+
+
+class Helper(Protocol):
+    failure: BaseException | None
+
+    def stop(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ChiefContext:
+    """What runs beside shard 0 gets: the job, the shard, a fresh client of every shard."""
+
+    job: Any                      # roles.Job
+    shard: Shard
+    registry: prom.CollectorRegistry
+    group: Callable[[], ShardGroup]
+    server_security: keys.ServerSecurity | None
+    coordinator_bind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaContext:
+    job: Any                      # roles.Job
+    group: ShardGroup
+    metrics: WorkerMetrics
+    client_security: dict | None
+    stop: threading.Event
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    name: str
+    attach: Callable[[Shard, Any], None]
+    beside_chief: Callable[[ChiefContext], Helper | None]
+    replica: Callable[[ReplicaContext], ReplicaLoop]
+    optimiser_state: Callable[[Shard], Callable[[], dict | None]] = lambda shard: (lambda: None)
+
+
+# -- Downpour SGD ------------------------------------------------------------------------
+
+
+def _downpour_attach(shard: Shard, job: Any) -> None:
+    training = job.spec["training"]
+    shard.attach(DenseSlice(shard, job.model.init_params(int(training["seed"])), optimizer=str(training["optimizer"]),
+                            learning_rate=float(training["learningRate"])))
+
+
+def _downpour_replica(ctx: ReplicaContext) -> ReplicaLoop:
+    training = ctx.job.spec["training"]
+    settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
+                              push_every=int(training["pushEvery"]))
+    return Worker(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop)
+
+
+DOWNPOUR = Algorithm(name="downpour", attach=_downpour_attach, beside_chief=lambda ctx: None,
+                     replica=_downpour_replica)
+
+
+# -- Sandblaster L-BFGS --------------------------------------------------------------------
+
+
+def _sandblaster_attach(shard: Shard, job: Any) -> None:
+    training = job.spec["training"]
+    dense = DenseSlice(shard, job.model.init_params(int(training["seed"])), optimizer=str(training["optimizer"]),
+                       learning_rate=float(training["learningRate"]), pushes=False)
+    shard.attach(dense)
+    shard.attach(ShardVectors(shard, dense, int(training["sandblaster"]["historySize"])))
+
+
+def _sandblaster_coordinator(ctx: ChiefContext) -> Coordinator:
+    training = ctx.job.spec["training"]
+    options = training["sandblaster"]
+    settings = CoordinatorSettings(
+        bind=ctx.coordinator_bind, examples=len(ctx.job.dataset.x_train), unit_size=int(options["workUnitSize"]),
+        backups=bool(options["backupTasks"]), max_iterations=int(training["maxSteps"]),
+        lbfgs=LbfgsSettings(history=int(options["historySize"]),
+                            gradient_tolerance=float(options["gradientTolerance"])),
+        security=ctx.server_security)
+    coordinator = Coordinator(settings, ctx.group(), CoordinatorMetrics(ctx.registry))
+    coordinator.on_failure = ctx.shard.stop
+    coordinator.on_evaluated = ctx.shard.count_examples  # the job's examples/s, as Downpour's pushes feed it
+    coordinator.start()
+    return coordinator
+
+
+def _sandblaster_replica(ctx: ReplicaContext) -> ReplicaLoop:
+    link = CoordinatorLink(ctx.job.config.coordinator_address(), worker_id=ctx.group.worker_id,
+                           layout=ctx.job.layout.hash, security=ctx.client_security, stop=ctx.stop)
+    return Replica(ctx.group, link, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop)
+
+
+SANDBLASTER = Algorithm(name="sandblaster", attach=_sandblaster_attach, beside_chief=_sandblaster_coordinator,
+                        replica=_sandblaster_replica,
+                        optimiser_state=lambda shard: lambda: shard.plugin(ShardVectors).coordinator_state)
+
+ALGORITHMS = {a.name: a for a in (DOWNPOUR, SANDBLASTER)}
+
+
+def of(job: Any) -> Algorithm:
+    return ALGORITHMS[job.spec["training"].get("algorithm", "downpour")]

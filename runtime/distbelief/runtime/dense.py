@@ -1,0 +1,112 @@
+"""Dense parameters: a shard's contiguous slice of the flat parameter vector, as a plugin.
+
+    PULL       -> the slice (a snapshot: the next push may update it while ZeroMQ sends)
+    PUSH       gradient in (with the examples and mean loss behind it) -> the new step
+    PUSH_PULL  gradient in -> the slice with it applied: a push and the next pull in one
+               round trip, when a replica fetches right after it pushes
+
+The slice's optimizer comes from the registry in optim.py; its state is saved in the
+shard's checkpoints, and a checkpoint written by another optimizer is refused on restore.
+Algorithms that do not train by pushes (Sandblaster) attach the slice with pushes=False,
+and neither PUSH nor PUSH_PULL is then served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any, Mapping
+
+import numpy as np
+
+from distbelief.runtime import checkpoint, errors, protocol
+from distbelief.runtime.optim import make_optimizer
+from distbelief.runtime.protocol import Message, OpSpec
+from distbelief.runtime.shard import Answer, Handler, Shard
+
+MAX_EXAMPLES = 1 << 24    # examples one push may stand for
+MAX_LOSS = 1e30           # a reported mean loss beyond this is no honest replica's
+
+
+@dataclasses.dataclass(frozen=True)
+class Update(protocol.Payload):
+    """What a pushed gradient stands for: its examples and their mean loss."""
+
+    examples: int
+    loss: float
+    FORMAT = struct.Struct("<If")
+
+    def check(self) -> None:
+        if not 0 < self.examples <= MAX_EXAMPLES:
+            raise errors.ProtocolError(f"a push must stand for 1..{MAX_EXAMPLES} examples (got {self.examples})")
+        if not abs(self.loss) <= MAX_LOSS:  # also false for NaN
+            raise errors.ProtocolError("loss is not a finite number")
+
+
+PULL = protocol.define(OpSpec(2, "PULL", reply_array=True))
+PUSH = protocol.define(OpSpec(3, "PUSH", request=Update, request_array=True, command=True))
+PUSH_PULL = protocol.define(OpSpec(14, "PUSH_PULL", request=Update, request_array=True, reply_array=True,
+                                   command=True))
+OPTIMIZER_KEY = "optimizer"  # the checkpoint metadata that names the optimizer
+
+
+class DenseSlice:
+    def __init__(self, shard: Shard, initial: np.ndarray, *, optimizer: str, learning_rate: float,
+                 pushes: bool = True) -> None:
+        layout = shard.layout
+        if initial.size != layout.total:
+            raise errors.ConfigError(f"initial parameters have {initial.size} values, layout {layout.total}")
+        first, last = layout.bounds(shard.index)
+        self.shard = shard
+        self.params = np.array(initial[first:last], dtype=np.float32)
+        self.optimizer = make_optimizer(optimizer, self.params.size, learning_rate=learning_rate)
+        self.pushes = pushes
+
+    def handlers(self) -> Mapping[OpSpec, Handler]:
+        pulls: dict[OpSpec, Handler] = {PULL: self._pull}
+        return {**pulls, PUSH: self._push, PUSH_PULL: self._push_pull} if self.pushes else pulls
+
+    def repeat_handlers(self) -> Mapping[OpSpec, Handler]:
+        return {PUSH_PULL: self._pull} if self.pushes else {}
+
+    def array_values(self) -> int:
+        return int(self.params.size)
+
+    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return {"params": self.params, **self.optimizer.state()}, {OPTIMIZER_KEY: self.optimizer.name}
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        # Another rule's state would be read as this one's (or be missing): refuse, and
+        # leave the checkpoints as they are for the user to resume with their optimizer.
+        written_by = ckpt.meta.get(OPTIMIZER_KEY, self.optimizer.name)
+        if written_by != self.optimizer.name:
+            raise errors.ConfigError(
+                f"shard {self.shard.index}: the checkpoints in {self.shard.settings.checkpoint_dir} were written "
+                f"with optimizer {written_by!r}, but the job now asks for {self.optimizer.name!r}; resume with "
+                f"spec.training.optimizer: {written_by}, or train afresh in another output folder")
+        self.params[...] = ckpt.arrays["params"]
+        own = self.optimizer.state()
+        self.optimizer.load_state({k: v for k, v in ckpt.arrays.items() if k in own})
+
+    # -- ops -------------------------------------------------------------------------------
+
+    def _pull(self, message: Message) -> Answer:
+        return Answer(array=self.params.copy())
+
+    def _push(self, message: Message) -> Answer:
+        grad = message.array
+        if grad is None or grad.size != self.params.size:
+            raise errors.ProtocolError(
+                f"a push to shard {self.shard.index} must carry {self.params.size} float32 values, "
+                f"header declares {message.header.count}")
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we test for
+            finite = np.isfinite(np.dot(grad, grad))
+        if not finite:
+            raise errors.Refused("gradient has non-finite values; update refused")
+        self.optimizer.apply(self.params, grad)
+        self.shard.applied(message.header, examples=message.meta.examples, loss=message.meta.loss)
+        return Answer()
+
+    def _push_pull(self, message: Message) -> Answer:
+        self._push(message)
+        return self._pull(message)
