@@ -183,38 +183,42 @@ def efficiency_figure(job: list, single: list, cores: int, w: Workload) -> dict:
             "single_process_examples_per_s": summarize(single)}
 
 
+def measure_workload(name: str, runs: int, scale: float, cores: int, failures: list[dict],
+                     variants: dict[str, Callable[[int], float]] | None = None) -> tuple[dict, dict[str, list]]:
+    """A workload's job, any variants of it, and its one-process baseline, interleaved:
+    (its efficiency figure, every measure's rates by name)."""
+    w = WORKLOADS[name]
+    job = workload_job(name, w, scale=scale)
+    baseline = f"{name}_single_process"
+    values = interleaved(min(runs, w.max_runs), {
+        name: job_rate(job, w.warmup_s), **(variants or {}),
+        baseline: lambda run: baseline_rate(job["spec"], w.baseline_s * scale),
+    }, failures, "e2e ")
+    return efficiency_figure(values[name], values[baseline], cores, w), values
+
+
 def measure_examples(runs: int, scale: float, cores: int, failures: list[dict]) -> dict:
     """examples_per_s (encrypted and not) and efficiency.compute_bound, from the same runs."""
     w = WORKLOADS["compute_bound"]
-    values = interleaved(runs, {
-        "distbelief": job_rate(workload_job("throughput", w, scale=scale), w.warmup_s),
-        "distbelief_unencrypted": job_rate(workload_job("throughput", w, scale=scale, encrypted=False), w.warmup_s),
-        "single_process": lambda run: baseline_rate(workload_job("throughput", w)["spec"], w.baseline_s * scale),
-    }, failures, "e2e ")
-    return {"examples_per_s": {name: summarize(values[name]) for name in ("distbelief", "distbelief_unencrypted")},
-            "efficiency": {"compute_bound": efficiency_figure(values["distbelief"], values["single_process"],
-                                                              cores, w)}}
+    unencrypted = job_rate(workload_job("compute_bound", w, scale=scale, encrypted=False), w.warmup_s)
+    figure, values = measure_workload("compute_bound", runs, scale, cores, failures,
+                                      {"compute_bound_unencrypted": unencrypted})
+    return {"examples_per_s": {"distbelief": summarize(values["compute_bound"]),
+                               "distbelief_unencrypted": summarize(values["compute_bound_unencrypted"])},
+            "efficiency": {"compute_bound": figure}}
 
 
 def measure_efficiency(runs: int, scale: float, cores: int, failures: list[dict]) -> dict:
-    out = {}
-    for name in ("communication_bound", "large_dense"):
-        w = WORKLOADS[name]
-        job = workload_job(name, w, scale=scale)
-        values = interleaved(min(runs, w.max_runs), {
-            name: job_rate(job, w.warmup_s),
-            f"{name}_single_process": lambda run: baseline_rate(job["spec"], w.baseline_s * scale),
-        }, failures, "e2e ")
-        out[name] = efficiency_figure(values[name], values[f"{name}_single_process"], cores, w)
-    return {"efficiency": out}
+    return {"efficiency": {name: measure_workload(name, runs, scale, cores, failures)[0]
+                           for name in ("communication_bound", "large_dense")}}
 
 
 def measure_accuracy(runs: int, failures: list[dict]) -> dict:
-    digits = {"downpour": "digits-mlp.yaml", "sandblaster": "digits-sandblaster.yaml"}
-    single_spec = example("digits-mlp.yaml")["spec"]
+    downpour, sandblaster = accuracy_job("digits-mlp.yaml"), accuracy_job("digits-sandblaster.yaml")
     digits_values = interleaved(runs, {
-        **{name: (lambda run, m=manifest: seconds_to_target(*run_job(accuracy_job(m)))) for name, manifest in digits.items()},
-        "single_process": lambda run: single_process_seconds(single_spec, TARGET_ACCURACY),
+        "downpour": lambda run: seconds_to_target(*run_job(downpour)),
+        "sandblaster": lambda run: seconds_to_target(*run_job(sandblaster)),
+        "single_process": lambda run: single_process_seconds(example("digits-mlp.yaml")["spec"], TARGET_ACCURACY),
     }, failures, "e2e ")
     job = mnist_job()
     mnist_values = interleaved(runs, {

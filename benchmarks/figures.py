@@ -20,7 +20,7 @@ class RunFailed(Exception):
     process (None when none exited non-zero)."""
 
     def __init__(self, what: str, exit_code: int | None) -> None:
-        super().__init__(f"{what}: exit code {exit_code}")
+        super().__init__(what if exit_code is None else f"{what}: exit code {exit_code}")
         self.exit_code = exit_code
 
 

@@ -82,6 +82,28 @@ def test_workload_jobs_are_valid_and_keep_the_fixed_settings() -> None:
     assert sum(a * b + b for a, b in zip(sizes, sizes[1:])) >= 90_000_000
 
 
+def test_each_job_is_divided_by_the_baseline_measured_beside_it(monkeypatch) -> None:
+    jobs = iter([30_000.0, 40_000.0, 20_000.0, 25_000.0])  # per run: the job, then its unencrypted twin
+    baselines = iter([10_000.0, None, None])  # run 2's baseline crashes on both attempts
+
+    def baseline(spec: dict, seconds: float) -> float:
+        rate = next(baselines)
+        if rate is None:
+            crash(-6)
+        return rate
+    monkeypatch.setattr(e2e_bench, "job_rate", lambda job, warmup_s: lambda run: next(jobs))
+    monkeypatch.setattr(e2e_bench, "baseline_rate", baseline)
+    failures: list[dict] = []
+    out = e2e_bench.measure_examples(2, 1.0, 2, failures)
+    assert out["examples_per_s"]["distbelief"]["runs"] == [30_000.0, 20_000.0]
+    assert out["examples_per_s"]["distbelief_unencrypted"]["runs"] == [40_000.0, 25_000.0]
+    figure = out["efficiency"]["compute_bound"]
+    assert figure["runs"] == [pytest.approx(1.5)]  # run 2 has no baseline: no efficiency
+    assert figure["single_process_examples_per_s"]["runs"] == [10_000.0]
+    assert (figure["cores"], figure["batch"], figure["fetch_push_every"]) == (2, 128, 1)
+    assert [f["run"] for f in failures] == ["e2e compute_bound_single_process run 2"]
+
+
 def test_a_crashed_run_is_retried_once_then_recorded_with_its_exit_code() -> None:
     calls, failures = [], []
     assert figures.retried("peer run 3", lambda: calls.append(1) or crash(-6), failures) is None
