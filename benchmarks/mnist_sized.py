@@ -19,7 +19,7 @@ from distbelief.runtime import data
 SAMPLES = 70_000
 TEST_FRACTION = 1 / 7
 HELD_OUT = 10_000  # round(SAMPLES * TEST_FRACTION), as MNIST
-PATH = Path(__file__).resolve().parent.parent / "out" / "bench-data" / "mnist-sized-v1.npz"
+PATH = Path(__file__).resolve().parent.parent / "out" / "bench-data" / "mnist-sized-v1.npz"  # v2 when build() changes
 SIDE, SCALE = 28, 3
 SOURCE = {"source": "builtin:digits"}
 
