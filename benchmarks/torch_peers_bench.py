@@ -315,7 +315,7 @@ def measure_accuracy(runs: int, timeout: float, task: dict, failures: list[dict]
         steps.append(rank0["steps"])
         return rank0["reached"] - t0
     out = interleaved(runs, {"torch_ddp_gloo": once}, failures, f"torch time to {task['target']} ")
-    return {"torch_ddp_gloo": {**summarize(out["torch_ddp_gloo"]), "steps": steps, "failures": missed}}
+    return {"torch_ddp_gloo": {**summarize(out["torch_ddp_gloo"]), "steps": steps, "not_reached": missed}}
 
 
 def metadata(args: argparse.Namespace) -> dict:
@@ -346,7 +346,7 @@ def main() -> int:
         for key, task in (("time_to_accuracy_s", DIGITS), ("time_to_accuracy_mnist_s", mnist_task())):
             out[key] = measure_accuracy(args.runs, args.timeout, task, failures)
             s = out[key]["torch_ddp_gloo"]
-            print(f"{key} torch_ddp_gloo  {fmt(s, '.2f')}  steps {s['steps']}  not reached {s['failures']}")
+            print(f"{key} torch_ddp_gloo  {fmt(s, '.2f')}  steps {s['steps']}  not reached {s['not_reached']}")
     out["metadata"] = metadata(args)
     save({**out, "failures": failures}, args.json)
     return 0
