@@ -1,36 +1,56 @@
 #!/usr/bin/env python
 """End to end: DistBeliefJobs run as a user runs them (`distbelief run`, local mode),
-and the same model trained in one plain process, for the peers in torch_peers_bench.py.
+each beside the same model trained in one plain process on one thread, for the peers in
+torch_peers_bench.py.
 
-    python benchmarks/e2e_bench.py [--what examples|accuracy|all] [--runs 5] [--json out.json]
+    python benchmarks/e2e_bench.py [--what examples|efficiency|accuracy|all] [--runs 5]
+        [--scale 1.0] [--json out.json]
 
-examples_per_s.distbelief
+Every job runs 2 shards and 2 replicas (4 processes and the chief on this machine's cores)
+and every process holds its BLAS to 1 thread (the pods' CPU requests are below one core).
+
+examples_per_s.{distbelief, distbelief_unencrypted}, efficiency.compute_bound  (--what examples)
     The 784-512-512-10 MLP on synthetic:features=784,classes=10,samples=8192,seed=1,
-    batch 128, Adagrad lr 0.05, 2 shards and 2 replicas fetching and pushing every step.
-    The rate is the examples shard 0 counted between its first evaluation after WARMUP_S
-    and its last one, over the time between them (from the chief's history.jsonl), so
-    process start-up and the final checkpoint are not in it: the same window the torch
-    peers time.
-examples_per_s.distbelief_unencrypted
-    The same job with spec.parameterServers.encryption false (PLAIN join token, no
-    CurveZMQ): what the cipher costs end to end. The peers encrypt nothing.
-time_to_accuracy_s.{downpour, sandblaster, single_process}
+    batch 128, Adagrad lr 0.05, fetching and pushing every step. The rate is the examples
+    shard 0 counted between its first evaluation after the workload's warm-up and its last
+    one, over the time between them (from the chief's history.jsonl), so process start-up
+    and the final checkpoint are not in it: the same window the torch peers time.
+    distbelief_unencrypted is the same job with spec.parameterServers.encryption false
+    (PLAIN join token, no CurveZMQ): what the cipher costs end to end.
+efficiency.{compute_bound, communication_bound, large_dense}  (--what examples, efficiency)
+    Parallel efficiency: the job's examples/s / (cores x the examples/s of one plain process
+    on one thread training the job's model, batch and optimizer). Each run pairs a job with
+    a baseline measured right after it; the figure is over those pairs.
+      compute_bound        784-512-512-10, batch 128, fetchEvery = pushEvery = 1
+      communication_bound  784-256-128-10, batch 32,  fetchEvery = pushEvery = 2
+      large_dense          1000-10000-8000-10 (90.1M parameters), batch 32, every step
+time_to_accuracy_s.{downpour, sandblaster, single_process}  (--what accuracy)
     Seconds from launching the job (start-up included) to the first held-out evaluation
     at accuracy >= 0.95 on digits. downpour and sandblaster run examples/digits-mlp.yaml
     and examples/digits-sandblaster.yaml as shipped, with targetAccuracy 0.95 and an
     evaluation every EVAL_EVERY_S. single_process trains the downpour example's model
     (64 hidden, Adagrad lr 0.05, batch 32) in one process with no parameter server,
     evaluating at the same cadence.
+time_to_accuracy_mnist_s.{distbelief, single_process}  (--what accuracy)
+    The same clock to 0.94 held-out accuracy on the MNIST-sized set of mnist_sized.py
+    (70,000 28x28 images, 10,000 held out, all scored), with the communication-bound
+    job's model and settings.
+
+A run that crashes is retried once, then recorded under "failures" with its exit code;
+the other runs and figures go on.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "runtime")]
@@ -40,30 +60,70 @@ import yaml  # noqa: E402
 
 from distbelief.runtime import contract, data, models, optim  # noqa: E402
 
-from figures import fmt, save, summarize  # noqa: E402
+import mnist_sized  # noqa: E402
+from figures import RunFailed, available_cores, fmt, interleaved, save, summarize  # noqa: E402
 
 DISTBELIEF = str(Path(sys.executable).with_name("distbelief"))
 TARGET_ACCURACY = 0.95
+MNIST_TARGET = 0.94
 EVAL_EVERY_S = 0.25
-WARMUP_S = 2.0
-JOB_TIMEOUT_S = 300.0
-THROUGHPUT_STEPS = 1600  # pushes of 128 examples: ~10-15 s of training on 2 cores
+JOB_TIMEOUT_S = 600.0
+SHARDS, REPLICAS = 2, 2
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+SYNTHETIC_784 = "synthetic:features=784,classes=10,samples=8192,seed=1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A job of the efficiency figures; its one-process baseline trains the same spec."""
+    hidden: tuple[int, ...]
+    source: str
+    batch: int
+    every: int  # fetchEvery = pushEvery
+    steps: int  # the job's maxSteps (global updates)
+    warmup_s: float  # history before this is start-up, left out of the rate
+    eval_every_s: float = 1.0
+    baseline_s: float = 5.0  # timed seconds of the one-process baseline
+    memory: str = "1Gi"
+    max_runs: int = 5  # runs of this workload at most, whatever --runs says
+
+
+WORKLOADS = {
+    "compute_bound": Workload((512, 512), SYNTHETIC_784, 128, 1, steps=1600, warmup_s=2.0),
+    "communication_bound": Workload((256, 128), SYNTHETIC_784, 32, 2, steps=4000, warmup_s=2.0),
+    "large_dense": Workload((10000, 8000), "synthetic:features=1000,classes=10,samples=2048,seed=1", 32, 1,
+                            steps=40, warmup_s=15.0, eval_every_s=10.0, baseline_s=20.0, memory="4Gi", max_runs=3),
+}
 
 
 def example(name: str) -> dict:
     return yaml.safe_load((REPO / "examples" / name).read_text())
 
 
-def throughput_job(*, encrypted: bool) -> dict:
+def workload_job(name: str, w: Workload, *, scale: float = 1.0, encrypted: bool = True) -> dict:
+    """The DistBeliefJob of a workload: the digits example with the workload's model, data and settings."""
     job = example("digits-mlp.yaml")
-    job["metadata"]["name"] = "throughput"
+    job["metadata"]["name"] = name.replace("_", "-")
     spec = job["spec"]
-    spec["model"] = {"type": "mlp", "hiddenLayers": [512, 512], "activation": "relu"}
-    spec["data"] = {"source": "synthetic:features=784,classes=10,samples=8192,seed=1", "testFraction": 0.1,
-                    "maxEvalExamples": 256}
-    spec["training"].update({"batchSize": 128, "maxSteps": THROUGHPUT_STEPS, "evalEverySeconds": 1})
-    spec["workers"]["replicas"] = 2
+    spec["model"] = {"type": "mlp", "hiddenLayers": list(w.hidden), "activation": "relu"}
+    spec["data"] = {"source": w.source, "testFraction": 0.1, "maxEvalExamples": 256}
+    spec["training"].update({"batchSize": w.batch, "fetchEvery": w.every, "pushEvery": w.every,
+                             "maxSteps": max(1, round(w.steps * scale)), "evalEverySeconds": w.eval_every_s})
+    spec["parameterServers"]["shards"], spec["workers"]["replicas"] = SHARDS, REPLICAS
     spec["parameterServers"]["encryption"] = encrypted
+    for role in (spec["parameterServers"], spec["workers"]):
+        role["resources"]["limits"]["memory"] = w.memory
+    return job
+
+
+def mnist_job() -> dict:
+    """The communication-bound job on the MNIST-sized set, until 0.94 held-out accuracy."""
+    job = workload_job("mnist", WORKLOADS["communication_bound"])
+    spec = job["spec"]
+    spec["data"] = {"source": f"npz:{mnist_sized.make()}", "testFraction": mnist_sized.TEST_FRACTION,
+                    "maxEvalExamples": mnist_sized.HELD_OUT}
+    spec["training"].update({"targetAccuracy": MNIST_TARGET, "evalEverySeconds": EVAL_EVERY_S,
+                             "maxSteps": 1_000_000})
     return job
 
 
@@ -86,83 +146,185 @@ def run_job(job: dict) -> tuple[float, list[dict]]:
         return launched, [json.loads(line) for line in history.read_text().splitlines()]
 
 
-def steady_rate(history: list[dict]) -> float:
-    """Examples/s between the first evaluation after WARMUP_S and the last one."""
-    warm = [h for h in history if h["elapsed"] >= WARMUP_S]
+def steady_rate(history: list[dict], warmup_s: float = 2.0) -> float:
+    """Examples/s between the first evaluation after warmup_s and the last one."""
+    warm = [h for h in history if h["elapsed"] >= warmup_s]
+    if len(warm) < 2:
+        raise RunFailed(f"{len(warm)} evaluation(s) after {warmup_s} s of warm-up: no rate", None)
     first, last = warm[0], warm[-1]
     return (last["examples"] - first["examples"]) / (last["time"] - first["time"])
 
 
-def seconds_to_target(launched: float, history: list[dict]) -> float:
-    hit = next(h for h in history if h["accuracy"] >= TARGET_ACCURACY)
+def seconds_to_target(launched: float, history: list[dict], target: float = TARGET_ACCURACY) -> float:
+    hit = next((h for h in history if h["accuracy"] >= target), None)
+    if hit is None:
+        raise RunFailed(f"the job ended without reaching accuracy {target}", None)
     return hit["time"] - launched
 
 
-def examples_per_s(runs: int) -> dict:
-    rates: dict[str, list[float]] = {"distbelief": [], "distbelief_unencrypted": []}
-    for _ in range(runs):  # interleaved, so drift in the machine's load hits both alike
-        for name, encrypted in (("distbelief", True), ("distbelief_unencrypted", False)):
-            rates[name].append(steady_rate(run_job(throughput_job(encrypted=encrypted))[1]))
-    return {name: summarize(values) for name, values in rates.items()}
+def efficiency(job_rate: float, single_rate: float, cores: int) -> float:
+    """Parallel efficiency: examples/s per core of the job over those of one plain process."""
+    return job_rate / (cores * single_rate)
 
 
-def time_to_accuracy(runs: int) -> dict:
-    jobs = {"downpour": "digits-mlp.yaml", "sandblaster": "digits-sandblaster.yaml"}
-    times: dict[str, list[float]] = {name: [] for name in [*jobs, "single_process"]}
-    for _ in range(runs):  # interleaved, so drift in the machine's load hits all alike
-        for name, manifest in jobs.items():
-            times[name].append(seconds_to_target(*run_job(accuracy_job(manifest))))
-        times["single_process"].append(single_process_seconds())
-    return {name: summarize(values) for name, values in times.items()}
+def paired_efficiency(job: list[float | None], single: list[float | None], cores: int) -> list[float]:
+    """The efficiency of every run whose job and baseline both produced a rate."""
+    return [efficiency(j, s, cores) for j, s in zip(job, single) if j is not None and s is not None]
 
 
-def single_process_seconds() -> float:
+def job_rate(job: dict, warmup_s: float) -> Callable[[int], float]:
+    return lambda run: steady_rate(run_job(job)[1], warmup_s)
+
+
+def efficiency_figure(job: list, single: list, cores: int, w: Workload) -> dict:
+    return {**summarize(paired_efficiency(job, single, cores)), "cores": cores, "shards": SHARDS,
+            "replicas": REPLICAS, "batch": w.batch, "fetch_push_every": w.every,
+            "model": [*w.hidden], "examples_per_s": summarize(job),
+            "single_process_examples_per_s": summarize(single)}
+
+
+def measure_workload(name: str, runs: int, scale: float, cores: int, failures: list[dict],
+                     variants: dict[str, Callable[[int], float]] | None = None) -> tuple[dict, dict[str, list]]:
+    """A workload's job, any variants of it, and its one-process baseline, interleaved:
+    (its efficiency figure, every measure's rates by name)."""
+    w = WORKLOADS[name]
+    job = workload_job(name, w, scale=scale)
+    baseline = f"{name}_single_process"
+    values = interleaved(min(runs, w.max_runs), {
+        name: job_rate(job, w.warmup_s), **(variants or {}),
+        baseline: lambda run: baseline_rate(job["spec"], w.baseline_s * scale),
+    }, failures, "e2e ")
+    return efficiency_figure(values[name], values[baseline], cores, w), values
+
+
+def measure_examples(runs: int, scale: float, cores: int, failures: list[dict]) -> dict:
+    """examples_per_s (encrypted and not) and efficiency.compute_bound, from the same runs."""
+    w = WORKLOADS["compute_bound"]
+    unencrypted = job_rate(workload_job("compute_bound", w, scale=scale, encrypted=False), w.warmup_s)
+    figure, values = measure_workload("compute_bound", runs, scale, cores, failures,
+                                      {"compute_bound_unencrypted": unencrypted})
+    return {"examples_per_s": {"distbelief": summarize(values["compute_bound"]),
+                               "distbelief_unencrypted": summarize(values["compute_bound_unencrypted"])},
+            "efficiency": {"compute_bound": figure}}
+
+
+def measure_efficiency(runs: int, scale: float, cores: int, failures: list[dict]) -> dict:
+    return {"efficiency": {name: measure_workload(name, runs, scale, cores, failures)[0]
+                           for name in ("communication_bound", "large_dense")}}
+
+
+def measure_accuracy(runs: int, failures: list[dict]) -> dict:
+    downpour, sandblaster = accuracy_job("digits-mlp.yaml"), accuracy_job("digits-sandblaster.yaml")
+    digits_values = interleaved(runs, {
+        "downpour": lambda run: seconds_to_target(*run_job(downpour)),
+        "sandblaster": lambda run: seconds_to_target(*run_job(sandblaster)),
+        "single_process": lambda run: single_process_seconds(example("digits-mlp.yaml")["spec"], TARGET_ACCURACY),
+    }, failures, "e2e ")
+    job = mnist_job()
+    mnist_values = interleaved(runs, {
+        "distbelief": lambda run: seconds_to_target(*run_job(job), MNIST_TARGET),
+        "single_process": lambda run: single_process_seconds(job["spec"], MNIST_TARGET),
+    }, failures, "e2e ")
+    return {"time_to_accuracy_s": {name: summarize(v) for name, v in digits_values.items()},
+            "time_to_accuracy_mnist_s": {name: summarize(v) for name, v in mnist_values.items()}}
+
+
+# -- one plain process on one thread --------------------------------------------------
+
+def plain_child(task: dict, timeout: float = JOB_TIMEOUT_S) -> dict:
+    """Run this script's one-process trainer on one thread; what it reports."""
+    out = subprocess.run([sys.executable, __file__, "--single-process", json.dumps(task)], check=True,
+                         timeout=timeout, capture_output=True, text=True, env={**os.environ, **ONE_THREAD}).stdout
+    return json.loads(out)
+
+
+def baseline_rate(spec: dict, seconds: float) -> float:
+    return plain_child({"spec": spec, "seconds": seconds})["examples_per_s"]
+
+
+def single_process_seconds(spec: dict, target: float) -> float:
     launched = time.time()
-    out = subprocess.run([sys.executable, __file__, "--single-process"], check=True, timeout=JOB_TIMEOUT_S,
-                         capture_output=True, text=True).stdout
-    return json.loads(out)["hit"] - launched
+    return plain_child({"spec": spec, "target": target})["hit"] - launched
 
 
-def train_single_process() -> None:
-    """The downpour example's model and optimiser, in this process: prints when it hits the target."""
-    spec = example("digits-mlp.yaml")["spec"]
+def plain_trainer(spec: dict) -> tuple[Callable[[], None], Callable[[], float]]:
+    """A job's model, data and optimiser in this process, no parameter server:
+    (one training step, held-out accuracy now)."""
     dataset = data.load(spec["data"])
     model = models.build_model(spec["model"], dataset.n_features, dataset.n_classes)
     params = model.init_params(0)
     grad = np.empty_like(params)
     adagrad = optim.Adagrad(params.size, spec["training"]["learningRate"])
     batches = data.minibatches(dataset, spec["training"]["batchSize"], np.random.default_rng(0))
-    next_eval = time.time()
-    while True:
+    limit = int(spec["data"].get("maxEvalExamples", len(dataset.x_test)))
+    x_test, y_test = dataset.x_test[:limit], dataset.y_test[:limit]
+
+    def step() -> None:
         model.loss_and_grad(params, next(batches), out=grad)
         adagrad.apply(params, grad)
+    return step, lambda: models.evaluate(model, params, x_test, y_test)[1]
+
+
+def train_for(step: Callable[[], None], batch: int, seconds: float) -> dict:
+    """Examples/s over `seconds` of steps (at least 3), after 2 untimed warm-up steps."""
+    step(), step()
+    started, steps = time.perf_counter(), 0
+    while steps < 3 or time.perf_counter() - started < seconds:
+        step()
+        steps += 1
+    return {"examples_per_s": steps * batch / (time.perf_counter() - started)}
+
+
+def train_to(step: Callable[[], None], accuracy: Callable[[], float], target: float) -> dict:
+    """Train until held-out accuracy reaches target, evaluating every EVAL_EVERY_S; when it did."""
+    next_eval = time.time()
+    while True:
+        step()
         if time.time() >= next_eval:
-            if models.evaluate(model, params, dataset.x_test, dataset.y_test)[1] >= TARGET_ACCURACY:
-                print(json.dumps({"hit": time.time()}))
-                return
+            if accuracy() >= target:
+                return {"hit": time.time()}
             next_eval = time.time() + EVAL_EVERY_S
+
+
+def single_process_main(task: dict) -> None:
+    step, accuracy = plain_trainer(task["spec"])
+    if "target" in task:
+        report = train_to(step, accuracy, task["target"])
+    else:
+        report = train_for(step, task["spec"]["training"]["batchSize"], task["seconds"])
+    print(json.dumps(report))
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--what", choices=["examples", "accuracy", "all"], default="all")
+    p.add_argument("--what", choices=["examples", "efficiency", "accuracy", "all"], default="all")
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="times the jobs' steps and the baselines' seconds (below 1 for quick trials only)")
     p.add_argument("--json", default=None)
-    p.add_argument("--single-process", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--single-process", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.single_process:
-        train_single_process()
+        single_process_main(json.loads(args.single_process))
         return 0
+    cores, failures = available_cores(), []
     results: dict = {}
     if args.what in ("examples", "all"):
-        results["examples_per_s"] = examples_per_s(args.runs)
+        results.update(measure_examples(args.runs, args.scale, cores, failures))
+    if args.what in ("efficiency", "all"):
+        efficiency_part = measure_efficiency(args.runs, args.scale, cores, failures)["efficiency"]
+        results["efficiency"] = {**results.get("efficiency", {}), **efficiency_part}
     if args.what in ("accuracy", "all"):
-        results["time_to_accuracy_s"] = time_to_accuracy(args.runs)
+        results.update(measure_accuracy(args.runs, failures))
+    report(results)
+    save({**results, "failures": failures}, args.json)
+    return 0
+
+
+def report(results: dict) -> None:
     for key, group in results.items():
         for name, s in group.items():
             print(f"{key}.{name:<24} {fmt(s)}")
-    save(results, args.json)
-    return 0
 
 
 if __name__ == "__main__":

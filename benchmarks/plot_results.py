@@ -33,6 +33,14 @@ PANELS = [  # (title, unit, [(label, key path)])
         ("downpour", ("time_to_accuracy_s", "downpour")), ("sandblaster", ("time_to_accuracy_s", "sandblaster")),
         ("one process", ("time_to_accuracy_s", "single_process")),
         ("torch DDP gloo", ("time_to_accuracy_s", "torch_ddp_gloo"))]),
+    ("Parallel efficiency (1 = linear)", "job / (cores x one process)", [
+        ("compute-bound", ("efficiency", "compute_bound")),
+        ("communication-bound", ("efficiency", "communication_bound")),
+        ("large dense", ("efficiency", "large_dense"))]),
+    ("Time to 0.94, MNIST-sized", "s (lower is better)", [
+        ("distbelief", ("time_to_accuracy_mnist_s", "distbelief")),
+        ("one process", ("time_to_accuracy_mnist_s", "single_process")),
+        ("torch DDP gloo", ("time_to_accuracy_mnist_s", "torch_ddp_gloo"))]),
     ("Operator: create to children", "s (lower is better)", [
         ("1 job", ("operator_create_to_children_s", "jobs_1")),
         ("50 jobs", ("operator_create_to_children_s", "jobs_50"))]),
@@ -40,12 +48,13 @@ PANELS = [  # (title, unit, [(label, key path)])
 
 
 def lookup(results: dict, path: tuple[str, ...]) -> dict | None:
+    """The figure at path, or None when it is missing or no run produced it."""
     node = results
     for key in path:
         node = node.get(key) if isinstance(node, dict) else None
         if node is None:
             return None
-    return node
+    return node if node.get("median") is not None else None
 
 
 def plot(results: dict, out: str) -> None:
