@@ -58,7 +58,8 @@ class LiveShards:
 
 def start_shards(folder: Path, layout: Layout, initial: np.ndarray, **settings: Any) -> LiveShards:
     shards, threads = [], []
-    optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1)}
+    optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1),
+                 "max_gradient_norm": settings.pop("max_gradient_norm", 1e4)}
     for index in range(layout.shards):
         options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
         shard = Shard(ShardSettings(shard=index, **options), layout, ShardMetrics(prom.CollectorRegistry(), index))

@@ -17,7 +17,7 @@ MAX_LINES = 400
 CLUSTER_MODULES = ("handlers", "kube", "render", "spec", "status", "scrape")
 RUNTIME_FOR_THE_OPERATOR = {"distbelief.runtime", "distbelief.runtime.contract", "distbelief.runtime.keys",
                             "distbelief.runtime.errors"}
-CORE = ("protocol", "transport", "memory_transport", "shard")
+CORE = ("protocol", "transport", "memory_transport", "plugin", "shard")
 ALGORITHM_MODULES = ("distbelief.runtime.dense", "distbelief.runtime.sandblaster", "distbelief.runtime.worker",
                      "distbelief.runtime.algorithms")
 

@@ -1,4 +1,5 @@
-"""Protocol fuzzing: more than 10,000 generated messages against one live shard.
+"""Protocol fuzzing: more than 10,000 generated messages against one live shard, sent
+with the replicas' key (the strongest attacker who is not the chief).
 
 Hypothesis draws batches of messages:
 - every header field comes from a mix of valid and invalid values;
@@ -13,7 +14,7 @@ must do: apply an update, get an OK reply, get an error reply, or be dropped. Af
 batch a valid pull, sent behind the batch on the same socket, checks the outcome:
 - the shard's thread is alive and still answers;
 - every reply matches the oracle;
-- the step counts exactly the valid pushes;
+- the step counts exactly the valid pushes (finite ones, too long ones clipped);
 - the parameters equal a reference optimizer fed the same valid gradients, bit for bit.
 
 Memory is measured while every batch is replayed after the hypothesis run (hypothesis
@@ -42,7 +43,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from distbelief.runtime import dense, protocol
+from distbelief.runtime import dense, keys, protocol, transport
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.optim import make_optimizer
 from distbelief.runtime.protocol import HEADER, MAGIC, VERSION
@@ -54,10 +55,11 @@ from conftest import LiveShards, start_shards
 LAYOUT = Layout.of([("w", (16, 8)), ("b", (8,))], shards=1)
 SIZE = LAYOUT.size(0)
 LEARNING_RATE = 0.05
+MAX_GRADIENT_NORM = 100.0
 BATCH = 40
 EXAMPLES = 300                      # 300 batches of 40: 12,000 messages
 MIN_MESSAGES = 10_000
-MAX_FRAME = protocol.max_frame_bytes(SIZE)
+MAX_FRAME = protocol.max_frame_bytes(SIZE) + transport.FRAME_OVERHEAD  # what libzmq lets in
 PUSH, PUSH_PULL, PULL = dense.PUSH.code, dense.PUSH_PULL.code, dense.PULL.code
 HELLO, STATS, DONE = protocol.HELLO.code, protocol.STATS.code, protocol.DONE.code
 PULL_MARKER = 0xFFFFFFFF            # the seq of the checking pull (batch messages count up from 1)
@@ -128,6 +130,8 @@ PAYLOAD_KINDS = ["grad", "grad", "grad", "update", "update", "short", "long", "f
 PAYLOADS = st.sampled_from([True, False]).flatmap(
     lambda plain: st.just(("update", "grad")) if plain else
     st.lists(st.sampled_from(PAYLOAD_KINDS), min_size=0, max_size=4).map(tuple))
+JOB_KEYS = keys.JobKeys.generate()
+REPLICA_OPTIONS = JOB_KEYS.client_options(role=keys.REPLICA)
 UPDATES = {"update": (8, 0.5), "no-examples": (0, 0.5), "many-examples": (2**32 - 1, 0.5),
            "nan-loss": (8, float("nan")), "huge-loss": (8, 3e38)}
 
@@ -223,9 +227,19 @@ def expected(frames: list[bytes]) -> tuple[str, np.ndarray | None]:
     if len(body) != 2 or count != SIZE or len(body[1]) != SIZE * 4 or not _valid_update(body[0]):
         return ERROR, None
     grad = np.frombuffer(body[1], dtype="<f4")
-    with np.errstate(over="ignore", invalid="ignore"):
-        finite = bool(np.isfinite(np.dot(grad, grad)))
-    return (APPLY, grad) if finite else (ERROR, None)
+    if not np.isfinite(grad).all():
+        return ERROR, None
+    return APPLY, _clipped(grad)
+
+
+def _clipped(grad: np.ndarray) -> np.ndarray:
+    """A finite gradient as the shard applies it: scaled down to MAX_GRADIENT_NORM if longer."""
+    with np.errstate(over="ignore"):
+        squared = float(np.dot(grad, grad))
+    if not np.isfinite(squared):  # finite values whose float32 squares overflow
+        squared = float(np.dot(grad.astype(np.float64), grad.astype(np.float64)))
+    norm = squared ** 0.5
+    return grad if norm <= MAX_GRADIENT_NORM else grad * np.float32(MAX_GRADIENT_NORM / norm)
 
 
 def _valid_update(frame: bytes) -> bool:
@@ -254,12 +268,23 @@ def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveShards]:
     level = shard_log.level
     shard_log.setLevel(logging.ERROR)
     live = start_shards(tmp_path_factory.mktemp("fuzz"), LAYOUT, initial, learning_rate=LEARNING_RATE,
-                        optimizer="adagrad", checkpoint_every=3600)
+                        optimizer="adagrad", checkpoint_every=3600, security=JOB_KEYS.server_security(),
+                        max_gradient_norm=MAX_GRADIENT_NORM)
     try:
         yield live
     finally:
         live.stop()
         shard_log.setLevel(level)
+
+
+def _replica_socket(address: str, linger: int = 0) -> zmq.Socket:
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, linger)
+    socket.setsockopt(zmq.RCVHWM, 0)  # the replies of a whole batch wait here until the check reads them
+    for option, value in REPLICA_OPTIONS.items():
+        socket.setsockopt(option, value)
+    socket.connect(address)
+    return socket
 
 
 def _rss_bytes() -> int:
@@ -275,10 +300,7 @@ class Peer:
 
     def __init__(self, live: LiveShards) -> None:
         self.live = live
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
-        self.socket.connect(live.addresses[0])
+        self.socket = _replica_socket(live.addresses[0])
         self.params = live.params(0).copy()
         self.optimizer = make_optimizer("adagrad", SIZE, learning_rate=LEARNING_RATE)
         self.step = live.shards[0].step
@@ -309,9 +331,7 @@ class Peer:
 
     def _send_oversize(self, header: bytes) -> None:
         """A frame over ZMQ_MAXMSGSIZE: libzmq drops the connection, so a throwaway one."""
-        throwaway = zmq.Context.instance().socket(zmq.DEALER)
-        throwaway.setsockopt(zmq.LINGER, 1000)
-        throwaway.connect(self.live.addresses[0])
+        throwaway = _replica_socket(self.live.addresses[0], linger=1000)
         throwaway.send_multipart([header, bytes(MAX_FRAME + 1)])
         throwaway.close()
         self.tally.outcomes["oversize"] = self.tally.outcomes.get("oversize", 0) + 1
@@ -377,7 +397,7 @@ def test_fuzzed_messages_never_crash_the_shard_nor_apply_an_invalid_update(shard
     assert held < TRACED_GROWTH_LIMIT, f"{held} more bytes are allocated after the replay"
     assert rss_growth < RSS_GROWTH_LIMIT, f"RSS grew by {rss_growth} bytes while {sent} bytes were replayed"
     out = np.empty(SIZE, dtype=np.float32)
-    (reply,) = shard.group().pull(out)  # and a regular client is still served
+    (reply,) = shard.group(security=REPLICA_OPTIONS).pull(out)  # and a regular client is still served
     assert reply.header.step == peer.step
     np.testing.assert_array_equal(out, peer.params)
 

@@ -42,8 +42,10 @@ def test_keys_round_trip_through_a_folder_of_0600_files(tmp_path: Path) -> None:
     assert keys.JobKeys.read(str(tmp_path / "keys")) == made
     security = made.server_security()
     assert security.mechanism == "curve" and security.options[zmq.CURVE_SERVER] == 1
-    assert security.admitted == {made.client_public}
+    assert security.admitted == {keys.REPLICA: made.client_public, keys.CHIEF: made.chief_public}
+    assert security.is_chief(made.chief_public.decode()) and not security.is_chief(made.client_public.decode())
     assert made.client_options()[zmq.CURVE_SERVERKEY] == made.server_public
+    assert made.client_options(role=keys.CHIEF)[zmq.CURVE_PUBLICKEY] == made.chief_public
     with pytest.raises(errors.ConfigError):
         made.write(str(tmp_path / "keys"))  # never overwrites a key
 
@@ -69,7 +71,7 @@ def test_a_replica_copy_without_the_server_secret_cannot_serve(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda folder: (folder / keys.CLIENT_SECRET).unlink(), "lacks client.secret"),
+    (lambda folder: (folder / keys.CLIENT_PUBLIC).unlink(), "lacks client.public"),
     (lambda folder: (folder / keys.SERVER_PUBLIC).write_text("short\n"), "not a 40-character Z85 key"),
     (lambda folder: (folder / keys.CLIENT_PUBLIC).write_text(
         keys.JobKeys.generate().client_public.decode() + "\n"), "client.public does not match"),
@@ -82,16 +84,27 @@ def test_incomplete_or_mismatched_keys_are_one_clear_error(tmp_path: Path, damag
     assert str(tmp_path) in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_the_plain_token_comes_from_the_client_secret_without_revealing_it() -> None:
+def test_each_role_s_plain_token_comes_from_its_secret_without_revealing_it() -> None:
     made, other = keys.JobKeys.generate(), keys.JobKeys.generate()
-    token = made.plain_token()
-    assert token == keys.JobKeys(**{**made.__dict__, "server_secret": None}).plain_token()  # a replica's copy
-    assert token != other.plain_token() and made.client_secret not in token and len(token) == 64
-    assert made.client_options(encrypted=False) == {zmq.PLAIN_USERNAME: keys.PLAIN_USERNAME.encode(),
-                                                    zmq.PLAIN_PASSWORD: token}
+    token, chief = made.plain_token(), made.plain_token(keys.CHIEF)
+    assert token == keys.JobKeys(**{**made.__dict__, "server_secret": None, "chief_secret": None}).plain_token()
+    assert len({token, chief, other.plain_token()}) == 3 and made.client_secret not in token and len(token) == 64
+    assert made.client_options(encrypted=False) == {zmq.PLAIN_USERNAME: b"replica", zmq.PLAIN_PASSWORD: token}
+    assert made.client_options(role=keys.CHIEF, encrypted=False)[zmq.PLAIN_USERNAME] == b"chief"
     security = made.server_security(encrypted=False)
     assert security.mechanism == "plain" and security.options == {zmq.PLAIN_SERVER: 1}
-    assert security.admitted == {token}
+    assert security.admitted == {keys.REPLICA: token, keys.CHIEF: chief}
+    assert security.is_chief("chief") and not security.is_chief("replica") and not security.is_chief(None)
+
+
+def test_a_replica_copy_cannot_act_as_the_chief(tmp_path: Path) -> None:
+    files = keys.JobKeys.generate().files()
+    (tmp_path / "k").mkdir()
+    for name in (*keys.CLIENT_FILES, keys.CHIEF_PUBLIC):
+        (tmp_path / "k" / name).write_text(files[name])
+    copy = keys.JobKeys.read(str(tmp_path / "k"))
+    with pytest.raises(errors.ConfigError, match="no chief secret key"):
+        copy.client_options(role=keys.CHIEF)
 
 
 @pytest.fixture
@@ -191,7 +204,7 @@ def test_stopped_shards_release_their_zap_handler(tmp_path: Path, job_keys: keys
 def test_a_secured_server_without_client_credentials_is_refused(tmp_path: Path, job_keys: keys.JobKeys,
                                                                  encrypted: bool) -> None:
     layout = Layout.of([("w", (3,))], shards=1)
-    security = dataclasses.replace(job_keys.server_security(encrypted=encrypted), admitted=frozenset())
+    security = dataclasses.replace(job_keys.server_security(encrypted=encrypted), admitted={})
     settings = ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path), security=security)
     shard = Shard(settings, layout, ShardMetrics(prom.CollectorRegistry(), 0))
     with pytest.raises(errors.ConfigError, match="admit any peer"):
@@ -219,12 +232,12 @@ def test_roles_take_the_jobs_choice_of_encryption_and_warn_when_it_is_off(
         shard = roles.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job())  # a config from before the field
         worker = roles.load_access(str(tmp_path / "k"), contract.ROLE_WORKER, _Job(encryption=True))
     assert "event=unencrypted" not in caplog.text
-    assert shard == roles.Access(server=made.server_security(), client=made.client_options())
+    assert shard == roles.Access(server=made.server_security(), client=made.client_options(role=keys.CHIEF))
     assert worker == roles.Access(server=None, client=made.client_options())
     with caplog.at_level(logging.WARNING):
         plain = roles.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job(encryption=False))
     assert plain == roles.Access(server=made.server_security(encrypted=False),
-                                 client=made.client_options(encrypted=False))
+                                 client=made.client_options(role=keys.CHIEF, encrypted=False))
     assert "event=unencrypted role=ps" in caplog.text
 
 
@@ -253,11 +266,11 @@ def test_a_role_with_damaged_keys_stops_with_one_clear_line(tmp_path: Path) -> N
         "parameterServers": {"shards": 1, "port": 7070}}}
     (tmp_path / "job.json").write_text(json.dumps(config))
     keys.JobKeys.generate().write(str(tmp_path / "k"))
-    (tmp_path / "k" / keys.CLIENT_SECRET).unlink()
+    (tmp_path / "k" / keys.SERVER_PUBLIC).unlink()
     done = subprocess.run([sys.executable, "-m", "distbelief.operator.cli", "worker", "--config",
                            str(tmp_path / "job.json"), "--keys-dir", str(tmp_path / "k"), "--metrics-port", "0",
                            "--listen", "127.0.0.1"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, contract.ENV_PS_ADDRESSES: "tcp://127.0.0.1:1"})
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == f"error: keys folder {tmp_path / 'k'} lacks client.secret"
+    assert done.stderr.strip().splitlines()[-1] == f"error: keys folder {tmp_path / 'k'} lacks server.public"
     assert "Traceback" not in done.stderr

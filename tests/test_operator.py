@@ -225,7 +225,9 @@ def test_the_keys_secret_is_made_once_and_never_rotated(cluster: tuple[KubeEmula
     made = keys.JobKeys(server_public=files[keys.SERVER_PUBLIC].strip().encode(),
                         server_secret=files[keys.SERVER_SECRET].strip().encode(),
                         client_public=files[keys.CLIENT_PUBLIC].strip().encode(),
-                        client_secret=files[keys.CLIENT_SECRET].strip().encode())
+                        client_secret=files[keys.CLIENT_SECRET].strip().encode(),
+                        chief_public=files[keys.CHIEF_PUBLIC].strip().encode(),
+                        chief_secret=files[keys.CHIEF_SECRET].strip().encode())
     made._check_pairs("the Secret")  # real, matching Curve keypairs
     sts = wait(kube, "apps/v1/statefulsets", "keys-ps")
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}

@@ -113,6 +113,18 @@ def test_units_go_out_in_order_then_as_backups_and_the_first_result_wins():
     assert not queue.complete(1, 6, 0, 9.0)               # a result of an old evaluation
 
 
+def test_a_unit_is_held_only_by_the_replicas_it_went_to_in_its_evaluation():
+    """The coordinator takes a result (or a 'lost' that forces a rollback) only from them."""
+    queue = WorkQueue(100, 50, backups=True)
+    queue.begin(7)
+    assert queue.assign(b"a").unit == 0 and queue.assign(b"b").unit == 1 and queue.assign(b"c").unit in (0, 1)
+    assert queue.holds(b"a", 7, 0) and not queue.holds(b"b", 7, 0) and not queue.holds(b"a", 6, 0)
+    assert queue.complete(b"a", 7, 0, 0.5)
+    assert queue.holds(b"a", 7, 0)  # a late copy of a done unit still comes from a holder
+    queue.begin(8)
+    assert not queue.holds(b"a", 8, 0)
+
+
 def test_without_backups_a_unit_goes_out_again_only_after_it_went_quiet():
     clock = Clock()
     queue = WorkQueue(total=10, unit_size=10, backups=False, reissue_after=30.0, clock=clock)

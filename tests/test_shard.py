@@ -205,11 +205,11 @@ def test_a_silent_shard_is_reported_with_its_address(two_shards: LiveShards) -> 
 
 
 def _hostile_messages(layout: Layout, rng: random.Random) -> list[list[bytes]]:
-    """Malformed, mis-sized, mis-addressed, non-finite and foreign messages."""
+    """Malformed, mis-sized, mis-addressed, non-finite and foreign messages. (Finite but
+    huge gradients are applied, clipped: test_a_huge_gradient_is_clipped_to_the_bound...)"""
     size0 = layout.size(0)
     good = dict(op=dense.PUSH.code, shard=0, layout=layout.hash, count=size0)
     nan = np.full(size0, np.nan, dtype=np.float32).tobytes()
-    huge = np.full(size0, 3e38, dtype=np.float32).tobytes()
     valid = np.ones(size0, dtype=np.float32).tobytes()
 
     def header(**fields: int) -> bytes:
@@ -233,7 +233,6 @@ def _hostile_messages(layout: Layout, rng: random.Random) -> list[list[bytes]]:
         lambda: [header(), UPDATE, valid[: rng.randint(0, len(valid) - 1)]],
         lambda: [header(), UPDATE, valid + b"\0\0\0\0"],
         lambda: [header(), UPDATE, nan],
-        lambda: [header(), UPDATE, huge],
         lambda: [header(), dense.Update(examples=0, loss=1.0).pack(), valid],
         lambda: [header(), struct.pack("<If", 1, float("nan")), valid],
         lambda: [header(), UPDATE[:-1], valid],
@@ -366,7 +365,7 @@ def test_a_worker_waiting_for_absent_shards_stops_promptly_on_sigterm(tmp_path: 
 def test_a_shard_resumed_with_another_optimizer_stops_in_one_line_and_keeps_its_checkpoints(tmp_path: Path) -> None:
     config = {"name": "softmax", "namespace": "default", "spec": {
         "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
-        "training": {"learningRate": 0.1, "optimizer": "adagrad", "warmstartSteps": 0, "seed": 0,
+        "training": {"learningRate": 0.1, "optimizer": "adagrad", "warmstartSteps": 0, "seed": 0, "maxGradientNorm": 100,
                      "maxSteps": 10, "evalEverySeconds": 5, "sandblaster": {"historySize": 4}},
         "parameterServers": {"shards": 1, "port": 7070, "checkpoint": {"everySeconds": 30, "keep": 3}}}}
     job = roles.Job(JobConfig.from_json(json.dumps(config)))
@@ -385,3 +384,43 @@ def test_a_shard_resumed_with_another_optimizer_stops_in_one_line_and_keeps_its_
     assert len(errors_said) == 1 and "'sgd'" in errors_said[0] and "'adagrad'" in errors_said[0]
     assert "Traceback" not in done.stderr
     assert sorted(os.listdir(tmp_path / "shard-0")) == saved
+
+
+@pytest.mark.parametrize("poison", ["huge", "overflowing"])
+def test_a_huge_gradient_is_clipped_to_the_bound_and_counted(tmp_path: Path, poison: str) -> None:
+    layout = Layout.of([("w", (50,))], shards=1)
+    live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), optimizer="sgd", learning_rate=0.1)
+    live.shards[0].plugin(dense.DenseSlice).max_gradient_norm = 10.0
+    grad = np.zeros(layout.total, np.float32)
+    grad[:2] = (3e6, 4e6) if poison == "huge" else (1.8e19, 0.0)  # the second overflows a float32 dot
+    try:
+        live.group().push(grad, steps=[0], examples=1, loss=1.0)
+        params = live.params(0)
+        assert np.isfinite(params).all()
+        assert np.linalg.norm(params) == pytest.approx(0.1 * 10.0, rel=1e-5)  # lr x the bound, in grad's direction
+        np.testing.assert_allclose(params[:2] / np.linalg.norm(params), -grad[:2] / np.linalg.norm(grad[:2]),
+                                   rtol=1e-5)
+        assert live.shards[0].metrics.clipped._value.get() == 1
+        live.group().push(np.full(layout.total, 0.01, np.float32), steps=[1], examples=1, loss=1.0)
+        assert live.shards[0].metrics.clipped._value.get() == 1  # an honest push is applied as it is
+    finally:
+        live.stop()
+
+
+def test_a_non_finite_state_never_reaches_a_checkpoint_and_is_restored(tmp_path: Path) -> None:
+    layout = Layout.of([("w", (8,))], shards=1)
+    live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), optimizer="sgd", learning_rate=0.1)
+    shard, folder = live.shards[0], tmp_path / "shard-0"
+    try:
+        live.group().push(np.ones(layout.total, np.float32), steps=[0], examples=1, loss=1.0)
+        shard.checkpoint_now()
+        good = live.params(0).copy()
+        live.group().push(np.ones(layout.total, np.float32), steps=[1], examples=1, loss=1.0)
+        live.params(0)[3] = np.inf  # as an overflowing update would leave it
+        written = sorted(os.listdir(folder))
+        shard.checkpoint_now()
+        assert sorted(os.listdir(folder)) == written  # nothing written, nothing pruned
+        np.testing.assert_array_equal(live.params(0), good)
+        assert shard.step == 1 and shard.metrics.non_finite._value.get() == 1
+    finally:
+        live.stop()

@@ -7,6 +7,13 @@
 
 The slice's optimizer comes from the registry in optim.py; its state is saved in the
 shard's checkpoints, and a checkpoint written by another optimizer is refused on restore.
+
+A pushed gradient with a non-finite value is refused. One whose norm (over this shard's
+slice) exceeds spec.training.maxGradientNorm is scaled down to it, not refused: a clip
+keeps an honest replica's rare spike training, and bounds what one poisoned push can do
+(it can no longer drive a weight, or an Adagrad accumulator, to overflow). Clipped
+updates are counted (distbelief_clipped_updates_total), so a bound that bites honest
+training shows.
 Algorithms that do not train by pushes (Sandblaster) attach the slice with pushes=False,
 and neither PUSH nor PUSH_PULL is then served.
 """
@@ -22,10 +29,8 @@ import numpy as np
 from distbelief.runtime import checkpoint, errors, protocol
 from distbelief.runtime.optim import make_optimizer
 from distbelief.runtime.protocol import Message, OpSpec
-from distbelief.runtime.shard import Answer, Handler, Shard
-
-MAX_EXAMPLES = 1 << 24    # examples one push may stand for
-MAX_LOSS = 1e30           # a reported mean loss beyond this is no honest replica's
+from distbelief.runtime.plugin import Answer, Handler
+from distbelief.runtime.shard import Shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +42,9 @@ class Update(protocol.Payload):
     FORMAT = struct.Struct("<If")
 
     def check(self) -> None:
-        if not 0 < self.examples <= MAX_EXAMPLES:
-            raise errors.ProtocolError(f"a push must stand for 1..{MAX_EXAMPLES} examples (got {self.examples})")
-        if not abs(self.loss) <= MAX_LOSS:  # also false for NaN
+        if not 0 < self.examples <= protocol.MAX_EXAMPLES:
+            raise errors.ProtocolError(f"a push must stand for 1..{protocol.MAX_EXAMPLES} examples (got {self.examples})")
+        if not abs(self.loss) <= protocol.MAX_LOSS:  # also false for NaN
             raise errors.ProtocolError("loss is not a finite number")
 
 
@@ -52,7 +57,7 @@ OPTIMIZER_KEY = "optimizer"  # the checkpoint metadata that names the optimizer
 
 class DenseSlice:
     def __init__(self, shard: Shard, initial: np.ndarray, *, optimizer: str, learning_rate: float,
-                 pushes: bool = True) -> None:
+                 pushes: bool = True, max_gradient_norm: float = float("inf")) -> None:
         layout = shard.layout
         if initial.size != layout.total:
             raise errors.ConfigError(f"initial parameters have {initial.size} values, layout {layout.total}")
@@ -61,6 +66,8 @@ class DenseSlice:
         self.params = np.array(initial[first:last], dtype=np.float32)
         self.optimizer = make_optimizer(optimizer, self.params.size, learning_rate=learning_rate)
         self.pushes = pushes
+        self.max_gradient_norm = max_gradient_norm
+        self._clipped: np.ndarray | None = None  # made on the first clip: most jobs never need it
 
     def handlers(self) -> Mapping[OpSpec, Handler]:
         pulls: dict[OpSpec, Handler] = {PULL: self._pull}
@@ -99,13 +106,26 @@ class DenseSlice:
             raise errors.ProtocolError(
                 f"a push to shard {self.shard.index} must carry {self.params.size} float32 values, "
                 f"header declares {message.header.count}")
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we test for
-            finite = np.isfinite(np.dot(grad, grad))
-        if not finite:
-            raise errors.Refused("gradient has non-finite values; update refused")
-        self.optimizer.apply(self.params, grad)
+        self.optimizer.apply(self.params, self._bounded(grad))
         self.shard.applied(message.header, examples=message.meta.examples, loss=message.meta.loss)
         return Answer()
+
+    def _bounded(self, grad: np.ndarray) -> np.ndarray:
+        """grad, or a copy scaled to max_gradient_norm; Refused if it has a non-finite value."""
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we test for
+            squared = float(np.dot(grad, grad))
+        if not np.isfinite(squared):
+            if not np.isfinite(grad).all():
+                raise errors.Refused("gradient has non-finite values; update refused")
+            squared = float(np.dot(grad.astype(np.float64), grad.astype(np.float64)))  # finite, but huge
+        norm = squared ** 0.5
+        if norm <= self.max_gradient_norm:
+            return grad
+        if self._clipped is None:
+            self._clipped = np.empty_like(self.params)
+        np.multiply(grad, np.float32(self.max_gradient_norm / norm), out=self._clipped)
+        self.shard.metrics.clipped.inc()
+        return self._clipped
 
     def _push_pull(self, message: Message) -> Answer:
         self._push(message)

@@ -6,6 +6,7 @@
     │   ├── WrongShard       a request addressed to another shard
     │   ├── NotServed        an op the shard's algorithm does not serve
     │   ├── Refused          well formed, but not applied (a non-finite gradient)
+    │   ├── Forbidden        a privileged op from a peer without the chief's key
     │   └── StateConflict    what the shard's state cannot take (a rollback it cannot do)
     ├── ShardUnavailable     a shard that did not answer in time
     ├── ShardRefused         a shard that answered with an error
@@ -43,6 +44,10 @@ class NotServed(ProtocolError):
 
 
 class Refused(ProtocolError):
+    pass
+
+
+class Forbidden(ProtocolError):
     pass
 
 

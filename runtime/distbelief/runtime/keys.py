@@ -1,34 +1,38 @@
 """Keys of one job: who may talk to its parameter shards, and whether the traffic is encrypted.
 
-A job has two Curve25519 keypairs, made once when the job is created and never rotated
-silently:
+A job has three Curve25519 keypairs, made once when the job is created and never
+rotated silently:
 
     server   the shards' keypair (every shard of the job uses the same one)
-    client   one keypair shared by every replica and by the chief of the job
+    client   the replicas' keypair, shared by every replica of the job
+    chief    the chief's and the coordinator's (they run beside shard 0): the only key
+             whose holder may end the job or drive Sandblaster's vector ops
 
-One shared client keypair (rather than one per replica) is a deliberate choice: replicas
+One shared replica keypair (rather than one per replica) is a deliberate choice: replicas
 come and go under a Deployment and an autoscaler, so per-replica keys would need a key
-authority handing them out at run time. What the shards check is "holds this job's
-client key", which is what the threat model needs (docs/security.md): a peer without it
-can neither pull nor push. A replica cannot be told apart from another by its key.
+authority handing them out at run time. A replica cannot be told apart from another by
+its key; the shards tell connections apart by a random routing id each client keeps
+(transport.py), which a peer cannot guess.
 
 The keys are files in one folder (a mounted Secret on a cluster, OUTPUT/keys in local
 mode), each the 40-character Z85 text of one 32-byte key and a newline, mode 0600:
 
-    server.public  server.secret  client.public  client.secret
+    server.public  server.secret  client.public  client.secret  chief.public  chief.secret
 
-A worker's copy may lack server.secret (the renderer mounts only what a role needs).
-The shards authenticate clients with a ZAP handler (pyzmq's ThreadAuthenticator, one
-per ZeroMQ context, shared by the shards of that context) that admits, per shard
-socket's ZAP domain, only the job's client public key; a peer that knows the server's
-public key but not the client secret fails the handshake and gets nothing back.
+A worker's copy holds only CLIENT_FILES (the renderer mounts only what a role needs).
+The shards authenticate peers with a ZAP handler (a ThreadAuthenticator, one per ZeroMQ
+context, shared by the shards of that context) that admits, per serving socket's ZAP
+domain, only the job's client and chief public keys, and names the peer by its key
+(the ZAP User-Id) so that the shard can tell the chief apart; a peer that knows the
+server's public key but not a secret fails the handshake and gets nothing back.
 
 Encryption is the default: CurveZMQ authenticates and encrypts every message. A job with
 spec.parameterServers.encryption false trades the encryption for speed (on 2 cores the
 cipher takes most of a large model's step): its sockets use ZeroMQ's PLAIN mechanism with
-a token derived from the client secret key, so only key holders still get in, but the
-token and all traffic cross the network in the clear (docs/security.md says what that
-leaves open).
+a token per role derived from that role's secret key (user "replica" or "chief"), so
+only key holders still get in, checked in constant time; but the token and all traffic
+cross the network in the clear, and a token seen there can be replayed (docs/security.md
+says what that leaves open).
 
 The operator imports this module to make a job's Secret, and must not need the runtime's
 dependencies to do so at import time: zmq is imported inside the functions that use it.
@@ -38,8 +42,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import logging
 import os
+import stat
 import threading
 import time
 from typing import Any
@@ -52,11 +58,15 @@ SERVER_PUBLIC = "server.public"
 SERVER_SECRET = "server.secret"
 CLIENT_PUBLIC = "client.public"
 CLIENT_SECRET = "client.secret"
-FILES = (SERVER_PUBLIC, SERVER_SECRET, CLIENT_PUBLIC, CLIENT_SECRET)
-# What a replica needs: it never serves, so it never holds the server's secret.
+CHIEF_PUBLIC = "chief.public"
+CHIEF_SECRET = "chief.secret"
+FILES = (SERVER_PUBLIC, SERVER_SECRET, CLIENT_PUBLIC, CLIENT_SECRET, CHIEF_PUBLIC, CHIEF_SECRET)
+# What a replica needs: it never serves nor ends the job, so it holds neither the
+# server's nor the chief's secret.
 CLIENT_FILES = (SERVER_PUBLIC, CLIENT_PUBLIC, CLIENT_SECRET)
+REQUIRED_FILES = (SERVER_PUBLIC, CLIENT_PUBLIC)  # in every role's copy
 Z85_KEY_LENGTH = 40
-PLAIN_USERNAME = "distbelief"
+REPLICA, CHIEF = "replica", "chief"  # the roles a client connects as (PLAIN user names)
 # A PLAIN token is a keyed hash of the client secret, never the secret itself: a token
 # seen on the wire does not open the job's encrypted transport.
 PLAIN_TOKEN_KEY = b"distbelief plain transport token v1"
@@ -66,119 +76,186 @@ FOLDER_MODE = 0o700
 
 @dataclasses.dataclass(frozen=True)
 class JobKeys:
-    """A job's keys as Z85 bytes; server_secret is None in a replica's copy."""
+    """A job's keys as Z85 bytes; a secret is None in a copy that lacks it (a replica's)."""
 
     server_public: bytes
     client_public: bytes
-    client_secret: bytes
+    chief_public: bytes | None = None
+    client_secret: bytes | None = None
     server_secret: bytes | None = None
+    chief_secret: bytes | None = None
 
     @classmethod
     def generate(cls) -> "JobKeys":
         import zmq
 
-        server_public, server_secret = zmq.curve_keypair()
-        client_public, client_secret = zmq.curve_keypair()
-        return cls(server_public=server_public, server_secret=server_secret,
-                   client_public=client_public, client_secret=client_secret)
+        (server_public, server_secret), (client_public, client_secret), (chief_public, chief_secret) = (
+            zmq.curve_keypair() for _ in range(3))
+        return cls(server_public=server_public, server_secret=server_secret, client_public=client_public,
+                   client_secret=client_secret, chief_public=chief_public, chief_secret=chief_secret)
+
+    def _values(self) -> dict[str, bytes | None]:
+        return {SERVER_PUBLIC: self.server_public, SERVER_SECRET: self.server_secret,
+                CLIENT_PUBLIC: self.client_public, CLIENT_SECRET: self.client_secret,
+                CHIEF_PUBLIC: self.chief_public, CHIEF_SECRET: self.chief_secret}
 
     def files(self) -> dict[str, str]:
         """File name -> text: the folder's content, and a Secret's data."""
-        values = {SERVER_PUBLIC: self.server_public, SERVER_SECRET: self.server_secret,
-                  CLIENT_PUBLIC: self.client_public, CLIENT_SECRET: self.client_secret}
-        return {name: value.decode("ascii") + "\n" for name, value in values.items() if value is not None}
+        return {name: value.decode("ascii") + "\n" for name, value in self._values().items() if value is not None}
 
     def write(self, folder: str) -> None:
-        """Create folder (0700) with one 0600 file per key; never overwrites a key file."""
-        try:
-            os.makedirs(folder, mode=FOLDER_MODE, exist_ok=True)
-            os.chmod(folder, FOLDER_MODE)
-            for name, text in self.files().items():
-                fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-                with os.fdopen(fd, "w", encoding="ascii") as f:
-                    f.write(text)
-        except OSError as exc:
-            raise errors.ConfigError(f"cannot write job keys into {folder}: {exc.strerror or exc}") from exc
+        """Create folder (0700) with one 0600 file per key (see write_files)."""
+        write_files(folder, self.files())
 
     @classmethod
     def read(cls, folder: str) -> "JobKeys | None":
         """The keys in folder; None if it holds none; ConfigError if they are incomplete or bad."""
-        texts: dict[str, bytes] = {}
-        for name in FILES:
-            path = os.path.join(folder, name)
-            try:
-                with open(path, "rb") as f:
-                    texts[name] = f.read(4 * Z85_KEY_LENGTH).strip()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise errors.ConfigError(f"cannot read job key {path}: {exc.strerror or exc}") from exc
+        texts = _read_texts(folder)
         if not texts:
             return None
-        missing = [name for name in CLIENT_FILES if name not in texts]
+        missing = [name for name in REQUIRED_FILES if name not in texts]
         if missing:
             raise errors.ConfigError(f"keys folder {folder} lacks {', '.join(missing)}")
         for name, text in texts.items():
             _check_z85(os.path.join(folder, name), text)
         keys = cls(server_public=texts[SERVER_PUBLIC], server_secret=texts.get(SERVER_SECRET),
-                   client_public=texts[CLIENT_PUBLIC], client_secret=texts[CLIENT_SECRET])
+                   client_public=texts[CLIENT_PUBLIC], client_secret=texts.get(CLIENT_SECRET),
+                   chief_public=texts.get(CHIEF_PUBLIC), chief_secret=texts.get(CHIEF_SECRET))
         keys._check_pairs(folder)
         return keys
 
     def _check_pairs(self, folder: str) -> None:
         import zmq
 
-        pairs = [(CLIENT_PUBLIC, self.client_public, self.client_secret)]
-        if self.server_secret is not None:
-            pairs.append((SERVER_PUBLIC, self.server_public, self.server_secret))
-        for name, public, secret in pairs:
-            if zmq.curve_public(secret) != public:
+        for name, public, secret in ((CLIENT_PUBLIC, self.client_public, self.client_secret),
+                                     (SERVER_PUBLIC, self.server_public, self.server_secret),
+                                     (CHIEF_PUBLIC, self.chief_public, self.chief_secret)):
+            if secret is not None and public is not None and zmq.curve_public(secret) != public:
                 raise errors.ConfigError(f"keys folder {folder}: {name} does not match its secret key")
 
     def server_security(self, *, encrypted: bool = True) -> "ServerSecurity":
-        """How a shard's (or the coordinator's) ROUTER admits peers: CurveZMQ with the
-        job's server keypair, admitting the client public key; or PLAIN, admitting the token."""
+        """How a shard's (or the coordinator's) ROUTER admits peers: CurveZMQ with the job's
+        server keypair, admitting the replicas' and the chief's public keys; or PLAIN,
+        admitting their tokens. Either way the chief is told apart by its ZAP User-Id."""
         import zmq
 
-        if self.server_secret is None:
-            raise errors.ConfigError(f"the job keys have no {SERVER_SECRET}: only a shard's copy does")
+        if self.server_secret is None or self.chief_public is None:
+            raise errors.ConfigError(f"the job keys have no {SERVER_SECRET} or {CHIEF_PUBLIC}: only a shard's copy does")
         if not encrypted:
-            return ServerSecurity(mechanism="plain", options={zmq.PLAIN_SERVER: 1},
-                                  admitted=frozenset({self.plain_token()}))
-        return ServerSecurity(mechanism="curve", admitted=frozenset({self.client_public}), options={
-            zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: self.server_secret, zmq.CURVE_PUBLICKEY: self.server_public})
+            if self.client_secret is None or self.chief_secret is None:
+                raise errors.ConfigError("a PLAIN server needs the replicas' and the chief's tokens")
+            return ServerSecurity(mechanism="plain", options={zmq.PLAIN_SERVER: 1}, chief_user=CHIEF,
+                                  admitted={REPLICA: _token(self.client_secret), CHIEF: _token(self.chief_secret)})
+        return ServerSecurity(
+            mechanism="curve", chief_user=self.chief_public.decode("ascii"),
+            admitted={REPLICA: self.client_public, CHIEF: self.chief_public},
+            options={zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: self.server_secret,
+                     zmq.CURVE_PUBLICKEY: self.server_public})
 
-    def client_options(self, *, encrypted: bool = True) -> dict[int, Any]:
-        """Socket options of a replica's (or the chief's) DEALERs."""
+    def client_options(self, *, role: str = REPLICA, encrypted: bool = True) -> dict[int, Any]:
+        """Socket options of a replica's (role REPLICA) or the chief's (CHIEF) DEALERs."""
         import zmq
 
+        public, secret = (self.chief_public, self.chief_secret) if role == CHIEF else (
+            self.client_public, self.client_secret)
+        if secret is None or public is None:
+            raise errors.ConfigError(f"the job keys have no {role} secret key: this pod may not act as the {role}")
         if not encrypted:
-            return {zmq.PLAIN_USERNAME: PLAIN_USERNAME.encode(), zmq.PLAIN_PASSWORD: self.plain_token()}
-        return {zmq.CURVE_SERVERKEY: self.server_public, zmq.CURVE_PUBLICKEY: self.client_public,
-                zmq.CURVE_SECRETKEY: self.client_secret}
+            return {zmq.PLAIN_USERNAME: role.encode(), zmq.PLAIN_PASSWORD: _token(secret)}
+        return {zmq.CURVE_SERVERKEY: self.server_public, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
 
-    def plain_token(self) -> bytes:
-        return hashlib.blake2b(self.client_secret, key=PLAIN_TOKEN_KEY, digest_size=32).hexdigest().encode()
+    def plain_token(self, role: str = REPLICA) -> bytes:
+        secret = self.chief_secret if role == CHIEF else self.client_secret
+        if secret is None:
+            raise errors.ConfigError(f"the job keys have no {role} secret key")
+        return _token(secret)
+
+
+def write_files(folder: str, files: dict[str, str]) -> None:
+    """Write key files into folder (made 0700), each 0600; never overwrites a file, nor
+    follows a link planted where one should be."""
+    try:
+        os.makedirs(folder, mode=FOLDER_MODE, exist_ok=True)
+        os.chmod(folder, FOLDER_MODE)
+        for name, text in files.items():
+            fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(text)
+    except OSError as exc:
+        raise errors.ConfigError(f"cannot write job keys into {folder}: {exc.strerror or exc}") from exc
+
+
+def _token(secret: bytes) -> bytes:
+    """A PLAIN token: a keyed hash of a secret key, never the key itself, so a token seen
+    on the wire does not open the job's encrypted transport."""
+    return hashlib.blake2b(secret, key=PLAIN_TOKEN_KEY, digest_size=32).hexdigest().encode()
+
+
+def _read_texts(folder: str) -> dict[str, bytes]:
+    texts: dict[str, bytes] = {}
+    for name in FILES:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                texts[name] = f.read(4 * Z85_KEY_LENGTH).strip()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise errors.ConfigError(f"cannot read job key {path}: {exc.strerror or exc}") from exc
+    return texts
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerSecurity:
-    """A serving socket's side of the handshake: its socket options, and what the ZAP
-    handler admits (client public keys for "curve", tokens for "plain")."""
+    """A serving socket's side of the handshake: its socket options, the credentials it
+    admits per role (public keys for "curve", tokens for "plain"), and the ZAP User-Id
+    the chief's connections carry."""
 
     mechanism: str
     options: dict[int, Any]
-    admitted: frozenset[bytes]
+    admitted: dict[str, bytes]
+    chief_user: str
+
+    def is_chief(self, user: str | None) -> bool:
+        return user is not None and hmac.compare_digest(user.encode(), self.chief_user.encode())
 
 
 def ensure(folder: str) -> JobKeys:
-    """The keys in folder, generated and written there first if it holds none (local mode)."""
-    keys = JobKeys.read(folder)
-    if keys is None:
+    """The keys in folder, generated and written there first if it holds none (local mode).
+
+    The folder must be the user's own and closed to others: keys in a folder someone else
+    can write or read are refused rather than used. A folder of an earlier version without
+    the chief's keypair gets one."""
+    _check_private(folder)
+    texts = _read_texts(folder)
+    if not texts:
         keys = JobKeys.generate()
         keys.write(folder)
         log.info("event=keys_generated folder=%s", folder)
+        return keys
+    if CHIEF_PUBLIC not in texts and CHIEF_SECRET not in texts:
+        chief = {name: text for name, text in JobKeys.generate().files().items() if name.startswith("chief.")}
+        write_files(folder, chief)
+        log.info("event=chief_keys_added folder=%s", folder)
+    keys = JobKeys.read(folder)
+    assert keys is not None
     return keys
+
+
+def _check_private(folder: str) -> None:
+    """Refuse a keys folder (or a key file in it) that is a link, not the user's, or open to others."""
+    for path in [folder, *(os.path.join(folder, name) for name in FILES)]:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            raise errors.ConfigError(f"keys: {path} is a symbolic link; refusing to use it")
+        if info.st_uid != os.getuid():
+            raise errors.ConfigError(f"keys: {path} belongs to uid {info.st_uid}, not to this user")
+        if info.st_mode & 0o077:
+            raise errors.ConfigError(f"keys: {path} is open to other users (mode {info.st_mode & 0o777:o}); "
+                                     f"chmod go-rwx it, or start afresh with --fresh")
 
 
 def _check_z85(path: str, text: bytes) -> None:
@@ -192,14 +269,14 @@ def _check_z85(path: str, text: bytes) -> None:
         raise errors.ConfigError(f"job key {path} is not a {Z85_KEY_LENGTH}-character Z85 key")
 
 
-# -- the shards' side: a ZAP handler that admits only the job's client key ------------
+# -- the shards' side: a ZAP handler that admits only the job's keys -------------------
 
 
 REFUSAL_LOG_SECONDS = 10.0  # at most one refusal line per domain this often (a peer may retry fast)
 
 
 class _Allowed:
-    """ThreadAuthenticator credentials provider: ZAP domain -> admitted client keys."""
+    """ThreadAuthenticator credentials provider: ZAP domain -> admitted public keys."""
 
     def __init__(self) -> None:
         self.by_domain: dict[str, frozenset[bytes]] = {}
@@ -221,14 +298,26 @@ class _Allowed:
             self._refusals[domain] = (last, count + 1)
 
 
+def _authenticator(context: Any, log: logging.Logger) -> Any:
+    """pyzmq's ThreadAuthenticator, but with PLAIN tokens compared in constant time (its own
+    check is `==`, whose time tells how much of a guess was right)."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class ConstantTimeAuthenticator(ThreadAuthenticator):
+        def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+            expected = self.passwords.get(domain or "*", {}).get(username)
+            allowed = expected is not None and hmac.compare_digest(password.encode(), expected.encode())
+            return allowed, b"OK" if allowed else b"Invalid credentials"
+
+    return ConstantTimeAuthenticator(context, log=log)
+
+
 class _ContextAuth:
     def __init__(self, context: Any) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
         self.allowed = _Allowed()
         zap_log = logging.getLogger(__name__ + ".zap")
         zap_log.setLevel(logging.INFO)  # never debug: pyzmq logs PLAIN passwords (our join tokens) there
-        self.authenticator = ThreadAuthenticator(context, log=zap_log)
+        self.authenticator = _authenticator(context, zap_log)
         self.authenticator.start()
         self.users = 0
 
@@ -275,10 +364,10 @@ def admit_clients(context: Any, domain: str, security: ServerSecurity) -> Admiss
         if domain in auth.allowed.by_domain:
             raise errors.ConfigError(f"ZAP domain {domain} is already in use")
         auth.users += 1
-        auth.allowed.by_domain[domain] = frozenset(security.admitted)
+        auth.allowed.by_domain[domain] = frozenset(security.admitted.values())
         if security.mechanism == "plain":
-            [token] = security.admitted
-            auth.authenticator.configure_plain(domain=domain, passwords={PLAIN_USERNAME: token.decode("ascii")})
+            auth.authenticator.configure_plain(
+                domain=domain, passwords={role: token.decode("ascii") for role, token in security.admitted.items()})
         else:
             auth.authenticator.configure_curve_callback(domain=domain, credentials_provider=auth.allowed)
     return Admission(context=context, domain=domain)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import http.server
 import logging
 import threading
+import time
+from collections import deque
 from typing import Callable
 
 import prometheus_client as prom
@@ -39,6 +41,8 @@ class ShardMetrics:
         self.bytes_in = counter("bytes_in", "Bytes received")
         self.bytes_out = counter("bytes_out", "Bytes sent")
         self.rejected = counter("rejected_messages", "Messages refused as malformed or foreign")
+        self.clipped = counter("clipped_updates", "Pushed gradients scaled down to maxGradientNorm")
+        self.non_finite = counter("non_finite_states", "Times the state held a non-finite value and was restored")
         self.restarts = gauge("restarts", "Times this shard restarted from a checkpoint")
         self.checkpoint_step = gauge("checkpoint_step", "Step of the newest checkpoint")
         self.checkpoint_time = gauge("checkpoint_timestamp_seconds", "When the newest checkpoint was written")
@@ -59,6 +63,25 @@ class ShardMetrics:
         if child is None:
             child = self._by_op[op] = self._request_seconds.labels(shard=self._shard, op=op)
         return child
+
+
+class RateWindow:
+    """Events per second over the last `seconds`, summed incrementally."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._window: deque[tuple[float, int]] = deque()
+        self._sum = 0
+
+    def add(self, count: int) -> float | None:
+        """Count events now; the rate, once the window spans half a second."""
+        now = time.monotonic()
+        self._window.append((now, count))
+        self._sum += count
+        while self._window and now - self._window[0][0] > self.seconds:
+            self._sum -= self._window.popleft()[1]
+        span = now - self._window[0][0]
+        return self._sum / span if span > 0.5 else None
 
 
 class ChiefMetrics:

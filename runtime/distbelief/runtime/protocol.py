@@ -37,6 +37,8 @@ DTYPE = np.dtype("<f4")
 HEADER = struct.Struct("<2sBBBBHIIQQQ")
 # Text and struct payloads (errors, stats, done reasons, coordinator state) are small.
 MAX_TEXT_BYTES = 64 * 1024
+MAX_EXAMPLES = 1 << 24    # examples one update or work unit may stand for
+MAX_LOSS = 1e30           # a reported loss beyond this is no honest replica's
 # Version 1's header, only to tell its peers in their own format that they are too old.
 V1_HEADER = struct.Struct("<2sBBBxHIIQQQIf")
 V1_ERROR = 3
@@ -56,7 +58,8 @@ class ErrorCode(enum.IntEnum):
     LAYOUT = 3       # the peer partitions another model, or over another shard count
     NOT_SERVED = 4   # an op this shard's algorithm does not serve
     REFUSED = 5      # well formed, but not applied (a non-finite gradient)
-    STATE = 6        # the shard's state cannot take it (a rollback to an iteration it lacks)
+    FORBIDDEN = 6    # a privileged op from a peer without the chief's key
+    STATE = 7        # the shard's state cannot take it (a rollback to an iteration it lacks)
 
 
 # -- payloads ------------------------------------------------------------------------------
@@ -118,7 +121,7 @@ class OpSpec:
     """What an op's request and reply carry, and how a shard must treat it.
 
     command: it changes the shard's state, so a resend (same peer, worker, seq) gets the
-    first reply and is not applied twice."""
+    first reply and is not applied twice. privileged: only the chief's key may send it."""
 
     code: int
     name: str
@@ -128,6 +131,7 @@ class OpSpec:
     reply_array: bool = False
     optional_request: bool = False
     command: bool = False
+    privileged: bool = False
 
     def __int__(self) -> int:
         return self.code
@@ -148,7 +152,7 @@ def define(spec: OpSpec) -> OpSpec:
 
 HELLO = define(OpSpec(1, "HELLO", reply=ShardInfo))           # join: layout check, warm-start admission
 STATS = define(OpSpec(4, "STATS", reply=JsonObject))          # the shard's figures
-DONE = define(OpSpec(5, "DONE", request=JsonObject, command=True))  # the chief ends the job
+DONE = define(OpSpec(5, "DONE", request=JsonObject, command=True, privileged=True))  # the chief ends the job
 
 
 def spec_of(code: int) -> OpSpec:
@@ -263,6 +267,7 @@ def error_frames(request: Header, code: ErrorCode, text: str, *, step: int = 0) 
 _CODES: tuple[tuple[type, ErrorCode], ...] = (
     (errors.LayoutMismatch, ErrorCode.LAYOUT), (errors.WrongShard, ErrorCode.WRONG_SHARD),
     (errors.NotServed, ErrorCode.NOT_SERVED), (errors.Refused, ErrorCode.REFUSED),
+    (errors.Forbidden, ErrorCode.FORBIDDEN),
     (errors.StateConflict, ErrorCode.STATE))
 
 

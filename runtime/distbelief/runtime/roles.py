@@ -63,8 +63,10 @@ def load_access(keys_dir: str, role: str, job: Job) -> Access:
     if not encrypted:
         log.warning("event=unencrypted role=%s reason=spec.parameterServers.encryption_is_false "
                     "consequence=parameters_gradients_and_the_join_token_cross_the_network_in_the_clear", role)
-    server = job_keys.server_security(encrypted=encrypted) if role == contract.ROLE_PS else None
-    return Access(server=server, client=job_keys.client_options(encrypted=encrypted))
+    if role == contract.ROLE_PS:  # serves; its clients are the chief and the coordinator
+        return Access(server=job_keys.server_security(encrypted=encrypted),
+                      client=job_keys.client_options(role=keys.CHIEF, encrypted=encrypted))
+    return Access(client=job_keys.client_options(role=keys.REPLICA, encrypted=encrypted))
 
 
 def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,

@@ -13,8 +13,8 @@ optimizer (dense.py), Sandblaster's vectors, and whatever an algorithm adds. The
 - writes atomic checkpoints of every plugin's state on an interval and at the end; a
   checkpoint that cannot be written is logged and tried again at the next interval.
 
-Plugins see the core through its members: index, layout, step, finished, metrics,
-settings.checkpoint_dir, applied(), count_examples(), checkpoint_now() and load().
+Plugins (plugin.py) see the core through its members: index, layout, step, finished,
+metrics, settings.checkpoint_dir, applied(), count_examples(), checkpoint_now(), load().
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
-from typing import Any, Callable, Mapping, Protocol
+from collections import OrderedDict
+from typing import Any, Callable
 
 import numpy as np
 
 from distbelief.runtime import checkpoint, errors, keys, protocol, transport
 from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.protocol import Header, Message, OpSpec, Status
+from distbelief.runtime.metrics import RateWindow, ShardMetrics
+from distbelief.runtime.plugin import Answer, Handler, ShardPlugin
+from distbelief.runtime.protocol import Header, Message, Status
 
 log = logging.getLogger(__name__)
 
@@ -41,36 +42,6 @@ WARMSTART_LEASE_SECONDS = 10.0
 RATE_WINDOW_SECONDS = 5.0
 LOSS_EMA = 0.05
 REMEMBERED_PEERS = 4096  # peers (replicas, the coordinator) whose last command a shard remembers
-
-
-@dataclasses.dataclass(frozen=True)
-class Answer:
-    """What a handler returns; the core adds the header (the shard's step) and sends it."""
-
-    meta: protocol.Payload | None = None
-    array: np.ndarray | None = None
-    status: int = Status.OK
-
-
-Handler = Callable[[Message], Answer]
-
-
-class ShardPlugin(Protocol):
-    """An algorithm's part of a shard: the ops it serves and its state in checkpoints."""
-
-    def handlers(self) -> Mapping[OpSpec, Handler]: ...
-
-    def repeat_handlers(self) -> Mapping[OpSpec, Handler]:
-        """Commands whose reply is not kept for resends, and what a resend gets instead."""
-        ...
-
-    def array_values(self) -> int:
-        """The longest float32 array a request of this plugin carries."""
-        ...
-
-    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]: ...
-
-    def restore(self, ckpt: checkpoint.Checkpoint) -> None: ...
 
 
 @dataclasses.dataclass
@@ -106,8 +77,8 @@ class Shard:
                                               protocol.DONE.code: self._done}
         self._repeats: dict[int, Handler] = {}
         self._warm_owner: tuple[tuple, float] | None = None
-        self._rate_window: deque[tuple[float, int]] = deque()
-        self._rate_sum = 0  # the examples in _rate_window
+        self._peer: tuple = ()  # who sent the request being handled: (ZAP user, routing id)
+        self._rate = RateWindow(RATE_WINDOW_SECONDS)
         self._last_command: OrderedDict[tuple, tuple[int, int, list | None]] = OrderedDict()
         self._last_checkpoint = (time.monotonic(), -1)
         self._train_loss: float | None = None
@@ -218,12 +189,12 @@ class Shard:
 
     def _answer(self, header: Header, incoming: transport.Incoming) -> list:
         try:
-            self._check(header)
+            self._check(header, incoming.user)
             message = protocol.parse_request(incoming.frames)
         except errors.ProtocolError as exc:
             self._reject(str(exc))
             return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
-        peer = (incoming.user, header.worker)
+        peer = self._peer = (incoming.user, incoming.peer)
         reply = self._repeated(peer, message)
         if reply is None:
             try:
@@ -241,7 +212,7 @@ class Shard:
         return protocol.reply_frames(message.header, step=self.step, status=answer.status, meta=answer.meta,
                                      array=answer.array)
 
-    def _check(self, header: Header) -> None:
+    def _check(self, header: Header, user: str | None) -> None:
         if header.shard != self.index:
             raise errors.WrongShard(f"message addressed to shard {header.shard}, this is shard {self.index}")
         if header.layout != self.layout.hash:
@@ -251,6 +222,9 @@ class Shard:
         spec = protocol.spec_of(header.op)
         if header.op not in self._handlers:
             raise errors.NotServed(f"op {spec.name} is not served by this job's algorithm")
+        security = self.settings.security
+        if spec.privileged and security is not None and not security.is_chief(user):
+            raise errors.Forbidden(f"op {spec.name} is the chief's to send; refused from another key")
 
     def _repeated(self, peer: tuple, message: Message) -> list | None:
         """The reply to a command this peer sent before, if this is that command again."""
@@ -288,14 +262,14 @@ class Shard:
 
     def _hello(self, message: Message) -> Answer:
         size = sum(p.array_values() for p in self.plugins)
-        status = Status.OK if self._admit_warmstart(message.header) else Status.WAIT
+        status = Status.OK if self._admit_warmstart() else Status.WAIT
         return Answer(meta=protocol.ShardInfo(size=size), status=status)
 
-    def _admit_warmstart(self, header: Header) -> bool:
+    def _admit_warmstart(self) -> bool:
         """Shard 0 lets one replica train alone until warmstartSteps updates are applied."""
         if self.index != 0 or self.step >= self.settings.warmstart_steps:
             return True
-        now, worker = time.monotonic(), header.worker
+        now, worker = time.monotonic(), self._peer
         if self._warm_owner and self._warm_owner[0] != worker and now - self._warm_owner[1] < WARMSTART_LEASE_SECONDS:
             return False
         self._warm_owner = (worker, now)
@@ -323,8 +297,8 @@ class Shard:
         """One update applied: the step advances; staleness, examples and loss are counted."""
         staleness = self.step - header.step if header.step <= self.step else 0
         self.step += 1
-        if self._warm_owner and self._warm_owner[0] == header.worker:
-            self._warm_owner = (header.worker, time.monotonic())
+        if self._warm_owner and self._warm_owner[0] == self._peer:
+            self._warm_owner = (self._peer, time.monotonic())
         self.metrics.global_step.set(self.step)
         self.metrics.staleness.observe(staleness)
         self.count_examples(examples)
@@ -336,15 +310,10 @@ class Shard:
         """Examples trained on, for the totals and the examples/s rate."""
         self.metrics.examples.inc(examples)
         self.examples_total += examples
-        now = time.monotonic()
-        self._rate_window.append((now, examples))
-        self._rate_sum += examples
-        while self._rate_window and now - self._rate_window[0][0] > RATE_WINDOW_SECONDS:
-            self._rate_sum -= self._rate_window.popleft()[1]
-        span = now - self._rate_window[0][0]
-        if span > 0.5:
-            self.examples_per_second = self._rate_sum / span
-            self.metrics.examples_per_second.set(self.examples_per_second)
+        rate = self._rate.add(examples)
+        if rate is not None:
+            self.examples_per_second = rate
+            self.metrics.examples_per_second.set(rate)
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -364,6 +333,9 @@ class Shard:
             plugin_arrays, plugin_meta = plugin.checkpoint_state()
             arrays.update(plugin_arrays)
             meta.update(plugin_meta)
+        if not all(np.isfinite(array).all() for array in arrays.values()):
+            self._recover_from_non_finite_state()
+            return
         ckpt = checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index,
                                      arrays=arrays, meta=meta)
         try:
@@ -385,6 +357,19 @@ class Shard:
         self.metrics.checkpoint_step.set(self.step)
         self.metrics.checkpoint_time.set(time.time())
         log.info("event=checkpoint shard=%d step=%d path=%s", self.index, self.step, os.path.basename(path))
+
+    def _recover_from_non_finite_state(self) -> None:
+        """A non-finite value got into the state (an update overflowed): it must never reach a
+        checkpoint, where it would push out the good ones. Go back to the newest checkpoint,
+        all of which were finite when written; without one, stop and be restarted afresh."""
+        self.metrics.non_finite.inc()
+        ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index)
+        if ckpt is None:
+            raise errors.RuntimeFailure(f"shard {self.index}: its state holds non-finite values and no checkpoint "
+                                        "to go back to")
+        log.error("event=non_finite_state shard=%d step=%d action=restored_checkpoint checkpoint_step=%d",
+                  self.index, self.step, ckpt.step)
+        self.load(ckpt)
 
     def _finished_unsaved(self) -> bool:
         return self.finished is not None and not self._saved_finished

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Callable, Iterable, Protocol, Sequence
@@ -58,8 +59,9 @@ class RetryPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class Incoming:
-    """One request a Server received: reply to `peer`; `user` is who the handshake proved
-    the peer to be (a role name from the job's keys), or None on an unauthenticated server."""
+    """One request a Server received: reply to `peer` (the connection's routing id); `user`
+    is who the handshake proved the peer to be (its ZAP User-Id: a public key, or a PLAIN
+    user name), or None on an unauthenticated server."""
 
     peer: bytes
     user: str | None
@@ -139,16 +141,22 @@ class ZmqServer:
 
 class ZmqLink:
     """One DEALER socket to one address. With watch, a monitor reports broken connections;
-    it is read by broke(), or its queue fills and stalls the context's I/O thread."""
+    it is read by broke(), or its queue fills and stalls the context's I/O thread.
+
+    Every connection of a link carries one random routing id: the server names the peer by
+    it (Incoming.peer), so a resend on a fresh connection is still the same peer's, and no
+    other peer, key holder or not, can pass for it without guessing 128 bits."""
 
     def __init__(self, context: zmq.Context, address: str, options: dict | None, *, watch: bool) -> None:
         self.context, self.address, self.options, self.watch = context, address, options, watch
+        self.routing_id = os.urandom(16)
         self._socket, self._monitor = self._connect()
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         socket, monitor = self.context.socket(zmq.DEALER), None
         try:
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.ROUTING_ID, self.routing_id)
             for option, value in (self.options or {}).items():
                 socket.setsockopt(option, value)
             if self.watch:

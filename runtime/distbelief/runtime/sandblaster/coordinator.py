@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 import random
 import threading
 import time
@@ -33,6 +34,7 @@ from distbelief.runtime.sandblaster.workqueue import WorkQueue
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
+MAX_IDLE = 4096            # replicas remembered as waiting for a unit
 IDLE_CHECK_SECONDS = 0.5   # after converging: how often to look whether the chief has ended the job
 
 
@@ -65,7 +67,9 @@ class Coordinator:
         self._stop = stop or group.stop
         self._transport = transport_ or transport.default()
         self._server: transport.Server | None = None
-        self._idle: dict[int, tuple[bytes, Header]] = {}   # replicas waiting for a unit
+        # Replicas waiting for a unit, by the routing id of their connection (which a peer
+        # cannot forge, unlike the worker id in its header); the longest waiting go first.
+        self._idle: OrderedDict[bytes, Header] = OrderedDict()
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
 
     # -- life cycle ------------------------------------------------------------------------
@@ -197,10 +201,12 @@ class Coordinator:
         if request is None:
             return  # dropped: nothing a replica could mistake for work
         header, result = request.header, request.meta
-        self._idle[header.worker] = (incoming.peer, header)
+        self._idle[incoming.peer] = header
+        if len(self._idle) > MAX_IDLE:
+            self._idle.popitem(last=False)  # one gone for longest: it asks again if it lives
         if result is not None:
-            self._take(header.worker, result)
-        self._hand_out(header.worker)
+            self._take(incoming.peer, header, result)
+        self._hand_out(incoming.peer)
 
     def _parse(self, incoming: transport.Incoming | None) -> protocol.Message | None:
         try:
@@ -214,15 +220,21 @@ class Coordinator:
             return None
         return request
 
-    def _take(self, worker: int, result: UnitResult) -> None:
-        if result.lost and result.evaluation == self.queue.evaluation:
-            raise errors.ShardRestarted(f"replica {worker:08x} found a shard without evaluation {result.evaluation}")
+    def _take(self, worker: bytes, header: Header, result: UnitResult) -> None:
+        """A unit's result counts only from a replica the unit was handed to."""
+        if not self.queue.holds(worker, result.evaluation, result.unit):
+            log.warning("event=result_ignored role=coordinator worker=%08x unit=%d reason=not_handed_this_unit",
+                        header.worker, result.unit)
+            return
+        if result.lost:
+            raise errors.ShardRestarted(f"replica {header.worker:08x} found a shard without evaluation "
+                                        f"{result.evaluation}")
         before = self.queue.stats.duplicates
         self.queue.complete(worker, result.evaluation, result.unit, result.loss)
         self.metrics.duplicates.inc(self.queue.stats.duplicates - before)
 
-    def _hand_out(self, worker: int) -> None:
-        identity, header = self._idle[worker]
+    def _hand_out(self, worker: bytes) -> None:
+        header = self._idle[worker]
         backups = self.queue.stats.backups
         unit = self.queue.assign(worker)
         if unit is None:
@@ -230,7 +242,7 @@ class Coordinator:
         del self._idle[worker]
         self.metrics.units.inc()
         self.metrics.backups.inc(self.queue.stats.backups - backups)
-        self._reply(identity, header, Status.OK, unit)
+        self._reply(worker, header, Status.OK, unit)
 
     def _reply(self, identity: bytes, header: Header, status: int, unit: ops.WorkUnit | None = None) -> None:
         if not self._server.send(identity, protocol.reply_frames(header, step=0, status=status, meta=unit)):
@@ -238,7 +250,7 @@ class Coordinator:
 
     def _answer_done_until_stopped(self) -> None:
         """The job is over: every replica that asks (or waits) hears so, until shard 0 exits."""
-        for identity, header in self._idle.values():
+        for identity, header in self._idle.items():
             self._reply(identity, header, Status.DONE)
         self._idle.clear()
         while not self._stop.is_set():

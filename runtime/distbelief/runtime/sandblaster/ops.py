@@ -130,17 +130,19 @@ class UnitResult(Payload):
     FORMAT = struct.Struct("<QIIdB7x")
 
     def check(self) -> None:
-        if not np.isfinite(self.loss):
+        if not abs(self.loss) <= protocol.MAX_LOSS:  # also false for NaN
             raise errors.ProtocolError("unit result loss is not a finite number")
+        if self.examples > protocol.MAX_EXAMPLES:
+            raise errors.ProtocolError(f"a unit result may stand for at most {protocol.MAX_EXAMPLES} examples")
 
 
-BEGIN_EVAL = protocol.define(OpSpec(6, "BEGIN_EVAL", request=Evaluation, reply=VectorResult, command=True))
+BEGIN_EVAL = protocol.define(OpSpec(6, "BEGIN_EVAL", request=Evaluation, reply=VectorResult, command=True, privileged=True))
 PULL_POINT = protocol.define(OpSpec(7, "PULL_POINT", reply=EvaluationId, reply_array=True))
 ACCUMULATE = protocol.define(OpSpec(8, "ACCUMULATE", request=UnitGradient, request_array=True,
                                     reply=Accumulated, command=True))
-VECTOR = protocol.define(OpSpec(9, "VECTOR", request=VectorCommand, reply=VectorResult, command=True))
-COMMIT = protocol.define(OpSpec(10, "COMMIT", request=JsonObject, reply=VectorResult, command=True))
-ROLLBACK = protocol.define(OpSpec(11, "ROLLBACK", request=Iteration, reply=VectorResult, command=True))
+VECTOR = protocol.define(OpSpec(9, "VECTOR", request=VectorCommand, reply=VectorResult, command=True, privileged=True))
+COMMIT = protocol.define(OpSpec(10, "COMMIT", request=JsonObject, reply=VectorResult, command=True, privileged=True))
+ROLLBACK = protocol.define(OpSpec(11, "ROLLBACK", request=Iteration, reply=VectorResult, command=True, privileged=True))
 STATE = protocol.define(OpSpec(12, "STATE", reply=JsonObject))
 WORK = protocol.define(OpSpec(13, "WORK", request=UnitResult, reply=WorkUnit, optional_request=True))
 

@@ -22,7 +22,8 @@ from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.protocol import JsonObject, Message, OpSpec
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.ops import Accumulated, EvaluationId, VectorCode, VectorResult
-from distbelief.runtime.shard import Answer, Handler, Shard
+from distbelief.runtime.plugin import Answer, Handler
+from distbelief.runtime.shard import Shard
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Hashable
 from collections import deque
 
 from distbelief.runtime.sandblaster.ops import WorkUnit
@@ -19,7 +20,7 @@ from distbelief.runtime.sandblaster.ops import WorkUnit
 
 @dataclasses.dataclass
 class _Outstanding:
-    holders: set[int]
+    holders: set[Hashable]
     issued_at: float
 
 
@@ -43,12 +44,13 @@ class WorkQueue:
         self._pending: deque[int] = deque()
         self._outstanding: dict[int, _Outstanding] = {}
         self._done: set[int] = set()
+        self._handed: dict[int, set[Hashable]] = {}  # unit -> every replica it went to, this evaluation
         self.objective = 0.0
 
     def begin(self, evaluation: int) -> None:
         self.evaluation = evaluation
         self._pending = deque(range(self.units))
-        self._outstanding, self._done = {}, set()
+        self._outstanding, self._done, self._handed = {}, set(), {}
         self.objective = 0.0
 
     @property
@@ -60,7 +62,7 @@ class WorkQueue:
         return WorkUnit(evaluation=self.evaluation, unit=index, start=start,
                         stop=min(start + self.unit_size, self.total), total=self.total)
 
-    def assign(self, worker: int) -> WorkUnit | None:
+    def assign(self, worker: Hashable) -> WorkUnit | None:
         """The next unit for this replica, a backup copy, or None (nothing useful to do)."""
         if self.finished or self.evaluation == 0:
             return None
@@ -77,9 +79,10 @@ class WorkQueue:
             entry.issued_at = now
             self.stats.backups += 1
         self.stats.issued += 1
+        self._handed.setdefault(index, set()).add(worker)
         return self.unit(index)
 
-    def _backup_for(self, worker: int, now: float) -> int | None:
+    def _backup_for(self, worker: Hashable, now: float) -> int | None:
         candidates = [(len(e.holders), e.issued_at, i) for i, e in self._outstanding.items()
                       if worker not in e.holders and (self.backups or now - e.issued_at >= self.reissue_after)]
         if not candidates:
@@ -87,7 +90,11 @@ class WorkQueue:
             return min(stale)[1] if stale else None  # even the holder may retry a unit long gone quiet
         return min(candidates)[2]
 
-    def complete(self, worker: int, evaluation: int, unit: int, loss: float) -> bool:
+    def holds(self, worker: Hashable, evaluation: int, unit: int) -> bool:
+        """Whether this replica was handed this unit of this evaluation."""
+        return evaluation == self.evaluation and worker in self._handed.get(unit, ())
+
+    def complete(self, worker: Hashable, evaluation: int, unit: int, loss: float) -> bool:
         """Record a result; True if it was the first for its unit (it counts)."""
         if evaluation != self.evaluation or unit not in self._outstanding:
             if evaluation == self.evaluation and unit in self._done:

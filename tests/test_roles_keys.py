@@ -1,0 +1,146 @@
+"""Roles with their own keys: what a replica's key may not do, and who a peer is.
+
+The attacker here holds the replicas' key (the strongest who is not the chief): it may
+pull and push, but not end the job, not drive Sandblaster's iterations, and not pass for
+another replica."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import prometheus_client as prom
+import pytest
+
+from distbelief.runtime import errors, keys
+from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.layout import Layout
+from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
+from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
+from distbelief.runtime.shard import Shard, ShardSettings
+
+from conftest import LiveShards, start_shards
+
+LAYOUT = Layout.of([("w", (6, 4))], shards=2)
+TIMEOUTS = Timeouts(request=2.0, unavailable=5.0)
+
+
+@pytest.fixture(params=[True, False], ids=["curve", "plain"])
+def encrypted(request: pytest.FixtureRequest) -> bool:
+    return request.param
+
+
+@pytest.fixture
+def job_keys() -> keys.JobKeys:
+    return keys.JobKeys.generate()
+
+
+@pytest.fixture
+def shards(tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool) -> Iterator[LiveShards]:
+    live = start_shards(tmp_path, LAYOUT, np.zeros(LAYOUT.total, np.float32), learning_rate=0.5,
+                        security=job_keys.server_security(encrypted=encrypted))
+    yield live
+    live.stop()
+
+
+def _group(live: LiveShards, job_keys: keys.JobKeys, role: str, encrypted: bool, **kwargs) -> ShardGroup:
+    return ShardGroup(live.addresses, LAYOUT, timeouts=TIMEOUTS,
+                      security=job_keys.client_options(role=role, encrypted=encrypted), **kwargs)
+
+
+def test_a_replica_s_key_cannot_end_the_job_but_the_chief_s_can(shards: LiveShards, job_keys: keys.JobKeys,
+                                                                 encrypted: bool) -> None:
+    replica = _group(shards, job_keys, keys.REPLICA, encrypted)
+    chief = _group(shards, job_keys, keys.CHIEF, encrypted)
+    try:
+        with pytest.raises(errors.ShardRefused, match="DONE is the chief's to send"):
+            replica.done("MaxStepsReached\nevent=forged", "Succeeded")
+        assert all(s.finished is None for s in shards.shards)
+        replica.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)  # it still trains
+        assert all(r.done for r in chief.done("MaxStepsReached", "Succeeded"))
+        assert all(s.finished["reason"] == "MaxStepsReached" for s in shards.shards)
+    finally:
+        replica.close()
+        chief.close()
+
+
+def test_a_forged_worker_id_and_seq_do_not_take_another_replica_s_push(shards: LiveShards, job_keys: keys.JobKeys,
+                                                                        encrypted: bool) -> None:
+    """The shard tells peers apart by their connection's routing id, not by the worker id
+    they claim: the attacker's push under the victim's (worker, seq) is its own."""
+    victim = _group(shards, job_keys, keys.REPLICA, encrypted, worker_id=7)
+    attacker = _group(shards, job_keys, keys.REPLICA, encrypted, worker_id=7)
+    try:
+        attacker._seq = victim._seq  # the attacker's next request has the victim's next (worker, seq)
+        attacker.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+        replies = victim.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+        assert [r.step for r in replies] == [2, 2]  # both applied: the victim's was not taken for a resend
+    finally:
+        victim.close()
+        attacker.close()
+
+
+def _sandblaster_shard(tmp_path: Path, security: keys.ServerSecurity) -> tuple[Shard, threading.Thread]:
+    layout = Layout.of([("w", (8,))], shards=1)
+    shard = Shard(ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path), security=security),
+                  layout, ShardMetrics(prom.CollectorRegistry(), 0))
+    dense = DenseSlice(shard, np.arange(8, dtype=np.float32), optimizer="adagrad", learning_rate=0.1, pushes=False)
+    shard.attach(dense)
+    shard.attach(ShardVectors(shard, dense, history=2))
+    shard.restore()
+    thread = threading.Thread(target=shard.serve, daemon=True)
+    thread.start()
+    assert shard.ready.wait(5)
+    return shard, thread
+
+
+@pytest.mark.parametrize("command", ["begin_evaluation", "vector", "commit", "rollback"])
+def test_a_replica_s_key_cannot_drive_sandblaster(tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool,
+                                                  command: str) -> None:
+    shard, thread = _sandblaster_shard(tmp_path, job_keys.server_security(encrypted=encrypted))
+    layout = Layout.of([("w", (8,))], shards=1)
+    replica = SandblasterShards(ShardGroup([shard.endpoint], layout, timeouts=TIMEOUTS,
+                                           security=job_keys.client_options(encrypted=encrypted)))
+    calls = {"begin_evaluation": lambda: replica.begin_evaluation(5, 2),
+             "vector": lambda: replica.vector(VectorCommand(code=VectorCode.SCALE, out=Slots.X, scalar=0.0)),
+             "commit": lambda: replica.commit(99, {"iteration": 99}),
+             "rollback": lambda: replica.rollback(0)}
+    try:
+        with pytest.raises(errors.ShardRefused, match="is the chief's to send"):
+            calls[command]()
+        np.testing.assert_array_equal(shard.plugin(DenseSlice).params, np.arange(8))
+        assert shard.step == 0 and os.listdir(tmp_path) == []  # nothing committed, nothing rolled back
+    finally:
+        replica.group.close()
+        shard.stop()
+        thread.join(5)
+
+
+# -- the keys folder of local mode ------------------------------------------------------------
+
+
+def test_a_keys_folder_open_to_others_or_holding_a_link_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "keys"
+    keys.ensure(str(folder))
+    os.chmod(folder / keys.CLIENT_SECRET, 0o644)
+    with pytest.raises(errors.ConfigError, match="client.secret is open to other users"):
+        keys.ensure(str(folder))
+    os.chmod(folder / keys.CLIENT_SECRET, 0o600)
+    (folder / keys.SERVER_SECRET).unlink()
+    (folder / keys.SERVER_SECRET).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(errors.ConfigError, match="server.secret is a symbolic link"):
+        keys.ensure(str(folder))
+
+
+def test_a_keys_folder_of_an_earlier_version_gets_the_chief_s_keypair(tmp_path: Path) -> None:
+    made = keys.JobKeys.generate()
+    keys.write_files(str(tmp_path), {name: text for name, text in made.files().items() if not name.startswith("chief")})
+    upgraded = keys.ensure(str(tmp_path))
+    assert (upgraded.server_secret, upgraded.client_secret) == (made.server_secret, made.client_secret)
+    assert upgraded.chief_secret is not None and upgraded.chief_public not in (made.chief_public, None)
+    upgraded._check_pairs(str(tmp_path))
