@@ -21,6 +21,7 @@ secret volume gets a copy of the files its volume lists (0600, in the pod's fold
 from __future__ import annotations
 
 import base64
+import ctypes
 import dataclasses
 import logging
 import os
@@ -46,6 +47,20 @@ KEYS_FOLDER = "keys"
 # The role flags that receive a container port's local number, by port name.
 PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "--metrics-port",
               contract.COORDINATOR_PORT_NAME: "--coordinator-port"}
+# The signals that stop a run as Ctrl-C does: every pod checkpoints, the run ends Suspended.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a pod's process, before it runs: SIGTERM it when `distbelief run` dies, even by SIGKILL
+    (Linux's parent-death signal; the pod then checkpoints and exits as on Ctrl-C)."""
+    if _LIBC is None:
+        return
+    _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclasses.dataclass
@@ -65,8 +80,10 @@ class LocalPod:
 
     def start(self) -> None:
         log_file = open(self.log_path, "ab")
+        parent = os.getpid()
         self.process = subprocess.Popen(self.argv, env=self.env, stdout=log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=lambda: _die_with_parent(parent))
         log_file.close()
         self.exit_code = None
 
@@ -129,7 +146,7 @@ class LocalRun:
     def run(self, *, progress: bool) -> int:
         started = time.time()
         in_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, self.interrupt) if in_main_thread else None
+        previous = {sig: signal.signal(sig, self.interrupt) for sig in STOP_SIGNALS} if in_main_thread else {}
         log.info("event=local_run job=%s shards=%d workers=%d output=%s", self.name, len(self.shards),
                  len(self.workers), self.output)
         live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]),
@@ -141,8 +158,8 @@ class LocalRun:
         finally:
             self._stop_all()
             live.close()
-            if in_main_thread:
-                signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         restarts = {pod.name: pod.restarts for pod in self.pods}
         summary = report.write(self.output, self.chief_dir, job=self.name, phase=phase, reason=reason,
                                wall_seconds=time.time() - started, restarts=restarts)
@@ -150,7 +167,8 @@ class LocalRun:
         return {"Succeeded": 0, "Suspended": 130}.get(phase, 1)
 
     def interrupt(self, *_: object) -> None:
-        """Stop the run as Ctrl-C does: every pod checkpoints and exits; phase Suspended."""
+        """Stop the run as Ctrl-C (or SIGTERM, SIGHUP) does: every pod checkpoints and exits;
+        phase Suspended."""
         self._interrupted = True
 
     def _supervise(self, live: "report.Progress") -> tuple[str, str]:
