@@ -131,13 +131,13 @@ def test_synthetic_large_example_runs_short(tmp_path: Path) -> None:
         assert sum(a.size for a in params.values()) > 8_000_000
 
 
-def test_a_shard_that_keeps_crashing_fails_the_job_with_the_reason(tmp_path: Path) -> None:
+def test_a_config_error_fails_the_job_at_once_without_restarts(tmp_path: Path) -> None:
     doc = load_example("digits-mlp.yaml")
-    doc["spec"]["runPolicy"]["backoffLimit"] = 1
     # An npz path that does not exist: every role exits with a config error.
     doc["spec"]["data"]["source"] = f"npz:{tmp_path}/missing.npz"
     code, summary = run_job(doc, tmp_path / "out")
     assert code == 1
     assert summary["phase"] == "Failed"
-    assert summary["reason"].startswith("BackoffLimitExceeded")
+    assert summary["reason"].startswith("InvalidConfig: digits-")
     assert "missing.npz" in summary["reason"]
+    assert summary["restarts"] == 0

@@ -360,6 +360,25 @@ def test_a_crash_looping_shard_fails_the_job(cluster: tuple[KubeEmulator, Chiefs
     wait(kube, "apps/v1/deployments", "crash-worker", lambda d: d and d["spec"]["replicas"] == 0)
 
 
+def test_a_config_error_in_a_pod_fails_the_job_as_invalid_config(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
+    kube, _, _ = cluster
+    apply(kube, new_job("badcfg"))
+    wait(kube, "apps/v1/deployments", "badcfg-worker")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "badcfg-worker-7d9f-x2", "namespace": "default",
+        "labels": {"distbelief.io/job": "badcfg", "distbelief.io/role": "worker"}},
+        "spec": {"containers": [{"name": "worker", "image": "x"}]}}
+    kube.create("v1/pods", pod)
+    kube.patch_status("v1/pods", "badcfg-worker-7d9f-x2", {"containerStatuses": [
+        {"name": "worker", "restartCount": 0, "ready": False, "image": "x", "imageID": "", "started": False,
+         "state": {"terminated": {"exitCode": 2, "message": "error: npz:/data/d.npz: labels skip 2..6"}}}]})
+    job = wait(kube, JOBS, "badcfg", phase_is("Failed"))
+    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidConfig"
+    assert failed["message"] == "badcfg-worker-7d9f-x2: error: npz:/data/d.npz: labels skip 2..6"
+    wait(kube, "apps/v1/statefulsets", "badcfg-ps", lambda s: s and s["spec"]["replicas"] == 0)
+
+
 def test_ttl_deletes_a_finished_job_and_its_children(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
     kube, chiefs, _ = cluster
     apply(kube, new_job("ttl", runPolicy={"ttlSecondsAfterFinished": 1}))

@@ -16,7 +16,7 @@ from distbelief.runtime import contract
 
 log = logging.getLogger("distbelief")
 
-EXIT_INVALID = 2
+EXIT_INVALID = contract.EXIT_INVALID_CONFIG
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import kopf
 
 from distbelief.operator import render, scrape, spec as job_spec
 from distbelief.operator.kube import Kube, KubeError
-from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp
+from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -167,16 +167,15 @@ def read_observed(kube: Kube, job: Mapping[str, Any], refusal: str | None) -> Ob
     names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
     sts = kube.get("apps/v1", "StatefulSet", namespace, names.ps) or {}
     deployment = kube.get("apps/v1", "Deployment", namespace, names.worker) or {}
-    pods = kube.list("v1", "Pod", namespace, contract.selector_labels(meta["name"], contract.ROLE_PS))
-    restarts = [c.get("restartCount", 0) for p in pods for c in (p.get("status") or {}).get("containerStatuses", [])]
+    pods = kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: meta["name"]})
     url = METRICS_URL.format(job=meta["name"], namespace=namespace, pod=names.shard_pod(0), service=names.ps,
                              port=contract.METRICS_PORT)
     return Observed(
         shards_ready=int((sts.get("status") or {}).get("readyReplicas", 0)),
         workers=int((deployment.get("status") or {}).get("replicas", 0)),
         workers_ready=int((deployment.get("status") or {}).get("readyReplicas", 0)),
-        shard_restarts=max(restarts, default=0),
         figures=scrape.read(url),
+        **pod_failures(pods),
         children_created=bool(sts),
         shard_lock_message=refusal,
     )

@@ -356,6 +356,9 @@ def _container(ctx: RenderContext, role: str, *, args: list[str],
         "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
         "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
         "securityContext": _container_security(),
+        # A role's one-line error (the tail of its log) becomes the terminated state's
+        # message, which the operator quotes when a config error fails the job.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": contract.CONFIG_DIR, "readOnly": True},
             {"name": SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR},

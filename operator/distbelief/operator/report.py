@@ -36,8 +36,8 @@ class Progress:
         self.bar = tqdm(total=total, desc=job, unit="step", disable=not enabled, dynamic_ncols=True,
                         mininterval=0.2 if tty else 10.0, file=sys.stderr)
 
-    def update(self) -> None:
-        figures = scrape.read(self.url, timeout=SCRAPE_TIMEOUT)
+    def update(self, figures: scrape.Figures) -> None:
+        """Show the chief's figures as read from self.url."""
         if not figures.reachable:
             return
         self.bar.update(max(0, min(figures.global_step, self.bar.total) - self.bar.n))
