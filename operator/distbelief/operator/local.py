@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from distbelief.operator import render, report, scrape, spec
+from distbelief.operator import preflight, render, report, scrape, spec
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
 from distbelief.operator.status import CHIEF_ENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
@@ -57,6 +57,7 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
     if len(docs) != 1:
         raise spec.SpecError(f"{path}: local mode runs one DistBeliefJob per file, found {len(docs)} documents")
     job = spec.validate_job(docs[0])
+    preflight.check(job)
     name = job["metadata"]["name"]
     output = os.path.abspath(output or os.path.join("out", name))
     if fresh:

@@ -88,9 +88,33 @@ def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
             f"npz:{path}: needs x of shape (n, features) and y of shape (n,), got {x.shape} and {y.shape}")
     if len(y) == 0:
         raise errors.ConfigError(f"npz:{path}: holds no examples")
+    _check_features(path, x)
+    _check_labels(path, y)
+    return x, y
+
+
+def _check_features(path: str, x: np.ndarray) -> None:
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise errors.ConfigError(f"npz:{path}: x must hold numbers, got dtype {x.dtype}")
+    finite = np.isfinite(x.astype(np.float32, copy=False))
+    if not finite.all():
+        row = int(np.argwhere(~finite)[0][0])
+        raise errors.ConfigError(f"npz:{path}: x holds {int(finite.size - finite.sum())} non-finite values "
+                                 f"(NaN or infinity), the first in row {row}")
+
+
+def _check_labels(path: str, y: np.ndarray) -> None:
+    """Labels 0..C-1, every class present: {0, 1, 7} is a mistake, not 8 classes."""
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise errors.ConfigError(f"npz:{path}: y must hold non-negative integer class labels")
-    return x, y
+    present = np.unique(y)
+    if len(present) < 2:
+        raise errors.ConfigError(f"npz:{path}: y holds a single class ({int(present[0])}); training needs two or more")
+    missing = np.setdiff1d(np.arange(int(present[-1]) + 1), present)
+    if len(missing):
+        shown = ", ".join(str(int(c)) for c in missing[:10]) + (", ..." if len(missing) > 10 else "")
+        raise errors.ConfigError(f"npz:{path}: y's labels must be 0..C-1 with every class present; labels "
+                                 f"{{{', '.join(str(int(c)) for c in present[:10])}}} leave out {shown}")
 
 
 def split(x: np.ndarray, y: np.ndarray, *, test_fraction: float, seed: int) -> Dataset:
