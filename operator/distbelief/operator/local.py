@@ -23,16 +23,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import shutil
 import signal
+import sys
 import threading
 import time
 from typing import Any, Mapping
 
-from distbelief.operator import preflight, render, report, scrape, spec
+from distbelief.operator import outputdir, preflight, render, report, scrape, spec
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
 from distbelief.operator.status import CHIEF_ENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
+from distbelief.runtime.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,23 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
     if len(docs) != 1:
         raise spec.SpecError(f"{path}: local mode runs one DistBeliefJob per file, found {len(docs)} documents")
     job = spec.validate_job(docs[0])
-    preflight.check(job)
-    name = job["metadata"]["name"]
-    output = os.path.abspath(output or os.path.join("out", name))
-    if fresh:
-        shutil.rmtree(output, ignore_errors=True)
-    return LocalRun(job, output).run(progress=progress)
+    checked = preflight.check(job)
+    layout = Layout.of(checked.shapes, int(job["spec"]["parameterServers"]["shards"])).hash
+    output = os.path.abspath(output or os.path.join("out", job["metadata"]["name"]))
+    with outputdir.locked(output):
+        if fresh:
+            outputdir.clear(output)
+        found = outputdir.earlier(output, job, layout)
+        announcement = found.announcement()
+        if announcement:
+            sys.stdout.write(announcement + "\n")
+        if found.result:
+            return _exit_code(found.result["phase"])
+        return LocalRun(job, output).run(progress=progress, resumed_at=found.step or 0)
+
+
+def _exit_code(phase: str) -> int:
+    return {"Succeeded": 0, "Suspended": 130}.get(phase, 1)
 
 
 class LocalRun:
@@ -87,14 +99,15 @@ class LocalRun:
     def chief_dir(self) -> str:
         return volume_dir(self.output, self.shards[0].name, contract.CHECKPOINT_VOLUME)
 
-    def run(self, *, progress: bool) -> int:
+    def run(self, *, progress: bool, resumed_at: int = 0) -> int:
         started = time.time()
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, self.interrupt) for sig in STOP_SIGNALS} if in_main_thread else {}
         log.info("event=local_run job=%s shards=%d workers=%d output=%s", self.name, len(self.shards),
                  len(self.workers), self.output)
         live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]),
-                               metrics_port=self.shards[0].ports[contract.METRICS_PORT_NAME], enabled=progress)
+                               metrics_port=self.shards[0].ports[contract.METRICS_PORT_NAME], enabled=progress,
+                               initial=resumed_at)
         try:
             for pod in self.pods:
                 pod.start()
@@ -106,9 +119,9 @@ class LocalRun:
                 signal.signal(sig, handler)
         restarts = {pod.name: pod.restarts for pod in self.pods}
         summary = report.write(self.output, self.chief_dir, job=self.name, phase=phase, reason=reason,
-                               wall_seconds=time.time() - started, restarts=restarts)
+                               started=started, restarts=restarts)
         report.print_summary(summary, self.output)
-        return {"Succeeded": 0, "Suspended": 130}.get(phase, 1)
+        return _exit_code(phase)
 
     def interrupt(self, *_: object) -> None:
         """Stop the run as Ctrl-C (or SIGTERM, SIGHUP) does: every pod checkpoints and exits;

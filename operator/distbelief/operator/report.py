@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from typing import Any, Mapping
 
 from tqdm import tqdm
@@ -30,11 +31,11 @@ class Progress:
     """A progress bar over global steps, with loss, accuracy and examples/s beside it (and
     a Sandblaster job's objective)."""
 
-    def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool) -> None:
+    def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool, initial: int = 0) -> None:
         self.url = f"http://127.0.0.1:{metrics_port}/metrics"
         tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total, desc=job, unit="step", disable=not enabled, dynamic_ncols=True,
-                        mininterval=0.2 if tty else 10.0, file=sys.stderr)
+        self.bar = tqdm(total=total, initial=min(initial, total), desc=job, unit="step", disable=not enabled,
+                        dynamic_ncols=True, mininterval=0.2 if tty else 10.0, file=sys.stderr)
 
     def update(self, figures: scrape.Figures) -> None:
         """Show the chief's figures as read from self.url."""
@@ -77,12 +78,16 @@ def read_history(chief_dir: str) -> list[dict[str, Any]]:
     return rows
 
 
-def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, wall_seconds: float,
+def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, started: float,
           restarts: Mapping[str, int]) -> dict[str, Any]:
-    """report.json, training.png and params.npz in output; returns the report."""
+    """report.json, training.png and params.npz in output; returns the report. Its figures
+    are this run's (since `started`): never an earlier run's, when this one evaluated nothing."""
     result = read_result(chief_dir) or {}
+    if result.get("finishedAt", 0) < started:
+        result = {}
     history = read_history(chief_dir)
-    last = history[-1] if history else {}
+    ours = [row for row in history if row.get("time", 0) >= started]
+    last = ours[-1] if ours else {}
     summary = {
         "job": job, "phase": phase, "reason": reason,
         "globalStep": result.get("globalStep", last.get("step", 0)),
@@ -91,13 +96,13 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, wal
         "examplesPerSecond": result.get("examplesPerSecond", last.get("examplesPerSecond", 0.0)),
         "examples": result.get("examples"),
         "trainingSeconds": result.get("trainingSeconds"),
-        "wallSeconds": round(wall_seconds, 3),
+        "wallSeconds": round(time.time() - started, 3),
         "restarts": sum(restarts.values()),
         "restartsByPod": dict(restarts),
-        "evaluations": len(history),
+        "evaluations": len(ours),
     }
     params = os.path.join(chief_dir, contract.PARAMS_FILE)
-    if os.path.exists(params):
+    if result and os.path.exists(params):
         shutil.copyfile(params, os.path.join(output, contract.PARAMS_FILE))
         summary["params"] = contract.PARAMS_FILE
     if history:
