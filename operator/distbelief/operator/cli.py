@@ -73,6 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fresh", action="store_true", help="discard the checkpoints of an earlier run in DIR")
     run.set_defaults(func=_run)
 
+    predict = commands.add_parser("predict", help="score or use the model a finished run trained")
+    predict.add_argument("file", metavar="JOB.yaml")
+    predict.add_argument("--output", default=None, metavar="DIR", help="the run's folder (default: ./out/NAME)")
+    predict.add_argument("--data", default=None, metavar="SOURCE",
+                         help="predict for this source (npz:/path.npz with x, and y if known) instead of scoring "
+                              "the held-out split")
+    predict.add_argument("--out", default=None, metavar="FILE", help="write the predicted labels (.npz, or text)")
+    predict.set_defaults(func=_predict)
+
     ps = commands.add_parser("ps", help="run one parameter shard (what the shard containers run)")
     ps.add_argument("--config", default=contract.CONFIG_PATH)
     ps.add_argument("--shard", type=int, default=None, help=f"default: the ordinal in ${contract.ENV_POD_NAME}")
@@ -139,6 +148,27 @@ def _run(args: argparse.Namespace) -> int:
     from distbelief.operator import local
 
     return local.run_file(args.file, output=args.output, progress=not args.no_progress, fresh=args.fresh)
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from distbelief.operator import predict
+
+    trained = predict.load(args.file, output=args.output)
+    if args.data is None:
+        loss, accuracy = trained.evaluate()
+        print(f"held-out accuracy {accuracy:.4f}  loss {loss:.4f}  ({len(trained.dataset.y_test)} examples)")
+        return 0
+    labels, known = predict.predict_source(trained, args.data)
+    if known is not None:
+        print(f"{args.data}: accuracy {float(np.mean(labels == known)):.4f}  ({len(labels)} examples)")
+    if args.out:
+        predict.write_predictions(args.out, labels)
+        print(f"predictions for {len(labels)} examples: {args.out}")
+    elif known is None:
+        sys.stdout.write("".join(f"{int(label)}\n" for label in labels))
+    return 0
 
 
 def _operator(args: argparse.Namespace) -> int:
