@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from distbelief.operator import outputdir, preflight, render, report, scrape, spec
+from distbelief.operator import outputdir, preflight, render, report, scrape, sizing, spec
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
 from distbelief.operator.status import CHIEF_ENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
@@ -59,6 +59,8 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
         raise spec.SpecError(f"{path}: local mode runs one DistBeliefJob per file, found {len(docs)} documents")
     job = spec.validate_job(docs[0])
     checked = preflight.check(job)
+    for line in sizing.memory_warnings(job["spec"], checked.parameters):
+        sys.stderr.write(f"warning: {line}\n")
     layout = Layout.of(checked.shapes, int(job["spec"]["parameterServers"]["shards"])).hash
     output = os.path.abspath(output or os.path.join("out", job["metadata"]["name"]))
     with outputdir.locked(output):
