@@ -436,3 +436,28 @@ def test_an_operator_restarted_mid_reconcile_makes_no_duplicates(tmp_path: Path)
     finally:
         kube.stop()
         chiefs.server.shutdown()
+
+
+def test_a_missing_peering_object_is_warned_about_then_and_again(tmp_path: Path) -> None:
+    kube = project_emulator().start()
+    kube.write_kubeconfig(tmp_path / "kubeconfig")
+    log_path = tmp_path / "operator.log"
+    env = kube.env(DISTBELIEF_PEERING_CHECK_SECONDS="1")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "distbelief.operator.cli", "operator", "--namespace",
+                                    "default", "--liveness", ""], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and log_path.read_text().count("event=peering_missing") < 2:
+            time.sleep(0.2)
+        warnings = [line for line in log_path.read_text().splitlines() if "event=peering_missing" in line]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        kube.stop()
+    assert len(warnings) >= 2, log_path.read_text()[-3000:]
+    assert " WARNING " in warnings[0]
+    assert "KopfPeering default/distbelief" in warnings[0] and "--standalone" in warnings[0]

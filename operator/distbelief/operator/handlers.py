@@ -18,11 +18,12 @@ import copy
 import datetime
 import logging
 import os
+import threading
 from typing import Any, Mapping
 
 import kopf
 
-from distbelief.operator import render, scrape, spec as job_spec
+from distbelief.operator import peering as peering_watch, render, scrape, spec as job_spec
 from distbelief.operator.kube import Kube, KubeError
 from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
 from distbelief.runtime import contract, keys
@@ -51,6 +52,20 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # (the default polls the timer's cancellation for 60 s).
     settings.background.cancellation_polling = 1
     _load_kube_config()
+
+
+@kopf.on.startup()
+def watch_peering(memo: kopf.Memo, **_: Any) -> None:
+    """Warn while kopf's peering object is missing (kopf itself pauses silently)."""
+    if memo.get("peering"):
+        memo["peering_stop"] = threading.Event()
+        peering_watch.watch(memo["peering"], memo["namespaces"], memo["peering_stop"])
+
+
+@kopf.on.cleanup()
+def stop_peering_watch(memo: kopf.Memo, **_: Any) -> None:
+    if memo.get("peering_stop"):
+        memo["peering_stop"].set()
 
 
 def _load_kube_config() -> None:
@@ -207,5 +222,7 @@ def _job_address(job: Mapping[str, Any]) -> tuple[str, str, str, str]:
 
 def run(*, namespaces: list[str], standalone: bool, liveness: str | None, peering: str) -> None:
     """Run the operator until it is stopped (SIGTERM/SIGINT)."""
+    peering_name = None if standalone else peering
     kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=standalone,
-             liveness_endpoint=liveness, peering_name=None if standalone else peering)
+             liveness_endpoint=liveness, peering_name=peering_name,
+             memo=kopf.Memo(peering=peering_name, namespaces=list(namespaces)))

@@ -30,6 +30,8 @@ PLURALS = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("distbelief.io/v1alpha1", "DistBeliefJob"): "distbeliefjobs",
+    ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
+    ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
 }
 # Fields the API server refuses to change after creation.
 IMMUTABLE = {
@@ -76,7 +78,7 @@ class Kube:
             raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
         return json.loads(data) if data else None
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Manifest | None:
         try:
             return self._call("GET", path_of(api_version, kind, namespace, name))
         except ApiException as exc:
