@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from distbelief.operator.spec import job_config
+from distbelief.operator.spec import DATA_DIR, job_config
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ RUN_AS_ID = 10001
 TERMINATION_GRACE_SECONDS = 30
 CONFIG_VOLUME = "config"
 SCRATCH_VOLUME = "tmp"
+# spec.data.volume's claim, read-only in every pod at DATA_DIR: npz:/data/... sources read from it.
+DATA_VOLUME = "data"
 # Owner-read only; with the pods' fsGroup the kubelet makes the files group-readable
 # (0440, group 10001), which is what lets the non-root roles read them.
 KEYS_MODE = 0o400
@@ -334,6 +336,7 @@ def _pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifes
                 {"name": CONFIG_VOLUME, "configMap": {"name": ctx.names.config_map}},
                 {"name": SCRATCH_VOLUME, "emptyDir": {}},
                 _keys_volume(ctx, role),
+                *_data_volume(ctx),
             ],
         },
     }
@@ -363,6 +366,7 @@ def _container(ctx: RenderContext, role: str, *, args: list[str],
             {"name": CONFIG_VOLUME, "mountPath": contract.CONFIG_DIR, "readOnly": True},
             {"name": SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR},
             {"name": contract.KEYS_VOLUME, "mountPath": contract.KEYS_DIR, "readOnly": True},
+            *_data_mount(ctx),
             *(mounts or []),
         ],
     }
@@ -373,6 +377,16 @@ def _container(ctx: RenderContext, role: str, *, args: list[str],
 
 
 _ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
+
+
+def _data_volume(ctx: RenderContext) -> list[dict[str, Any]]:
+    """spec.data.volume: the user's claim (npz files), read-only in every pod; none without it."""
+    claim = ctx.spec["data"].get("volume")
+    return [{"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}] if claim else []
+
+
+def _data_mount(ctx: RenderContext) -> list[dict[str, Any]]:
+    return [{"name": DATA_VOLUME, "mountPath": DATA_DIR, "readOnly": True}] if ctx.spec["data"].get("volume") else []
 
 
 def _keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:

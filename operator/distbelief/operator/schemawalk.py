@@ -33,6 +33,8 @@ PATTERN_RULES = {
         "must be a Kubernetes quantity, for example 500m or 2 (CPUs), 256Mi or 1Gi (bytes)",
     r"^([0-9]+(\.[0-9]*)?)([KMGTPE]i|[kMGTPE])?$":
         "must be a size, for example 1Gi, 500Mi or 10G",
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$":
+        "must be a PersistentVolumeClaim name: lowercase letters, digits, '-' and '.', for example training-data",
 }
 # YAML 1.1 (PyYAML, kubectl) reads 1e9 as a string: its floats need a dot (1.0e9).
 _NUMBER_LIKE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\Z")

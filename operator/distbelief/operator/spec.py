@@ -38,6 +38,7 @@ CRD_RESOURCE = "crds/distbelief.io_distbeliefjobs.yaml"
 JOB_API_VERSION = f"{contract.API_GROUP}/{contract.API_VERSION}"
 
 BUILTIN_DATASETS: tuple[str, ...] = ("digits",)
+DATA_DIR = "/data"  # where the renderer mounts spec.data.volume
 
 # Every schema keyword the validator understands. A CRD using any other keyword is
 # refused at load time, so that no rule is ever skipped silently.
@@ -220,6 +221,9 @@ def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
             problems.add(path, problem)
     elif scheme == "npz" and not posixpath.isabs(body):
         problems.add(path, f"npz path must be absolute inside the pod (got {show(body)})")
+    elif scheme == "npz" and _get(job, "spec", "data", "volume") and not body.startswith(DATA_DIR + "/"):
+        problems.add(path, f"with spec.data.volume the npz must be under {DATA_DIR}/, where the claim is "
+                     f"mounted (got {show(body)})")
 
 
 def _check_training(job: Mapping[str, Any], problems: Problems) -> None:
