@@ -36,6 +36,11 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
     assert summary["examplesPerSecond"] > 0 and summary["wallSeconds"] > 0
     assert summary["restarts"] == 0
     assert (tmp_path / report.PLOT_FILE).read_bytes().startswith(b"\x89PNG")
+    rows = [json.loads(line) for line in (tmp_path / "curves.jsonl").read_text().splitlines()]
+    assert rows[0] == {"time": rows[0]["time"], "event": "start", "step": 0}
+    training = [row for row in rows if "trainLoss" in row]
+    assert training and all(row["examplesPerSecondPerReplica"] > 0 for row in training[1:])
+    assert training[-1]["trainLoss"] < training[0]["trainLoss"]
     shard_logs = sorted((tmp_path / "logs").glob("digits-ps-*.log"))
     assert len(shard_logs) == 2
     for log in shard_logs:  # the shards ran with the job's keys

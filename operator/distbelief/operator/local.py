@@ -8,7 +8,8 @@ volumes, and restart-on-crash with back-off. It shows live progress scraped from
 chief's metrics, and leaves a report in the output folder:
 
     report.json    phase, reason, globalStep, loss, accuracy, examplesPerSecond, wallSeconds, restarts
-    training.png   held-out loss and accuracy over time
+    training.png   training and held-out loss, accuracy and examples/s over steps
+    curves.jsonl   the training figures behind the plot, and where each run started
     params.npz     the trained parameters, one array per named tensor
     logs/          one log per pod; volumes/ holds each pod's folders (the checkpoints)
     keys/          the job's CurveZMQ keys (0600 files), made on the first run
@@ -29,7 +30,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from distbelief.operator import outputdir, preflight, render, report, scrape, sizing, spec
+from distbelief.operator import curves, outputdir, preflight, render, report, scrape, sizing, spec
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
 from distbelief.operator.status import CHIEF_ENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
@@ -92,6 +93,7 @@ class LocalRun:
         self.shards, self.workers = plan_pods(objects, output)
         self._interrupted = False
         self.status: dict[str, Any] = {}
+        self._history_at_start = 0
 
     @property
     def pods(self) -> list[LocalPod]:
@@ -110,10 +112,12 @@ class LocalRun:
         live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]),
                                metrics_port=self.shards[0].ports[contract.METRICS_PORT_NAME], enabled=progress,
                                initial=resumed_at)
+        recorder = curves.Recorder(self.output, resumed_at=resumed_at)
+        self._history_at_start = self._history_size()
         try:
             for pod in self.pods:
                 pod.start()
-            phase, reason = self._supervise(live)
+            phase, reason = self._supervise(live, recorder)
         finally:
             self._stop_all()
             live.close()
@@ -130,7 +134,7 @@ class LocalRun:
         phase Suspended."""
         self._interrupted = True
 
-    def _supervise(self, live: "report.Progress") -> tuple[str, str]:
+    def _supervise(self, live: "report.Progress", recorder: curves.Recorder) -> tuple[str, str]:
         """Keep the pods running until the job's status is final (the operator's state machine,
         fed what this machine observes), or until Ctrl-C."""
         while True:
@@ -143,8 +147,16 @@ class LocalRun:
             if all(pod.poll() == 0 for pod in self.shards):
                 return "Failed", "ShardsExitedWithoutResult: the shards stopped before the chief decided"
             self._restart_crashed()
-            live.update(figures)
+            live.update(figures, evaluated=self._history_size() > self._history_at_start)
+            recorder.record(figures, replicas=sum(pod.running for pod in self.workers))
             time.sleep(POLL_SECONDS)
+
+    def _history_size(self) -> int:
+        """Bytes in the chief's history: it grows with each evaluation."""
+        try:
+            return os.path.getsize(os.path.join(self.chief_dir, contract.HISTORY_FILE))
+        except OSError:
+            return 0
 
     def _status(self, figures: scrape.Figures) -> dict[str, Any]:
         """The job's new status from compute_status, as the operator would write it."""

@@ -18,6 +18,7 @@ TIMEOUT_SECONDS = 2.0
 class Figures:
     global_step: int | None = None
     loss: float | None = None
+    train_loss: float | None = None         # shard 0's moving average of the replicas' minibatch losses
     accuracy: float | None = None
     examples_per_second: float | None = None
     objective: float | None = None          # Sandblaster's, at the committed iteration
@@ -47,6 +48,7 @@ def parse(text: str) -> Figures:
     return Figures(
         global_step=integer("distbelief_global_step"),
         loss=values.get("distbelief_heldout_loss"),
+        train_loss=values.get("distbelief_train_loss"),
         accuracy=values.get("distbelief_heldout_accuracy"),
         examples_per_second=values.get("distbelief_examples_per_second"),
         # The gauge exists from the coordinator's start; it means something after an evaluation.
