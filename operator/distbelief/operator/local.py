@@ -192,8 +192,11 @@ class LocalRun:
         return phase, f"{condition['reason']}: {condition.get('message', '')}"
 
     def _wait_for_shards(self) -> None:
+        """Until the shards exit (or STOP_GRACE_SECONDS), pods are looked after as before,
+        as a kubelet does until the operator scales the job down."""
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         while any(pod.running for pod in self.shards) and time.monotonic() < deadline:
+            self._restart_crashed()
             time.sleep(0.1)
 
     def _restart_crashed(self) -> None:
