@@ -379,6 +379,15 @@ def test_a_config_error_in_a_pod_fails_the_job_as_invalid_config(cluster: tuple[
     wait(kube, "apps/v1/statefulsets", "badcfg-ps", lambda s: s and s["spec"]["replicas"] == 0)
 
 
+def test_a_model_too_large_for_its_pods_gets_a_warning_event(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
+    kube, _, _ = cluster
+    apply(kube, new_job("huge", model={"hiddenLayers": [65536, 65536, 65536]}))
+    assert "MemoryLimitLow" in event_reasons(kube, "huge", {"MemoryLimitLow"})
+    warning = next(e for e in events_of(kube, "huge") if e["reason"] == "MemoryLimitLow")
+    assert warning["type"] == "Warning" and "is likely too small" in warning["message"]
+    wait(kube, "apps/v1/statefulsets", "huge-ps")  # a warning, not a refusal
+
+
 def test_ttl_deletes_a_finished_job_and_its_children(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
     kube, chiefs, _ = cluster
     apply(kube, new_job("ttl", runPolicy={"ttlSecondsAfterFinished": 1}))

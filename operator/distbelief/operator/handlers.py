@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import kopf
 
-from distbelief.operator import peering as peering_watch, render, scrape, spec as job_spec
+from distbelief.operator import peering as peering_watch, render, scrape, sizing, spec as job_spec
 from distbelief.operator.kube import Kube, KubeError
 from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
 from distbelief.runtime import contract, keys
@@ -106,6 +106,9 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None
         kopf.warn(body, reason="ShardCountLocked", message=refusal)
     elif SHARDS_ANNOTATION not in (body.metadata.annotations or {}):
         patch.metadata.annotations[SHARDS_ANNOTATION] = str(job["spec"]["parameterServers"]["shards"])
+    parameters = sizing.parameter_count(job["spec"])
+    for line in sizing.memory_warnings(job["spec"], parameters) if parameters else []:
+        kopf.warn(body, reason="MemoryLimitLow", message=line)
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
     new = reason == "create"  # nothing of the job exists yet: create without reading first
