@@ -4,6 +4,8 @@ processes maps onto the same phases, reasons and counting as on a cluster."""
 from __future__ import annotations
 
 import datetime
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +95,16 @@ def test_a_silent_job_past_max_duration_fails_with_the_operators_grace(run: loca
     run.status = {"startTime": timestamp(start - datetime.timedelta(minutes=1))}
     status = run._status(scrape.Figures())
     assert status["phase"] == "Failed" and _condition(status, "Failed")["reason"] == "DeadlineExceeded"
+
+
+@pytest.mark.slow
+def test_a_loss_that_stays_non_finite_fails_the_job_naming_the_replica(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    doc = load_example("digits-mlp.yaml")
+    doc["spec"]["model"] = {"entrypoint": "user_model:build_diverging"}
+    doc["spec"]["training"]["maxSteps"] = 10_000_000
+    code = local.LocalRun(spec.validate_job(doc), str(tmp_path)).run(progress=False)
+    summary = json.loads((tmp_path / "report.json").read_text())
+    assert code == 1 and summary["phase"] == "Failed"
+    assert re.match(r"NonFiniteLoss: digits-worker-\d computed a training loss of nan at global step \d+ "
+                    r"\(its minibatch \d+\): lower spec.training.learningRate", summary["reason"]), summary["reason"]

@@ -149,3 +149,10 @@ def test_a_crash_looping_shard_says_how_it_last_ended() -> None:
     message = condition(failed, "Failed")["message"]
     assert condition(failed, "Failed")["reason"] == "BackoffLimitExceeded"
     assert "digits-ps-1 last exited with code 1: error: gone" in message
+
+
+def test_a_replica_whose_loss_stays_non_finite_fails_the_job() -> None:
+    seen = "digits-worker-1 computed a training loss of nan at global step 17"
+    failed = compute_status(job(), Observed(shards_ready=2, workers_ready=3, non_finite_loss=seen), NOW)
+    assert failed["phase"] == "Failed"
+    assert condition(failed, "Failed")["reason"] == "NonFiniteLoss" and condition(failed, "Failed")["message"] == seen

@@ -96,3 +96,16 @@ def build_bad_shapes(model_spec, n_features, n_classes):
 
 def build_scores(model_spec, n_features, n_classes):
     return LabelsAsScores(model_spec, n_features, n_classes)
+
+
+class DivergesOnceTrained(WrappedMlp):
+    """Finite at its initial parameters (the check at build time), NaN once they moved."""
+
+    def loss_and_grad(self, params, batch, out=None):
+        loss, grad = self._inner.loss_and_grad(params, batch, out)
+        moved = not np.array_equal(params, self._inner.init_params(0))
+        return (float("nan") if moved else loss), grad
+
+
+def build_diverging(model_spec, n_features, n_classes):
+    return DivergesOnceTrained(model_spec, n_features, n_classes)

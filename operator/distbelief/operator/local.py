@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import signal
 import sys
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 15.0
 BACKOFF_START, BACKOFF_MAX = 1.0, 30.0
+# Polls in a row a replica's last minibatch loss must be non-finite before the job fails:
+# the shards drop such pushes, so a diverged model would otherwise hang the job.
+NON_FINITE_POLLS = 3
 KEYS_FOLDER = "keys"
 # The signals that stop a run as Ctrl-C does: every pod checkpoints, the run ends Suspended.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -94,6 +98,7 @@ class LocalRun:
         self._interrupted = False
         self.status: dict[str, Any] = {}
         self._history_at_start = 0
+        self._non_finite: dict[str, int] = {}
 
     @property
     def pods(self) -> list[LocalPod]:
@@ -179,7 +184,19 @@ class LocalRun:
             figures=figures, children_created=True,
             invalid_config=f"{invalid.name}: {invalid.last_error_line()}" if invalid else None,
             shard_failure=f"{worst.name} exited with code {worst.exit_code}; last log line: "
-                          f"{worst.last_log_line()}" if crashed[worst.name] else None)
+                          f"{worst.last_log_line()}" if crashed[worst.name] else None,
+            non_finite_loss=self._non_finite_loss(figures.global_step))
+
+    def _non_finite_loss(self, step: int | None) -> str | None:
+        """Which replica's minibatch loss has stayed NaN or infinite for NON_FINITE_POLLS polls."""
+        for pod in self.workers:
+            seen = scrape.read(pod.metrics_url, timeout=report.SCRAPE_TIMEOUT) if pod.running else scrape.Figures()
+            bad = seen.replica_loss is not None and not math.isfinite(seen.replica_loss)
+            self._non_finite[pod.name] = self._non_finite.get(pod.name, 0) + 1 if bad else 0
+            if self._non_finite[pod.name] >= NON_FINITE_POLLS:
+                return (f"{pod.name} computed a training loss of {seen.replica_loss} at global step {step} "
+                        f"(its minibatch {seen.replica_steps}): lower spec.training.learningRate, or check the data")
+        return None
 
     def _ending(self, status: Mapping[str, Any]) -> tuple[str, str]:
         """(phase, reason) of a final status. The chief's own decision is let finish: the shards

@@ -52,6 +52,10 @@ class LocalPod:
     exit_code: int | None = None
     restart_at: float = 0.0
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[contract.METRICS_PORT_NAME]}/metrics"
+
     def start(self) -> None:
         log_file = open(self.log_path, "ab")
         parent = os.getpid()

@@ -26,6 +26,8 @@ class Figures:
     checkpoint_time: float | None = None
     finished_reason: str | None = None
     finished_outcome: str | None = None
+    replica_loss: float | None = None       # a replica's: the loss of its last minibatch
+    replica_steps: int | None = None        # a replica's: the minibatches it computed
 
     @property
     def reachable(self) -> bool:
@@ -58,6 +60,8 @@ def parse(text: str) -> Figures:
         checkpoint_time=values.get("distbelief_checkpoint_timestamp_seconds") or None,
         finished_reason=finished[0] if finished else None,
         finished_outcome=finished[1] if finished else None,
+        replica_loss=values.get("distbelief_worker_loss"),
+        replica_steps=integer("distbelief_worker_steps_total"),
     )
 
 

@@ -35,6 +35,7 @@ class Observed:
     shard_lock_message: str | None = None  # set when a shard-count change was refused
     invalid_config: str | None = None      # "<pod>: <its last error>" of a pod that exited with a config error
     shard_failure: str | None = None       # how the most restarted shard last ended, for the message
+    non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
 
 
 def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -102,6 +103,8 @@ def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Obser
             f"{CHIEF_ENDED} at step {figures.global_step}"
     if observed.invalid_config:
         return FAILED, "InvalidConfig", observed.invalid_config
+    if observed.non_finite_loss:
+        return FAILED, "NonFiniteLoss", observed.non_finite_loss
     limit = int(spec["runPolicy"]["backoffLimit"])
     if observed.shard_restarts > limit:
         detail = f"; {observed.shard_failure}" if observed.shard_failure else ""
