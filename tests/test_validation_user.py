@@ -116,3 +116,11 @@ def test_the_name_rule_is_stated_as_the_readme_states_it() -> None:
     (line,) = caught.value.errors
     assert "must be a DNS-1035 label" in line and "starting with a letter" in line
     assert "must be a DNS-1035 label" in (REPO / "README.md").read_text()
+
+
+def test_a_sandblaster_shard_counts_its_l_bfgs_history() -> None:
+    job = spec.validate_job(load_example("digits-sandblaster.yaml"))
+    job["spec"]["parameterServers"]["resources"] = {"limits": {"memory": "1Mi"}}
+    history = job["spec"]["training"]["sandblaster"]["historySize"]
+    (line,) = [w for w in sizing.memory_warnings(job["spec"], 100_000) if "parameterServers" in w]
+    assert f"each shard holds {4 + 2 * history} float32 arrays" in line

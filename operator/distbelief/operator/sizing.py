@@ -37,8 +37,7 @@ def parameter_count(spec: Mapping[str, Any]) -> int | None:
 def memory_warnings(spec: Mapping[str, Any], parameters: int) -> list[str]:
     """One line per pod kind whose memory limit is below what its arrays alone need."""
     shards = int(spec["parameterServers"]["shards"])
-    adagrad = bool(spec["training"].get("adagrad", True))
-    shard_arrays = 3 + adagrad  # its slice of the parameters, one gradient in, one checkpoint copy, the Adagrad sums
+    shard_arrays = _shard_arrays(spec["training"])
     needs = {
         "parameterServers": (math.ceil(parameters / shards) * shard_arrays * FLOAT_BYTES,
                              f"each shard holds {shard_arrays} float32 arrays of its "
@@ -53,6 +52,15 @@ def memory_warnings(spec: Mapping[str, Any], parameters: int) -> list[str]:
             lines.append(f"spec.{role}.resources.limits.memory: {limit} is likely too small: {why} "
                          f"(about {_gib(need)}) before any overhead")
     return lines
+
+
+def _shard_arrays(training: Mapping[str, Any]) -> int:
+    """Arrays of a shard's slice size it holds. Downpour: the parameters, a gradient
+    received, a checkpoint copy, and Adagrad's sums. Sandblaster: the parameters, the
+    gradient, the search direction, the trial point and the L-BFGS history pairs."""
+    if training.get("algorithm") == "sandblaster":
+        return 4 + 2 * int(training["sandblaster"]["historySize"])
+    return 3 + bool(training.get("adagrad", True))
 
 
 def _gib(size: int) -> str:
