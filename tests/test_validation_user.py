@@ -124,3 +124,12 @@ def test_a_sandblaster_shard_counts_its_l_bfgs_history() -> None:
     history = job["spec"]["training"]["sandblaster"]["historySize"]
     (line,) = [w for w in sizing.memory_warnings(job["spec"], 100_000) if "parameterServers" in w]
     assert f"each shard holds {4 + 2 * history} float32 arrays" in line
+
+
+def test_run_and_predict_take_one_job_per_file(tmp_path: Path) -> None:
+    path = tmp_path / "two.yaml"
+    path.write_text(JOB_TEXT + "---\n" + JOB_TEXT.replace("name: digits", "name: digits-two"))
+    for command in ("run", "predict"):
+        done = distbelief(command, str(path))
+        assert done.returncode == 2
+        assert done.stderr.strip() == f"error: {path}: distbelief {command} takes one DistBeliefJob per file, found 2 documents"

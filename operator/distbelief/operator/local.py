@@ -59,10 +59,7 @@ def _decided(result: Mapping[str, Any] | None) -> scrape.Figures | None:
 
 
 def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = False) -> int:
-    docs = spec.load_manifests(path)
-    if len(docs) != 1:
-        raise spec.SpecError(f"{path}: local mode runs one DistBeliefJob per file, found {len(docs)} documents")
-    job = spec.validate_job(docs[0])
+    job = spec.validate_job(spec.load_single(path, "distbelief run"))
     checked = preflight.check(job)
     for line in sizing.memory_warnings(job["spec"], checked.parameters):
         sys.stderr.write(f"warning: {line}\n")

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from distbelief.operator.schemawalk import kind
+
 
 class SpecError(ValueError):
     """A manifest the user wrote is wrong; ``errors`` holds one line per problem."""
@@ -58,7 +60,7 @@ def load_manifests(path: str) -> list[dict[str, Any]]:
     except yaml.YAMLError as exc:
         raise SpecError(_yaml_problem(path, exc)) from None
     docs = [item for doc in docs for item in _unpack_list(doc)]
-    bad = [f"{path}: document {i}: must be a mapping (got {_kind(d)})"
+    bad = [f"{path}: document {i}: must be a mapping (got {kind(d)})"
            for i, d in enumerate(docs, 1) if d is not None and not isinstance(d, dict)]
     if bad:
         raise SpecError(bad)
@@ -66,6 +68,14 @@ def load_manifests(path: str) -> list[dict[str, Any]]:
     if not manifests:
         raise SpecError(f"{path}: holds no manifest (the file is empty or only comments)")
     return manifests
+
+
+def load_single(path: str, command: str) -> dict[str, Any]:
+    """The one manifest of a file a command takes alone (run, predict)."""
+    docs = load_manifests(path)
+    if len(docs) != 1:
+        raise SpecError(f"{path}: {command} takes one DistBeliefJob per file, found {len(docs)} documents")
+    return docs[0]
 
 
 def _unpack_list(doc: Any) -> list[Any]:
@@ -82,7 +92,3 @@ def _yaml_problem(path: str, exc: yaml.YAMLError) -> str:
     problem = getattr(exc, "problem", None) or str(exc)
     return f"{path}: not valid YAML: {where}{' '.join(str(problem).split())}"
 
-
-def _kind(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", int: "integer", float: "number",
-            bool: "boolean"}.get(type(value), type(value).__name__)

@@ -40,10 +40,7 @@ class Trained:
 
 def load(path: str, *, output: str | None = None) -> Trained:
     """The trained model of the job in path, from params.npz in its output folder."""
-    docs = spec.load_manifests(path)
-    if len(docs) != 1:
-        raise spec.SpecError(f"{path}: predict takes one DistBeliefJob per file, found {len(docs)} documents")
-    job = spec.validate_job(docs[0])
+    job = spec.validate_job(spec.load_single(path, "distbelief predict"))
     output = output or os.path.join("out", job["metadata"]["name"])
     dataset = data.load(job["spec"]["data"])
     model = models.build_model(job["spec"]["model"], dataset.n_features, dataset.n_classes)
