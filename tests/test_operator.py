@@ -460,6 +460,13 @@ def test_a_missing_peering_object_is_warned_about_then_and_again(tmp_path: Path)
         while time.monotonic() < deadline and log_path.read_text().count("event=peering_missing") < 2:
             time.sleep(0.2)
         warnings = [line for line in log_path.read_text().splitlines() if "event=peering_missing" in line]
+        kube.create("kopf.dev/v1/kopfpeerings", {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+                                                 "metadata": {"name": "distbelief", "namespace": "default"}})
+        time.sleep(1.5)  # one check may have been under way
+        settled = log_path.read_text().count("event=peering_missing")
+        time.sleep(3)  # three more checks: none may warn now
+        after = log_path.read_text().count("event=peering_missing") - settled
+        failures = log_path.read_text().count("event=peering_check_failed")
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -470,3 +477,4 @@ def test_a_missing_peering_object_is_warned_about_then_and_again(tmp_path: Path)
     assert len(warnings) >= 2, log_path.read_text()[-3000:]
     assert " WARNING " in warnings[0]
     assert "KopfPeering default/distbelief" in warnings[0] and "--standalone" in warnings[0]
+    assert after == 0 and failures == 0

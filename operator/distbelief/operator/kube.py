@@ -78,7 +78,7 @@ class Kube:
             raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
         return json.loads(data) if data else None
 
-    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Manifest | None:
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         try:
             return self._call("GET", path_of(api_version, kind, namespace, name))
         except ApiException as exc:
@@ -86,7 +86,7 @@ class Kube:
                 return None
             raise KubeError("get", f"{kind} {namespace}/{name}", exc) from exc
 
-    def list(self, api_version: str, kind: str, namespace: str, selector: Mapping[str, str]) -> list[Manifest]:
+    def list(self, api_version: str, kind: str, namespace: str | None, selector: Mapping[str, str]) -> list[Manifest]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))]
         try:
             return self._call("GET", path_of(api_version, kind, namespace), query=query).get("items", [])

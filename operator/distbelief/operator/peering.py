@@ -23,12 +23,20 @@ CHECK_SECONDS = float(os.environ.get("DISTBELIEF_PEERING_CHECK_SECONDS", "60"))
 
 
 def missing(kube: Kube, name: str, namespaces: list[str]) -> list[str]:
-    """The peering objects kopf needs and cannot find (all of them when their CRD is absent)."""
-    if not namespaces:
-        found = kube.get(API_VERSION, "ClusterKopfPeering", None, name)
-        return [] if found else [f"ClusterKopfPeering {name}"]
-    return [f"KopfPeering {namespace}/{name}" for namespace in namespaces
-            if kube.get(API_VERSION, "KopfPeering", namespace, name) is None]
+    """The peering objects kopf needs and cannot find (all of them when their CRD is absent).
+    Listed rather than read: the chart's RBAC lets the operator list peerings, not get them."""
+    kind = "KopfPeering" if namespaces else "ClusterKopfPeering"
+    absent = []
+    for namespace in namespaces or [None]:
+        try:
+            names = {obj["metadata"]["name"] for obj in kube.list(API_VERSION, kind, namespace, {})}
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            names = set()  # no such resource: the CRD is not installed
+        if name not in names:
+            absent.append(f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}")
+    return absent
 
 
 def watch(name: str, namespaces: list[str], stop: threading.Event) -> threading.Thread:
