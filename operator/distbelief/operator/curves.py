@@ -2,9 +2,9 @@
 
 The chief records one line per held-out evaluation (history.jsonl, beside its
 checkpoints). Local mode adds curves.jsonl in the output folder: shard 0's training loss
-(the moving average of the replicas' minibatch losses) and examples/s, in all and per
-replica, about once a second; and a `start` line at each run's start, so that a plot
-marks where a run resumed.
+(the moving average of the replicas' minibatch losses) and examples/s, their mean per
+replica and each replica's own rate (from its examples counter), about once a second;
+and a `start` line at each run's start, so that a plot marks where a run resumed.
 
     training.png   loss (training and held-out), held-out accuracy, examples/s over steps
 """
@@ -28,17 +28,32 @@ class Recorder:
     def __init__(self, output: str, *, resumed_at: int) -> None:
         self.path = os.path.join(output, CURVES_FILE)
         self._last = 0.0
+        self._examples: dict[str, tuple[float, int]] = {}  # replica -> (time, examples) at the last record
         self._append({"time": time.time(), "event": "start", "step": resumed_at})
 
-    def record(self, figures: Figures, replicas: int) -> None:
+    def record(self, figures: Figures, replicas: Mapping[str, Figures]) -> None:
+        """figures: shard 0's; replicas: each running replica's own, by pod name."""
         now = time.time()
         if not figures.reachable or figures.train_loss is None or now - self._last < RECORD_EVERY_SECONDS:
             return
         self._last = now
         rate = figures.examples_per_second or 0.0
         self._append({"time": now, "step": figures.global_step, "trainLoss": figures.train_loss,
-                      "examplesPerSecond": rate, "replicas": replicas,
-                      "examplesPerSecondPerReplica": rate / replicas if replicas else 0.0})
+                      "examplesPerSecond": rate, "replicas": len(replicas),
+                      "examplesPerSecondPerReplica": rate / len(replicas) if replicas else 0.0,
+                      "replicaExamplesPerSecond": self._replica_rates(now, replicas)})
+
+    def _replica_rates(self, now: float, replicas: Mapping[str, Figures]) -> dict[str, float]:
+        """Each replica's examples/s since the last record (from its examples counter)."""
+        rates = {}
+        for name, seen in replicas.items():
+            if seen.replica_examples is None:
+                continue
+            before = self._examples.get(name)
+            self._examples[name] = (now, seen.replica_examples)
+            if before and seen.replica_examples >= before[1] and now > before[0]:
+                rates[name] = round((seen.replica_examples - before[1]) / (now - before[0]), 1)
+        return rates
 
     def _append(self, row: Mapping[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -81,7 +96,11 @@ def figure(history: list[Mapping[str, Any]], curves: list[Mapping[str, Any]], *,
     ax_rate.plot([r["step"] for r in training], [r["examplesPerSecond"] for r in training], color="tab:green",
                  label="all replicas")
     ax_rate.plot([r["step"] for r in training], [r["examplesPerSecondPerReplica"] for r in training],
-                 color="tab:olive", label="per replica")
+                 color="tab:olive", label="per replica (mean)")
+    for name in sorted({name for r in training for name in r.get("replicaExamplesPerSecond", {})}):
+        own = [r for r in training if name in r.get("replicaExamplesPerSecond", {})]
+        ax_rate.plot([r["step"] for r in own], [r["replicaExamplesPerSecond"][name] for r in own], linewidth=0.7,
+                     alpha=0.6, label=f"_{name}")
     ax_rate.set(xlabel="global step", ylabel="examples/s", title="Throughput")
     ax_rate.legend()
     for ax in (ax_loss, ax_acc, ax_rate):

@@ -143,14 +143,15 @@ class LocalRun:
             if self._interrupted:
                 return "Suspended", "Interrupted: checkpoints kept; run again to resume"
             figures = scrape.read(live.url, timeout=report.SCRAPE_TIMEOUT)
-            status = self._status(figures)
+            replicas = self._scrape_replicas()
+            status = self._status(figures, replicas)
             if status["phase"] in TERMINAL:
                 return self._ending(status)
             if all(pod.poll() == 0 for pod in self.shards):
                 return "Failed", "ShardsExitedWithoutResult: the shards stopped before the chief decided"
             self._restart_crashed()
             live.update(figures, evaluated=self._history_size() > self._history_at_start)
-            recorder.record(figures, replicas=sum(pod.running for pod in self.workers))
+            recorder.record(figures, replicas)
             time.sleep(POLL_SECONDS)
 
     def _history_size(self) -> int:
@@ -160,15 +161,20 @@ class LocalRun:
         except OSError:
             return 0
 
-    def _status(self, figures: scrape.Figures) -> dict[str, Any]:
+    def _scrape_replicas(self) -> dict[str, scrape.Figures]:
+        """Each running replica's own figures (its loss and examples), by pod name."""
+        return {pod.name: scrape.read(pod.metrics_url, timeout=report.SCRAPE_TIMEOUT)
+                for pod in self.workers if pod.running}
+
+    def _status(self, figures: scrape.Figures, replicas: Mapping[str, scrape.Figures]) -> dict[str, Any]:
         """The job's new status from compute_status, as the operator would write it."""
         if all(pod.poll() == 0 for pod in self.shards):
             figures = _decided(report.read_result(self.chief_dir)) or figures
-        self.status = compute_status({**self.job, "status": self.status}, self._observe(figures),
+        self.status = compute_status({**self.job, "status": self.status}, self._observe(figures, replicas),
                                      datetime.datetime.now(datetime.timezone.utc))
         return self.status
 
-    def _observe(self, figures: scrape.Figures) -> Observed:
+    def _observe(self, figures: scrape.Figures, replicas: Mapping[str, scrape.Figures]) -> Observed:
         """What the operator would read from the cluster, read from the local processes. A
         crashed pod counts its coming restart, as a container's restartCount does."""
         crashed = {pod.name: pod.poll() not in (None, 0) for pod in self.pods}
@@ -182,12 +188,12 @@ class LocalRun:
             invalid_config=f"{invalid.name}: {invalid.last_error_line()}" if invalid else None,
             shard_failure=f"{worst.name} exited with code {worst.exit_code}; last log line: "
                           f"{worst.last_log_line()}" if crashed[worst.name] else None,
-            non_finite_loss=self._non_finite_loss(figures.global_step))
+            non_finite_loss=self._non_finite_loss(figures.global_step, replicas))
 
-    def _non_finite_loss(self, step: int | None) -> str | None:
+    def _non_finite_loss(self, step: int | None, replicas: Mapping[str, scrape.Figures]) -> str | None:
         """Which replica's minibatch loss has stayed NaN or infinite for NON_FINITE_POLLS polls."""
         for pod in self.workers:
-            seen = scrape.read(pod.metrics_url, timeout=report.SCRAPE_TIMEOUT) if pod.running else scrape.Figures()
+            seen = replicas.get(pod.name, scrape.Figures())
             bad = seen.replica_loss is not None and not math.isfinite(seen.replica_loss)
             self._non_finite[pod.name] = self._non_finite.get(pod.name, 0) + 1 if bad else 0
             if self._non_finite[pod.name] >= NON_FINITE_POLLS:

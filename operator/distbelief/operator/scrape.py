@@ -28,6 +28,7 @@ class Figures:
     finished_outcome: str | None = None
     replica_loss: float | None = None       # a replica's: the loss of its last minibatch
     replica_steps: int | None = None        # a replica's: the minibatches it computed
+    replica_examples: int | None = None     # a replica's: the examples it trained on
 
     @property
     def reachable(self) -> bool:
@@ -62,6 +63,7 @@ def parse(text: str) -> Figures:
         finished_outcome=finished[1] if finished else None,
         replica_loss=values.get("distbelief_worker_loss"),
         replica_steps=integer("distbelief_worker_steps_total"),
+        replica_examples=integer("distbelief_worker_examples_total"),
     )
 
 
