@@ -33,6 +33,9 @@ def test_the_recorder_writes_a_start_line_and_rates_per_replica(tmp_path: Path, 
     clock[0] += 0.5
     recorder.record(shard, replicas)  # too soon: not recorded
     recorder.record(scrape.Figures(), replicas)  # the chief did not answer
+    clock[0] += 5
+    recorder.record(scrape.Figures(global_step=1300, train_loss=0.0), replicas)  # no push applied yet: unset
+    clock[0] -= 5
     clock[0] += 1.5
     recorder.record(shard, {name: scrape.Figures(replica_examples=seen.replica_examples + 400 * i)
                             for i, (name, seen) in enumerate(replicas.items())})
@@ -48,17 +51,21 @@ def test_the_recorder_writes_a_start_line_and_rates_per_replica(tmp_path: Path, 
 def test_the_plot_shows_training_and_held_out_loss_accuracy_and_rates_over_steps_with_resumes() -> None:
     now = time.time()
     history = [{"time": now, "step": s, "loss": 1.0 / (s + 1), "accuracy": s / 4000} for s in (0, 1000, 2000, 3000)]
-    rows = [{"event": "start", "step": 0}, {"event": "start", "step": 1800}]
-    rows += [{"step": s, "trainLoss": 0.9 / (s + 1), "examplesPerSecond": 900.0, "examplesPerSecondPerReplica": 300.0,
-              "replicaExamplesPerSecond": {"w-0": 250.0, "w-1": 350.0}} for s in (500, 1500, 2500)]
+    def row(step: int) -> dict:
+        return {"step": step, "trainLoss": 0.9 / (step + 1), "examplesPerSecond": 900.0,
+                "examplesPerSecondPerReplica": 300.0, "replicaExamplesPerSecond": {"w-0": 250.0, "w-1": 350.0}}
+
+    rows = [{"event": "start", "step": 0}, row(500), row(1500), {"event": "start", "step": 1800}, row(2500)]
     fig = curves.figure(history, rows, title="digits: Succeeded")
     loss, accuracy, rate = fig.axes
     assert [line.get_label() for line in loss.lines if not line.get_label().startswith("_")] == \
-        ["training (moving average)", "held-out"]
+        ["held-out", "training (moving average)"]
     assert loss.get_xlabel() == accuracy.get_xlabel() == rate.get_xlabel() == "global step"
-    assert list(loss.lines[1].get_xdata()) == [0, 1000, 2000, 3000]
-    assert list(rate.lines[1].get_ydata()) == [300.0] * 3
-    assert [list(line.get_ydata()) for line in rate.lines[2:4]] == [[250.0] * 3, [350.0] * 3]  # each replica
+    assert list(loss.lines[0].get_xdata()) == [0, 1000, 2000, 3000]
+    # Each run's training line on its own: none drawn across the resume.
+    assert [list(line.get_xdata()) for line in loss.lines[1:] if line.get_linestyle() != "--"] == [[500, 1500], [2500]]
+    assert list(rate.lines[1].get_ydata()) == [300.0] * 2
+    assert [list(line.get_ydata()) for line in rate.lines[2:4]] == [[250.0] * 2, [350.0] * 2]  # each replica
     for ax in (loss, accuracy, rate):  # one dashed marker, at the resume (not at the first start)
         assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "--"] == [1800]
     assert "resumed at step 1800" in fig._suptitle.get_text()

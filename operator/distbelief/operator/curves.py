@@ -34,8 +34,8 @@ class Recorder:
     def record(self, figures: Figures, replicas: Mapping[str, Figures]) -> None:
         """figures: shard 0's; replicas: each running replica's own, by pod name."""
         now = time.time()
-        if not figures.reachable or figures.train_loss is None or now - self._last < RECORD_EVERY_SECONDS:
-            return
+        if not figures.reachable or not figures.train_loss or now - self._last < RECORD_EVERY_SECONDS:
+            return  # (the shard's training loss reads 0 until it applied a push)
         self._last = now
         rate = figures.examples_per_second or 0.0
         self._append({"time": now, "step": figures.global_step, "trainLoss": figures.train_loss,
@@ -82,26 +82,27 @@ def figure(history: list[Mapping[str, Any]], curves: list[Mapping[str, Any]], *,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    training = [row for row in curves if "trainLoss" in row]
     resumed = [row["step"] for row in curves if row.get("event") == "start" and row.get("step")]
     fig, (ax_loss, ax_acc, ax_rate) = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
-    ax_loss.plot([r["step"] for r in training], [r["trainLoss"] for r in training], color="tab:orange",
-                 label="training (moving average)")
     ax_loss.plot([r["step"] for r in history], [r["loss"] for r in history], color="tab:red", marker=".",
                  label="held-out")
-    ax_loss.set(xlabel="global step", ylabel="loss", yscale="log", title="Loss")
-    ax_loss.legend()
     ax_acc.plot([r["step"] for r in history], [r["accuracy"] for r in history], color="tab:blue", marker=".")
+    for run, training in enumerate(_runs(curves)):  # each run's lines apart: no line across a resume
+        label = (lambda text: text) if run == 0 else (lambda text: f"_{text}")
+        steps = [r["step"] for r in training]
+        ax_loss.plot(steps, [r["trainLoss"] for r in training], color="tab:orange",
+                     label=label("training (moving average)"))
+        ax_rate.plot(steps, [r["examplesPerSecond"] for r in training], color="tab:green", label=label("all replicas"))
+        ax_rate.plot(steps, [r["examplesPerSecondPerReplica"] for r in training], color="tab:olive",
+                     label=label("per replica (mean)"))
+        for name in sorted({name for r in training for name in r.get("replicaExamplesPerSecond", {})}):
+            own = [r for r in training if name in r.get("replicaExamplesPerSecond", {})]
+            ax_rate.plot([r["step"] for r in own], [r["replicaExamplesPerSecond"][name] for r in own],
+                         linewidth=0.7, alpha=0.6, label=f"_{name}")
+    ax_loss.set(xlabel="global step", ylabel="loss", yscale="log", title="Loss")
     ax_acc.set(xlabel="global step", ylabel="held-out accuracy", ylim=(0, 1), title="Accuracy")
-    ax_rate.plot([r["step"] for r in training], [r["examplesPerSecond"] for r in training], color="tab:green",
-                 label="all replicas")
-    ax_rate.plot([r["step"] for r in training], [r["examplesPerSecondPerReplica"] for r in training],
-                 color="tab:olive", label="per replica (mean)")
-    for name in sorted({name for r in training for name in r.get("replicaExamplesPerSecond", {})}):
-        own = [r for r in training if name in r.get("replicaExamplesPerSecond", {})]
-        ax_rate.plot([r["step"] for r in own], [r["replicaExamplesPerSecond"][name] for r in own], linewidth=0.7,
-                     alpha=0.6, label=f"_{name}")
     ax_rate.set(xlabel="global step", ylabel="examples/s", title="Throughput")
+    ax_loss.legend()
     ax_rate.legend()
     for ax in (ax_loss, ax_acc, ax_rate):
         ax.grid(alpha=0.3)
@@ -109,6 +110,17 @@ def figure(history: list[Mapping[str, Any]], curves: list[Mapping[str, Any]], *,
             ax.axvline(step, color="gray", linestyle="--", linewidth=1, label="_resumed")
     fig.suptitle(title + (f" (resumed at step {', '.join(map(str, resumed))})" if resumed else ""))
     return fig
+
+
+def _runs(curves: list[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """The training rows of each run (split at the start lines), runs without rows left out."""
+    runs: list[list[Mapping[str, Any]]] = [[]]
+    for row in curves:
+        if row.get("event") == "start":
+            runs.append([])
+        elif "trainLoss" in row:
+            runs[-1].append(row)
+    return [run for run in runs if run]
 
 
 def plot(history: list[Mapping[str, Any]], curves: list[Mapping[str, Any]], path: str, *, title: str) -> None:
