@@ -143,9 +143,12 @@ def _check_labels(path: str, y: np.ndarray, *, every_class: bool = True) -> None
         raise errors.ConfigError(f"npz:{path}: y holds a single class ({int(present[0])}); training needs two or more")
     missing = np.setdiff1d(np.arange(int(present[-1]) + 1), present)
     if len(missing):
-        shown = ", ".join(str(int(c)) for c in missing[:10]) + (", ..." if len(missing) > 10 else "")
         raise errors.ConfigError(f"npz:{path}: y's labels must be 0..C-1 with every class present; labels "
-                                 f"{{{', '.join(str(int(c)) for c in present[:10])}}} leave out {shown}")
+                                 f"{{{_some(present)}}} leave out {_some(missing)}")
+
+
+def _some(values: np.ndarray, shown: int = 10) -> str:
+    return ", ".join(str(int(v)) for v in values[:shown]) + (", ..." if len(values) > shown else "")
 
 
 def split(x: np.ndarray, y: np.ndarray, *, test_fraction: float, seed: int) -> Dataset:
