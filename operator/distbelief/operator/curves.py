@@ -102,8 +102,9 @@ def figure(history: list[Mapping[str, Any]], curves: list[Mapping[str, Any]], *,
     ax_loss.set(xlabel="global step", ylabel="loss", yscale="log", title="Loss")
     ax_acc.set(xlabel="global step", ylabel="held-out accuracy", ylim=(0, 1), title="Accuracy")
     ax_rate.set(xlabel="global step", ylabel="examples/s", title="Throughput")
-    ax_loss.legend()
-    ax_rate.legend()
+    for ax in (ax_loss, ax_rate):
+        if ax.get_legend_handles_labels()[0]:  # a run with no training figures has no lines to name
+            ax.legend()
     for ax in (ax_loss, ax_acc, ax_rate):
         ax.grid(alpha=0.3)
         for step in resumed:
