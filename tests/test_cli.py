@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import yaml
 
 from conftest import EXAMPLES, REPO
 
 
 def distbelief(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}  # tests/user_model.py for entrypoint jobs
     return subprocess.run([sys.executable, "-m", "distbelief.operator.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_validate_accepts_every_example() -> None:
@@ -58,3 +62,43 @@ def test_a_missing_config_file_is_one_clear_line(tmp_path: Path) -> None:
     done = distbelief("ps", "--config", str(tmp_path / "nope.json"), "--shard", "0")
     assert done.returncode == 2
     assert "nope.json" in done.stderr and "Traceback" not in done.stderr
+
+
+def _job_file(tmp_path: Path, **spec: dict) -> Path:
+    doc = yaml.safe_load((EXAMPLES / "digits-mlp.yaml").read_text())
+    for key, value in spec.items():
+        doc["spec"][key] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _npz(tmp_path: Path, x: np.ndarray, y: np.ndarray) -> str:
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    return f"npz:{tmp_path / 'data.npz'}"
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("nan", "x holds 1 non-finite values (NaN or infinity), the first in row 3"),
+    ("label-gap", "labels {0, 1, 7} leave out 2, 3, 4, 5, 6"),
+    ("entrypoint-raises", "'user_model:build_raising' raised ValueError: hidden sizes must be even"),
+    ("new-gradient-shape", "'user_model:build_bad_gradient' model's loss_and_grad"),
+])
+def test_run_checks_data_and_model_before_any_pod_starts(tmp_path: Path, case: str, fragment: str) -> None:
+    x = np.random.default_rng(0).random((40, 4)).astype(np.float32)
+    y = np.arange(40) % 3
+    model = {"type": "mlp", "hiddenLayers": [8]}
+    if case == "nan":
+        x[3, 2] = np.nan
+    if case == "label-gap":
+        y = np.array([0, 1, 7] * 13 + [0])
+    if case.startswith(("entrypoint", "new-gradient")):
+        model = {"entrypoint": "user_model:build_raising" if case == "entrypoint-raises"
+                 else "user_model:build_bad_gradient"}
+    job = _job_file(tmp_path, model=model, data={"source": _npz(tmp_path, x, y)})
+    done = distbelief("run", str(job), "--output", str(tmp_path / "out"), "--no-progress")
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if " INFO " not in line]
+    assert errors == [f"error: {errors[0][7:]}"] and fragment in errors[0], done.stderr
+    assert "cannot read job config" not in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists(), "pods started, or the output folder was touched"

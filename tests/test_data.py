@@ -196,6 +196,22 @@ def test_npz_bad_arrays_are_a_config_error_naming_the_path(tmp_path, x, y, fragm
     assert f"npz:{path}" in str(info.value)
 
 
+@pytest.mark.parametrize("x, y, fragment", [
+    (np.array([[0.0, 1.0], [np.nan, 2.0], [1.0, np.inf], [0.0, 0.0]]), np.array([0, 1, 0, 1]),
+     r"x holds 2 non-finite values \(NaN or infinity\), the first in row 1"),
+    (np.zeros((6, 2)), np.array([0, 1, 7, 0, 1, 7]), r"labels \{0, 1, 7\} leave out 2, 3, 4, 5, 6"),
+    (np.zeros((4, 2)), np.array([1, 1, 2, 2]), r"labels \{1, 2\} leave out 0"),
+    (np.zeros((4, 2)), np.array([3, 3, 3, 3]), "a single class"),
+    (np.array([["a", "b"], ["c", "d"]]), np.array([0, 1]), "x must hold numbers"),
+])
+def test_npz_data_a_model_cannot_train_on_is_refused_in_one_line(tmp_path, x, y, fragment):
+    path = tmp_path / "bad.npz"
+    np.savez(path, x=x, y=y)
+    with pytest.raises(errors.ConfigError, match=fragment) as info:
+        data.load_source(f"npz:{path}")
+    assert str(info.value).startswith(f"npz:{path}: ") and "\n" not in str(info.value)
+
+
 def test_npz_missing_file_is_a_config_error(tmp_path):
     path = tmp_path / "nope.npz"
     with pytest.raises(errors.ConfigError, match="cannot read") as info:

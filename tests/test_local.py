@@ -36,6 +36,13 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
     assert summary["examplesPerSecond"] > 0 and summary["wallSeconds"] > 0
     assert summary["restarts"] == 0
     assert (tmp_path / report.PLOT_FILE).read_bytes().startswith(b"\x89PNG")
+    rows = [json.loads(line) for line in (tmp_path / "curves.jsonl").read_text().splitlines()]
+    assert rows[0] == {"time": rows[0]["time"], "event": "start", "step": 0}
+    training = [row for row in rows if "trainLoss" in row]
+    assert training and all(row["examplesPerSecondPerReplica"] > 0 for row in training[1:])
+    assert all(len(row["replicaExamplesPerSecond"]) == 3 for row in training[2:])
+    assert all(0 < row["trainLoss"] < 10 for row in training)
+    assert [row["step"] for row in training] == sorted(row["step"] for row in training)
     shard_logs = sorted((tmp_path / "logs").glob("digits-ps-*.log"))
     assert len(shard_logs) == 2
     for log in shard_logs:  # the shards ran with the job's keys
@@ -131,13 +138,13 @@ def test_synthetic_large_example_runs_short(tmp_path: Path) -> None:
         assert sum(a.size for a in params.values()) > 8_000_000
 
 
-def test_a_shard_that_keeps_crashing_fails_the_job_with_the_reason(tmp_path: Path) -> None:
+def test_a_config_error_fails_the_job_at_once_without_restarts(tmp_path: Path) -> None:
     doc = load_example("digits-mlp.yaml")
-    doc["spec"]["runPolicy"]["backoffLimit"] = 1
     # An npz path that does not exist: every role exits with a config error.
     doc["spec"]["data"]["source"] = f"npz:{tmp_path}/missing.npz"
     code, summary = run_job(doc, tmp_path / "out")
     assert code == 1
     assert summary["phase"] == "Failed"
-    assert summary["reason"].startswith("BackoffLimitExceeded")
+    assert summary["reason"].startswith("InvalidConfig: digits-")
     assert "missing.npz" in summary["reason"]
+    assert summary["restarts"] == 0

@@ -326,3 +326,32 @@ def test_entrypoint_returning_an_incomplete_model_is_a_config_error(monkeypatch)
     assert "spec.model.entrypoint" in message and "'user_model:build_incomplete'" in message
     assert "init_params" in message and "loss_and_grad" in message
     assert "shapes" not in message and "predict" not in message  # it has those two
+
+
+@pytest.mark.parametrize("function, fragment", [
+    ("build_raising", "'user_model:build_raising' raised ValueError: hidden sizes must be even"),
+    ("build_bad_gradient", "model's loss_and_grad(params, (x, y), out) must return a gradient of shape"),
+    ("build_float64", "model's init_params(seed) must return one flat float32 vector"),
+    ("build_bad_shapes", "model's shapes must be a list of (name, shape) pairs"),
+    ("build_scores", "model's predict(params, x) must return one integer label per row of x"),
+])
+def test_an_entrypoint_that_breaks_the_interface_is_one_line_naming_the_function(monkeypatch, function, fragment):
+    monkeypatch.syspath_prepend(str(TESTS))
+    with pytest.raises(errors.ConfigError) as info:
+        models.build_model({"entrypoint": f"user_model:{function}"}, N_FEATURES, N_CLASSES)
+    message = str(info.value)
+    assert message.startswith("spec.model.entrypoint: ") and fragment in message and "\n" not in message
+    assert "cannot read job config" not in message
+
+
+def test_a_gradient_returned_instead_of_written_into_out_reaches_out(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    model = models.build_model({"entrypoint": "user_model:build_returning_new_gradient"}, N_FEATURES, N_CLASSES)
+    builtin = Mlp(N_FEATURES, N_CLASSES, (4,), "tanh")
+    params, batch = random_params(builtin), make_batch()
+    out = np.zeros_like(params)
+    loss, grad = model.loss_and_grad(params, batch, out=out)
+    expected_loss, expected = builtin.loss_and_grad(params, batch)
+    assert grad is out and loss == pytest.approx(expected_loss)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    assert np.abs(out).sum() > 0

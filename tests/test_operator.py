@@ -362,6 +362,34 @@ def test_a_crash_looping_shard_fails_the_job(cluster: tuple[KubeEmulator, Chiefs
     wait(kube, "apps/v1/deployments", "crash-worker", lambda d: d and d["spec"]["replicas"] == 0)
 
 
+def test_a_config_error_in_a_pod_fails_the_job_as_invalid_config(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
+    kube, _, _ = cluster
+    apply(kube, new_job("badcfg"))
+    wait(kube, "apps/v1/deployments", "badcfg-worker")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "badcfg-worker-7d9f-x2", "namespace": "default",
+        "labels": {"distbelief.io/job": "badcfg", "distbelief.io/role": "worker"}},
+        "spec": {"containers": [{"name": "worker", "image": "x"}]}}
+    kube.create("v1/pods", pod)
+    kube.patch_status("v1/pods", "badcfg-worker-7d9f-x2", {"containerStatuses": [
+        {"name": "worker", "restartCount": 0, "ready": False, "image": "x", "imageID": "", "started": False,
+         "state": {"terminated": {"exitCode": 2, "message": "error: npz:/data/d.npz: labels skip 2..6"}}}]})
+    job = wait(kube, JOBS, "badcfg", phase_is("Failed"))
+    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidConfig"
+    assert failed["message"] == "badcfg-worker-7d9f-x2: error: npz:/data/d.npz: labels skip 2..6"
+    wait(kube, "apps/v1/statefulsets", "badcfg-ps", lambda s: s and s["spec"]["replicas"] == 0)
+
+
+def test_a_model_too_large_for_its_pods_gets_a_warning_event(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
+    kube, _, _ = cluster
+    apply(kube, new_job("huge", model={"hiddenLayers": [65536, 65536, 65536]}))
+    assert "MemoryLimitLow" in event_reasons(kube, "huge", {"MemoryLimitLow"})
+    warning = next(e for e in events_of(kube, "huge") if e["reason"] == "MemoryLimitLow")
+    assert warning["type"] == "Warning" and "is likely too small" in warning["message"]
+    wait(kube, "apps/v1/statefulsets", "huge-ps")  # a warning, not a refusal
+
+
 def test_ttl_deletes_a_finished_job_and_its_children(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
     kube, chiefs, _ = cluster
     apply(kube, new_job("ttl", runPolicy={"ttlSecondsAfterFinished": 1}))
@@ -419,3 +447,36 @@ def test_an_operator_restarted_mid_reconcile_makes_no_duplicates(tmp_path: Path)
     finally:
         kube.stop()
         chiefs.server.shutdown()
+
+
+def test_a_missing_peering_object_is_warned_about_then_and_again(tmp_path: Path) -> None:
+    kube = project_emulator().start()
+    kube.write_kubeconfig(tmp_path / "kubeconfig")
+    log_path = tmp_path / "operator.log"
+    env = kube.env(DISTBELIEF_PEERING_CHECK_SECONDS="1")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "distbelief.operator.cli", "operator", "--namespace",
+                                    "default", "--liveness", ""], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and log_path.read_text().count("event=peering_missing") < 2:
+            time.sleep(0.2)
+        warnings = [line for line in log_path.read_text().splitlines() if "event=peering_missing" in line]
+        kube.create("kopf.dev/v1/kopfpeerings", {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+                                                 "metadata": {"name": "distbelief", "namespace": "default"}})
+        time.sleep(1.5)  # one check may have been under way
+        settled = log_path.read_text().count("event=peering_missing")
+        time.sleep(3)  # three more checks: none may warn now
+        after = log_path.read_text().count("event=peering_missing") - settled
+        failures = log_path.read_text().count("event=peering_check_failed")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        kube.stop()
+    assert len(warnings) >= 2, log_path.read_text()[-3000:]
+    assert " WARNING " in warnings[0]
+    assert "KopfPeering default/distbelief" in warnings[0] and "--standalone" in warnings[0]
+    assert after == 0 and failures == 0

@@ -17,6 +17,8 @@ import yaml
 from distbelief.operator import render, spec
 from distbelief.runtime import contract, keys
 
+from conftest import load_example
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 K8S_VERSION = "1.30"
@@ -438,3 +440,33 @@ def test_the_shards_network_policy_admits_only_the_job_and_the_operator() -> Non
     assert job_rule["ports"] == [{"protocol": "TCP", "port": port}]
     assert operator_rule["ports"] == [{"protocol": "TCP", "port": contract.METRICS_PORT}]
     assert operator_rule["from"][0]["podSelector"]["matchLabels"] == contract.OPERATOR_LABELS
+
+
+def test_a_data_volume_is_mounted_read_only_in_every_pod() -> None:
+    doc = load_example("digits-mlp.yaml")
+    doc["spec"]["data"] = {"source": "npz:/data/train.npz", "volume": "training-data"}
+    objects = render.render_children(spec.validate_job(doc), image="distbelief:test")
+    for workload in (o for o in objects if o["kind"] in ("StatefulSet", "Deployment")):
+        pod = workload["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "data"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "training-data", "readOnly": True}
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data"]
+        assert mount == {"name": "data", "mountPath": "/data", "readOnly": True}
+        kubernetes_validate.validate(workload, K8S_VERSION, strict=True)
+    plain = render.render_children(spec.validate_job(load_example("digits-mlp.yaml")), image="distbelief:test")
+    assert not any(v["name"] == "data" for o in plain if o["kind"] == "Deployment"
+                   for v in o["spec"]["template"]["spec"]["volumes"])
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({"source": "npz:/data/train.npz", "volume": "Training_Data"},
+     "spec.data.volume: must be a PersistentVolumeClaim name"),
+    ({"source": "npz:/mnt/train.npz", "volume": "training-data"},
+     "spec.data.source: with spec.data.volume the npz must be under /data/"),
+])
+def test_a_data_volume_is_validated(data: dict, fragment: str) -> None:
+    doc = load_example("digits-mlp.yaml")
+    doc["spec"]["data"] = data
+    with pytest.raises(spec.SpecError) as caught:
+        spec.validate_job(doc)
+    assert [line for line in caught.value.errors if fragment in line], caught.value.errors

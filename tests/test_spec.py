@@ -274,7 +274,7 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("source-required", _del("spec.data.source"), "spec.data.source", "required"),
     ("spec-required", _del("spec"), "spec", "required"),
     ("source-pattern", _set("spec.data.source", "s3://bucket/x"), "spec.data.source",
-     "must match"),
+     "must be a data source: builtin:digits, synthetic:"),
     ("builtin-unknown", _set("spec.data.source", "builtin:mnist"), "spec.data.source",
      "known: digits"),
     ("sandblaster-unit-zero", _set("spec.training.sandblaster.workUnitSize", 0),
@@ -296,12 +296,12 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("test-fraction-max", _set("spec.data.testFraction", 0.95), "spec.data.testFraction",
      "<= 0.9"),
     ("duration-pattern", _set("spec.training.maxDuration", "10 minutes"),
-     "spec.training.maxDuration", "must match"),
+     "spec.training.maxDuration", "must be a duration: a number with a unit ms, s, m or h, for example 90s"),
     ("duration-zero", _set("spec.training.maxDuration", "0s"), "spec.training.maxDuration",
      "must be > 0"),
     ("name-too-long", _set("metadata.name", "a" * (contract.MAX_JOB_NAME + 1)),
      "metadata.name", f"at most {contract.MAX_JOB_NAME} characters"),
-    ("name-uppercase", _set("metadata.name", "Digits"), "metadata.name", "DNS-1123"),
+    ("name-uppercase", _set("metadata.name", "Digits"), "metadata.name", "DNS-1035 label"),
     ("name-starts-with-digit", _set("metadata.name", "1job"), "metadata.name", "letter"),
     ("name-required", _del("metadata.name"), "metadata.name", "required"),
     ("metadata-required", _del("metadata"), "metadata", "required"),
@@ -313,7 +313,7 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("entrypoint-and-type", _set("spec.model.entrypoint", "pkg.mod:build"),
      "spec.model.entrypoint", "not allowed together with spec.model.type"),
     ("entrypoint-pattern", lambda d: d["spec"].update(model={"entrypoint": "not a module"}),
-     "spec.model.entrypoint", "must match"),
+     "spec.model.entrypoint", "must be module:function, for example my_models.mlp:build"),
     ("model-type-enum", _set("spec.model.type", "cnn"), "spec.model.type", "mlp, softmax"),
     ("hidden-layer-minimum", _set("spec.model.hiddenLayers", [32, 0]),
      "spec.model.hiddenLayers[1]", ">= 1"),
@@ -323,9 +323,9 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("retention-enum", _set("spec.parameterServers.checkpoint.storage.retention", "Keep"),
      "spec.parameterServers.checkpoint.storage.retention", "Retain, Delete"),
     ("storage-size", _set("spec.parameterServers.checkpoint.storage.size", "1 GB"),
-     "spec.parameterServers.checkpoint.storage.size", "must match"),
+     "spec.parameterServers.checkpoint.storage.size", "must be a size, for example 1Gi"),
     ("quantity-pattern", _set("spec.parameterServers.resources.requests.cpu", "lots"),
-     "spec.parameterServers.resources.requests.cpu", "must match"),
+     "spec.parameterServers.resources.requests.cpu", "must be a Kubernetes quantity, for example 500m"),
     ("quantity-float", _set("spec.parameterServers.resources.requests.memory", 1.5),
      "spec.parameterServers.resources.requests.memory", "integer or a string"),
     ("resources-unknown", _set("spec.parameterServers.resources.request", {}),
@@ -467,7 +467,7 @@ def test_not_a_mapping() -> None:
 def test_pattern_end_anchor_means_end_of_text() -> None:
     doc = good()
     doc["spec"]["model"] = {"entrypoint": "pkg.mod:build\n"}
-    assert errors_of(doc)[0].startswith("spec.model.entrypoint: must match")
+    assert errors_of(doc)[0].startswith("spec.model.entrypoint: must be module:function")
 
 
 def test_name_length_message_says_why() -> None:

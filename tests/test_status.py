@@ -8,7 +8,7 @@ from typing import Any
 import prometheus_client as prom
 
 from distbelief.operator import scrape, spec
-from distbelief.operator.status import Observed, compute_status, timestamp
+from distbelief.operator.status import Observed, compute_status, pod_failures, timestamp
 from distbelief.runtime.metrics import CoordinatorMetrics, ShardMetrics
 
 from conftest import load_example
@@ -112,3 +112,47 @@ def test_transition_times_move_only_when_a_condition_changes() -> None:
     again = compute_status(job(**running), Observed(shards_ready=2, workers_ready=2, children_created=True), LATER)
     assert condition(again, "Running")["lastTransitionTime"] == timestamp(NOW)
     assert again["startTime"] == running["startTime"]
+
+
+def _pod(name: str, role: str, *, restarts: int = 0, state: dict | None = None,
+         last: dict | None = None) -> dict[str, Any]:
+    container = {"name": role, "restartCount": restarts, "state": state or {"running": {}},
+                 "lastState": last or {}}
+    return {"metadata": {"name": name, "labels": {"distbelief.io/role": role}},
+            "status": {"containerStatuses": [container]}}
+
+
+def test_a_pod_that_exited_with_a_config_error_fails_the_job_at_once() -> None:
+    log_tail = "2026-01-02 INFO loading\nerror: npz:/data/x.npz: x holds 3 non-finite values\n"
+    pods = [_pod("digits-ps-0", "ps"),
+            _pod("digits-worker-abc", "worker", state={"terminated": {"exitCode": 2, "message": log_tail}})]
+    seen = pod_failures(pods)
+    assert seen["invalid_config"] == "digits-worker-abc: error: npz:/data/x.npz: x holds 3 non-finite values"
+    failed = compute_status(job(), Observed(shards_ready=2, workers_ready=2, **seen), NOW)
+    assert failed["phase"] == "Failed"
+    assert condition(failed, "Failed")["reason"] == "InvalidConfig"
+    assert "x holds 3 non-finite values" in condition(failed, "Failed")["message"]
+
+
+def test_a_config_error_in_a_restarted_container_counts_too() -> None:
+    pods = [_pod("digits-ps-1", "ps", restarts=1, last={"terminated": {"exitCode": 2, "message": "error: bad"}})]
+    assert pod_failures(pods)["invalid_config"] == "digits-ps-1: error: bad"
+
+
+def test_a_crash_looping_shard_says_how_it_last_ended() -> None:
+    pods = [_pod("digits-ps-0", "ps", restarts=1),
+            _pod("digits-ps-1", "ps", restarts=5, last={"terminated": {"exitCode": 1, "message": "error: gone"}}),
+            _pod("digits-worker-a", "worker", restarts=9)]
+    seen = pod_failures(pods)
+    assert seen["shard_restarts"] == 5 and seen["invalid_config"] is None
+    failed = compute_status(job(), Observed(**seen), NOW)
+    message = condition(failed, "Failed")["message"]
+    assert condition(failed, "Failed")["reason"] == "BackoffLimitExceeded"
+    assert "digits-ps-1 last exited with code 1: error: gone" in message
+
+
+def test_a_replica_whose_loss_stays_non_finite_fails_the_job() -> None:
+    seen = "digits-worker-1 computed a training loss of nan at global step 17"
+    failed = compute_status(job(), Observed(shards_ready=2, workers_ready=3, non_finite_loss=seen), NOW)
+    assert failed["phase"] == "Failed"
+    assert condition(failed, "Failed")["reason"] == "NonFiniteLoss" and condition(failed, "Failed")["message"] == seen

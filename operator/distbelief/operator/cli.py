@@ -8,6 +8,7 @@ stderr naming the problem, and a non-zero exit code; never a traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from typing import Sequence
@@ -16,7 +17,8 @@ from distbelief.runtime import contract
 
 log = logging.getLogger("distbelief")
 
-EXIT_INVALID = 2
+EXIT_INVALID = contract.EXIT_INVALID_CONFIG
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,26 +56,39 @@ def _setup_logging(level: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distbelief", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    # Global options are taken after the subcommand too; there they override the default only when given.
+    anywhere = argparse.ArgumentParser(add_help=False)
+    anywhere.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    add_parser = functools.partial(commands.add_parser, parents=[anywhere])
 
-    validate = commands.add_parser("validate", help="check DistBeliefJob manifests against the CRD and its rules")
+    validate = add_parser("validate", help="check DistBeliefJob manifests against the CRD and its rules")
     validate.add_argument("files", nargs="+", metavar="JOB.yaml")
     validate.set_defaults(func=_validate)
 
-    render = commands.add_parser("render", help="print the Kubernetes objects the operator would create")
+    render = add_parser("render", help="print the Kubernetes objects the operator would create")
     render.add_argument("file", metavar="JOB.yaml")
     render.add_argument("--image", default=None, help="runtime image when the job names none")
     render.set_defaults(func=_render)
 
-    run = commands.add_parser("run", help="run a DistBeliefJob on this machine, without a cluster")
+    run = add_parser("run", help="run a DistBeliefJob on this machine, without a cluster")
     run.add_argument("file", metavar="JOB.yaml")
     run.add_argument("--output", default=None, metavar="DIR", help="report folder (default: ./out/NAME)")
     run.add_argument("--no-progress", action="store_true", help="no live progress bar")
     run.add_argument("--fresh", action="store_true", help="discard the checkpoints of an earlier run in DIR")
     run.set_defaults(func=_run)
 
-    ps = commands.add_parser("ps", help="run one parameter shard (what the shard containers run)")
+    predict = add_parser("predict", help="score or use the model a finished run trained")
+    predict.add_argument("file", metavar="JOB.yaml")
+    predict.add_argument("--output", default=None, metavar="DIR", help="the run's folder (default: ./out/NAME)")
+    predict.add_argument("--data", default=None, metavar="SOURCE",
+                         help="predict for this source (npz:/path.npz with x, and y if known) instead of scoring "
+                              "the held-out split")
+    predict.add_argument("--out", default=None, metavar="FILE", help="write the predicted labels (.npz, or text)")
+    predict.set_defaults(func=_predict)
+
+    ps = add_parser("ps", help="run one parameter shard (what the shard containers run)")
     ps.add_argument("--config", default=contract.CONFIG_PATH)
     ps.add_argument("--shard", type=int, default=None, help=f"default: the ordinal in ${contract.ENV_POD_NAME}")
     ps.add_argument("--port", type=int, default=None, help="default: spec.parameterServers.port")
@@ -88,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds to keep telling replicas the job is done before exiting")
     ps.set_defaults(func=_ps)
 
-    operator = commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    operator = add_parser("operator", help="run the Kubernetes operator (kopf)")
     operator.add_argument("--namespace", action="append", default=[], metavar="NS",
                           help="watch this namespace (repeatable); all namespaces when absent")
     operator.add_argument("--standalone", action="store_true",
@@ -98,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="liveness endpoint ('' to disable)")
     operator.set_defaults(func=_operator)
 
-    worker = commands.add_parser("worker", help="run one model replica (what the worker containers run)")
+    worker = add_parser("worker", help="run one model replica (what the worker containers run)")
     worker.add_argument("--config", default=contract.CONFIG_PATH)
     worker.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
     worker.add_argument("--listen", default="0.0.0.0", metavar="HOST", help="address to serve metrics on")
@@ -109,18 +124,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from distbelief.operator import spec
+    from distbelief.operator import sizing, spec
 
     failed = False
     for path in args.files:
         try:
-            for doc in spec.load_manifests(path):
-                spec.validate_job(doc)
+            jobs = [spec.validate_job(doc) for doc in spec.load_manifests(path)]
         except spec.SpecError as exc:
             failed = True
             for line in exc.errors:
                 print(f"{path}: {line}", file=sys.stderr)
             continue
+        for job in jobs:
+            parameters = sizing.parameter_count(job["spec"])
+            for line in sizing.memory_warnings(job["spec"], parameters) if parameters else []:
+                print(f"{path}: warning: {line}", file=sys.stderr)
         print(f"{path}: valid")
     return EXIT_INVALID if failed else 0
 
@@ -139,6 +157,27 @@ def _run(args: argparse.Namespace) -> int:
     from distbelief.operator import local
 
     return local.run_file(args.file, output=args.output, progress=not args.no_progress, fresh=args.fresh)
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from distbelief.operator import predict
+
+    trained = predict.load(args.file, output=args.output)
+    if args.data is None:
+        loss, accuracy = trained.evaluate()
+        print(f"held-out accuracy {accuracy:.4f}  loss {loss:.4f}  ({len(trained.dataset.y_test)} examples)")
+        return 0
+    labels, known = predict.predict_source(trained, args.data)
+    if known is not None:
+        print(f"{args.data}: accuracy {float(np.mean(labels == known)):.4f}  ({len(labels)} examples)")
+    if args.out:
+        predict.write_predictions(args.out, labels)
+        print(f"predictions for {len(labels)} examples: {args.out}")
+    elif known is None:
+        sys.stdout.write("".join(f"{int(label)}\n" for label in labels))
+    return 0
 
 
 def _operator(args: argparse.Namespace) -> int:

@@ -18,13 +18,14 @@ import copy
 import datetime
 import logging
 import os
+import threading
 from typing import Any, Mapping
 
 import kopf
 
-from distbelief.operator import render, scrape, spec as job_spec
+from distbelief.operator import peering as peering_watch, render, scrape, sizing, spec as job_spec
 from distbelief.operator.kube import Kube, KubeError
-from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp
+from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,20 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # (the default polls the timer's cancellation for 60 s).
     settings.background.cancellation_polling = 1
     _load_kube_config()
+
+
+@kopf.on.startup()
+def watch_peering(memo: kopf.Memo, **_: Any) -> None:
+    """Warn while kopf's peering object is missing (kopf itself pauses silently)."""
+    if memo.get("peering"):
+        memo["peering_stop"] = threading.Event()
+        peering_watch.watch(memo["peering"], memo["namespaces"], memo["peering_stop"])
+
+
+@kopf.on.cleanup()
+def stop_peering_watch(memo: kopf.Memo, **_: Any) -> None:
+    if memo.get("peering_stop"):
+        memo["peering_stop"].set()
 
 
 def _load_kube_config() -> None:
@@ -91,6 +106,9 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None
         kopf.warn(body, reason="ShardCountLocked", message=refusal)
     elif SHARDS_ANNOTATION not in (body.metadata.annotations or {}):
         patch.metadata.annotations[SHARDS_ANNOTATION] = str(job["spec"]["parameterServers"]["shards"])
+    parameters = sizing.parameter_count(job["spec"])
+    for line in sizing.memory_warnings(job["spec"], parameters) if parameters else []:
+        kopf.warn(body, reason="MemoryLimitLow", message=line)
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
     new = reason == "create"  # nothing of the job exists yet: create without reading first
@@ -167,16 +185,15 @@ def read_observed(kube: Kube, job: Mapping[str, Any], refusal: str | None) -> Ob
     names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
     sts = kube.get("apps/v1", "StatefulSet", namespace, names.ps) or {}
     deployment = kube.get("apps/v1", "Deployment", namespace, names.worker) or {}
-    pods = kube.list("v1", "Pod", namespace, contract.selector_labels(meta["name"], contract.ROLE_PS))
-    restarts = [c.get("restartCount", 0) for p in pods for c in (p.get("status") or {}).get("containerStatuses", [])]
+    pods = kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: meta["name"]})
     url = METRICS_URL.format(job=meta["name"], namespace=namespace, pod=names.shard_pod(0), service=names.ps,
                              port=contract.METRICS_PORT)
     return Observed(
         shards_ready=int((sts.get("status") or {}).get("readyReplicas", 0)),
         workers=int((deployment.get("status") or {}).get("replicas", 0)),
         workers_ready=int((deployment.get("status") or {}).get("readyReplicas", 0)),
-        shard_restarts=max(restarts, default=0),
         figures=scrape.read(url),
+        **pod_failures(pods),
         children_created=bool(sts),
         shard_lock_message=refusal,
     )
@@ -208,5 +225,7 @@ def _job_address(job: Mapping[str, Any]) -> tuple[str, str, str, str]:
 
 def run(*, namespaces: list[str], standalone: bool, liveness: str | None, peering: str) -> None:
     """Run the operator until it is stopped (SIGTERM/SIGINT)."""
+    peering_name = None if standalone else peering
     kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=standalone,
-             liveness_endpoint=liveness, peering_name=None if standalone else peering)
+             liveness_endpoint=liveness, peering_name=peering_name,
+             memo=kopf.Memo(peering=peering_name, namespaces=list(namespaces)))

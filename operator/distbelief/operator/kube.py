@@ -30,6 +30,8 @@ PLURALS = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("distbelief.io/v1alpha1", "DistBeliefJob"): "distbeliefjobs",
+    ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
+    ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
 }
 # Fields the API server refuses to change after creation.
 IMMUTABLE = {
@@ -84,7 +86,7 @@ class Kube:
                 return None
             raise KubeError("get", f"{kind} {namespace}/{name}", exc) from exc
 
-    def list(self, api_version: str, kind: str, namespace: str, selector: Mapping[str, str]) -> list[Manifest]:
+    def list(self, api_version: str, kind: str, namespace: str | None, selector: Mapping[str, str]) -> list[Manifest]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))]
         try:
             return self._call("GET", path_of(api_version, kind, namespace), query=query).get("items", [])

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from distbelief.operator.spec import job_config
+from distbelief.operator.spec import DATA_DIR, job_config
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ RUN_AS_ID = 10001
 TERMINATION_GRACE_SECONDS = 30
 CONFIG_VOLUME = "config"
 SCRATCH_VOLUME = "tmp"
+# spec.data.volume's claim, read-only in every pod at DATA_DIR: npz:/data/... sources read from it.
+DATA_VOLUME = "data"
 # Owner-read only; with the pods' fsGroup the kubelet makes the files group-readable
 # (0440, group 10001), which is what lets the non-root roles read them.
 KEYS_MODE = 0o400
@@ -334,6 +336,7 @@ def _pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifes
                 {"name": CONFIG_VOLUME, "configMap": {"name": ctx.names.config_map}},
                 {"name": SCRATCH_VOLUME, "emptyDir": {}},
                 _keys_volume(ctx, role),
+                *_data_volume(ctx),
             ],
         },
     }
@@ -356,10 +359,14 @@ def _container(ctx: RenderContext, role: str, *, args: list[str],
         "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
         "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
         "securityContext": _container_security(),
+        # A role's one-line error (the tail of its log) becomes the terminated state's
+        # message, which the operator quotes when a config error fails the job.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": contract.CONFIG_DIR, "readOnly": True},
             {"name": SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR},
             {"name": contract.KEYS_VOLUME, "mountPath": contract.KEYS_DIR, "readOnly": True},
+            *_data_mount(ctx),
             *(mounts or []),
         ],
     }
@@ -370,6 +377,16 @@ def _container(ctx: RenderContext, role: str, *, args: list[str],
 
 
 _ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
+
+
+def _data_volume(ctx: RenderContext) -> list[dict[str, Any]]:
+    """spec.data.volume: the user's claim (npz files), read-only in every pod; none without it."""
+    claim = ctx.spec["data"].get("volume")
+    return [{"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}] if claim else []
+
+
+def _data_mount(ctx: RenderContext) -> list[dict[str, Any]]:
+    return [{"name": DATA_VOLUME, "mountPath": DATA_DIR, "readOnly": True}] if ctx.spec["data"].get("volume") else []
 
 
 def _keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
@@ -402,7 +419,9 @@ def _container_security() -> dict[str, Any]:
 # measured with 4 pods on 2 cores). Each pod gets as many threads as it has CPUs.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _SUFFIXES = {"m": Decimal("0.001"), "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
-             "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30}
+             "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
+             "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
+             "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60}
 
 
 def _thread_env(resources: Mapping[str, Any] | None) -> list[dict[str, str]]:
@@ -416,7 +435,7 @@ def _thread_env(resources: Mapping[str, Any] | None) -> list[dict[str, str]]:
 
 
 def cpu_cores(quantity: str | int | float) -> Decimal:
-    """A Kubernetes CPU quantity ("500m", "2", "1.5", 2) in cores."""
+    """A Kubernetes quantity ("500m", "2", "1.5", 2 CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
     text = str(quantity)
     for suffix in sorted(_SUFFIXES, key=len, reverse=True):
         if text.endswith(suffix):

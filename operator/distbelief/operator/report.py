@@ -12,11 +12,12 @@ import logging
 import os
 import shutil
 import sys
+import time
 from typing import Any, Mapping
 
 from tqdm import tqdm
 
-from distbelief.operator import scrape
+from distbelief.operator import curves, scrape
 
 from distbelief.runtime import contract
 
@@ -30,25 +31,32 @@ class Progress:
     """A progress bar over global steps, with loss, accuracy and examples/s beside it (and
     a Sandblaster job's objective)."""
 
-    def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool) -> None:
+    def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool, initial: int = 0) -> None:
         self.url = f"http://127.0.0.1:{metrics_port}/metrics"
         tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total, desc=job, unit="step", disable=not enabled, dynamic_ncols=True,
-                        mininterval=0.2 if tty else 10.0, file=sys.stderr)
+        self.bar = tqdm(total=total, initial=min(initial, total), desc=job, unit="step", disable=not enabled,
+                        dynamic_ncols=True, mininterval=0.2 if tty else 10.0, file=sys.stderr)
 
-    def update(self) -> None:
-        figures = scrape.read(self.url, timeout=SCRAPE_TIMEOUT)
+    def update(self, figures: scrape.Figures, *, evaluated: bool) -> None:
+        """Show the chief's figures as read from self.url; evaluated: whether the chief has
+        scored the parameters yet in this run (its loss and accuracy mean nothing before)."""
         if not figures.reachable:
             return
         self.bar.update(max(0, min(figures.global_step, self.bar.total) - self.bar.n))
-        nan = float("nan")
-        objective = "" if figures.objective is None else f"objective={figures.objective:.5g} "
-        self.bar.set_postfix_str(
-            f"{objective}loss={_or(figures.loss, nan):.4f} acc={_or(figures.accuracy, nan):.4f} "
-            f"ex/s={_or(figures.examples_per_second, 0.0):,.0f}", refresh=False)
+        self.bar.set_postfix_str(postfix(figures, evaluated=evaluated), refresh=False)
 
     def close(self) -> None:
         self.bar.close()
+
+
+def postfix(figures: scrape.Figures, *, evaluated: bool) -> str:
+    """The text beside the bar: held-out figures once there are some, and examples/s."""
+    rate = f"ex/s={_or(figures.examples_per_second, 0.0):,.0f}"
+    if not evaluated:
+        return f"waiting for the first evaluation {rate}"
+    nan = float("nan")
+    objective = "" if figures.objective is None else f"objective={figures.objective:.5g} "
+    return f"{objective}loss={_or(figures.loss, nan):.4f} acc={_or(figures.accuracy, nan):.4f} {rate}"
 
 
 def _or(value: float | None, default: float) -> float:
@@ -77,12 +85,16 @@ def read_history(chief_dir: str) -> list[dict[str, Any]]:
     return rows
 
 
-def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, wall_seconds: float,
+def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, started: float,
           restarts: Mapping[str, int]) -> dict[str, Any]:
-    """report.json, training.png and params.npz in output; returns the report."""
+    """report.json, training.png and params.npz in output; returns the report. Its figures
+    are this run's (since `started`): never an earlier run's, when this one evaluated nothing."""
     result = read_result(chief_dir) or {}
+    if result.get("finishedAt", 0) < started:
+        result = {}
     history = read_history(chief_dir)
-    last = history[-1] if history else {}
+    ours = [row for row in history if row.get("time", 0) >= started]
+    last = ours[-1] if ours else {}
     summary = {
         "job": job, "phase": phase, "reason": reason,
         "globalStep": result.get("globalStep", last.get("step", 0)),
@@ -91,40 +103,21 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, wal
         "examplesPerSecond": result.get("examplesPerSecond", last.get("examplesPerSecond", 0.0)),
         "examples": result.get("examples"),
         "trainingSeconds": result.get("trainingSeconds"),
-        "wallSeconds": round(wall_seconds, 3),
+        "wallSeconds": round(time.time() - started, 3),
         "restarts": sum(restarts.values()),
         "restartsByPod": dict(restarts),
-        "evaluations": len(history),
+        "evaluations": len(ours),
     }
     params = os.path.join(chief_dir, contract.PARAMS_FILE)
-    if os.path.exists(params):
+    if result and os.path.exists(params):
         shutil.copyfile(params, os.path.join(output, contract.PARAMS_FILE))
         summary["params"] = contract.PARAMS_FILE
     if history:
-        plot(history, os.path.join(output, PLOT_FILE), title=f"{job}: {phase}")
+        curves.plot(history, curves.read(output), os.path.join(output, PLOT_FILE), title=f"{job}: {phase}")
         summary["plot"] = PLOT_FILE
     with open(os.path.join(output, REPORT_FILE), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     return summary
-
-
-def plot(history: list[Mapping[str, Any]], path: str, *, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    seconds = [row["elapsed"] for row in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    ax_loss.plot(seconds, [row["loss"] for row in history], color="tab:red", marker=".")
-    ax_loss.set(xlabel="seconds", ylabel="held-out loss", yscale="log", title="Loss")
-    ax_acc.plot(seconds, [row["accuracy"] for row in history], color="tab:blue", marker=".")
-    ax_acc.set(xlabel="seconds", ylabel="held-out accuracy", ylim=(0, 1), title="Accuracy")
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def print_summary(summary: Mapping[str, Any], output: str) -> None:

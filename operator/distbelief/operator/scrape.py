@@ -18,6 +18,7 @@ TIMEOUT_SECONDS = 2.0
 class Figures:
     global_step: int | None = None
     loss: float | None = None
+    train_loss: float | None = None         # shard 0's moving average of the replicas' minibatch losses
     accuracy: float | None = None
     examples_per_second: float | None = None
     objective: float | None = None          # Sandblaster's, at the committed iteration
@@ -25,6 +26,9 @@ class Figures:
     checkpoint_time: float | None = None
     finished_reason: str | None = None
     finished_outcome: str | None = None
+    replica_loss: float | None = None       # a replica's: the loss of its last minibatch
+    replica_steps: int | None = None        # a replica's: the minibatches it computed
+    replica_examples: int | None = None     # a replica's: the examples it trained on
 
     @property
     def reachable(self) -> bool:
@@ -47,6 +51,7 @@ def parse(text: str) -> Figures:
     return Figures(
         global_step=integer("distbelief_global_step"),
         loss=values.get("distbelief_heldout_loss"),
+        train_loss=values.get("distbelief_train_loss"),
         accuracy=values.get("distbelief_heldout_accuracy"),
         examples_per_second=values.get("distbelief_examples_per_second"),
         # The gauge exists from the coordinator's start; it means something after an evaluation.
@@ -56,6 +61,9 @@ def parse(text: str) -> Figures:
         checkpoint_time=values.get("distbelief_checkpoint_timestamp_seconds") or None,
         finished_reason=finished[0] if finished else None,
         finished_outcome=finished[1] if finished else None,
+        replica_loss=values.get("distbelief_worker_loss"),
+        replica_steps=integer("distbelief_worker_steps_total"),
+        replica_examples=integer("distbelief_worker_examples_total"),
     )
 
 

@@ -19,6 +19,7 @@ TERMINAL = (SUCCEEDED, FAILED)
 CONDITION_TYPES = ("Created", RUNNING, SUSPENDED, SUCCEEDED, FAILED)
 # Grace beyond maxDuration before the operator itself fails a job whose chief is silent.
 DEADLINE_GRACE_SECONDS = 60
+CHIEF_ENDED = "the chief ended the job"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,34 @@ class Observed:
     figures: Figures = Figures()
     children_created: bool = False
     shard_lock_message: str | None = None  # set when a shard-count change was refused
+    invalid_config: str | None = None      # "<pod>: <its last error>" of a pod that exited with a config error
+    shard_failure: str | None = None       # how the most restarted shard last ended, for the message
+    non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
+
+
+def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The fields of Observed that a job's pods show: the most restarts of one shard
+    container and how it last ended, and the first container that exited with a config
+    error (which restarting cannot fix)."""
+    invalid, restarts, failure = None, 0, None
+    for pod in pods:
+        name, role = pod["metadata"]["name"], (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
+        for container in (pod.get("status") or {}).get("containerStatuses", []):
+            ends = [(container.get(k) or {}).get("terminated") or {} for k in ("state", "lastState")]
+            bad = next((end for end in ends if end.get("exitCode") == contract.EXIT_INVALID_CONFIG), None)
+            if bad is not None and invalid is None:
+                invalid = f"{name}: {_last_line(bad.get('message')) or 'exited with a config error'}"
+            if role == contract.ROLE_PS and container.get("restartCount", 0) >= max(restarts, 1):
+                restarts, last = container["restartCount"], ends[1]
+                failure = f"{name} last exited with code {last['exitCode']}: {_last_line(last.get('message'))}" \
+                    if "exitCode" in last else None
+    return {"invalid_config": invalid, "shard_restarts": restarts, "shard_failure": failure}
+
+
+def _last_line(text: str | None) -> str:
+    """A role's one-line error ("error: ..."), else the last line of text."""
+    lines = (text or "").strip().splitlines()
+    return next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1] if lines else "")
 
 
 def timestamp(now: datetime.datetime) -> str:
@@ -71,11 +100,16 @@ def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Obser
     figures = observed.figures
     if figures.finished_outcome in TERMINAL:
         return figures.finished_outcome, figures.finished_reason or figures.finished_outcome, \
-            f"the chief ended the job at step {figures.global_step}"
+            f"{CHIEF_ENDED} at step {figures.global_step}"
+    if observed.invalid_config:
+        return FAILED, "InvalidConfig", observed.invalid_config
+    if observed.non_finite_loss:
+        return FAILED, "NonFiniteLoss", observed.non_finite_loss
     limit = int(spec["runPolicy"]["backoffLimit"])
     if observed.shard_restarts > limit:
+        detail = f"; {observed.shard_failure}" if observed.shard_failure else ""
         return FAILED, "BackoffLimitExceeded", \
-            f"a parameter shard restarted {observed.shard_restarts} times (backoffLimit {limit})"
+            f"a parameter shard restarted {observed.shard_restarts} times (backoffLimit {limit}){detail}"
     deadline = _deadline_passed(spec, previous, now)
     if deadline:
         return FAILED, "DeadlineExceeded", deadline

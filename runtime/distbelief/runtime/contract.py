@@ -243,3 +243,9 @@ def synthetic_params(body: str) -> tuple[dict[str, int], list[str]]:
     problems.extend(f"synthetic: {key} required" for key in SYNTHETIC_REQUIRED if key not in seen)
     params.setdefault("seed", 0)
     return params, problems
+
+
+# The exit code of a role that stopped on a config error (ConfigError, a layout mismatch,
+# an unusable checkpoint): restarting cannot help, so local mode and the operator end the
+# job at once (reason InvalidConfig) instead of retrying it as a crash.
+EXIT_INVALID_CONFIG = 2

@@ -25,6 +25,9 @@ import numpy as np
 
 from distbelief.runtime import contract, errors
 
+DIGITS = "builtin:digits"
+DIGITS_MAX = 16.0  # the digits' pixel intensities run 0..16
+
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
@@ -47,12 +50,35 @@ def load(data_spec: Mapping[str, Any]) -> Dataset:
 
 
 def load_source(source: str) -> tuple[np.ndarray, np.ndarray]:
+    """A source's features, preprocessed as training uses them, and its labels."""
+    x, y = _raw(source)
+    return _as_features(source, x), np.ascontiguousarray(y, dtype=np.int64)
+
+
+def load_inputs(source: str, *, trained_on: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """Inputs to predict on, preprocessed as training preprocessed `trained_on`, and their
+    labels when the source has them (an npz may hold x alone)."""
+    scheme, _, rest = source.partition(":")
+    x, y = _npz(rest, labels=False) if scheme == "npz" and rest else _raw(source)
+    return _as_features(trained_on, x), None if y is None else np.ascontiguousarray(y, dtype=np.int64)
+
+
+def preprocess(source: str, x: np.ndarray) -> np.ndarray:
+    """What training does to a source's raw features: builtin:digits' pixel intensities
+    (0..16) are scaled to 0..1; every other source is used as it is."""
+    return x / np.float32(DIGITS_MAX) if source == DIGITS else x
+
+
+def _as_features(source: str, x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(preprocess(source, np.asarray(x, dtype=np.float32)), dtype=np.float32)
+
+
+def _raw(source: str) -> tuple[np.ndarray, np.ndarray]:
     scheme, _, rest = source.partition(":")
     loaders = {"builtin": _builtin, "synthetic": _synthetic, "npz": _npz}
     if scheme not in loaders or not rest:
         raise errors.ConfigError(f"spec.data.source: unknown data source {source!r}")
-    x, y = loaders[scheme](rest)
-    return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+    return loaders[scheme](rest)
 
 
 def _builtin(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +90,7 @@ def _builtin(name: str) -> tuple[np.ndarray, np.ndarray]:
     path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
     with gzip.open(path, "rt") as f:
         table = np.loadtxt(f, delimiter=",", dtype=np.float32)
-    return table[:, :-1] / 16.0, table[:, -1].astype(np.int64)
+    return table[:, :-1], table[:, -1].astype(np.int64)
 
 
 def _synthetic(text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -77,20 +103,52 @@ def _synthetic(text: str) -> tuple[np.ndarray, np.ndarray]:
     return x, np.argmax(x @ teacher, axis=1)
 
 
-def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
+def _npz(path: str, labels: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """x and y of an npz file, checked; y may be absent when labels are not required."""
     try:
         with np.load(path, allow_pickle=False) as archive:
-            x, y = archive["x"], archive["y"]
+            x = archive["x"]
+            y = archive["y"] if labels or "y" in archive.files else None
     except (OSError, KeyError, ValueError) as exc:
         raise errors.ConfigError(f"spec.data.source: cannot read npz:{path}: {exc}") from exc
-    if x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
-        raise errors.ConfigError(
-            f"npz:{path}: needs x of shape (n, features) and y of shape (n,), got {x.shape} and {y.shape}")
-    if len(y) == 0:
+    if x.ndim != 2 or (y is not None and (y.ndim != 1 or len(x) != len(y))):
+        raise errors.ConfigError(f"npz:{path}: needs x of shape (n, features) and y of shape (n,), got "
+                                 f"{x.shape} and {None if y is None else y.shape}")
+    if len(x) == 0:
         raise errors.ConfigError(f"npz:{path}: holds no examples")
+    _check_features(path, x)
+    if y is not None:
+        _check_labels(path, y, every_class=labels)
+    return x, y
+
+
+def _check_features(path: str, x: np.ndarray) -> None:
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise errors.ConfigError(f"npz:{path}: x must hold numbers, got dtype {x.dtype}")
+    finite = np.isfinite(x.astype(np.float32, copy=False))
+    if not finite.all():
+        row = int(np.argwhere(~finite)[0][0])
+        raise errors.ConfigError(f"npz:{path}: x holds {int(finite.size - finite.sum())} non-finite values "
+                                 f"(NaN or infinity), the first in row {row}")
+
+
+def _check_labels(path: str, y: np.ndarray, *, every_class: bool = True) -> None:
+    """Labels 0..C-1, and for training every class present: {0, 1, 7} is a mistake, not 8 classes."""
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise errors.ConfigError(f"npz:{path}: y must hold non-negative integer class labels")
-    return x, y
+    if not every_class:
+        return
+    present = np.unique(y)
+    if len(present) < 2:
+        raise errors.ConfigError(f"npz:{path}: y holds a single class ({int(present[0])}); training needs two or more")
+    missing = np.setdiff1d(np.arange(int(present[-1]) + 1), present)
+    if len(missing):
+        raise errors.ConfigError(f"npz:{path}: y's labels must be 0..C-1 with every class present; labels "
+                                 f"{{{_some(present)}}} leave out {_some(missing)}")
+
+
+def _some(values: np.ndarray, shown: int = 10) -> str:
+    return ", ".join(str(int(v)) for v in values[:shown]) + (", ..." if len(values) > shown else "")
 
 
 def split(x: np.ndarray, y: np.ndarray, *, test_fraction: float, seed: int) -> Dataset:

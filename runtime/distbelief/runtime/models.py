@@ -191,10 +191,85 @@ def _load_entrypoint(entrypoint: str, model_spec: Mapping[str, Any], n_features:
         build = getattr(importlib.import_module(module_name), function_name)
     except Exception as exc:  # user code: an import may fail in any way, and must not crash the role unexplained
         raise errors.ConfigError(f"spec.model.entrypoint: cannot load {entrypoint!r}: {exc}") from exc
-    model = build(dict(model_spec), n_features, n_classes)
+    model = _call(entrypoint, "", build, dict(model_spec), n_features, n_classes)
     missing = [m for m in ("shapes", "init_params", "loss_and_grad", "predict") if not hasattr(model, m)]
     if missing:
         raise errors.ConfigError(
             f"spec.model.entrypoint: {entrypoint!r} returned a model without {', '.join(missing)}"
         )
-    return model
+    return check_interface(model, entrypoint, n_features, n_classes)
+
+
+def _call(entrypoint: str, member: str, function: Any, *args: Any) -> Any:
+    """function(*args); whatever user code raises becomes one line naming the function."""
+    try:
+        return function(*args)
+    except Exception as exc:  # user code may raise anything: the role must say where, not crash
+        where = f"{entrypoint!r}" + (f" model's {member}" if member else "")
+        raise errors.ConfigError(f"spec.model.entrypoint: {where} raised {type(exc).__name__}: {exc}") from exc
+
+
+def check_interface(model: Model, entrypoint: str, n_features: int, n_classes: int) -> Model:
+    """Call a user model once on a tiny batch and check what each member returns. Returns
+    the model as the roles use it: one whose gradient is in `out` even when its
+    loss_and_grad returns a new array instead of writing there."""
+    def bad(member: str, wanted: str, got: object) -> errors.ConfigError:
+        return errors.ConfigError(f"spec.model.entrypoint: {entrypoint!r} model's {member} must {wanted}; got {got}")
+
+    shapes = list(model.shapes) if isinstance(model.shapes, (list, tuple)) else None
+    if not shapes or not all(_is_shape_entry(entry) for entry in shapes):
+        raise bad("shapes", "be a list of (name, shape) pairs with positive sizes", _brief(model.shapes))
+    size = num_params(model)
+    params = _call(entrypoint, "init_params", model.init_params, 0)
+    if not isinstance(params, np.ndarray) or params.dtype != np.float32 or params.shape != (size,):
+        raise bad("init_params(seed)", f"return one flat float32 vector of {size} values (the sizes in shapes)",
+                  _brief(params))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, n_features), dtype=np.float32)
+    y = np.array([0, n_classes - 1], dtype=np.int64)
+    out = np.zeros_like(params)
+    returned = _call(entrypoint, "loss_and_grad", model.loss_and_grad, params, (x, y), out)
+    if not isinstance(returned, tuple) or len(returned) != 2:
+        raise bad("loss_and_grad(params, (x, y), out)", "return (loss, gradient)", _brief(returned))
+    loss, grad = returned
+    if np.ndim(loss) != 0 or not np.isfinite(float(loss)):
+        raise bad("loss_and_grad(params, (x, y), out)", "return a finite number as the loss", _brief(loss))
+    if not isinstance(grad, np.ndarray) or grad.shape != params.shape:
+        raise bad("loss_and_grad(params, (x, y), out)", f"return a gradient of shape {params.shape}", _brief(grad))
+    labels = _call(entrypoint, "predict", model.predict, params, x)
+    if not isinstance(labels, np.ndarray) or labels.shape != (2,) or not np.issubdtype(labels.dtype, np.integer):
+        raise bad("predict(params, x)", "return one integer label per row of x", _brief(labels))
+    return model if grad is out else GradientIntoOut(model)
+
+
+def _is_shape_entry(entry: object) -> bool:
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], str):
+        return False
+    shape = entry[1]
+    return isinstance(shape, (list, tuple)) and all(isinstance(d, (int, np.integer)) and d > 0 for d in shape)
+
+
+def _brief(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"{type(value).__name__} {str(value)[:60]}"
+
+
+class GradientIntoOut:
+    """A user model whose loss_and_grad returns a new gradient array: the roles read the
+    gradient from `out`, so it is copied there."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+        self.shapes = model.shapes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def loss_and_grad(self, params: np.ndarray, batch: Batch,
+                      out: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+        loss, grad = self._model.loss_and_grad(params, batch, out)
+        if out is None or grad is out:
+            return loss, grad
+        np.copyto(out, grad)
+        return loss, out

@@ -109,7 +109,16 @@ class Worker:
         return loss, len(x)
 
     def _push(self, examples: int, loss: float, *, fetch: bool) -> bool:
-        """Push the accumulated gradient; with fetch, the replies also refill self.params."""
+        """Push the accumulated gradient; with fetch, the replies also refill self.params.
+
+        A gradient behind a non-finite loss is dropped, not pushed (the shards would refuse
+        it): the replica goes on computing, its loss gauge says NaN, and the job's status
+        fails it as NonFiniteLoss."""
+        if not np.isfinite(loss):
+            log.error("event=non_finite_loss worker=%08x step=%d action=gradient_dropped", self.group.worker_id,
+                      self.steps)
+            self.accumulated[...] = 0
+            return self._pull() if fetch else False
         started = time.perf_counter()
         if fetch:
             replies = self.group.push_and_pull(self.accumulated, self.params, steps=self.pulled_steps,

@@ -1,0 +1,55 @@
+"""examples/usercode/: the ready-to-copy user model and its job, run as the README says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distbelief.operator import spec
+from distbelief.runtime import data, models
+
+from conftest import REPO
+
+USERCODE = REPO / "examples" / "usercode"
+JOB = USERCODE / "job.yaml"
+
+
+def test_the_user_model_follows_the_interface_and_its_gradient_is_right(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(USERCODE))
+    (doc,) = spec.load_manifests(str(JOB))
+    job = spec.validate_job(doc)
+    dataset = data.load(job["spec"]["data"])
+    model = models.build_model(job["spec"]["model"], dataset.n_features, dataset.n_classes)
+    params = model.init_params(3)
+    batch = (dataset.x_train[:16], dataset.y_train[:16])
+    out = np.zeros_like(params)
+    loss, grad = model.loss_and_grad(params, batch, out)
+    assert grad is out
+    rng = np.random.default_rng(0)
+    for index in rng.choice(len(params), 5, replace=False):  # central differences, in float64
+        step = np.zeros_like(params, dtype=np.float64)
+        step[index] = 1e-3
+        up = model.loss_and_grad((params + step).astype(np.float32), batch)[0]
+        down = model.loss_and_grad((params - step).astype(np.float32), batch)[0]
+        assert grad[index] == pytest.approx((up - down) / 2e-3, abs=2e-3)
+
+
+@pytest.mark.slow
+def test_the_example_job_trains_locally_and_predict_scores_it(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(USERCODE)}
+    output = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "distbelief.operator.cli", "run", str(JOB), "--output", str(output),
+                           "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summary = json.loads((output / "report.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["accuracy"] >= 0.93
+    scored = subprocess.run([sys.executable, "-m", "distbelief.operator.cli", "predict", str(JOB), "--output",
+                             str(output)], env=env, capture_output=True, text=True, timeout=120)
+    assert scored.returncode == 0, scored.stderr
+    assert scored.stdout.startswith(f"held-out accuracy {summary['accuracy']:.4f}")
