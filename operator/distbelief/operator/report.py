@@ -86,7 +86,7 @@ def read_history(chief_dir: str) -> list[dict[str, Any]]:
 
 
 def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, started: float,
-          restarts: Mapping[str, int]) -> dict[str, Any]:
+          restarts: Mapping[str, int], staleness: Mapping[str, float] | None = None) -> dict[str, Any]:
     """report.json, training.png and params.npz in output; returns the report. Its figures
     are this run's (since `started`): never an earlier run's, when this one evaluated nothing."""
     result = read_result(chief_dir) or {}
@@ -107,6 +107,7 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, sta
         "restarts": sum(restarts.values()),
         "restartsByPod": dict(restarts),
         "evaluations": len(ours),
+        "staleness": dict(staleness) if staleness else None,
     }
     params = os.path.join(chief_dir, contract.PARAMS_FILE)
     if result and os.path.exists(params):

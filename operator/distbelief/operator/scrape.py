@@ -29,6 +29,8 @@ class Figures:
     replica_loss: float | None = None       # a replica's: the loss of its last minibatch
     replica_steps: int | None = None        # a replica's: the minibatches it computed
     replica_examples: int | None = None     # a replica's: the examples it trained on
+    staleness_max: int | None = None        # the largest staleness of an update shard 0 applied
+    staleness_p50: float | None = None      # the median's bucket bound, from shard 0's histogram
 
     @property
     def reachable(self) -> bool:
@@ -38,10 +40,13 @@ class Figures:
 def parse(text: str) -> Figures:
     values: dict[str, float] = {}
     finished: tuple[str, str] | None = None
+    staleness: list[tuple[float, float]] = []  # (bucket bound, updates at most that stale)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "distbelief_job_finished" and sample.value == 1:
                 finished = (sample.labels.get("reason", ""), sample.labels.get("outcome", ""))
+            elif sample.name == "distbelief_staleness_updates_bucket":
+                staleness.append((float(sample.labels["le"]), sample.value))
             else:
                 values[sample.name] = sample.value
 
@@ -58,6 +63,8 @@ def parse(text: str) -> Figures:
         objective=values.get("distbelief_sandblaster_objective") if values.get(
             "distbelief_sandblaster_evaluations_total") else None,
         checkpoint_step=integer("distbelief_checkpoint_step"),
+        staleness_max=integer("distbelief_staleness_max"),
+        staleness_p50=_median_bound(staleness),
         checkpoint_time=values.get("distbelief_checkpoint_timestamp_seconds") or None,
         finished_reason=finished[0] if finished else None,
         finished_outcome=finished[1] if finished else None,
@@ -65,6 +72,15 @@ def parse(text: str) -> Figures:
         replica_steps=integer("distbelief_worker_steps_total"),
         replica_examples=integer("distbelief_worker_examples_total"),
     )
+
+
+def _median_bound(buckets: list[tuple[float, float]]) -> float | None:
+    """The upper bound of the histogram bucket that holds the median; None before any update."""
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    return next(bound for bound, count in buckets if count >= total / 2)
 
 
 def read(url: str, *, timeout: float = TIMEOUT_SECONDS) -> Figures:

@@ -136,7 +136,7 @@ def _deadline_passed(spec: Mapping[str, Any], previous: Mapping[str, Any], now: 
 def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str, Any]:
     """The chief's figures when it answered, else the last ones known."""
     keep = {k: previous[k] for k in ("globalStep", "loss", "accuracy", "examplesPerSecond", "objective",
-                                     "lastCheckpoint") if k in previous}
+                                     "lastCheckpoint", "staleness") if k in previous}
     if not figures.reachable:
         return keep
     fresh: dict[str, Any] = {"globalStep": figures.global_step}
@@ -147,6 +147,8 @@ def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str
     if figures.checkpoint_step and figures.checkpoint_time:
         when = datetime.datetime.fromtimestamp(figures.checkpoint_time, tz=datetime.timezone.utc)
         fresh["lastCheckpoint"] = {"step": figures.checkpoint_step, "time": timestamp(when)}
+    if figures.staleness_max is not None and figures.staleness_p50 is not None:
+        fresh["staleness"] = {"max": figures.staleness_max, "p50": figures.staleness_p50}
     return {**keep, **fresh}
 
 

@@ -82,7 +82,8 @@ def _downpour_attach(shard: Shard, job: Any) -> None:
     training = job.spec["training"]
     shard.attach(DenseSlice(shard, job.model.init_params(int(training["seed"])), optimizer=str(training["optimizer"]),
                             learning_rate=float(training["learningRate"]),
-                            max_gradient_norm=float(training["maxGradientNorm"])))
+                            max_gradient_norm=float(training["maxGradientNorm"]),
+                            max_staleness=training.get("maxStaleness")))
 
 
 def _downpour_replica(ctx: ReplicaContext) -> ReplicaLoop:

@@ -36,6 +36,10 @@ class Reply:
         return self.header.status == Status.DONE
 
     @property
+    def stale(self) -> bool:
+        return self.header.status == Status.STALE
+
+    @property
     def step(self) -> int:
         return self.header.step
 
@@ -150,8 +154,8 @@ class ShardGroup:
             if index != array_frame:
                 return None
             header = protocol.unpack_header(frame)
-            if header.seq != request.seq or header.status != Status.OK:
-                return None  # a stale reply, or an error's text: not parameters
+            if header.seq != request.seq or header.status not in (Status.OK, Status.STALE):
+                return None  # a reply to an earlier request, or an error's text: not parameters
             start, stop = self.layout.bounds(shard)
             return out[start:stop]
         return where
@@ -168,7 +172,7 @@ class ShardGroup:
             if header.error == ErrorCode.LAYOUT:
                 raise errors.LayoutMismatch(f"shard {shard} at {address} refused us: {text}")
             raise errors.ShardRefused(f"shard {shard} at {address} refused {op.name}: {text}")
-        if header.status != Status.OK:
+        if header.status not in (Status.OK, Status.STALE):
             return Reply(header=header)
         if op.reply_array and receive_into is not None:
             expected = self.layout.size(shard) * protocol.DTYPE.itemsize

@@ -8,6 +8,11 @@
 The slice's optimizer comes from the registry in optim.py; its state is saved in the
 shard's checkpoints, and a checkpoint written by another optimizer is refused on restore.
 
+With spec.training.maxStaleness (tau), a push computed from parameters more than tau of
+this shard's updates old is not applied: the reply says STALE (and a PUSH_PULL's brings
+the fresh slice), and the replica computes again from fresh parameters. tau = 0 makes
+Downpour synchronous per shard; unset, every push is applied (plain Downpour).
+
 A pushed gradient with a non-finite value is refused. One whose norm (over this shard's
 slice) exceeds spec.training.maxGradientNorm is scaled down to it, not refused: a clip
 keeps an honest replica's rare spike training, and bounds what one poisoned push can do
@@ -28,7 +33,7 @@ import numpy as np
 
 from distbelief.runtime import checkpoint, errors, protocol
 from distbelief.runtime.optim import make_optimizer
-from distbelief.runtime.protocol import Message, OpSpec
+from distbelief.runtime.protocol import Message, OpSpec, Status
 from distbelief.runtime.plugin import Answer, Handler
 from distbelief.runtime.shard import Shard
 
@@ -57,7 +62,8 @@ OPTIMIZER_KEY = "optimizer"  # the checkpoint metadata that names the optimizer
 
 class DenseSlice:
     def __init__(self, shard: Shard, initial: np.ndarray, *, optimizer: str, learning_rate: float,
-                 pushes: bool = True, max_gradient_norm: float = float("inf")) -> None:
+                 pushes: bool = True, max_gradient_norm: float = float("inf"),
+                 max_staleness: int | None = None) -> None:
         layout = shard.layout
         if initial.size != layout.total:
             raise errors.ConfigError(f"initial parameters have {initial.size} values, layout {layout.total}")
@@ -67,6 +73,7 @@ class DenseSlice:
         self.optimizer = make_optimizer(optimizer, self.params.size, learning_rate=learning_rate)
         self.pushes = pushes
         self.max_gradient_norm = max_gradient_norm
+        self.max_staleness = max_staleness
         self._clipped: np.ndarray | None = None  # made on the first clip: most jobs never need it
 
     def handlers(self) -> Mapping[OpSpec, Handler]:
@@ -101,6 +108,8 @@ class DenseSlice:
         return Answer(array=self.params.copy())
 
     def _push(self, message: Message) -> Answer:
+        if self._too_stale(message):
+            return Answer(status=Status.STALE)
         grad = message.array
         if grad is None or grad.size != self.params.size:
             raise errors.ProtocolError(
@@ -128,5 +137,13 @@ class DenseSlice:
         return self._clipped
 
     def _push_pull(self, message: Message) -> Answer:
-        self._push(message)
-        return self._pull(message)
+        status = self._push(message).status
+        return dataclasses.replace(self._pull(message), status=status)
+
+    def _too_stale(self, message: Message) -> bool:
+        """Whether the pushed gradient was computed more than max_staleness updates ago."""
+        lag = self.shard.step - message.header.step
+        if self.max_staleness is None or lag <= self.max_staleness:
+            return False
+        self.shard.metrics.stale.inc()
+        return True

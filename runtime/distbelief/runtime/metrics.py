@@ -42,6 +42,8 @@ class ShardMetrics:
         self.bytes_out = counter("bytes_out", "Bytes sent")
         self.rejected = counter("rejected_messages", "Messages refused as malformed or foreign")
         self.clipped = counter("clipped_updates", "Pushed gradients scaled down to maxGradientNorm")
+        self.stale = counter("stale_pushes", "Pushes not applied: older than maxStaleness updates")
+        self.staleness_max = gauge("staleness_max", "Largest staleness of an applied update")
         self.non_finite = counter("non_finite_states", "Times the state held a non-finite value and was restored")
         self.restarts = gauge("restarts", "Times this shard restarted from a checkpoint")
         self.checkpoint_step = gauge("checkpoint_step", "Step of the newest checkpoint")
@@ -131,6 +133,9 @@ class WorkerMetrics:
         self.staleness = prom.Histogram("distbelief_worker_staleness_updates",
                                         "Updates other replicas applied between this replica's pull and push",
                                         buckets=STALENESS_BUCKETS, registry=registry)
+        self.stale = prom.Counter("distbelief_worker_stale_pushes",
+                                  "Pushes a shard did not apply: computed from parameters older than maxStaleness",
+                                  registry=registry)
         self.bytes_in = prom.Counter("distbelief_worker_bytes_in", "Bytes received", registry=registry)
         self.bytes_out = prom.Counter("distbelief_worker_bytes_out", "Bytes sent", registry=registry)
         self.retries = prom.Counter("distbelief_worker_retries", "Requests repeated after a shard did not answer", registry=registry)

@@ -49,6 +49,8 @@ class Status(enum.IntEnum):
     DONE = 1    # the job has finished: the peer should stop
     WAIT = 2    # warm-start: another replica trains alone for now; no work unit yet
     ERROR = 3   # header.error says which; one text frame says why
+    STALE = 4   # not applied: computed from parameters more than maxStaleness steps old;
+                # the reply carries what the op's reply carries (the fresh slice, for PUSH_PULL)
 
 
 class ErrorCode(enum.IntEnum):
@@ -233,7 +235,7 @@ class Message:
 def parse_request(frames: list[memoryview]) -> Message:
     """Check a request's frames against its op's spec; ProtocolError says what is wrong."""
     header = unpack_header(frames[0])
-    if header.status != Status.OK or header.error != ErrorCode.NONE:
+    if header.status != Status.OK or header.error != ErrorCode.NONE:  # statuses are the shard's to give
         raise errors.ProtocolError("a request must have status OK and no error code")
     spec = spec_of(header.op)
     body = frames[1:]

@@ -79,6 +79,7 @@ class Shard:
         self._warm_owner: tuple[tuple, float] | None = None
         self._peer: tuple = ()  # who sent the request being handled: (ZAP user, routing id)
         self._rate = RateWindow(RATE_WINDOW_SECONDS)
+        self._staleness_max = 0
         self._last_command: OrderedDict[tuple, tuple[int, int, list | None]] = OrderedDict()
         self._last_checkpoint = (time.monotonic(), -1)
         self._train_loss: float | None = None
@@ -301,6 +302,9 @@ class Shard:
             self._warm_owner = (self._peer, time.monotonic())
         self.metrics.global_step.set(self.step)
         self.metrics.staleness.observe(staleness)
+        if staleness > self._staleness_max:
+            self._staleness_max = staleness
+            self.metrics.staleness_max.set(staleness)
         self.count_examples(examples)
         self._train_loss = loss if self._train_loss is None else (1 - LOSS_EMA) * self._train_loss + LOSS_EMA * loss
         self.metrics.train_loss.set(self._train_loss)

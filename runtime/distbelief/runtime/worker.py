@@ -5,7 +5,9 @@
     push every pushEvery steps    -> each shard gets its slice of the accumulated gradient
 
 A push followed at once by a fetch is one PUSH_PULL round trip: the shards reply with
-their parameters, the push included, instead of waiting for a separate pull.
+their parameters, the push included, instead of waiting for a separate pull. A shard
+that found the push staler than maxStaleness did not apply it; the replica then
+computes its next gradient from fresh parameters.
 
 Warm-start: shard 0 admits one replica at a time until warmstartSteps updates are
 applied; the others wait. The replica stops (exit 0) as soon as any shard says the job
@@ -132,9 +134,14 @@ class Worker:
         if any(r.done for r in replies):
             return True
         for pulled, reply in zip(self.pulled_steps, replies):
-            self.metrics.staleness.observe(max(0, reply.header.step - 1 - pulled))
+            if reply.stale:
+                self.metrics.stale.inc()
+            else:
+                self.metrics.staleness.observe(max(0, reply.header.step - 1 - pulled))
         if fetch:
             self.pulled_steps = [r.header.step for r in replies]
+        elif any(r.stale for r in replies):
+            return self._pull()  # a shard found the parameters too old: compute from fresh ones
         return False
 
     def _count_traffic(self) -> None:
