@@ -679,6 +679,15 @@ def test_rbac_for_every_watched_namespace(values_dir: Path) -> None:
     everywhere = {(g.group, g.resource, g.verb) for g in grants if g.namespace is None}
     assert everywhere == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} | {
         ("", "namespaces", v) for v in ("list", "watch")}
+    # ... and the operator is told to watch exactly those namespaces.
+    args = operator_container(docs)["args"]
+    assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=ml", "--namespace=research"]
+
+
+@pytest.mark.parametrize("mode", ["defaults", "namespaced"])
+def test_the_operator_may_create_secrets_but_never_read_them(values_dir: Path, mode: str) -> None:
+    grants = [g for g in operator_grants(template(values_dir, mode)) if g.resource == "secrets"]
+    assert grants and {g.verb for g in grants} == {"create"}
 
 
 def test_user_roles_aggregate_into_the_builtin_ones(values_dir: Path) -> None:
