@@ -39,6 +39,9 @@ STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
 # Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
 METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
 IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", render.DEFAULT_IMAGE)
+# The operator's own namespace (the chart sets it from the downward API): the jobs'
+# NetworkPolicies admit the operator's metrics scrapes from there.
+OPERATOR_NAMESPACE = os.environ.get("DISTBELIEF_OPERATOR_NAMESPACE") or None
 
 
 @kopf.on.startup()
@@ -141,7 +144,7 @@ def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool, new: b
     an optional child (the HPA, the NetworkPolicy) that the spec no longer asks for. The
     removal runs for a new job too: a retried create, or an orphaned child of an earlier
     job of the same name, may have left one."""
-    children = render.render_children(job, image=IMAGE, finished=finished)
+    children = render.render_children(job, image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
     results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c, likely_absent=new) for c in children}
     names = contract.JobNames(job["metadata"]["name"])
     namespace = job["metadata"].get("namespace") or "default"

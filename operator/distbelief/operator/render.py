@@ -8,7 +8,8 @@ containers' commands, so there is exactly one renderer.
 Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless Service
 and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard), Deployment
 ``<job>-worker`` (the model replicas) and, when the spec asks, a HorizontalPodAutoscaler
-``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource.
+``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource, and,
+unless the spec turns it off, the NetworkPolicy ``<job>-ps`` around all the job's pods.
 
 Every pod mounts the Secret ``<job>-keys`` (the job's CurveZMQ keys) read-only. That
 Secret is not among the children: it holds key material that must be made once and
@@ -52,6 +53,8 @@ SCRATCH_VOLUME = "tmp"
 # (0440, group 10001), which is what lets the non-root roles read them.
 KEYS_MODE = 0o400
 DEFAULT_CPU_UTILIZATION = 80
+# Set by the API server on every namespace, and only by it: a selector users cannot fake.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 # Fields that only size the job. They stay in the ConfigMap but not in the config hash,
 # so that scaling (by hand, or by the HPA through the scale subresource) and suspending
@@ -75,9 +78,11 @@ class RenderContext:
     config_json: str
     config_hash: str
     finished: bool = False
+    operator_namespace: str | None = None   # None: the job's own
 
     @classmethod
-    def of(cls, job: Mapping[str, Any], *, image: str, finished: bool = False) -> RenderContext:
+    def of(cls, job: Mapping[str, Any], *, image: str, finished: bool = False,
+           operator_namespace: str | None = None) -> RenderContext:
         config = job_config(job)
         return cls(
             config=config,
@@ -86,6 +91,7 @@ class RenderContext:
             config_json=config.to_json(),
             config_hash=config_hash(config),
             finished=finished,
+            operator_namespace=operator_namespace,
         )
 
     @property
@@ -112,12 +118,14 @@ class RenderContext:
         return 0 if self.suspended or self.finished else int(self.spec["workers"]["replicas"])
 
 
-def render_children(job: Mapping[str, Any], *, image: str, finished: bool = False) -> list[Manifest]:
+def render_children(job: Mapping[str, Any], *, image: str, finished: bool = False,
+                    operator_namespace: str | None = None) -> list[Manifest]:
     """Every child object of ``job`` (validated), in the order they should be applied.
 
     A finished job keeps its objects but runs no replicas (and no shards, unless
-    runPolicy.cleanPodPolicy is None) and no autoscaler."""
-    ctx = RenderContext.of(job, image=image, finished=finished)
+    runPolicy.cleanPodPolicy is None) and no autoscaler. operator_namespace is where the
+    operator that reads the job's metrics runs (the NetworkPolicy admits it)."""
+    ctx = RenderContext.of(job, image=image, finished=finished, operator_namespace=operator_namespace)
     children = [
         render_config_map(ctx),
         render_ps_service(ctx),
@@ -244,24 +252,29 @@ def render_worker_deployment(ctx: RenderContext) -> Manifest:
 
 
 def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
-    """When the spec asks: the shards admit their port only from the job's own pods (its
-    replicas, and the chief on shard 0) and their metrics port only from the operator."""
-    if not ctx.spec["parameterServers"].get("networkPolicy"):
+    """Unless the spec turns it off: every pod of the job (shards, chief, coordinator,
+    replicas) admits its ZeroMQ ports only from the job's own pods in its namespace, and
+    its metrics port only from the operator's pods in the operator's namespace. Every
+    other port of those pods, and every other peer, is refused. (Named <job>-ps, as when
+    it covered the shards alone, so an upgrade replaces it rather than adds one.)"""
+    if not ctx.spec["parameterServers"].get("networkPolicy", True):
         return None
-    job = ctx.config.name
+    job = {contract.LABEL_JOB: ctx.config.name}
+    operator: dict[str, Any] = {"podSelector": {"matchLabels": dict(contract.OPERATOR_LABELS)}}
+    if ctx.operator_namespace:  # else the operator is taken to run in the job's namespace
+        operator["namespaceSelector"] = {"matchLabels": {NAMESPACE_NAME_LABEL: ctx.operator_namespace}}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _metadata(ctx, ctx.names.ps, contract.ROLE_PS),
         "spec": {
-            "podSelector": {"matchLabels": contract.selector_labels(job, contract.ROLE_PS)},
+            "podSelector": {"matchLabels": job},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": {contract.LABEL_JOB: job}}}],
+                {"from": [{"podSelector": {"matchLabels": job}}],
                  "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in _ps_ports(ctx)
                            if p["name"] != contract.METRICS_PORT_NAME]},
-                {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(contract.OPERATOR_LABELS)}}],
-                 "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]},
+                {"from": [operator], "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]},
             ],
         },
     }
