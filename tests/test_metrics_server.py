@@ -68,6 +68,38 @@ def test_idle_flood_keeps_healthz_answering_with_bounded_threads(metrics: Metric
         assert sum(closed_by_peer(s) for s in idle) >= 300 - 64
 
 
+def test_healthz_answers_while_a_flood_of_connections_goes_on(metrics: MetricsServer) -> None:
+    stop = threading.Event()
+    opened = 0
+
+    def flood() -> None:   # until stopped, at most 15 s; at most 200 held open at once
+        nonlocal opened
+        held: list[socket.socket] = []
+        give_up = time.monotonic() + 15
+        try:
+            while not stop.is_set() and time.monotonic() < give_up:
+                with contextlib.suppress(OSError):
+                    held.append(socket.create_connection(("127.0.0.1", metrics.port), timeout=1))
+                    opened += 1
+                if len(held) > 200:
+                    held.pop(0).close()
+        finally:
+            for s in held:
+                s.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        while opened < 300:
+            time.sleep(0.01)
+        for _ in range(5):
+            assert get(metrics.port, "/healthz") == (200, b"ok\n")
+        assert flooder.is_alive(), "the flood ended before the probes: nothing was shown"
+    finally:
+        stop.set()
+        flooder.join(timeout=10)
+
+
 def test_slowloris_is_cut_off_at_the_request_deadline() -> None:
     server = BoundedHTTPServer(lambda path: Response(200, b"ok"), "127.0.0.1", 0,
                                request_timeout=1.0).start()

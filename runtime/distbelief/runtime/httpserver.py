@@ -23,6 +23,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 8192
+ACCEPT_BATCH = 16
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             503: "Service Unavailable"}
 
@@ -96,7 +97,9 @@ class BoundedHTTPServer:
         return max(0.0, min(0.5, first.deadline - time.monotonic()))
 
     def _accept(self) -> None:
-        while True:
+        # A bounded batch: a connect flood must not keep the loop from reading the
+        # requests (a probe's among them) that have already arrived.
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
