@@ -32,7 +32,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distbelief.operator import render, spec
+from distbelief.operator import podparts, render, spec
 from distbelief.runtime import contract
 from kube import KubeEmulator, RequestRecord
 from kube.catalog import kopf_peering_crds
@@ -248,6 +248,8 @@ def test_operator_deployment(values_dir: Path) -> None:
     assert env["DISTBELIEF_RUNTIME_IMAGE"] == container["image"]
     assert env["DISTBELIEF_STATUS_INTERVAL"] == "5"
     assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # The jobs' NetworkPolicies admit the operator from the namespace it really runs in.
+    assert env["DISTBELIEF_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert "DISTBELIEF_METRICS_URL" not in env
 
 
@@ -286,7 +288,7 @@ def test_operator_pod_is_hardened(values_dir: Path, name: str) -> None:
     pod = operator_deployment(template(values_dir, name))["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert pod["securityContext"]["runAsUser"] == render.RUN_AS_ID  # the image's user, as for job pods
+    assert pod["securityContext"]["runAsUser"] == podparts.RUN_AS_ID  # the image's user, as for job pods
     (container,) = pod["containers"]
     context = container["securityContext"]
     assert context["allowPrivilegeEscalation"] is False
@@ -503,7 +505,8 @@ class ChartOperator(Operator):
     def start(self) -> ChartOperator:
         args = [f"--liveness={self.liveness}" if a.startswith("--liveness=") else a for a in self.container["args"]]
         values = {k: v for k, v in env_of(self.container).items() if isinstance(v, str)}
-        values.update(POD_ID="distbelief-operator-test", DISTBELIEF_STATUS_INTERVAL="0.5",
+        values.update(POD_ID="distbelief-operator-test", DISTBELIEF_OPERATOR_NAMESPACE=NAMESPACE,
+                      DISTBELIEF_STATUS_INTERVAL="0.5",
                       DISTBELIEF_METRICS_URL=self.chiefs.url)
         env = self.kube.env(**values)
         with open(self.log_path, "ab") as log:
@@ -679,6 +682,15 @@ def test_rbac_for_every_watched_namespace(values_dir: Path) -> None:
     everywhere = {(g.group, g.resource, g.verb) for g in grants if g.namespace is None}
     assert everywhere == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} | {
         ("", "namespaces", v) for v in ("list", "watch")}
+    # ... and the operator is told to watch exactly those namespaces.
+    args = operator_container(docs)["args"]
+    assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=ml", "--namespace=research"]
+
+
+@pytest.mark.parametrize("mode", ["defaults", "namespaced"])
+def test_the_operator_may_create_secrets_but_never_read_them(values_dir: Path, mode: str) -> None:
+    grants = [g for g in operator_grants(template(values_dir, mode)) if g.resource == "secrets"]
+    assert grants and {g.verb for g in grants} == {"create"}
 
 
 def test_user_roles_aggregate_into_the_builtin_ones(values_dir: Path) -> None:
@@ -708,7 +720,6 @@ CHILDREN_ACCEPTED = {
                   "the check passes",
     "CKV_K8S_15": "the renderer leaves imagePullPolicy at the default (IfNotPresent for a tag)",
     "CKV_K8S_11": "CPU limits are the job's choice (spec.*.resources); the examples set memory limits only",
-    "CKV2_K8S_6": "the renderer makes no NetworkPolicy yet for the shards and replicas",
 }
 
 

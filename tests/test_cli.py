@@ -51,11 +51,14 @@ def test_run_refuses_an_invalid_job_without_a_traceback(tmp_path: Path) -> None:
 
 
 def test_render_prints_the_children_as_yaml() -> None:
-    done = distbelief("render", str(EXAMPLES / "digits-mlp.yaml"), "--image", "example/db:1")
+    done = distbelief("render", str(EXAMPLES / "digits-mlp.yaml"), "--image", "example/db:1",
+                      "--operator-namespace", "ops")
     assert done.returncode == 0, done.stderr
     docs = list(yaml.safe_load_all(done.stdout))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "StatefulSet", "Deployment"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy"]
     assert docs[2]["spec"]["template"]["spec"]["containers"][0]["image"] == "example/db:1"
+    (operator,) = docs[4]["spec"]["ingress"][1]["from"]
+    assert operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ops"}
 
 
 def test_a_missing_config_file_is_one_clear_line(tmp_path: Path) -> None:

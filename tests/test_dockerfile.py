@@ -22,7 +22,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from distbelief.operator import render
+from distbelief.operator import podparts
 
 from conftest import REPO
 
@@ -95,7 +95,7 @@ def test_multi_stage_on_one_slim_python_base() -> None:
 def test_the_final_stage_runs_as_the_pods_user_with_the_distbelief_entry_point() -> None:
     final = stages()[-1]
     (user,) = args_of(final, "USER")
-    assert user == f"{render.RUN_AS_ID}:{render.RUN_AS_ID}", "numeric, so runAsNonRoot can verify it"
+    assert user == f"{podparts.RUN_AS_ID}:{podparts.RUN_AS_ID}", "numeric, so runAsNonRoot can verify it"
     assert args_of(final, "ENTRYPOINT") == ['["distbelief"]']
     assert PYPROJECT["project"]["scripts"]["distbelief"] == "distbelief.operator.cli:main"
     env = " ".join(args_of(final, "ENV"))
@@ -103,7 +103,7 @@ def test_the_final_stage_runs_as_the_pods_user_with_the_distbelief_entry_point()
                     "MPLCONFIGDIR=/tmp/"):
         assert setting in env, setting
     run = " ".join(args_of(final, "RUN"))
-    assert f"--uid {render.RUN_AS_ID} --gid {render.RUN_AS_ID}" in run
+    assert f"--uid {podparts.RUN_AS_ID} --gid {podparts.RUN_AS_ID}" in run
 
 
 def test_no_build_tools_in_the_final_stage() -> None:

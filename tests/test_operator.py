@@ -240,6 +240,33 @@ def test_the_keys_secret_is_made_once_and_never_rotated(cluster: tuple[KubeEmula
     assert [e["reason"] for e in events_of(kube, "keys")].count("KeysCreated") == 1
 
 
+def test_the_keys_secret_is_recorded_on_the_job(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
+    kube, _, _ = cluster
+    apply(kube, new_job("owned"))
+    secret = wait(kube, "v1/secrets", "owned-keys")
+    job = wait(kube, JOBS, "owned", lambda j: j and "distbelief.io/keys-secret-uid" in j["metadata"].get("annotations", {}))
+    assert job["metadata"]["annotations"]["distbelief.io/keys-secret-uid"] == secret["metadata"]["uid"]
+    assert secret["metadata"]["labels"]["distbelief.io/job"] == "owned"
+    # The operator made it without ever reading a Secret.
+    assert not [r for r in kube.requests if r.method == "GET" and "/secrets" in r.path]
+
+
+def test_a_foreign_keys_secret_is_refused(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
+    kube, _, _ = cluster
+    planted = keys.JobKeys.generate().files()
+    kube.create("v1/secrets", {"apiVersion": "v1", "kind": "Secret",
+                               "metadata": {"name": "planted-keys", "namespace": "default",
+                                            "labels": {"distbelief.io/job": "planted"}},
+                               "data": {n: base64.b64encode(t.encode()).decode() for n, t in planted.items()}})
+    apply(kube, new_job("planted"))
+    assert "KeysSecretForeign" in event_reasons(kube, "planted", {"KeysSecretForeign"})
+    time.sleep(1.0)   # the handler has given up; nothing may follow the refusal
+    for resource, pattern in CHILDREN[1:]:
+        assert kube.get(resource, pattern.format("planted")) is None, resource
+    assert "KeysCreated" not in {e["reason"] for e in events_of(kube, "planted")}
+    assert "distbelief.io/keys-secret-uid" not in (kube.get(JOBS, "planted")["metadata"].get("annotations") or {})
+
+
 def test_status_follows_the_children_and_the_chief(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
     kube, chiefs, _ = cluster
     apply(kube, new_job("status"))

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distbelief.operator import render, spec
+from distbelief.operator import podparts, render, spec
 from distbelief.runtime import contract, keys
 
 from conftest import load_example
@@ -98,7 +98,7 @@ def test_names_namespace_and_labels() -> None:
     names = contract.JobNames("digits")
     objs = render.render_children(job, image=IMAGE)
     assert [o["metadata"]["name"] for o in objs] == [
-        names.config_map, names.ps, names.ps, names.worker]
+        names.config_map, names.ps, names.ps, names.worker, names.ps]   # the last: the NetworkPolicy
     for obj in objs:
         meta = obj["metadata"]
         assert meta["namespace"] == "ml"
@@ -246,7 +246,7 @@ def test_no_resources_key_when_the_spec_sets_none() -> None:
 
 def thread_env(job: dict[str, Any], kind: str) -> dict[str, str]:
     (c,) = children(job)[kind]["spec"]["template"]["spec"]["containers"]
-    return {e["name"]: e["value"] for e in c["env"] if e["name"] in render.THREAD_ENV}
+    return {e["name"]: e["value"] for e in c["env"] if e["name"] in podparts.THREAD_ENV}
 
 
 @pytest.mark.parametrize("resources, threads", [
@@ -261,7 +261,7 @@ def test_blas_threads_follow_the_pods_cpus(resources: dict[str, Any], threads: s
     job["spec"]["workers"]["resources"] = resources
     job["spec"]["parameterServers"]["resources"] = resources
     for kind in ("Deployment", "StatefulSet"):
-        assert thread_env(job, kind) == {name: threads for name in render.THREAD_ENV}
+        assert thread_env(job, kind) == {name: threads for name in podparts.THREAD_ENV}
 
 
 def test_no_thread_setting_without_a_cpu_quantity() -> None:
@@ -272,7 +272,7 @@ def test_no_thread_setting_without_a_cpu_quantity() -> None:
 
 @pytest.mark.parametrize("quantity, cores", [("100m", "0.1"), ("2", "2"), ("1k", "1000"), ("0.5", "0.5"), (4, "4")])
 def test_cpu_quantities_in_cores(quantity: Any, cores: str) -> None:
-    assert render.cpu_cores(quantity) == Decimal(cores)
+    assert podparts.cpu_cores(quantity) == Decimal(cores)
 
 
 @pytest.mark.parametrize("name, variant", CASES)
@@ -303,8 +303,7 @@ def test_no_hpa_without_autoscaling() -> None:
 def test_hpa_scales_the_job_itself_with_the_default_cpu_metric() -> None:
     job = job_of(variant="autoscaled")
     objs = render.render_children(job, image=IMAGE)
-    hpa = objs[-1]
-    assert hpa["kind"] == "HorizontalPodAutoscaler"
+    (hpa,) = [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["metadata"]["name"] == contract.JobNames("digits").worker
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": JOB_API_VERSION,
@@ -363,7 +362,7 @@ def test_config_map_round_trips_the_defaulted_spec() -> None:
 
 def _hashes(job: dict[str, Any]) -> set[str]:
     objs = children(job)
-    return {o["spec"]["template"]["metadata"]["annotations"][render.CONFIG_HASH_ANNOTATION]
+    return {o["spec"]["template"]["metadata"]["annotations"][podparts.CONFIG_HASH_ANNOTATION]
             for o in (objs["StatefulSet"], objs["Deployment"])}
 
 
@@ -422,24 +421,45 @@ def test_a_finished_job_runs_no_replicas_and_no_autoscaler(clean_pod_policy: str
     assert "HorizontalPodAutoscaler" not in children
 
 
-def test_the_shards_network_policy_admits_only_the_job_and_the_operator() -> None:
-    doc = example("digits-mlp.yaml")
-    assert "NetworkPolicy" not in {c["kind"] for c in render.render_children(spec.validate_job(doc), image=IMAGE)}
-    doc["spec"]["parameterServers"]["networkPolicy"] = True
-    children = {c["kind"]: c for c in render.render_children(spec.validate_job(doc), image=IMAGE)}
+def test_the_network_policy_is_on_by_default_and_covers_every_pod_and_port() -> None:
+    job = spec.validate_job(example("digits-mlp.yaml"))
+    children = {c["kind"]: c for c in render.render_children(job, image=IMAGE, operator_namespace="ops")}
     policy = children["NetworkPolicy"]
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     shard_pods = children["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
     worker_pods = children["Deployment"]["spec"]["template"]["metadata"]["labels"]
     selector = policy["spec"]["podSelector"]["matchLabels"]
-    assert selector.items() <= shard_pods.items() and not selector.items() <= worker_pods.items()
+    assert selector.items() <= shard_pods.items() and selector.items() <= worker_pods.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
     job_rule, operator_rule = policy["spec"]["ingress"]
-    admitted = job_rule["from"][0]["podSelector"]["matchLabels"]
-    assert admitted.items() <= worker_pods.items() and admitted.items() <= shard_pods.items()
-    port = spec.validate_job(doc)["spec"]["parameterServers"]["port"]
+    # The job's own pods: a podSelector alone, which means the policy's namespace only.
+    (peers,) = job_rule["from"]
+    assert list(peers) == ["podSelector"] and peers["podSelector"]["matchLabels"] == {"distbelief.io/job": "digits"}
+    port = job["spec"]["parameterServers"]["port"]
     assert job_rule["ports"] == [{"protocol": "TCP", "port": port}]
+    # The operator: its pods, in its namespace only (a label only the API server sets).
+    (operator,) = operator_rule["from"]
+    assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+    assert operator["podSelector"]["matchLabels"] == contract.OPERATOR_LABELS
     assert operator_rule["ports"] == [{"protocol": "TCP", "port": contract.METRICS_PORT}]
-    assert operator_rule["from"][0]["podSelector"]["matchLabels"] == contract.OPERATOR_LABELS
+    # Every port any container of the job opens is admitted by a rule: nothing left open or forgotten.
+    admitted = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    opened = {p["containerPort"] for kind in ("StatefulSet", "Deployment")
+              for c in children[kind]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    assert opened == admitted
+
+
+def test_without_an_operator_namespace_the_policy_admits_the_operator_from_the_jobs() -> None:
+    policy = next(c for c in render.render_children(spec.validate_job(example("digits-mlp.yaml")), image=IMAGE)
+                  if c["kind"] == "NetworkPolicy")
+    (operator,) = policy["spec"]["ingress"][1]["from"]
+    assert list(operator) == ["podSelector"]
+
+
+def test_the_network_policy_can_be_turned_off() -> None:
+    doc = example("digits-mlp.yaml")
+    doc["spec"]["parameterServers"]["networkPolicy"] = False
+    assert "NetworkPolicy" not in {c["kind"] for c in render.render_children(spec.validate_job(doc), image=IMAGE)}
 
 
 def test_a_data_volume_is_mounted_read_only_in_every_pod() -> None:

@@ -99,11 +99,12 @@ ClusterRole (all namespaces) and the per-namespace Roles. */}}
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, create, patch, delete]
-# The job's CurveZMQ key Secret <job>-keys: looked up, and created once when absent.
-# Never patched, listed or deleted (it is immutable; the job's deletion takes it).
+# The job's CurveZMQ key Secret <job>-keys: created, and never read, listed, patched or
+# deleted (it is immutable; the job's deletion takes it). The job's annotation
+# distbelief.io/keys-secret-uid, not a read, tells its own Secret from a planted one.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [create]
 # The shards' restart counts (runPolicy.backoffLimit).
 - apiGroups: [""]
   resources: [pods]

@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     render = add_parser("render", help="print the Kubernetes objects the operator would create")
     render.add_argument("file", metavar="JOB.yaml")
     render.add_argument("--image", default=None, help="runtime image when the job names none")
+    render.add_argument("--operator-namespace", default=None,
+                        help="the operator's namespace, which the NetworkPolicy admits (default: the job's)")
     render.set_defaults(func=_render)
 
     run = add_parser("run", help="run a DistBeliefJob on this machine, without a cluster")
@@ -148,7 +150,8 @@ def _render(args: argparse.Namespace) -> int:
 
     objects = []
     for doc in spec.load_manifests(args.file):
-        objects += render.render_children(spec.validate_job(doc), image=args.image or render.DEFAULT_IMAGE)
+        objects += render.render_children(spec.validate_job(doc), image=args.image or render.DEFAULT_IMAGE,
+                                          operator_namespace=args.operator_namespace)
     sys.stdout.write(render.to_yaml(objects))
     return 0
 

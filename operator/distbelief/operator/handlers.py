@@ -19,7 +19,7 @@ import datetime
 import logging
 import os
 import threading
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import kopf
 
@@ -32,10 +32,17 @@ log = logging.getLogger(__name__)
 
 RESOURCE = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 SHARDS_ANNOTATION = f"{contract.API_GROUP}/shards"
+# The uid of the keys Secret this operator created for the job: the job's record that the
+# Secret of that name is its own (the operator may create Secrets, never read them).
+KEYS_ANNOTATION = f"{contract.API_GROUP}/keys-secret-uid"
+FOREIGN_KEYS_RETRY_SECONDS = 30
 STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
 # Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
 METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
 IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", render.DEFAULT_IMAGE)
+# The operator's own namespace (the chart sets it from the downward API): the jobs'
+# NetworkPolicies admit the operator's metrics scrapes from there.
+OPERATOR_NAMESPACE = os.environ.get("DISTBELIEF_OPERATOR_NAMESPACE") or None
 
 
 @kopf.on.startup()
@@ -112,9 +119,15 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
     new = reason == "create"  # nothing of the job exists yet: create without reading first
-    if ensure_keys_secret(kube, job, new=new):
-        kopf.info(body, reason="KeysCreated",
-                  message=f"Secret {contract.JobNames(job['metadata']['name']).keys_secret} with the job's CurveZMQ keys")
+    secret = contract.JobNames(job["metadata"]["name"]).keys_secret
+    ownership = ensure_keys_secret(kube, job)
+    if ownership == "created":
+        kopf.info(body, reason="KeysCreated", message=f"Secret {secret} with the job's CurveZMQ keys")
+    elif ownership == "foreign":
+        message = (f"Secret {secret} exists but was not made for this job; the job will not use it "
+                   "(delete it, and the operator makes the job's own)")
+        kopf.warn(body, reason="KeysSecretForeign", message=message)
+        raise kopf.TemporaryError(message, delay=FOREIGN_KEYS_RETRY_SECONDS)
     results = apply_children(kube, job, finished=finished, new=new)
     changed = {name: result for name, result in results.items() if result != "unchanged"}
     if changed:
@@ -122,22 +135,26 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None
                   message=", ".join(f"{name} {result}" for name, result in changed.items()))
 
 
-def ensure_keys_secret(kube: Kube, job: Mapping[str, Any], *, new: bool = False) -> bool:
-    """Create the job's key Secret if it is absent; an existing one is never changed (keys
-    are not rotated behind the user's back). True if it was created now.
+def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created", "own", "foreign"]:
+    """Make sure the job's key Secret exists and is its own: "foreign" if one exists that is not.
 
-    For a job already seen it is looked up first, so that keys are generated only when
-    needed; for a new one it is created straight away. Either way a Secret that exists
-    wins (409) and the keys made here are dropped."""
-    names = contract.JobNames(job["metadata"]["name"])
-    namespace = job["metadata"].get("namespace") or "default"
-    if not new and kube.get("v1", "Secret", namespace, names.keys_secret) is not None:
-        return False
-    secret = render.render_keys_secret(job, keys.JobKeys.generate().files())
-    created = kube.create(secret)
-    if created:
-        log.info("event=keys_created job=%s namespace=%s secret=%s", names.job, namespace, names.keys_secret)
-    return created
+    The operator only ever creates the Secret, and never reads one: the create answers
+    409 when the name is taken, and the taken name is the job's own only if the job
+    records (KEYS_ANNOTATION) that this operator created it. A Secret someone put there
+    before the job, or before the operator's first reconcile, is refused rather than
+    trusted, since whoever wrote it knows the keys. An existing own Secret is never
+    changed: keys are not rotated behind the user's back."""
+    meta = job["metadata"]
+    names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
+    created = kube.create(render.render_keys_secret(job, keys.JobKeys.generate().files()))
+    if created is None:
+        return "own" if KEYS_ANNOTATION in (meta.get("annotations") or {}) else "foreign"
+    uid = (created.get("metadata") or {}).get("uid", "")
+    # Recorded at once, not with the handler's patch: a crash in between would leave the
+    # job's own Secret looking foreign.
+    kube.patch(*_job_address(job), {"metadata": {"annotations": {KEYS_ANNOTATION: uid}}})
+    log.info("event=keys_created job=%s namespace=%s secret=%s uid=%s", names.job, namespace, names.keys_secret, uid)
+    return "created"
 
 
 def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool, new: bool = False) -> dict[str, str]:
@@ -145,7 +162,7 @@ def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool, new: b
     an optional child (the HPA, the NetworkPolicy) that the spec no longer asks for. The
     removal runs for a new job too: a retried create, or an orphaned child of an earlier
     job of the same name, may have left one."""
-    children = render.render_children(job, image=IMAGE, finished=finished)
+    children = render.render_children(job, image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
     results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c, likely_absent=new) for c in children}
     names = contract.JobNames(job["metadata"]["name"])
     namespace = job["metadata"].get("namespace") or "default"

@@ -104,18 +104,25 @@ class Kube:
             raise KubeError("delete", f"{kind} {namespace}/{name}", exc) from exc
         return True
 
-    def create(self, desired: Manifest) -> bool:
+    def create(self, desired: Manifest) -> Manifest | None:
         """Create desired if no object of its name exists; never touch an existing one.
-        True if this call created it."""
+        The object as created (with its uid), or None if one of that name was there."""
         api_version, kind = desired["apiVersion"], desired["kind"]
         namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
         try:
-            self._call("POST", path_of(api_version, kind, namespace), body=desired)
+            return self._call("POST", path_of(api_version, kind, namespace), body=desired) or {}
         except ApiException as exc:
             if exc.status == 409:
-                return False
+                return None
             raise KubeError("create", f"{kind} {namespace}/{name}", exc) from exc
-        return True
+
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Manifest) -> None:
+        """Merge-patch the named object."""
+        try:
+            self._call("PATCH", path_of(api_version, kind, namespace, name), body=patch,
+                       content_type="application/merge-patch+json")
+        except ApiException as exc:
+            raise KubeError("patch", f"{kind} {namespace}/{name}", exc) from exc
 
     def apply(self, desired: Manifest, *, likely_absent: bool = False) -> str:
         """Create desired, or patch the live object toward it. Returns created|patched|unchanged.
@@ -126,17 +133,13 @@ class Kube:
         namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
         live = None if likely_absent else self.get(api_version, kind, namespace, name)
         if live is None:
-            if self.create(desired):
+            if self.create(desired) is not None:
                 return "created"
             live = self.get(api_version, kind, namespace, name) or {}  # created meanwhile: patch it
         patch = _mutable_part(desired)
         if _contains(live, patch):
             return "unchanged"
-        try:
-            self._call("PATCH", path_of(api_version, kind, namespace, name), body=patch,
-                       content_type="application/merge-patch+json")
-        except ApiException as exc:
-            raise KubeError("patch", f"{kind} {namespace}/{name}", exc) from exc
+        self.patch(api_version, kind, namespace, name, patch)
         return "patched"
 
 

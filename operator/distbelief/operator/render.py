@@ -8,7 +8,8 @@ containers' commands, so there is exactly one renderer.
 Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless Service
 and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard), Deployment
 ``<job>-worker`` (the model replicas) and, when the spec asks, a HorizontalPodAutoscaler
-``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource.
+``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource, and,
+unless the spec turns it off, the NetworkPolicy ``<job>-ps`` around all the job's pods.
 
 Every pod mounts the Secret ``<job>-keys`` (the job's CurveZMQ keys) read-only. That
 Secret is not among the children: it holds key material that must be made once and
@@ -24,36 +25,23 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Iterable, Mapping
-from decimal import Decimal
 from typing import Any
 
 import yaml
 
-from distbelief.operator.spec import DATA_DIR, job_config
-from distbelief.runtime import contract, keys
+from distbelief.operator import podparts
+from distbelief.operator.spec import job_config
+from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
 
-JOB_API_VERSION = f"{contract.API_GROUP}/{contract.API_VERSION}"
-APP_NAME = "distbelief"
-MANAGED_BY = "distbelief-operator"
 COMPONENT_CONFIG = "config"
 COMPONENT_KEYS = "keys"
-CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
 # The image the roles run when neither the job nor the operator's settings name one.
 DEFAULT_IMAGE = "distbelief/distbelief:0.1.0"
-RUN_AS_ID = 10001
-TERMINATION_GRACE_SECONDS = 30
-CONFIG_VOLUME = "config"
-SCRATCH_VOLUME = "tmp"
-# spec.data.volume's claim, read-only in every pod at DATA_DIR: npz:/data/... sources read from it.
-DATA_VOLUME = "data"
-# Owner-read only; with the pods' fsGroup the kubelet makes the files group-readable
-# (0440, group 10001), which is what lets the non-root roles read them.
-KEYS_MODE = 0o400
-DEFAULT_CPU_UTILIZATION = 80
+# Set by the API server on every namespace, and only by it: a selector users cannot fake.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 # Fields that only size the job. They stay in the ConfigMap but not in the config hash,
 # so that scaling (by hand, or by the HPA through the scale subresource) and suspending
@@ -64,7 +52,7 @@ _SCALING_FIELDS: tuple[tuple[str, ...], ...] = (
     ("runPolicy",),
 )
 
-Manifest = dict[str, Any]
+Manifest = podparts.Manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +65,11 @@ class RenderContext:
     config_json: str
     config_hash: str
     finished: bool = False
+    operator_namespace: str | None = None   # None: the job's own
 
     @classmethod
-    def of(cls, job: Mapping[str, Any], *, image: str, finished: bool = False) -> RenderContext:
+    def of(cls, job: Mapping[str, Any], *, image: str, finished: bool = False,
+           operator_namespace: str | None = None) -> RenderContext:
         config = job_config(job)
         return cls(
             config=config,
@@ -88,6 +78,7 @@ class RenderContext:
             config_json=config.to_json(),
             config_hash=config_hash(config),
             finished=finished,
+            operator_namespace=operator_namespace,
         )
 
     @property
@@ -114,12 +105,14 @@ class RenderContext:
         return 0 if self.suspended or self.finished else int(self.spec["workers"]["replicas"])
 
 
-def render_children(job: Mapping[str, Any], *, image: str, finished: bool = False) -> list[Manifest]:
+def render_children(job: Mapping[str, Any], *, image: str, finished: bool = False,
+                    operator_namespace: str | None = None) -> list[Manifest]:
     """Every child object of ``job`` (validated), in the order they should be applied.
 
     A finished job keeps its objects but runs no replicas (and no shards, unless
-    runPolicy.cleanPodPolicy is None) and no autoscaler."""
-    ctx = RenderContext.of(job, image=image, finished=finished)
+    runPolicy.cleanPodPolicy is None) and no autoscaler. operator_namespace is where the
+    operator that reads the job's metrics runs (the NetworkPolicy admits it)."""
+    ctx = RenderContext.of(job, image=image, finished=finished, operator_namespace=operator_namespace)
     children = [
         render_config_map(ctx),
         render_ps_service(ctx),
@@ -162,7 +155,7 @@ def render_keys_secret(job: Mapping[str, Any], files: Mapping[str, str]) -> Mani
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(ctx, ctx.names.keys_secret, COMPONENT_KEYS),
+        "metadata": podparts.metadata(ctx, ctx.names.keys_secret, COMPONENT_KEYS),
         "type": "Opaque",
         "immutable": True,
         "data": {name: base64.b64encode(text.encode("ascii")).decode("ascii")
@@ -174,7 +167,7 @@ def render_config_map(ctx: RenderContext) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(ctx, ctx.names.config_map, COMPONENT_CONFIG),
+        "metadata": podparts.metadata(ctx, ctx.names.config_map, COMPONENT_CONFIG),
         "data": {contract.CONFIG_KEY: ctx.config_json},
     }
 
@@ -184,7 +177,7 @@ def render_ps_service(ctx: RenderContext) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "metadata": podparts.metadata(ctx, ctx.names.ps, contract.ROLE_PS),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -192,7 +185,7 @@ def render_ps_service(ctx: RenderContext) -> Manifest:
             "ports": [
                 {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"],
                  "protocol": "TCP"}
-                for p in _ps_ports(ctx)
+                for p in podparts.ps_ports(ctx)
             ],
         },
     }
@@ -201,16 +194,16 @@ def render_ps_service(ctx: RenderContext) -> Manifest:
 def render_ps_statefulset(ctx: RenderContext) -> Manifest:
     ps = ctx.spec["parameterServers"]
     storage = ps["checkpoint"]["storage"]
-    container = _container(
+    container = podparts.container(
         ctx, contract.ROLE_PS,
         args=["--checkpoint-dir", contract.CHECKPOINT_DIR, "--keys-dir", contract.KEYS_DIR],
-        ports=_ps_ports(ctx),
+        ports=podparts.ps_ports(ctx),
         mounts=[{"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR}],
     )
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "metadata": podparts.metadata(ctx, ctx.names.ps, contract.ROLE_PS),
         "spec": {
             "serviceName": ctx.names.ps,
             "replicas": ctx.shard_replicas,
@@ -219,8 +212,8 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
                                                                  contract.ROLE_PS)},
             "persistentVolumeClaimRetentionPolicy": {
                 "whenDeleted": storage["retention"], "whenScaled": "Retain"},
-            "template": _pod_template(ctx, contract.ROLE_PS, container),
-            "volumeClaimTemplates": [_checkpoint_claim(ctx, storage)],
+            "template": podparts.pod_template(ctx, contract.ROLE_PS, container),
+            "volumeClaimTemplates": [podparts.checkpoint_claim(ctx, storage)],
         },
     }
 
@@ -228,42 +221,47 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
 def render_worker_deployment(ctx: RenderContext) -> Manifest:
     """The replicas; spec.workers.replicas is kept even under autoscaling (the HPA
     scales the DistBeliefJob, whose scale subresource writes that field)."""
-    container = _container(ctx, contract.ROLE_WORKER, args=["--keys-dir", contract.KEYS_DIR],
-                           ports=[_metrics_port()])
+    container = podparts.container(ctx, contract.ROLE_WORKER, args=["--keys-dir", contract.KEYS_DIR],
+                           ports=[podparts.metrics_port()])
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
+        "metadata": podparts.metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
         "spec": {
             "replicas": ctx.worker_replicas,
             "selector": {"matchLabels": contract.selector_labels(ctx.config.name,
                                                                  contract.ROLE_WORKER)},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
-            "template": _pod_template(ctx, contract.ROLE_WORKER, container),
+            "template": podparts.pod_template(ctx, contract.ROLE_WORKER, container),
         },
     }
 
 
 def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
-    """When the spec asks: the shards admit their port only from the job's own pods (its
-    replicas, and the chief on shard 0) and their metrics port only from the operator."""
-    if not ctx.spec["parameterServers"].get("networkPolicy"):
+    """Unless the spec turns it off: every pod of the job (shards, chief, coordinator,
+    replicas) admits its ZeroMQ ports only from the job's own pods in its namespace, and
+    its metrics port only from the operator's pods in the operator's namespace. Every
+    other port of those pods, and every other peer, is refused. (Named <job>-ps, as when
+    it covered the shards alone, so an upgrade replaces it rather than adds one.)"""
+    if not ctx.spec["parameterServers"].get("networkPolicy", True):
         return None
-    job = ctx.config.name
+    job = {contract.LABEL_JOB: ctx.config.name}
+    operator: dict[str, Any] = {"podSelector": {"matchLabels": dict(contract.OPERATOR_LABELS)}}
+    if ctx.operator_namespace:  # else the operator is taken to run in the job's namespace
+        operator["namespaceSelector"] = {"matchLabels": {NAMESPACE_NAME_LABEL: ctx.operator_namespace}}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "metadata": podparts.metadata(ctx, ctx.names.ps, contract.ROLE_PS),
         "spec": {
-            "podSelector": {"matchLabels": contract.selector_labels(job, contract.ROLE_PS)},
+            "podSelector": {"matchLabels": job},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": {contract.LABEL_JOB: job}}}],
-                 "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in _ps_ports(ctx)
+                {"from": [{"podSelector": {"matchLabels": job}}],
+                 "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in podparts.ps_ports(ctx)
                            if p["name"] != contract.METRICS_PORT_NAME]},
-                {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(contract.OPERATOR_LABELS)}}],
-                 "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]},
+                {"from": [operator], "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]},
             ],
         },
     }
@@ -278,206 +276,15 @@ def render_worker_hpa(ctx: RenderContext) -> Manifest | None:
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
+        "metadata": podparts.metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
         "spec": {
-            "scaleTargetRef": {"apiVersion": JOB_API_VERSION, "kind": contract.KIND,
+            "scaleTargetRef": {"apiVersion": podparts.JOB_API_VERSION, "kind": contract.KIND,
                                "name": ctx.config.name},
             "minReplicas": int(autoscaling["minReplicas"]),
             "maxReplicas": int(autoscaling["maxReplicas"]),
-            "metrics": copy.deepcopy(list(autoscaling.get("metrics") or [])) or [_cpu_metric()],
+            "metrics": copy.deepcopy(list(autoscaling.get("metrics") or [])) or [podparts.cpu_metric()],
         },
     }
-
-
-# ------------------------------------------------------------------ shared pieces
-
-
-def labels(job: str, component: str) -> dict[str, str]:
-    """The labels of every object (and pod) of ``job`` playing ``component``."""
-    return {
-        "app.kubernetes.io/name": APP_NAME,
-        "app.kubernetes.io/instance": job,
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-        **contract.selector_labels(job, component),
-    }
-
-
-def owner_references(ctx: RenderContext) -> list[dict[str, Any]]:
-    """The job as controller of a child; none when the job has no uid (not stored yet)."""
-    if not ctx.uid:
-        return []
-    return [{"apiVersion": JOB_API_VERSION, "kind": contract.KIND, "name": ctx.config.name,
-             "uid": ctx.uid, "controller": True, "blockOwnerDeletion": True}]
-
-
-def _metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": ctx.config.namespace,
-                            "labels": labels(ctx.config.name, component)}
-    owners = owner_references(ctx)
-    if owners:
-        meta["ownerReferences"] = owners
-    return meta
-
-
-def _pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifest:
-    return {
-        "metadata": {
-            "labels": labels(ctx.config.name, role),
-            "annotations": {CONFIG_HASH_ANNOTATION: ctx.config_hash},
-        },
-        "spec": {
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-            "securityContext": _pod_security(),
-            "containers": [container],
-            "volumes": [
-                {"name": CONFIG_VOLUME, "configMap": {"name": ctx.names.config_map}},
-                {"name": SCRATCH_VOLUME, "emptyDir": {}},
-                _keys_volume(ctx, role),
-                *_data_volume(ctx),
-            ],
-        },
-    }
-
-
-def _container(ctx: RenderContext, role: str, *, args: list[str],
-               ports: list[dict[str, Any]], mounts: list[dict[str, Any]] | None = None,
-               ) -> Manifest:
-    """The one container of a role's pods: ``distbelief <role> --config ... <args>``."""
-    container: Manifest = {
-        "name": role,
-        "image": ctx.image,
-        "command": ["distbelief", role],
-        "args": ["--config", contract.CONFIG_PATH, *args],
-        "env": [{"name": contract.ENV_POD_NAME,
-                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items()),
-                *_thread_env(ctx.spec[_ROLE_SPEC[role]].get("resources"))],
-        "ports": ports,
-        "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
-        "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
-        "securityContext": _container_security(),
-        # A role's one-line error (the tail of its log) becomes the terminated state's
-        # message, which the operator quotes when a config error fails the job.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [
-            {"name": CONFIG_VOLUME, "mountPath": contract.CONFIG_DIR, "readOnly": True},
-            {"name": SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR},
-            {"name": contract.KEYS_VOLUME, "mountPath": contract.KEYS_DIR, "readOnly": True},
-            *_data_mount(ctx),
-            *(mounts or []),
-        ],
-    }
-    resources = _resources(ctx.spec[_ROLE_SPEC[role]].get("resources"))
-    if resources:
-        container["resources"] = resources
-    return container
-
-
-_ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
-
-
-def _data_volume(ctx: RenderContext) -> list[dict[str, Any]]:
-    """spec.data.volume: the user's claim (npz files), read-only in every pod; none without it."""
-    claim = ctx.spec["data"].get("volume")
-    return [{"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}] if claim else []
-
-
-def _data_mount(ctx: RenderContext) -> list[dict[str, Any]]:
-    return [{"name": DATA_VOLUME, "mountPath": DATA_DIR, "readOnly": True}] if ctx.spec["data"].get("volume") else []
-
-
-def _keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
-    """The job's keys: all of them for the shards (shard 0's chief is a client too),
-    never the server's secret for a replica. Not optional: a pod waits for the Secret
-    rather than run unauthenticated."""
-    secret: dict[str, Any] = {"secretName": ctx.names.keys_secret, "defaultMode": KEYS_MODE}
-    if role == contract.ROLE_WORKER:
-        secret["items"] = [{"key": name, "path": name} for name in keys.CLIENT_FILES]
-    return {"name": contract.KEYS_VOLUME, "secret": secret}
-
-
-def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": contract.METRICS_PORT_NAME},
-            "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
-
-
-def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS_ID, "runAsGroup": RUN_AS_ID,
-            "fsGroup": RUN_AS_ID, "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
-
-
-# BLAS and OpenMP size their thread pools by the node's cores, not the pod's share: on a
-# shared node, replicas and shards then spin against each other (2.8x fewer examples/s,
-# measured with 4 pods on 2 cores). Each pod gets as many threads as it has CPUs.
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-_SUFFIXES = {"m": Decimal("0.001"), "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
-             "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
-             "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
-             "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60}
-
-
-def _thread_env(resources: Mapping[str, Any] | None) -> list[dict[str, str]]:
-    """Threads = the CPU limit, else the CPU request, rounded up; nothing set without either."""
-    cpus = next((spec["cpu"] for key in ("limits", "requests")
-                 if (spec := (resources or {}).get(key)) and "cpu" in spec), None)
-    if cpus is None:
-        return []
-    threads = str(max(1, math.ceil(cpu_cores(cpus))))
-    return [{"name": name, "value": threads} for name in THREAD_ENV]
-
-
-def cpu_cores(quantity: str | int | float) -> Decimal:
-    """A Kubernetes quantity ("500m", "2", "1.5", 2 CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
-    text = str(quantity)
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if text.endswith(suffix):
-            return Decimal(text[: -len(suffix)]) * _SUFFIXES[suffix]
-    return Decimal(text)
-
-
-def _resources(spec: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {key: dict(spec[key]) for key in ("requests", "limits") if spec and spec.get(key)}
-
-
-def _metrics_port() -> dict[str, Any]:
-    return {"name": contract.METRICS_PORT_NAME, "containerPort": contract.METRICS_PORT,
-            "protocol": "TCP"}
-
-
-def _ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
-    """The shard port and metrics; under Sandblaster also the coordinator's (shard 0 serves it)."""
-    ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port, "protocol": "TCP"},
-             _metrics_port()]
-    if ctx.config.sandblaster:
-        ports.append({"name": contract.COORDINATOR_PORT_NAME, "containerPort": contract.COORDINATOR_PORT,
-                      "protocol": "TCP"})
-    return ports
-
-
-def _checkpoint_claim(ctx: RenderContext, storage: Mapping[str, Any]) -> Manifest:
-    claim: Manifest = {
-        "metadata": {"name": contract.CHECKPOINT_VOLUME,
-                     "labels": labels(ctx.config.name, contract.ROLE_PS)},
-        "spec": {"accessModes": ["ReadWriteOnce"],
-                 "resources": {"requests": {"storage": storage["size"]}}},
-    }
-    if storage.get("storageClassName"):
-        claim["spec"]["storageClassName"] = storage["storageClassName"]
-    return claim
-
-
-def _cpu_metric() -> dict[str, Any]:
-    return {"type": "Resource",
-            "resource": {"name": "cpu", "target": {"type": "Utilization",
-                                                   "averageUtilization": DEFAULT_CPU_UTILIZATION}}}
 
 
 # ------------------------------------------------------------------------- YAML

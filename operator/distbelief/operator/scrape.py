@@ -6,12 +6,22 @@ Local mode's progress bar and the operator's status both come from here, so they
 from __future__ import annotations
 
 import dataclasses
-import urllib.error
-import urllib.request
+import logging
+import socket
+import time
+import urllib.parse
 
 from prometheus_client.parser import text_string_to_metric_families
 
-TIMEOUT_SECONDS = 2.0
+log = logging.getLogger(__name__)
+
+TIMEOUT_SECONDS = 2.0       # for the whole request: connect, send, every read
+MAX_BODY_BYTES = 1 << 20    # a chief's /metrics is a few KB
+MAX_HEAD_BYTES = 16384
+
+
+class ScrapeError(Exception):
+    """The endpoint did not give a 200 answer within the size and time bounds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +96,79 @@ def _median_bound(buckets: list[tuple[float, float]]) -> float | None:
 def read(url: str, *, timeout: float = TIMEOUT_SECONDS) -> Figures:
     """The figures at url (a /metrics endpoint); empty Figures when it does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return parse(response.read().decode())
-    except (OSError, urllib.error.URLError, ValueError):
+        return parse(fetch(url, timeout=timeout).decode())
+    except (OSError, ScrapeError, ValueError) as exc:
+        log.debug("event=scrape_failed url=%s error=%s", url, exc)
         return Figures()
+
+
+def fetch(url: str, *, timeout: float = TIMEOUT_SECONDS, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The body of GET url over HTTP/1.0, all of it read within timeout seconds.
+
+    The endpoint is shard 0's, which runs the job's image: any tenant's code. So a
+    trickling answer is abandoned at the deadline, and a body declared or sent larger
+    than max_bytes is refused as soon as that shows, without reading the rest.
+    """
+    deadline = time.monotonic() + timeout
+    target = urllib.parse.urlsplit(url)
+    path = (target.path or "/") + (f"?{target.query}" if target.query else "")
+    try:
+        with socket.create_connection((target.hostname or "", target.port or 80), timeout=timeout) as sock:
+            _within(sock, deadline)
+            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {target.netloc}\r\n\r\n".encode("latin-1"))
+            head, body = _read_head(sock, deadline)
+            length = _check_head(head, max_bytes)
+            _read_body(sock, deadline, body, length if length is not None else max_bytes + 1)
+    except TimeoutError as exc:
+        raise ScrapeError("deadline passed") from exc
+    if len(body) > max_bytes:
+        raise ScrapeError(f"body larger than {max_bytes} bytes")
+    return bytes(body[:length] if length is not None else body)
+
+
+def _within(sock: socket.socket, deadline: float) -> None:
+    """Let the next socket call block only until the request's deadline."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise ScrapeError("deadline passed")
+    sock.settimeout(remaining)
+
+
+def _read_head(sock: socket.socket, deadline: float) -> tuple[bytes, bytearray]:
+    """(status line and headers, the body bytes that came with them)."""
+    received = bytearray()
+    while (end := received.find(b"\r\n\r\n")) < 0:
+        if len(received) > MAX_HEAD_BYTES:
+            raise ScrapeError("response head too large")
+        _within(sock, deadline)
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ScrapeError("connection closed before the response head")
+        received += chunk
+    return bytes(received[:end]), received[end + 4:]
+
+
+def _read_body(sock: socket.socket, deadline: float, body: bytearray, wanted: int) -> None:
+    """Append to body until it holds wanted bytes or the server closes."""
+    while len(body) < wanted:
+        _within(sock, deadline)
+        chunk = sock.recv(65536)
+        if not chunk:
+            return
+        body += chunk
+
+
+def _check_head(head: bytes, max_bytes: int) -> int | None:
+    """The declared Content-Length, if any; ScrapeError unless 200 and small enough."""
+    status_line, *headers = head.decode("latin-1").split("\r\n")
+    parts = status_line.split(" ", 2)
+    if len(parts) < 2 or parts[1] != "200":
+        raise ScrapeError(f"status {status_line[:80]!r}")
+    for line in headers:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value.strip())   # ValueError: refused by read()
+            if not 0 <= length <= max_bytes:
+                raise ScrapeError(f"declared body of {length} bytes, more than {max_bytes}")
+            return length
+    return None

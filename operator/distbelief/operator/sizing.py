@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from distbelief.operator import render
+from distbelief.operator import podparts
 from distbelief.runtime import contract
 
 FLOAT_BYTES = 4
@@ -48,7 +48,7 @@ def memory_warnings(spec: Mapping[str, Any], parameters: int) -> list[str]:
     lines = []
     for role, (need, why) in needs.items():
         limit = ((spec[role].get("resources") or {}).get("limits") or {}).get("memory")
-        if limit is not None and render.cpu_cores(limit) < need:
+        if limit is not None and podparts.cpu_cores(limit) < need:
             lines.append(f"spec.{role}.resources.limits.memory: {limit} is likely too small: {why} "
                          f"(about {_gib(need)}) before any overhead")
     return lines

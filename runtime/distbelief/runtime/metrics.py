@@ -7,9 +7,7 @@ one test process. The HTTP endpoint answers /metrics, /healthz (the process runs
 
 from __future__ import annotations
 
-import http.server
 import logging
-import threading
 import time
 from collections import deque
 from typing import Callable
@@ -17,6 +15,7 @@ from typing import Callable
 import prometheus_client as prom
 
 from distbelief.runtime import contract
+from distbelief.runtime.httpserver import BoundedHTTPServer, Response, Route
 
 log = logging.getLogger(__name__)
 
@@ -142,48 +141,35 @@ class WorkerMetrics:
 
 
 class MetricsServer:
-    """/metrics, /healthz and /readyz on a port, in a daemon thread."""
+    """/metrics, /healthz and /readyz on a port, with bounded threads and connections.
+
+    Probes decide whether the kubelet restarts the pod, so a flood of idle or slow
+    connections must not starve them (httpserver says how).
+    """
 
     def __init__(self, registry: prom.CollectorRegistry, port: int, ready: Callable[[], bool],
                  host: str = "0.0.0.0") -> None:
-        handler = _handler(registry, ready)
-        self._server = http.server.ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
+        self._server = BoundedHTTPServer(_routes(registry, ready), host, port)
+        self.port = self._server.port
 
     def start(self) -> "MetricsServer":
-        self._thread.start()
+        self._server.start()
         log.info("event=metrics_listening port=%d", self.port)
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()
 
 
-def _handler(registry: prom.CollectorRegistry, ready: Callable[[], bool]) -> type:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-            path = self.path.split("?")[0]
-            if path == "/metrics":
-                self._send(200, prom.generate_latest(registry), prom.CONTENT_TYPE_LATEST)
-            elif path == contract.HEALTH_PATH:
-                self._send(200, b"ok\n", "text/plain")
-            elif path == contract.READY_PATH:
-                ok = ready()
-                self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain")
-            else:
-                self._send(404, b"not found\n", "text/plain")
+def _routes(registry: prom.CollectorRegistry, ready: Callable[[], bool]) -> Route:
+    def route(path: str) -> Response:
+        if path == "/metrics":
+            return Response(200, prom.generate_latest(registry), prom.CONTENT_TYPE_LATEST)
+        if path == contract.HEALTH_PATH:
+            return Response(200, b"ok\n")
+        if path == contract.READY_PATH:
+            ok = ready()
+            return Response(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+        return Response(404, b"not found\n")
 
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-            pass
-
-    return Handler
+    return route
