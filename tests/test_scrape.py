@@ -124,3 +124,14 @@ def test_an_undeclared_oversized_body_is_cut_at_the_cap(serve) -> None:
 def test_an_error_status_gives_empty_figures(serve) -> None:
     server = serve(lambda conn, s: s.send(conn, b"HTTP/1.0 503 Service Unavailable\r\n\r\n"))
     assert not scrape.read(server.url).reachable
+
+
+def test_a_body_cut_short_gives_empty_figures_not_half_of_them(serve) -> None:
+    """A pod that dies mid-answer (a killed shard 0) must read as unreachable."""
+    def dies(conn: socket.socket, server: Server) -> None:
+        server.send(conn, b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(METRICS) + METRICS[:20])
+
+    server = serve(dies)
+    with pytest.raises(scrape.ScrapeError, match="cut short"):
+        scrape.fetch(server.url)
+    assert not scrape.read(server.url).reachable

@@ -123,6 +123,8 @@ def fetch(url: str, *, timeout: float = TIMEOUT_SECONDS, max_bytes: int = MAX_BO
         raise ScrapeError("deadline passed") from exc
     if len(body) > max_bytes:
         raise ScrapeError(f"body larger than {max_bytes} bytes")
+    if length is not None and len(body) < length:  # the pod died mid-answer: half figures are no figures
+        raise ScrapeError(f"body cut short at {len(body)} of {length} bytes")
     return bytes(body[:length] if length is not None else body)
 
 
