@@ -135,3 +135,17 @@ def test_a_body_cut_short_gives_empty_figures_not_half_of_them(serve) -> None:
     with pytest.raises(scrape.ScrapeError, match="cut short"):
         scrape.fetch(server.url)
     assert not scrape.read(server.url).reachable
+
+
+def test_every_metric_the_operator_reads_is_one_a_role_exports() -> None:
+    import prometheus_client as prom
+
+    from distbelief.runtime import contract
+    from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics, WorkerMetrics
+
+    registry = prom.CollectorRegistry()
+    ShardMetrics(registry, 0), ChiefMetrics(registry), CoordinatorMetrics(registry)
+    WorkerMetrics(worker := prom.CollectorRegistry())
+    exported = {family.name for r in (registry, worker) for family in r.collect()}
+    read = {value for name, value in vars(contract.Metric).items() if name.isupper()}
+    assert read <= exported, f"read but never exported: {sorted(read - exported)}"

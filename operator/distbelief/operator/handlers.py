@@ -223,7 +223,7 @@ def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping
         apply_children(kube, job, finished=True)
     except KubeError as exc:
         raise kopf.TemporaryError(f"cannot scale the finished job down: {exc}", delay=5) from exc
-    post = kopf.info if status["phase"] == "Succeeded" else kopf.warn
+    post = kopf.info if status["phase"] == contract.SUCCEEDED else kopf.warn
     post(body, reason=condition.get("reason", status["phase"]),
          message=f"{status['phase']}: {condition.get('message', '')}; replicas scaled to 0")
 

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from distbelief.runtime import contract
+
 log = logging.getLogger(__name__)
 
 Manifest = dict[str, Any]
@@ -29,7 +31,7 @@ PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
-    ("distbelief.io/v1alpha1", "DistBeliefJob"): "distbeliefjobs",
+    (contract.JOB_API_VERSION, contract.KIND): contract.PLURAL,
     ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
     ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
 }

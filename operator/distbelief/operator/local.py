@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 from distbelief.operator import curves, outputdir, preflight, render, report, scrape, sizing, spec
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
-from distbelief.operator.status import CHIEF_ENDED, TERMINAL, Observed, compute_status
+from distbelief.operator.status import CHIEF_ENDED, SUSPENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
 from distbelief.runtime.layout import Layout
 
@@ -78,7 +78,7 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
 
 
 def _exit_code(phase: str) -> int:
-    return {"Succeeded": 0, "Suspended": 130}.get(phase, 1)
+    return {contract.SUCCEEDED: 0, SUSPENDED: 130}.get(phase, 1)
 
 
 class LocalRun:
@@ -148,7 +148,7 @@ class LocalRun:
             if status["phase"] in TERMINAL:
                 return self._ending(status)
             if all(pod.poll() == 0 for pod in self.shards):
-                return "Failed", "ShardsExitedWithoutResult: the shards stopped before the chief decided"
+                return contract.FAILED, "ShardsExitedWithoutResult: the shards stopped before the chief decided"
             self._restart_crashed()
             live.update(figures, evaluated=self._history_size() > self._history_at_start)
             recorder.record(figures, replicas)

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from distbelief.operator.render import RenderContext
 
 Manifest = dict[str, Any]
-JOB_API_VERSION = f"{contract.API_GROUP}/{contract.API_VERSION}"
 APP_NAME = "distbelief"
 MANAGED_BY = "distbelief-operator"
 CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
@@ -49,7 +48,7 @@ def owner_references(ctx: RenderContext) -> list[dict[str, Any]]:
     """The job as controller of a child; none when the job has no uid (not stored yet)."""
     if not ctx.uid:
         return []
-    return [{"apiVersion": JOB_API_VERSION, "kind": contract.KIND, "name": ctx.config.name,
+    return [{"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND, "name": ctx.config.name,
              "uid": ctx.uid, "controller": True, "blockOwnerDeletion": True}]
 
 

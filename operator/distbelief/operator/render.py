@@ -278,7 +278,7 @@ def render_worker_hpa(ctx: RenderContext) -> Manifest | None:
         "kind": "HorizontalPodAutoscaler",
         "metadata": podparts.metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
         "spec": {
-            "scaleTargetRef": {"apiVersion": podparts.JOB_API_VERSION, "kind": contract.KIND,
+            "scaleTargetRef": {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND,
                                "name": ctx.config.name},
             "minReplicas": int(autoscaling["minReplicas"]),
             "maxReplicas": int(autoscaling["maxReplicas"]),

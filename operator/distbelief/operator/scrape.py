@@ -13,6 +13,8 @@ import urllib.parse
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from distbelief.runtime.contract import Metric as M
+
 log = logging.getLogger(__name__)
 
 TIMEOUT_SECONDS = 2.0       # for the whole request: connect, send, every read
@@ -53,9 +55,9 @@ def parse(text: str) -> Figures:
     staleness: list[tuple[float, float]] = []  # (bucket bound, updates at most that stale)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "distbelief_job_finished" and sample.value == 1:
+            if sample.name == M.JOB_FINISHED and sample.value == 1:
                 finished = (sample.labels.get("reason", ""), sample.labels.get("outcome", ""))
-            elif sample.name == "distbelief_staleness_updates_bucket":
+            elif sample.name == M.STALENESS + "_bucket":
                 staleness.append((float(sample.labels["le"]), sample.value))
             else:
                 values[sample.name] = sample.value
@@ -64,23 +66,23 @@ def parse(text: str) -> Figures:
         return int(values[name]) if name in values else None
 
     return Figures(
-        global_step=integer("distbelief_global_step"),
-        loss=values.get("distbelief_heldout_loss"),
-        train_loss=values.get("distbelief_train_loss"),
-        accuracy=values.get("distbelief_heldout_accuracy"),
-        examples_per_second=values.get("distbelief_examples_per_second"),
+        global_step=integer(M.GLOBAL_STEP),
+        loss=values.get(M.HELDOUT_LOSS),
+        train_loss=values.get(M.TRAIN_LOSS),
+        accuracy=values.get(M.HELDOUT_ACCURACY),
+        examples_per_second=values.get(M.EXAMPLES_PER_SECOND),
         # The gauge exists from the coordinator's start; it means something after an evaluation.
-        objective=values.get("distbelief_sandblaster_objective") if values.get(
-            "distbelief_sandblaster_evaluations_total") else None,
-        checkpoint_step=integer("distbelief_checkpoint_step"),
-        staleness_max=integer("distbelief_staleness_max"),
+        objective=values.get(M.SANDBLASTER_OBJECTIVE) if values.get(
+            M.SANDBLASTER_EVALUATIONS + "_total") else None,
+        checkpoint_step=integer(M.CHECKPOINT_STEP),
+        staleness_max=integer(M.STALENESS_MAX),
         staleness_p50=_median_bound(staleness),
-        checkpoint_time=values.get("distbelief_checkpoint_timestamp_seconds") or None,
+        checkpoint_time=values.get(M.CHECKPOINT_TIME) or None,
         finished_reason=finished[0] if finished else None,
         finished_outcome=finished[1] if finished else None,
-        replica_loss=values.get("distbelief_worker_loss"),
-        replica_steps=integer("distbelief_worker_steps_total"),
-        replica_examples=integer("distbelief_worker_examples_total"),
+        replica_loss=values.get(M.WORKER_LOSS),
+        replica_steps=integer(M.WORKER_STEPS + "_total"),
+        replica_examples=integer(M.WORKER_EXAMPLES + "_total"),
     )
 
 

@@ -35,9 +35,7 @@ log = logging.getLogger(__name__)
 CRD_ENV = "DISTBELIEF_CRD"
 CRD_PACKAGE = "distbelief.operator"
 CRD_RESOURCE = "crds/distbelief.io_distbeliefjobs.yaml"
-JOB_API_VERSION = f"{contract.API_GROUP}/{contract.API_VERSION}"
 
-BUILTIN_DATASETS: tuple[str, ...] = ("digits",)
 DATA_DIR = "/data"  # where the renderer mounts spec.data.volume
 
 # Every schema keyword the validator understands. A CRD using any other keyword is
@@ -158,7 +156,7 @@ def _get(doc: Any, *keys: str) -> Any:
 
 
 def _check_identity(job: Mapping[str, Any], problems: Problems) -> None:
-    for field, wanted in (("apiVersion", JOB_API_VERSION), ("kind", contract.KIND)):
+    for field, wanted in (("apiVersion", contract.JOB_API_VERSION), ("kind", contract.KIND)):
         if field not in job:
             problems.add(field, f"required, must be {wanted}")
         elif not problems.at(field) and job[field] != wanted:
@@ -213,9 +211,9 @@ def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
     if not isinstance(source, str) or problems.at(path):
         return
     scheme, _, body = source.partition(":")
-    if scheme == "builtin" and body not in BUILTIN_DATASETS:
+    if scheme == "builtin" and body not in contract.BUILTIN_DATASETS:
         problems.add(path, f"unknown builtin data set {show(body)} "
-                     f"(known: {', '.join(BUILTIN_DATASETS)})")
+                     f"(known: {', '.join(contract.BUILTIN_DATASETS)})")
     elif scheme == "synthetic":
         for problem in contract.synthetic_params(body)[1]:
             problems.add(path, problem)

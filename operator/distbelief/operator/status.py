@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from distbelief.operator.scrape import Figures
 from distbelief.runtime import contract
 
-PENDING, RUNNING, SUSPENDED, SUCCEEDED, FAILED = "Pending", "Running", "Suspended", "Succeeded", "Failed"
+PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"
+SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
 TERMINAL = (SUCCEEDED, FAILED)
 CONDITION_TYPES = ("Created", RUNNING, SUSPENDED, SUCCEEDED, FAILED)
 # Grace beyond maxDuration before the operator itself fails a job whose chief is silent.

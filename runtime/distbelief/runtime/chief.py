@@ -27,7 +27,7 @@ from distbelief.runtime.metrics import ChiefMetrics
 
 log = logging.getLogger(__name__)
 
-SUCCEEDED, FAILED = "Succeeded", "Failed"
+SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
 
 
 @dataclasses.dataclass(frozen=True)

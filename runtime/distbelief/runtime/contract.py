@@ -14,8 +14,35 @@ from typing import Any, Mapping
 
 API_GROUP = "distbelief.io"
 API_VERSION = "v1alpha1"
+JOB_API_VERSION = f"{API_GROUP}/{API_VERSION}"   # a DistBeliefJob's apiVersion
 KIND = "DistBeliefJob"
 PLURAL = "distbeliefjobs"
+
+# The outcomes the chief decides, which are also the job's final phases.
+SUCCEEDED, FAILED = "Succeeded", "Failed"
+# Data sets the runtime ships (spec.data.source "builtin:<name>").
+BUILTIN_DATASETS: tuple[str, ...] = ("digits",)
+
+
+class Metric:
+    """Names of the metrics the roles export and the operator and local mode read.
+    (Counters are exported with a _total suffix, histograms with _bucket, _sum, _count.)"""
+
+    GLOBAL_STEP = "distbelief_global_step"
+    TRAIN_LOSS = "distbelief_train_loss"
+    EXAMPLES_PER_SECOND = "distbelief_examples_per_second"
+    CHECKPOINT_STEP = "distbelief_checkpoint_step"
+    CHECKPOINT_TIME = "distbelief_checkpoint_timestamp_seconds"
+    STALENESS = "distbelief_staleness_updates"
+    STALENESS_MAX = "distbelief_staleness_max"
+    HELDOUT_LOSS = "distbelief_heldout_loss"
+    HELDOUT_ACCURACY = "distbelief_heldout_accuracy"
+    JOB_FINISHED = "distbelief_job_finished"
+    SANDBLASTER_OBJECTIVE = "distbelief_sandblaster_objective"
+    SANDBLASTER_EVALUATIONS = "distbelief_sandblaster_evaluations"
+    WORKER_LOSS = "distbelief_worker_loss"
+    WORKER_STEPS = "distbelief_worker_steps"
+    WORKER_EXAMPLES = "distbelief_worker_examples"
 
 # Ports inside every pod. The shard port comes from the spec; these are fixed.
 METRICS_PORT = 9100
@@ -160,7 +187,7 @@ class JobConfig:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "JobConfig",
+            {"apiVersion": JOB_API_VERSION, "kind": "JobConfig",
              "name": self.name, "namespace": self.namespace, "spec": self.spec},
             indent=2, sort_keys=True,
         )

@@ -82,7 +82,7 @@ def _raw(source: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _builtin(name: str) -> tuple[np.ndarray, np.ndarray]:
-    if name != "digits":
+    if name not in contract.BUILTIN_DATASETS:
         raise errors.ConfigError(f"spec.data.source: unknown built-in data set {name!r} (known: digits)")
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:

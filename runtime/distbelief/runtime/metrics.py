@@ -15,6 +15,7 @@ from typing import Callable
 import prometheus_client as prom
 
 from distbelief.runtime import contract
+from distbelief.runtime.contract import Metric as M
 from distbelief.runtime.httpserver import BoundedHTTPServer, Response, Route
 
 log = logging.getLogger(__name__)
@@ -28,28 +29,28 @@ class ShardMetrics:
         labels = {"shard": str(shard)}
 
         def gauge(name: str, doc: str) -> prom.Gauge:
-            return prom.Gauge(f"distbelief_{name}", doc, list(labels), registry=registry).labels(**labels)
+            return prom.Gauge(name, doc, list(labels), registry=registry).labels(**labels)
 
         def counter(name: str, doc: str) -> prom.Counter:
-            return prom.Counter(f"distbelief_{name}", doc, list(labels), registry=registry).labels(**labels)
+            return prom.Counter(name, doc, list(labels), registry=registry).labels(**labels)
 
-        self.global_step = gauge("global_step", "Updates this shard has applied over the job's life")
-        self.train_loss = gauge("train_loss", "Moving average of the minibatch loss replicas report")
-        self.examples_per_second = gauge("examples_per_second", "Examples per second behind the applied updates")
-        self.examples = counter("examples", "Examples behind the applied updates")
-        self.bytes_in = counter("bytes_in", "Bytes received")
-        self.bytes_out = counter("bytes_out", "Bytes sent")
-        self.rejected = counter("rejected_messages", "Messages refused as malformed or foreign")
-        self.clipped = counter("clipped_updates", "Pushed gradients scaled down to maxGradientNorm")
-        self.stale = counter("stale_pushes", "Pushes not applied: older than maxStaleness updates")
-        self.staleness_max = gauge("staleness_max", "Largest staleness of an applied update")
-        self.non_finite = counter("non_finite_states", "Times the state held a non-finite value and was restored")
-        self.restarts = gauge("restarts", "Times this shard restarted from a checkpoint")
-        self.checkpoint_step = gauge("checkpoint_step", "Step of the newest checkpoint")
-        self.checkpoint_time = gauge("checkpoint_timestamp_seconds", "When the newest checkpoint was written")
-        self.done = gauge("job_done", "1 once the job has finished")
+        self.global_step = gauge(M.GLOBAL_STEP, "Updates this shard has applied over the job's life")
+        self.train_loss = gauge(M.TRAIN_LOSS, "Moving average of the minibatch loss replicas report")
+        self.examples_per_second = gauge(M.EXAMPLES_PER_SECOND, "Examples per second behind the applied updates")
+        self.examples = counter("distbelief_examples", "Examples behind the applied updates")
+        self.bytes_in = counter("distbelief_bytes_in", "Bytes received")
+        self.bytes_out = counter("distbelief_bytes_out", "Bytes sent")
+        self.rejected = counter("distbelief_rejected_messages", "Messages refused as malformed or foreign")
+        self.clipped = counter("distbelief_clipped_updates", "Pushed gradients scaled down to maxGradientNorm")
+        self.stale = counter("distbelief_stale_pushes", "Pushes not applied: older than maxStaleness updates")
+        self.staleness_max = gauge(M.STALENESS_MAX, "Largest staleness of an applied update")
+        self.non_finite = counter("distbelief_non_finite_states", "Times the state held a non-finite value and was restored")
+        self.restarts = gauge("distbelief_restarts", "Times this shard restarted from a checkpoint")
+        self.checkpoint_step = gauge(M.CHECKPOINT_STEP, "Step of the newest checkpoint")
+        self.checkpoint_time = gauge(M.CHECKPOINT_TIME, "When the newest checkpoint was written")
+        self.done = gauge("distbelief_job_done", "1 once the job has finished")
         self.staleness = prom.Histogram(
-            "distbelief_staleness_updates", "Updates applied between a replica's pull and its push",
+            M.STALENESS, "Updates applied between a replica's pull and its push",
             list(labels), buckets=STALENESS_BUCKETS, registry=registry).labels(**labels)
         self._shard = str(shard)
         self._request_seconds = prom.Histogram(
@@ -89,10 +90,10 @@ class ChiefMetrics:
     """Figures the chief (shard 0) adds: held-out evaluation and the job's outcome."""
 
     def __init__(self, registry: prom.CollectorRegistry) -> None:
-        self.loss = prom.Gauge("distbelief_heldout_loss", "Held-out loss of the current parameters", registry=registry)
-        self.accuracy = prom.Gauge("distbelief_heldout_accuracy", "Held-out accuracy of the current parameters", registry=registry)
+        self.loss = prom.Gauge(M.HELDOUT_LOSS, "Held-out loss of the current parameters", registry=registry)
+        self.accuracy = prom.Gauge(M.HELDOUT_ACCURACY, "Held-out accuracy of the current parameters", registry=registry)
         self.evaluated_step = prom.Gauge("distbelief_evaluated_step", "Global step of the last evaluation", registry=registry)
-        self.finished = prom.Gauge("distbelief_job_finished", "1 once the chief has ended the job",
+        self.finished = prom.Gauge(M.JOB_FINISHED, "1 once the chief has ended the job",
                                    ["reason", "outcome"], registry=registry)
 
 
@@ -101,19 +102,23 @@ class CoordinatorMetrics:
 
     def __init__(self, registry: prom.CollectorRegistry) -> None:
         def gauge(name: str, doc: str) -> prom.Gauge:
-            return prom.Gauge(f"distbelief_sandblaster_{name}", doc, registry=registry)
+            return prom.Gauge(name, doc, registry=registry)
 
         def counter(name: str, doc: str) -> prom.Counter:
-            return prom.Counter(f"distbelief_sandblaster_{name}", doc, registry=registry)
+            return prom.Counter(name, doc, registry=registry)
 
-        self.iteration = gauge("iteration", "L-BFGS iterations committed")
-        self.objective = gauge("objective", "Training objective at the committed parameters")
-        self.gradient_norm = gauge("gradient_norm", "Norm of the gradient at the committed parameters")
-        self.evaluations = counter("evaluations", "Objective and gradient evaluations over the whole batch")
-        self.units = counter("units", "Work units handed out, backup copies included")
-        self.backups = counter("backup_units", "Backup copies of unfinished work units handed out")
-        self.duplicates = counter("duplicate_results", "Results dropped because another copy finished first")
-        self.recoveries = counter("recoveries", "Rollbacks to a committed iteration after a shard restarted")
+        self.iteration = gauge("distbelief_sandblaster_iteration", "L-BFGS iterations committed")
+        self.objective = gauge(M.SANDBLASTER_OBJECTIVE, "Training objective at the committed parameters")
+        self.gradient_norm = gauge("distbelief_sandblaster_gradient_norm",
+                                   "Norm of the gradient at the committed parameters")
+        self.evaluations = counter(M.SANDBLASTER_EVALUATIONS, "Objective and gradient evaluations over the whole batch")
+        self.units = counter("distbelief_sandblaster_units", "Work units handed out, backup copies included")
+        self.backups = counter("distbelief_sandblaster_backup_units",
+                               "Backup copies of unfinished work units handed out")
+        self.duplicates = counter("distbelief_sandblaster_duplicate_results",
+                                  "Results dropped because another copy finished first")
+        self.recoveries = counter("distbelief_sandblaster_recoveries",
+                                  "Rollbacks to a committed iteration after a shard restarted")
         self.evaluation_seconds = prom.Histogram("distbelief_sandblaster_evaluation_seconds",
                                                  "Time to evaluate the objective over the whole batch",
                                                  buckets=LATENCY_BUCKETS, registry=registry)
@@ -121,9 +126,9 @@ class CoordinatorMetrics:
 
 class WorkerMetrics:
     def __init__(self, registry: prom.CollectorRegistry) -> None:
-        self.steps = prom.Counter("distbelief_worker_steps", "Minibatches this replica has computed", registry=registry)
-        self.examples = prom.Counter("distbelief_worker_examples", "Examples this replica has trained on", registry=registry)
-        self.loss = prom.Gauge("distbelief_worker_loss", "Loss of this replica's last minibatch", registry=registry)
+        self.steps = prom.Counter(M.WORKER_STEPS, "Minibatches this replica has computed", registry=registry)
+        self.examples = prom.Counter(M.WORKER_EXAMPLES, "Examples this replica has trained on", registry=registry)
+        self.loss = prom.Gauge(M.WORKER_LOSS, "Loss of this replica's last minibatch", registry=registry)
         self.pull_seconds = prom.Histogram("distbelief_pull_seconds", "Time to pull the parameters from all shards",
                                            buckets=LATENCY_BUCKETS, registry=registry)
         self.push_seconds = prom.Histogram("distbelief_push_seconds",
