@@ -216,7 +216,8 @@ class RowClient:
     def pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
         """The rows of keys ([n, dim], in the keys' order) and the shards' replies."""
         order, spans, metas = self._split(keys)
-        grouped = np.empty((keys.size, self.dim), dtype=np.float32)
+        # Zeros: a shard that answers DONE sends no rows, and the step still computes on finite ones.
+        grouped = np.zeros((keys.size, self.dim), dtype=np.float32)
         replies = self.group.request(SPARSE_PULL, meta=metas, receive_into=[grouped[s].reshape(-1) for s in spans])
         rows = np.empty_like(grouped)
         rows[order] = grouped
