@@ -191,3 +191,13 @@ def test_keys_survive_the_checkpoints_float32_encoding_exactly() -> None:
     parts = sparse._key_parts(keys)
     assert parts.dtype == np.float32 and np.isfinite(parts).all()
     np.testing.assert_array_equal(sparse._keys_from_parts(parts), keys)
+
+
+def test_more_keys_than_one_request_may_carry_go_in_several(live: LiveShards, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sparse, "MAX_KEYS", 64)  # the client's chunks; the shards still take up to 2**18
+    keys = _keys(500)
+    client = RowClient(live.group(), DIM)
+    client.push(keys, np.ones((keys.size, DIM), np.float32))
+    assert sum(t.n for t in _tables(live)) == keys.size
+    rows, _ = client.pull(keys)
+    np.testing.assert_allclose(rows, initial_rows(keys, DIM, SEED) - LR / (1 + EPSILON), rtol=1e-5, atol=1e-6)

@@ -214,7 +214,14 @@ class RowClient:
         return order, spans, [Keys(keys[order[span]]) for span in spans]
 
     def pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
-        """The rows of keys ([n, dim], in the keys' order) and the shards' replies."""
+        """The rows of keys ([n, dim], in the keys' order) and the last shards' replies."""
+        rows = np.empty((keys.size, self.dim), dtype=np.float32)
+        replies: list[Reply] = []
+        for chunk in _chunks(keys.size):  # no shard gets more than MAX_KEYS keys in one request
+            rows[chunk], replies = self._pull(keys[chunk])
+        return rows, replies
+
+    def _pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
         order, spans, metas = self._split(keys)
         # Zeros: a shard that answers DONE sends no rows, and the step still computes on finite ones.
         grouped = np.zeros((keys.size, self.dim), dtype=np.float32)
@@ -225,6 +232,13 @@ class RowClient:
 
     def push(self, keys: np.ndarray, grads: np.ndarray) -> list[Reply]:
         """Push each key's row gradient (grads [n, dim], in the keys' order) to its owner."""
-        order, spans, metas = self._split(keys)
-        grouped = np.ascontiguousarray(grads[order], dtype=np.float32)
-        return self.group.request(SPARSE_PUSH, meta=metas, array=[grouped[s].reshape(-1) for s in spans])
+        replies: list[Reply] = []
+        for chunk in _chunks(keys.size):
+            order, spans, metas = self._split(keys[chunk])
+            grouped = np.ascontiguousarray(grads[chunk][order], dtype=np.float32)
+            replies = self.group.request(SPARSE_PUSH, meta=metas, array=[grouped[s].reshape(-1) for s in spans])
+        return replies
+
+
+def _chunks(n: int) -> list[slice]:
+    return [slice(start, start + MAX_KEYS) for start in range(0, n, MAX_KEYS)]
