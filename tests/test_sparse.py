@@ -194,10 +194,16 @@ def test_keys_survive_the_checkpoints_float32_encoding_exactly() -> None:
 
 
 def test_more_keys_than_one_request_may_carry_go_in_several(live: LiveShards, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sparse, "MAX_KEYS", 64)  # the client's chunks; the shards still take up to 2**18
+    monkeypatch.setattr(sparse, "MAX_KEYS", 64)  # for the client's chunks and the shards' bound alike
     keys = _keys(500)
     client = RowClient(live.group(), DIM)
     client.push(keys, np.ones((keys.size, DIM), np.float32))
     assert sum(t.n for t in _tables(live)) == keys.size
     rows, _ = client.pull(keys)
     np.testing.assert_allclose(rows, initial_rows(keys, DIM, SEED) - LR / (1 + EPSILON), rtol=1e-5, atol=1e-6)
+
+
+def test_wide_rows_lower_the_keys_a_request_may_carry_so_frames_stay_bounded() -> None:
+    assert sparse.keys_per_request(4) == sparse.MAX_KEYS
+    assert sparse.keys_per_request(1024) == sparse.MAX_ROW_VALUES // 1024
+    assert sparse.keys_per_request(1024) * 1024 * 4 <= 64 * 2**20

@@ -8,7 +8,7 @@
 A key is a non-negative 63-bit integer, owned by shard owner_of(key) (a hash of the key,
 modulo the shard count): the one function that partitions keys, on replicas and shards.
 The keys travel in the payload frame (Keys: a count, then int64 values, at most
-MAX_KEYS per shard and request, unique, each owned by the shard it is sent to); the
+keys_per_request(dim) per shard and request, unique, each owned by the shard it is sent to); the
 rows in the float32 array frame (count x dim). Sparse pushes do not advance the shard's
 step: in a job with embeddings the dense push that follows them does.
 
@@ -41,10 +41,16 @@ from distbelief.runtime.shard import Shard
 log = logging.getLogger(__name__)
 
 MAX_KEYS = 1 << 18          # keys in one request to one shard
+MAX_ROW_VALUES = 1 << 24    # float32 values of rows in one request (64 MiB): fewer keys when dim is large
 KEY_BITS = 63
 KEY_PART_BITS = 21          # a key saved as three float32 integers below 2**21 (exact)
 EXPIRY_CHECKS = 8           # look for expired rows this many times per expireAfterSeconds
 KEY_DTYPE = np.dtype("<i8")
+
+
+def keys_per_request(dim: int) -> int:
+    """The most keys one request to one shard may carry, for rows of dim values."""
+    return max(1, min(MAX_KEYS, MAX_ROW_VALUES // dim))
 
 
 def owner_of(keys: np.ndarray, shards: int) -> np.ndarray:
@@ -111,7 +117,7 @@ class SparseRows:
 
     def array_values(self) -> int:
         # The keys' frame (8 bytes a key) is capped by the same frame size: at least 3 values a key.
-        return MAX_KEYS * max(self.dim, 3)
+        return keys_per_request(self.dim) * max(self.dim, 3)
 
     # -- ops -------------------------------------------------------------------------------
 
@@ -132,6 +138,9 @@ class SparseRows:
         return Answer()
 
     def _owned(self, keys: np.ndarray) -> np.ndarray:
+        if keys.size > keys_per_request(self.dim):
+            raise errors.ProtocolError(f"{keys.size} keys in one request, at most {keys_per_request(self.dim)} "
+                                       f"for rows of {self.dim} values")
         if keys.size and (owner_of(keys, self.shard.layout.shards) != self.shard.index).any():
             raise errors.ProtocolError(f"keys sent to shard {self.shard.index} that another shard owns")
         return keys
@@ -217,7 +226,7 @@ class RowClient:
         """The rows of keys ([n, dim], in the keys' order) and the last shards' replies."""
         rows = np.empty((keys.size, self.dim), dtype=np.float32)
         replies: list[Reply] = []
-        for chunk in _chunks(keys.size):  # no shard gets more than MAX_KEYS keys in one request
+        for chunk in self._chunks(keys.size):  # no shard gets more than MAX_KEYS keys in one request
             rows[chunk], replies = self._pull(keys[chunk])
         return rows, replies
 
@@ -233,12 +242,12 @@ class RowClient:
     def push(self, keys: np.ndarray, grads: np.ndarray) -> list[Reply]:
         """Push each key's row gradient (grads [n, dim], in the keys' order) to its owner."""
         replies: list[Reply] = []
-        for chunk in _chunks(keys.size):
+        for chunk in self._chunks(keys.size):
             order, spans, metas = self._split(keys[chunk])
             grouped = np.ascontiguousarray(grads[chunk][order], dtype=np.float32)
             replies = self.group.request(SPARSE_PUSH, meta=metas, array=[grouped[s].reshape(-1) for s in spans])
         return replies
 
-
-def _chunks(n: int) -> list[slice]:
-    return [slice(start, start + MAX_KEYS) for start in range(0, n, MAX_KEYS)]
+    def _chunks(self, n: int) -> list[slice]:
+        step = keys_per_request(self.dim)
+        return [slice(start, start + step) for start in range(0, n, step)]
