@@ -9,7 +9,7 @@ import prometheus_client as prom
 
 from distbelief.operator import scrape, spec
 from distbelief.operator.status import Observed, compute_status, timestamp
-from distbelief.runtime.metrics import CoordinatorMetrics, ShardMetrics
+from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics
 
 from conftest import load_example
 
@@ -112,3 +112,17 @@ def test_transition_times_move_only_when_a_condition_changes() -> None:
     again = compute_status(job(**running), Observed(shards_ready=2, workers_ready=2, children_created=True), LATER)
     assert condition(again, "Running")["lastTransitionTime"] == timestamp(NOW)
     assert again["startTime"] == running["startTime"]
+
+
+def test_a_two_class_jobs_auc_reaches_the_status_and_other_jobs_have_none() -> None:
+    registry = prom.CollectorRegistry()
+    chief = ChiefMetrics(registry)
+    ShardMetrics(registry, 0).global_step.set(5)
+    assert scrape.parse(prom.generate_latest(registry).decode()).auc is None  # not evaluated, or not two-class
+    chief.auc.set(0.8125)
+    figures = scrape.parse(prom.generate_latest(registry).decode())
+    assert figures.auc == 0.8125
+    status = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=figures), NOW)
+    assert status["auc"] == 0.8125
+    silent = compute_status(job(**status), Observed(shards_ready=2, workers_ready=3), LATER)
+    assert silent["auc"] == 0.8125

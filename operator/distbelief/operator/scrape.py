@@ -6,6 +6,7 @@ Local mode's progress bar and the operator's status both come from here, so they
 from __future__ import annotations
 
 import dataclasses
+import math
 import urllib.error
 import urllib.request
 
@@ -19,6 +20,7 @@ class Figures:
     global_step: int | None = None
     loss: float | None = None
     accuracy: float | None = None
+    auc: float | None = None                # two-class jobs only
     examples_per_second: float | None = None
     objective: float | None = None          # Sandblaster's, at the committed iteration
     checkpoint_step: int | None = None
@@ -48,6 +50,7 @@ def parse(text: str) -> Figures:
         global_step=integer("distbelief_global_step"),
         loss=values.get("distbelief_heldout_loss"),
         accuracy=values.get("distbelief_heldout_accuracy"),
+        auc=_finite(values.get("distbelief_heldout_auc")),
         examples_per_second=values.get("distbelief_examples_per_second"),
         # The gauge exists from the coordinator's start; it means something after an evaluation.
         objective=values.get("distbelief_sandblaster_objective") if values.get(
@@ -57,6 +60,10 @@ def parse(text: str) -> Figures:
         finished_reason=finished[0] if finished else None,
         finished_outcome=finished[1] if finished else None,
     )
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def read(url: str, *, timeout: float = TIMEOUT_SECONDS) -> Figures:

@@ -143,6 +143,7 @@ class Chief:
                 "accuracy": accuracy, "examples": examples, "examplesPerSecond": rate}
         if auc is not None:
             line["auc"] = auc
+            self.metrics.auc.set(auc)
         with open(os.path.join(self.output_dir, contract.HISTORY_FILE), "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         log.info("event=evaluated step=%d loss=%.4f accuracy=%.4f", step, loss, accuracy)

@@ -90,6 +90,9 @@ class ChiefMetrics:
     def __init__(self, registry: prom.CollectorRegistry) -> None:
         self.loss = prom.Gauge("distbelief_heldout_loss", "Held-out loss of the current parameters", registry=registry)
         self.accuracy = prom.Gauge("distbelief_heldout_accuracy", "Held-out accuracy of the current parameters", registry=registry)
+        self.auc = prom.Gauge("distbelief_heldout_auc", "Held-out ROC AUC (two-class jobs; NaN otherwise)",
+                              registry=registry)
+        self.auc.set(float("nan"))
         self.evaluated_step = prom.Gauge("distbelief_evaluated_step", "Global step of the last evaluation", registry=registry)
         self.finished = prom.Gauge("distbelief_job_finished", "1 once the chief has ended the job",
                                    ["reason", "outcome"], registry=registry)
