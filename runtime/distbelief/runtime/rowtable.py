@@ -5,9 +5,9 @@
     update(keys, grads)    row-wise Adagrad on the rows that exist or are admitted now
     expire(now)            drops the rows not pushed to for expire_after seconds
 
-Layout. An open-addressing index (linear probing, power-of-two capacity, load <= 1/2)
-maps a key to a row number; the rows themselves live in dense arrays, appended in
-creation order and grown by doubling: keys int64 [n], values float32 [n, dim], one
+Layout. An open-addressing index (linear probing, power-of-two capacity, load <= 1/2;
+int64 keys, int32 row numbers) maps a key to its row; the rows themselves live in dense
+arrays, appended in creation order and grown by doubling: keys int64 [n], values float32 [n, dim], one
 Adagrad accumulator float32 [n], the wall time of the last push float64 [n]. Keeping rows
 apart from the index makes growth a cheap re-insert of int64 keys (the rows are copied
 once by the doubling), makes expiry a compaction followed by an index rebuild (no
@@ -73,7 +73,7 @@ class RowTable:
         self.accumulators = np.empty(MIN_ROWS, dtype=np.float32)
         self.touched = np.empty(MIN_ROWS, dtype=np.float64)
         self._slot_keys = np.full(2 * MIN_ROWS, EMPTY, dtype=np.int64)
-        self._slot_rows = np.empty(2 * MIN_ROWS, dtype=np.int64)
+        self._slot_rows = np.empty(2 * MIN_ROWS, dtype=np.int32)  # rows per shard < 2**31
         self._counts = np.zeros(COUNTERS, dtype=np.uint32) if admit_after > 1 else None
 
     # -- reading -------------------------------------------------------------------------
@@ -156,7 +156,7 @@ class RowTable:
 
     def _rebuild_index(self, slots: int) -> None:
         self._slot_keys = np.full(slots, EMPTY, dtype=np.int64)
-        self._slot_rows = np.empty(slots, dtype=np.int64)
+        self._slot_rows = np.empty(slots, dtype=np.int32)
         self._insert(self.keys[: self.n], np.arange(self.n))
 
     def _insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
