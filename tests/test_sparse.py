@@ -9,14 +9,19 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.runtime import errors, protocol, sparse
+from distbelief.runtime import data, errors, models, protocol, sparse
+from distbelief.runtime.embedding import EmbeddingModel
 from distbelief.runtime.layout import Layout
+from distbelief.runtime.metrics import WorkerMetrics
 from distbelief.runtime.protocol import Header, Status
 from distbelief.runtime.rowtable import EPSILON, initial_rows
 from distbelief.runtime.sparse import Keys, RowClient, SparseRows, owner_of
+from distbelief.runtime.sparse_worker import SparseWorker, held_out_inputs
+from distbelief.runtime.worker import WorkerSettings
 
 from conftest import LiveShards, start_shards
 
@@ -207,3 +212,75 @@ def test_wide_rows_lower_the_keys_a_request_may_carry_so_frames_stay_bounded() -
     assert sparse.keys_per_request(4) == sparse.MAX_KEYS
     assert sparse.keys_per_request(1024) == sparse.MAX_ROW_VALUES // 1024
     assert sparse.keys_per_request(1024) * 1024 * 4 <= 64 * 2**20
+
+
+def test_admission_counts_and_rows_survive_a_restart(tmp_path: Path) -> None:
+    first = _start(tmp_path, admit_after=3)
+    keys = _keys(100)
+    client = RowClient(first.group(), DIM)
+    for _ in range(2):  # two of the three pushes a key needs
+        client.push(keys, np.ones((keys.size, DIM), np.float32))
+    first.group().push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+    assert sum(t.n for t in _tables(first)) == 0
+    first.stop()
+    second = _start(tmp_path, admit_after=3)
+    try:
+        RowClient(second.group(), DIM).push(keys, np.ones((keys.size, DIM), np.float32))
+        assert sum(t.n for t in _tables(second)) == keys.size  # the third push, counted across the restart
+    finally:
+        second.stop()
+
+
+def test_the_shard_evicts_expired_rows_when_a_push_comes_after_the_interval(live: LiveShards) -> None:
+    keys = _keys(300)
+    mine = keys[owner_of(keys, 2) == 0]
+    client = RowClient(live.group(), DIM)
+    client.push(mine, np.ones((mine.size, DIM), np.float32))
+    plugin = live.shards[0].plugin(SparseRows)
+    plugin.table.expire_after = 60.0
+    plugin.table.touched[: plugin.table.n - 1] -= 3600  # all but the newest row were pushed an hour ago
+    plugin._next_expiry = 0.0
+    client.push(mine[:1], np.ones((1, DIM), np.float32))
+    assert plugin.table.n == 2  # mine[0], pushed just now, and the row that was never aged
+    assert plugin.table.lookup(mine[:1])[0] >= 0
+
+
+def test_a_sparse_replica_moves_only_its_minibatches_rows_and_learns(tmp_path: Path) -> None:
+    """A SparseWorker against live shards: the shards hold exactly the rows of the keys the
+    replica's minibatches touched (not the id space), and the held-out loss falls."""
+    x, y, ids = data.read_source("synthetic-ctr:fields=4,ids=100000,samples=4000,zipf=1.1,seed=2")
+    dataset = data.split(x, y, ids=ids, test_fraction=0.25, seed=0)
+    model = EmbeddingModel(models.Mlp(4 * DIM, 2), dense_features=0, fields=4, dim=DIM)
+    layout = Layout.of(model.shapes, shards=2)
+
+    def attach(shard) -> None:
+        shard.attach(SparseRows(shard, dim=DIM, learning_rate=0.05, seed=SEED))
+    live = start_shards(tmp_path, layout, model.init_params(0), attach=attach, checkpoint_every=3600,
+                        learning_rate=0.05)
+    try:
+        worker = SparseWorker(WorkerSettings(batch_size=64, seed=1), live.group(), model, dataset,
+                              WorkerMetrics(prom.CollectorRegistry()))
+        seen: list[np.ndarray] = []
+        real_push = worker.rows.push
+        worker.rows.push = lambda keys, grads: (seen.append(keys), real_push(keys, grads))[1]
+        score = held_out_inputs(model, live.group(), dataset.x_test, dataset.ids_test)
+        params = np.empty(layout.total, np.float32)
+
+        def held_out_loss() -> float:
+            live.group().pull(params)
+            mlp, inputs = score()
+            return models.evaluate(mlp, params, inputs, dataset.y_test)[0]
+
+        before = held_out_loss()
+        assert worker._join()
+        for _ in range(150):
+            assert not worker._pull()
+            worker._compute()
+            assert not worker._push(64, 0.5, fetch=False)
+        touched = np.unique(np.concatenate(seen))
+        assert sum(t.n for t in _tables(live)) == touched.size < 4 * 100_000 // 10
+        for table in _tables(live):
+            np.testing.assert_array_equal(np.isin(table.keys[: table.n], touched), True)
+        assert held_out_loss() < before - 0.01
+    finally:
+        live.stop()

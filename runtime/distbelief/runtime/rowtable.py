@@ -74,7 +74,7 @@ class RowTable:
         self.touched = np.empty(MIN_ROWS, dtype=np.float64)
         self._slot_keys = np.full(2 * MIN_ROWS, EMPTY, dtype=np.int64)
         self._slot_rows = np.empty(2 * MIN_ROWS, dtype=np.int32)  # rows per shard < 2**31
-        self._counts = np.zeros(COUNTERS, dtype=np.uint32) if admit_after > 1 else None
+        self.counts = np.zeros(COUNTERS, dtype=np.uint32) if admit_after > 1 else None
 
     # -- reading -------------------------------------------------------------------------
 
@@ -124,11 +124,11 @@ class RowTable:
 
     def _admit(self, keys: np.ndarray) -> np.ndarray:
         """Which of these keys (without rows) have now occurred admit_after times."""
-        if self._counts is None:
+        if self.counts is None:
             return np.ones(keys.size, dtype=bool)
         counters = (mix(keys) >> np.uint64(44)).astype(np.int64) % COUNTERS
-        np.add.at(self._counts, counters, 1)
-        return self._counts[counters] >= self.admit_after
+        np.add.at(self.counts, counters, 1)
+        return self.counts[counters] >= self.admit_after
 
     def _create(self, keys: np.ndarray) -> np.ndarray:
         """New rows for keys (unique, without rows) at their initial values; their indices."""
@@ -202,7 +202,7 @@ class RowTable:
     def nbytes(self) -> int:
         """Memory held by the rows and the index (what a shard's RSS follows)."""
         arrays = (self.keys, self.values, self.accumulators, self.touched, self._slot_keys, self._slot_rows)
-        return sum(a.nbytes for a in arrays) + (0 if self._counts is None else self._counts.nbytes)
+        return sum(a.nbytes for a in arrays) + (0 if self.counts is None else self.counts.nbytes)
 
 
 def _power_of_two(n: int) -> int:

@@ -17,8 +17,8 @@ n x (dim + 5) x 4 bytes (values, accumulator, last push time, the key as three e
 21-bit float32 parts: checkpoints hold float32 arrays only). A full write suits tables up
 to about 10M rows of dim 16 per shard (~0.8 GB, a few seconds of disk per interval, and
 as much memory again while the file is read back); beyond that an incremental write of
-the rows pushed since the last checkpoint is needed, and is not done yet. Admission
-counters are not saved: after a restart, a key not yet admitted counts from zero.
+the rows pushed since the last checkpoint is needed, and is not done yet. With
+admitAfter > 1 the admission counters (4 MiB) are saved too.
 """
 
 from __future__ import annotations
@@ -176,6 +176,8 @@ class SparseRows:
         base = float(t.touched[:n].min()) if n else 0.0
         arrays = {"keys": _key_parts(t.keys[:n]), "values": t.values[:n], "accumulators": t.accumulators[:n],
                   "touched": (t.touched[:n] - base).astype(np.float32)}
+        if t.counts is not None:  # capped at admitAfter (<= 1e6): exact in float32
+            arrays["admission"] = np.minimum(t.counts, t.admit_after).astype(np.float32)
         meta = {"sparseRows": n, "sparseDim": self.dim, "sparseTouchBase": base}
         return {STATE_PREFIX + name: array for name, array in arrays.items()}, meta
 
@@ -191,6 +193,9 @@ class SparseRows:
         n = a["accumulators"].size
         self.table.load(_keys_from_parts(a["keys"]), a["values"].reshape(n, self.dim), a["accumulators"],
                         a["touched"].astype(np.float64) + float(ckpt.meta.get("sparseTouchBase", 0.0)))
+        counts = ckpt.arrays.get(STATE_PREFIX + "admission")
+        if self.table.counts is not None and counts is not None and counts.size == self.table.counts.size:
+            self.table.counts[...] = counts
         log.info("event=rows_restored shard=%d rows=%d", self.shard.index, n)
 
 
