@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import prometheus_client as prom
@@ -56,7 +56,9 @@ class LiveShards:
             thread.join(timeout=10)
 
 
-def start_shards(folder: Path, layout: Layout, initial: np.ndarray, **settings: Any) -> LiveShards:
+def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
+                 attach: Callable[[Shard], None] = lambda shard: None, **settings: Any) -> LiveShards:
+    """Shards with a dense slice of initial, and whatever attach adds to each."""
     shards, threads = [], []
     optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1),
                  "max_gradient_norm": settings.pop("max_gradient_norm", 1e4)}
@@ -64,6 +66,7 @@ def start_shards(folder: Path, layout: Layout, initial: np.ndarray, **settings: 
         options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
         shard = Shard(ShardSettings(shard=index, **options), layout, ShardMetrics(prom.CollectorRegistry(), index))
         shard.attach(DenseSlice(shard, initial, **optimizer))
+        attach(shard)
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
         thread.start()

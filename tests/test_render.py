@@ -48,6 +48,8 @@ def _everything(doc: dict[str, Any]) -> None:
     _stored(doc)
     doc["spec"]["image"] = "mine:1"
     doc["spec"]["model"] = {"entrypoint": "my_pkg.models:build"}
+    if doc["spec"]["data"]["source"].startswith("synthetic-ctr:"):  # ids only: a user model needs x
+        doc["spec"]["data"]["source"] = "synthetic:features=8,classes=2,samples=100"
     doc["spec"]["parameterServers"]["checkpoint"]["storage"].update(
         storageClassName="fast", retention="Delete")
 

@@ -9,7 +9,7 @@ import prometheus_client as prom
 
 from distbelief.operator import scrape, spec
 from distbelief.operator.status import Observed, compute_status, pod_failures, timestamp
-from distbelief.runtime.metrics import CoordinatorMetrics, ShardMetrics
+from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics
 
 from conftest import load_example
 
@@ -156,3 +156,17 @@ def test_a_replica_whose_loss_stays_non_finite_fails_the_job() -> None:
     failed = compute_status(job(), Observed(shards_ready=2, workers_ready=3, non_finite_loss=seen), NOW)
     assert failed["phase"] == "Failed"
     assert condition(failed, "Failed")["reason"] == "NonFiniteLoss" and condition(failed, "Failed")["message"] == seen
+
+
+def test_a_two_class_jobs_auc_reaches_the_status_and_other_jobs_have_none() -> None:
+    registry = prom.CollectorRegistry()
+    chief = ChiefMetrics(registry)
+    ShardMetrics(registry, 0).global_step.set(5)
+    assert scrape.parse(prom.generate_latest(registry).decode()).auc is None  # not evaluated, or not two-class
+    chief.auc.set(0.8125)
+    figures = scrape.parse(prom.generate_latest(registry).decode())
+    assert figures.auc == 0.8125
+    status = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=figures), NOW)
+    assert status["auc"] == 0.8125
+    silent = compute_status(job(**status), Observed(shards_ready=2, workers_ready=3), LATER)
+    assert silent["auc"] == 0.8125

@@ -109,6 +109,9 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, sta
         "evaluations": len(ours),
         "staleness": dict(staleness) if staleness else None,
     }
+    auc = result.get("auc", last.get("auc"))
+    if auc is not None:
+        summary["auc"] = auc  # two-class jobs
     params = os.path.join(chief_dir, contract.PARAMS_FILE)
     if result and os.path.exists(params):
         shutil.copyfile(params, os.path.join(output, contract.PARAMS_FILE))
@@ -130,6 +133,7 @@ def print_summary(summary: Mapping[str, Any], output: str) -> None:
         f"  global step        {summary['globalStep']}",
         f"  held-out accuracy  {accuracy:.4f}" if accuracy is not None else "  held-out accuracy  -",
         f"  held-out loss      {loss:.4f}" if loss is not None else "  held-out loss      -",
+        *([f"  held-out AUC       {summary['auc']:.4f}"] if summary.get("auc") is not None else []),
         f"  examples/s         {summary['examplesPerSecond']:,.0f}",
         f"  wall time          {summary['wallSeconds']:.1f} s, restarts {summary['restarts']}",
         f"  report             {os.path.join(output, REPORT_FILE)}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import socket
 import time
 import urllib.parse
@@ -32,6 +33,7 @@ class Figures:
     loss: float | None = None
     train_loss: float | None = None         # shard 0's moving average of the replicas' minibatch losses
     accuracy: float | None = None
+    auc: float | None = None                # two-class jobs only
     examples_per_second: float | None = None
     objective: float | None = None          # Sandblaster's, at the committed iteration
     checkpoint_step: int | None = None
@@ -70,6 +72,7 @@ def parse(text: str) -> Figures:
         loss=values.get(M.HELDOUT_LOSS),
         train_loss=values.get(M.TRAIN_LOSS),
         accuracy=values.get(M.HELDOUT_ACCURACY),
+        auc=_finite(values.get(M.HELDOUT_AUC)),
         examples_per_second=values.get(M.EXAMPLES_PER_SECOND),
         # The gauge exists from the coordinator's start; it means something after an evaluation.
         objective=values.get(M.SANDBLASTER_OBJECTIVE) if values.get(
@@ -93,6 +96,10 @@ def _median_bound(buckets: list[tuple[float, float]]) -> float | None:
     if not total:
         return None
     return next(bound for bound, count in buckets if count >= total / 2)
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def read(url: str, *, timeout: float = TIMEOUT_SECONDS) -> Figures:

@@ -203,6 +203,14 @@ def _check_model(raw: Mapping[str, Any], problems: Problems) -> None:
             and model.get("type") is not None:
         problems.add("spec.model.entrypoint", "not allowed together with spec.model.type "
                      "(a model is either built in or user code)")
+    if isinstance(model, Mapping) and model.get("entrypoint") is not None \
+            and model.get("embeddings") is not None:
+        problems.add("spec.model.embeddings", "not available with spec.model.entrypoint (user models "
+                     "see one flat parameter vector)")
+    if _get(raw, "spec", "model", "embeddings") is not None \
+            and _get(raw, "spec", "training", "algorithm") == "sandblaster":
+        problems.add("spec.model.embeddings", "needs spec.training.algorithm: downpour (Sandblaster's "
+                     "L-BFGS runs over the dense parameters only)")
 
 
 def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
@@ -217,6 +225,11 @@ def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
     elif scheme == "synthetic":
         for problem in contract.synthetic_params(body)[1]:
             problems.add(path, problem)
+    elif scheme == "synthetic-ctr":
+        for problem in contract.ctr_params(body)[1]:
+            problems.add(path, problem)
+        if _get(job, "spec", "model", "embeddings") is None:
+            problems.add(path, "synthetic-ctr data holds only ids: set spec.model.embeddings to embed them")
     elif scheme == "npz" and not posixpath.isabs(body):
         problems.add(path, f"npz path must be absolute inside the pod (got {show(body)})")
     elif scheme == "npz" and _get(job, "spec", "data", "volume") and not body.startswith(DATA_DIR + "/"):

@@ -7,6 +7,8 @@ An algorithm is three hooks on the roles' common core:
                                  coordinator), or None; returns something with stop()/failure
     replica(ctx)                 the replica's loop: an object with run() -> why it ended,
                                  joined (an Event) and steps
+    held_out(job, group)         what the chief scores, when it is not the model on the data's
+                                 x (Downpour with embeddings: the MLP on the shards' rows)
 
 Adding an algorithm is a module with these three functions and one line in ALGORITHMS;
 the shard core, the replica runner and the roles do not change.
@@ -23,12 +25,15 @@ import prometheus_client as prom
 from distbelief.runtime import keys
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.embedding import EmbeddingModel
 from distbelief.runtime.metrics import CoordinatorMetrics, WorkerMetrics
 from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
 from distbelief.runtime.sandblaster.lbfgs import LbfgsSettings
 from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
 from distbelief.runtime.sandblaster.vectors import ShardVectors
 from distbelief.runtime.shard import Shard
+from distbelief.runtime.sparse import SparseRows
+from distbelief.runtime.sparse_worker import HeldOut, SparseWorker, held_out_inputs
 from distbelief.runtime.worker import Worker, WorkerSettings
 
 
@@ -73,6 +78,7 @@ class Algorithm:
     beside_chief: Callable[[ChiefContext], Helper | None]
     replica: Callable[[ReplicaContext], ReplicaLoop]
     optimiser_state: Callable[[Shard], Callable[[], dict | None]] = lambda shard: (lambda: None)
+    held_out: Callable[[Any, ShardGroup], HeldOut | None] = lambda job, group: None
 
 
 # -- Downpour SGD ------------------------------------------------------------------------
@@ -84,17 +90,32 @@ def _downpour_attach(shard: Shard, job: Any) -> None:
                             learning_rate=float(training["learningRate"]),
                             max_gradient_norm=float(training["maxGradientNorm"]),
                             max_staleness=training.get("maxStaleness")))
+    if isinstance(job.model, EmbeddingModel):
+        options = job.spec["model"]["embeddings"]
+        expire = options.get("expireAfterSeconds")
+        shard.attach(SparseRows(shard, dim=job.model.dim, learning_rate=float(training["learningRate"]),
+                                seed=int(training["seed"]), admit_after=int(options.get("admitAfter", 1)),
+                                expire_after=float(expire) if expire else None,
+                                max_gradient_norm=float(training["maxGradientNorm"])))
 
 
 def _downpour_replica(ctx: ReplicaContext) -> ReplicaLoop:
     training = ctx.job.spec["training"]
     settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
                               push_every=int(training["pushEvery"]))
-    return Worker(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop)
+    kind = SparseWorker if isinstance(ctx.job.model, EmbeddingModel) else Worker
+    return kind(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop)
+
+
+def _downpour_held_out(job: Any, group: ShardGroup) -> HeldOut | None:
+    if not isinstance(job.model, EmbeddingModel):
+        return None
+    limit, dataset = int(job.spec["data"]["maxEvalExamples"]), job.dataset
+    return held_out_inputs(job.model, group, dataset.x_test[:limit], dataset.ids_test[:limit])
 
 
 DOWNPOUR = Algorithm(name="downpour", attach=_downpour_attach, beside_chief=lambda ctx: None,
-                     replica=_downpour_replica)
+                     replica=_downpour_replica, held_out=_downpour_held_out)
 
 
 # -- Sandblaster L-BFGS --------------------------------------------------------------------

@@ -64,7 +64,10 @@ class Chief:
     def __init__(self, *, group: ShardGroup, model: models.Model, dataset: Dataset, rules: StoppingRules,
                  eval_every: float, max_eval_examples: int, output_dir: str, start_time: float,
                  metrics: ChiefMetrics, throughput: Callable[[], tuple[int, float]],
-                 optimiser_state: Callable[[], dict | None] = lambda: None) -> None:
+                 optimiser_state: Callable[[], dict | None] = lambda: None,
+                 held_out: Callable[[], tuple[models.Model, np.ndarray]] | None = None) -> None:
+        """held_out: the model to score and its held-out inputs, when they are not the data's x
+        (a model with embeddings scores its MLP on inputs built from the shards' rows)."""
         self.group, self.model, self.rules = group, model, rules
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
@@ -72,6 +75,8 @@ class Chief:
         self.optimiser_state = optimiser_state  # Sandblaster's committed state on shard 0, if any
         self.x_test = dataset.x_test[:max_eval_examples]
         self.y_test = dataset.y_test[:max_eval_examples]
+        self.held_out = held_out or (lambda: (model, self.x_test))
+        self.two_classes = dataset.n_classes == 2
         self.params = np.empty(group.layout.total, dtype=np.float32)
         self.failure: BaseException | None = None
         self.on_failure: Callable[[], None] = lambda: None
@@ -117,33 +122,41 @@ class Chief:
         if any(r.done for r in replies):
             return True  # finished before this chief started (a restarted shard 0)
         step = replies[0].header.step
-        loss, accuracy = models.evaluate(self.model, self.params, self.x_test, self.y_test)
+        model, x = self.held_out()
+        loss, accuracy = models.evaluate(model, self.params, x, self.y_test)
+        auc = models.held_out_auc(model, self.params, x, self.y_test) if self.two_classes else None
         elapsed = time.time() - self.start_time
-        self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed)
+        self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
         verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed,
                                      converged=self._converged())
         if verdict is None:
             return False
-        self._finish(*verdict, step=step, loss=loss, accuracy=accuracy, elapsed=elapsed)
+        self._finish(*verdict, step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
         return True
 
-    def _record(self, *, step: int, loss: float, accuracy: float, elapsed: float) -> None:
+    def _record(self, *, step: int, loss: float, accuracy: float, elapsed: float, auc: float | None) -> None:
         self.metrics.loss.set(loss)
         self.metrics.accuracy.set(accuracy)
         self.metrics.evaluated_step.set(step)
         examples, rate = self.throughput()
         line = {"time": time.time(), "elapsed": round(elapsed, 3), "step": step, "loss": loss,
                 "accuracy": accuracy, "examples": examples, "examplesPerSecond": rate}
+        if auc is not None:
+            line["auc"] = auc
+            self.metrics.auc.set(auc)
         with open(os.path.join(self.output_dir, contract.HISTORY_FILE), "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         log.info("event=evaluated step=%d loss=%.4f accuracy=%.4f", step, loss, accuracy)
 
-    def _finish(self, reason: str, outcome: str, *, step: int, loss: float, accuracy: float, elapsed: float) -> None:
+    def _finish(self, reason: str, outcome: str, *, step: int, loss: float, accuracy: float, elapsed: float,
+                auc: float | None) -> None:
         self.metrics.finished.labels(reason=reason, outcome=outcome).set(1)
         examples = self.throughput()[0]
         result = {"phase": outcome, "reason": reason, "globalStep": step, "loss": loss, "accuracy": accuracy,
                   "examples": examples, "examplesPerSecond": examples / elapsed if elapsed > 0 else 0.0,
                   "trainingSeconds": round(elapsed, 3), "finishedAt": time.time()}
+        if auc is not None:
+            result["auc"] = auc
         state = self.optimiser_state()
         if state:
             result["objective"] = state.get("objective")  # the training objective L-BFGS reached

@@ -26,6 +26,9 @@ from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import ErrorCode, Header, OpSpec, Status
 
 
+Arrays = np.ndarray | Sequence[np.ndarray]  # a flat vector over the layout, or one array per shard
+
+
 @dataclasses.dataclass(frozen=True)
 class Reply:
     header: Header
@@ -108,14 +111,15 @@ class ShardGroup:
     # -- one request to every shard at once ------------------------------------------------------
 
     def request(self, op: OpSpec, *, meta: protocol.Payload | Sequence[protocol.Payload] | None = None,
-                array: np.ndarray | None = None, receive_into: np.ndarray | None = None,
+                array: Arrays | None = None, receive_into: Arrays | None = None,
                 steps: Sequence[int] | None = None) -> list[Reply]:
-        """array: a flat vector each shard gets its slice of; receive_into: one the replies'
-        slices fill; meta: one payload for every shard, or one per shard."""
+        """array: a flat vector each shard gets its slice of (the dense layout's), or one
+        array per shard; receive_into: likewise, what the replies' arrays fill; meta: one
+        payload for every shard, or one per shard."""
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         shards = range(self.layout.shards)
         headers = [Header(op=op.code, shard=i, layout=self.layout.hash, seq=self._seq, worker=self.worker_id,
-                          step=steps[i] if steps else 0, count=self.layout.size(i) if array is not None else 0)
+                          step=steps[i] if steps else 0, count=0 if array is None else self._part(i, array).size)
                    for i in shards]
         metas = list(meta) if isinstance(meta, Sequence) else [meta] * self.layout.shards
         requests = [[h.pack(), *self._body(i, metas[i], array)] for i, h in enumerate(headers)]
@@ -143,11 +147,17 @@ class ShardGroup:
     def _body(self, shard: int, meta: protocol.Payload | None, array: np.ndarray | None) -> list:
         body: list = [meta.pack()] if meta is not None else []
         if array is not None:
-            start, stop = self.layout.bounds(shard)
-            body.append(memoryview(array[start:stop]))
+            body.append(memoryview(self._part(shard, array)))
         return body
 
-    def _sink(self, shard: int, op: OpSpec, request: Header, out: np.ndarray) -> transport.Sink:
+    def _part(self, shard: int, arrays: Arrays) -> np.ndarray:
+        """Shard's own array: its slice of a flat vector, or its entry of a per-shard list."""
+        if isinstance(arrays, np.ndarray):
+            start, stop = self.layout.bounds(shard)
+            return arrays[start:stop]
+        return arrays[shard]
+
+    def _sink(self, shard: int, op: OpSpec, request: Header, out: Arrays) -> transport.Sink:
         array_frame = 1 if op.reply is not None else 0  # the reply's meta, if any, comes first
 
         def where(frame: memoryview, index: int) -> np.ndarray | None:
@@ -156,12 +166,11 @@ class ShardGroup:
             header = protocol.unpack_header(frame)
             if header.seq != request.seq or header.status not in (Status.OK, Status.STALE):
                 return None  # a reply to an earlier request, or an error's text: not parameters
-            start, stop = self.layout.bounds(shard)
-            return out[start:stop]
+            return self._part(shard, out)
         return where
 
     def _read(self, shard: int, op: OpSpec, request: Header, received: transport.Received,
-              receive_into: np.ndarray | None) -> Reply | None:
+              receive_into: Arrays | None) -> Reply | None:
         """The reply of one shard; None if it was a stale one (an earlier seq)."""
         header = protocol.unpack_header(received.header)
         if header.seq != request.seq or header.shard != shard:
@@ -175,8 +184,9 @@ class ShardGroup:
         if header.status not in (Status.OK, Status.STALE):
             return Reply(header=header)
         if op.reply_array and receive_into is not None:
-            expected = self.layout.size(shard) * protocol.DTYPE.itemsize
-            if header.count != self.layout.size(shard) or received.into_sink != expected:
+            values = self._part(shard, receive_into).size
+            expected = values * protocol.DTYPE.itemsize
+            if header.count != values or received.into_sink != expected:
                 raise errors.ProtocolError(f"shard {shard} sent {received.into_sink} bytes, expected {expected}")
         if op.reply is None:
             return Reply(header=header)

@@ -37,6 +37,7 @@ class Metric:
     STALENESS_MAX = "distbelief_staleness_max"
     HELDOUT_LOSS = "distbelief_heldout_loss"
     HELDOUT_ACCURACY = "distbelief_heldout_accuracy"
+    HELDOUT_AUC = "distbelief_heldout_auc"
     JOB_FINISHED = "distbelief_job_finished"
     SANDBLASTER_OBJECTIVE = "distbelief_sandblaster_objective"
     SANDBLASTER_EVALUATIONS = "distbelief_sandblaster_evaluations"
@@ -235,40 +236,66 @@ def parse_duration(text: str) -> float:
     return total
 
 
-
 SYNTHETIC_REQUIRED = ("features", "classes", "samples")
-SYNTHETIC_BOUNDS = {
+SYNTHETIC_BOUNDS: dict[str, tuple[float, float]] = {
     "features": (1, 100_000),
     "classes": (2, 100_000),
     "samples": (10, 10_000_000),
     "seed": (0, 2**32 - 1),
 }
+# synthetic-ctr:fields=F,ids=N,samples=S[,zipf=A][,seed=K]: click-style ids per field.
+# zipf is the only real-valued parameter; ids are ranks 0..N-1 (ids < 2**56, see embedding keys).
+CTR_REQUIRED = ("fields", "ids", "samples")
+CTR_BOUNDS: dict[str, tuple[float, float]] = {
+    "fields": (1, 64),
+    "ids": (2, 2**40),
+    "samples": (10, 10_000_000),
+    "zipf": (0.5, 3.0),
+    "seed": (0, 2**32 - 1),
+}
+CTR_DEFAULTS = {"zipf": 1.1, "seed": 0}
+REAL_PARAMETERS = ("zipf",)
 
 
 def synthetic_params(body: str) -> tuple[dict[str, int], list[str]]:
     """The parameters of a 'synthetic:' source body (features=F,classes=C,samples=N[,seed=S])
     and every problem found in it; seed defaults to 0."""
-    params: dict[str, int] = {}
+    params, problems = source_params(body, "synthetic", SYNTHETIC_BOUNDS, SYNTHETIC_REQUIRED)
+    return {k: int(v) for k, v in {"seed": 0, **params}.items()}, problems
+
+
+def ctr_params(body: str) -> tuple[dict[str, float], list[str]]:
+    """The parameters of a 'synthetic-ctr:' source body and every problem found in it."""
+    params, problems = source_params(body, "synthetic-ctr", CTR_BOUNDS, CTR_REQUIRED)
+    return {**CTR_DEFAULTS, **params}, problems
+
+
+def source_params(body: str, kind: str, bounds: Mapping[str, tuple[float, float]],
+                  required: tuple[str, ...]) -> tuple[dict[str, float], list[str]]:
+    """key=value pairs of a generator source, each checked against its bounds."""
+    params: dict[str, float] = {}
     problems: list[str] = []
     seen: set[str] = set()
     for item in body.split(","):
         key, sep, text = (part.strip() for part in item.partition("="))
         if not sep or not key:
-            problems.append(f"synthetic: expected key=value, got {item!r}")
-        elif key not in SYNTHETIC_BOUNDS:
-            problems.append(f"synthetic: unknown parameter {key!r} (known: {', '.join(SYNTHETIC_BOUNDS)})")
+            problems.append(f"{kind}: expected key=value, got {item!r}")
+        elif key not in bounds:
+            problems.append(f"{kind}: unknown parameter {key!r} (known: {', '.join(bounds)})")
         elif key in seen:
-            problems.append(f"synthetic: {key} given twice")
-        elif not text.lstrip("+-").isdigit():
-            problems.append(f"synthetic: {key} must be an integer (got {text!r})")
+            problems.append(f"{kind}: {key} given twice")
         else:
-            params[key] = int(text)
-            low, high = SYNTHETIC_BOUNDS[key]
-            if not low <= params[key] <= high:
-                problems.append(f"synthetic: {key} must be within {low}..{high} (got {params[key]})")
+            value = _number(text, real=key in REAL_PARAMETERS)
+            if value is None:
+                kind_of = "a number" if key in REAL_PARAMETERS else "an integer"
+                problems.append(f"{kind}: {key} must be {kind_of} (got {text!r})")
+            else:
+                params[key] = value
+                low, high = bounds[key]
+                if not low <= value <= high:
+                    problems.append(f"{kind}: {key} must be within {_shown(low)}..{_shown(high)} (got {_shown(value)})")
         seen.add(key)
-    problems.extend(f"synthetic: {key} required" for key in SYNTHETIC_REQUIRED if key not in seen)
-    params.setdefault("seed", 0)
+    problems.extend(f"{kind}: {key} required" for key in required if key not in seen)
     return params, problems
 
 
@@ -276,3 +303,17 @@ def synthetic_params(body: str) -> tuple[dict[str, int], list[str]]:
 # an unusable checkpoint): restarting cannot help, so local mode and the operator end the
 # job at once (reason InvalidConfig) instead of retrying it as a crash.
 EXIT_INVALID_CONFIG = 2
+
+
+def _number(text: str, *, real: bool) -> float | None:
+    if not real:
+        return int(text) if text.lstrip("+-").isdigit() else None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value == value else None  # NaN is no parameter
+
+
+def _shown(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"

@@ -92,6 +92,9 @@ class ChiefMetrics:
     def __init__(self, registry: prom.CollectorRegistry) -> None:
         self.loss = prom.Gauge(M.HELDOUT_LOSS, "Held-out loss of the current parameters", registry=registry)
         self.accuracy = prom.Gauge(M.HELDOUT_ACCURACY, "Held-out accuracy of the current parameters", registry=registry)
+        self.auc = prom.Gauge(M.HELDOUT_AUC, "Held-out ROC AUC (two-class jobs; NaN otherwise)",
+                              registry=registry)
+        self.auc.set(float("nan"))
         self.evaluated_step = prom.Gauge("distbelief_evaluated_step", "Global step of the last evaluation", registry=registry)
         self.finished = prom.Gauge(M.JOB_FINISHED, "1 once the chief has ended the job",
                                    ["reason", "outcome"], registry=registry)

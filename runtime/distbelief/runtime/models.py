@@ -101,6 +101,12 @@ class Mlp:
 
     def loss_and_grad(self, params: np.ndarray, batch: Batch,
                       out: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+        loss, grad, _ = self.backward(params, batch, out)
+        return loss, grad
+
+    def backward(self, params: np.ndarray, batch: Batch, out: np.ndarray | None = None, *,
+                 input_grad: bool = False) -> tuple[float, np.ndarray, np.ndarray | None]:
+        """loss, its gradient w.r.t. params, and (with input_grad) w.r.t. the inputs x."""
         x, y = batch
         layers = self._layers(params)
         grad = np.empty_like(params) if out is None else out
@@ -115,8 +121,9 @@ class Mlp:
             grad_w, grad_b = grads[i]
             np.matmul(activations[i].T, delta, out=grad_w)
             np.sum(delta, axis=0, out=grad_b)
-            if i > 0:
+            if i > 0 or input_grad:
                 delta = delta @ weight.T
+            if i > 0:
                 h = activations[i]
                 if self.activation == "relu":
                     delta *= h > 0
@@ -126,10 +133,13 @@ class Mlp:
             loss += self._l2_penalty(layers)
             for (weight, _), (grad_w, _) in zip(layers, grads):
                 grad_w += self.l2 * weight
-        return loss, grad
+        return loss, grad, delta if input_grad else None
 
     def predict(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
         return np.argmax(self._logits(self._layers(params), x), axis=1)
+
+    def logits(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
+        return self._logits(self._layers(params), x)
 
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         logits = self._logits(self._layers(params), x)
@@ -169,6 +179,31 @@ def evaluate(model: Model, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> 
         loss = loss_of(params, xb, yb) if loss_of else model.loss_and_grad(params, (xb, yb), scratch)[0]
         loss_sum += loss * len(xb)
     return loss_sum / len(x), correct / len(x)
+
+
+def held_out_auc(model: Model, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float | None:
+    """The area under the ROC curve of a two-class model on (x, y); None for a model without
+    logits, or a set holding one class only."""
+    logits_of = getattr(model, "logits", None)
+    if logits_of is None:
+        return None
+    margins = [np.diff(logits_of(params, x[s:s + EVAL_CHUNK]), axis=1)[:, 0] for s in range(0, len(x), EVAL_CHUNK)]
+    return auc(np.concatenate(margins), y)
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    """Rank-based (Mann-Whitney) AUC of scores for labels 0/1, tied scores sharing their mean rank."""
+    positives = int(np.sum(labels == 1))
+    negatives = labels.size - positives
+    if positives == 0 or negatives == 0:
+        return None
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_scores)) + 1]
+    ends = np.r_[starts[1:], scores.size]
+    ranks = np.empty(scores.size, dtype=np.float64)
+    ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)  # 1-based mean rank of each tie
+    return float((ranks[labels == 1].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
 def build_model(model_spec: Mapping[str, Any], n_features: int, n_classes: int) -> Model:

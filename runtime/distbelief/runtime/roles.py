@@ -16,7 +16,7 @@ import threading
 
 import prometheus_client as prom
 
-from distbelief.runtime import algorithms, contract, data, errors, keys, models
+from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models
 from distbelief.runtime.chief import Chief, StoppingRules
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
@@ -33,7 +33,9 @@ class Job:
         self.config = config
         self.spec = config.spec
         self.dataset = data.load(self.spec["data"])
-        self.model = models.build_model(self.spec["model"], self.dataset.n_features, self.dataset.n_classes)
+        self.model: models.Model = (
+            embedding.build(self.spec["model"], self.dataset) if self.spec["model"].get("embeddings")
+            else models.build_model(self.spec["model"], self.dataset.n_features, self.dataset.n_classes))
         self.layout = Layout.of(self.model.shapes, config.shards)
 
     @classmethod
@@ -93,7 +95,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
             job=job, shard=server, registry=registry, server_security=access.server,
             group=lambda: ShardGroup(job.config.shard_addresses(), job.layout, security=access.client),
             coordinator_bind=f"tcp://{listen}:{coordinator_port}")
-        helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm.optimiser_state(server))))
+        helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm)))
         beside = algorithm.beside_chief(context)
         if beside is not None:
             helpers.append((algorithm.name, beside))
@@ -109,15 +111,15 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     return 0
 
 
-def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, optimiser_state) -> Chief:
-    job, server = ctx.job, ctx.shard
+def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, algorithm: algorithms.Algorithm) -> Chief:
+    job, server, group = ctx.job, ctx.shard, ctx.group()
     training = job.spec["training"]
-    chief = Chief(group=ctx.group(), model=job.model, dataset=job.dataset,
+    chief = Chief(group=group, model=job.model, dataset=job.dataset,
                   rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
                   max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry),
                   throughput=lambda: (server.examples_total, server.examples_per_second),
-                  optimiser_state=optimiser_state)
+                  optimiser_state=algorithm.optimiser_state(server), held_out=algorithm.held_out(job, group))
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()

@@ -45,7 +45,8 @@ class Worker:
     def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset,
                  metrics: WorkerMetrics, *, stop: threading.Event | None = None) -> None:
         self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
-        self.batches = minibatches(dataset, settings.batch_size, np.random.default_rng(settings.seed))
+        self.rng = np.random.default_rng(settings.seed)
+        self.batches = minibatches(dataset, settings.batch_size, self.rng)
         total = group.layout.total
         self.params = np.empty(total, dtype=np.float32)
         self.accumulated = np.zeros(total, dtype=np.float32)
@@ -100,14 +101,19 @@ class Worker:
         return False
 
     def _compute(self) -> tuple[float, int]:
-        x, y = next(self.batches)
         out = self.accumulated if self._step_grad is None else self._step_grad
-        loss, _ = self.model.loss_and_grad(self.params, (x, y), out=out)
+        loss, examples = self._gradient(out)
         if self._step_grad is not None:
             self.accumulated += self._step_grad
         self.metrics.steps.inc()
-        self.metrics.examples.inc(len(x))
+        self.metrics.examples.inc(examples)
         self.metrics.loss.set(loss)
+        return loss, examples
+
+    def _gradient(self, out: np.ndarray) -> tuple[float, int]:
+        """One minibatch's loss, its dense gradient written into out, and its example count."""
+        x, y = next(self.batches)
+        loss, _ = self.model.loss_and_grad(self.params, (x, y), out=out)
         return loss, len(x)
 
     def _push(self, examples: int, loss: float, *, fetch: bool) -> bool:

@@ -1,0 +1,258 @@
+"""Sparse embedding rows on the shards, as a plugin, with its two ops and the replica's side.
+
+    SPARSE_PULL   keys in -> their rows; a key without a row gets its initial value (the
+                  row is not created: a pull never grows the table)
+    SPARSE_PUSH   keys and their rows' gradients in -> row-wise Adagrad on them; a key's
+                  row is created by its admitted push (spec.model.embeddings.admitAfter)
+
+A key is a non-negative 63-bit integer, owned by shard owner_of(key) (a hash of the key,
+modulo the shard count): the one function that partitions keys, on replicas and shards.
+The keys travel in the payload frame (Keys: a count, then int64 values, at most
+keys_per_request(dim) per shard and request, unique, each owned by the shard it is sent to); the
+rows in the float32 array frame (count x dim). Sparse pushes do not advance the shard's
+step: in a job with embeddings the dense push that follows them does.
+
+Checkpoints take the whole table every interval (checkpoint_state): n rows cost
+n x (dim + 5) x 4 bytes (values, accumulator, last push time, the key as three exact
+21-bit float32 parts: checkpoints hold float32 arrays only). A full write suits tables up
+to about 10M rows of dim 16 per shard (~0.8 GB, a few seconds of disk per interval, and
+as much memory again while the file is read back); beyond that an incremental write of
+the rows pushed since the last checkpoint is needed, and is not done yet. With
+admitAfter > 1 the admission counters (4 MiB) are saved too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import struct
+import time
+from typing import Any, ClassVar, Mapping, Self
+
+import numpy as np
+
+from distbelief.runtime import checkpoint, errors, protocol
+from distbelief.runtime.client import Reply, ShardGroup
+from distbelief.runtime.plugin import Answer, Handler
+from distbelief.runtime.protocol import Message, OpSpec
+from distbelief.runtime.rowtable import RowTable, mix
+from distbelief.runtime.shard import Shard
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS = 1 << 18          # keys in one request to one shard
+MAX_ROW_VALUES = 1 << 24    # float32 values of rows in one request (64 MiB): fewer keys when dim is large
+KEY_BITS = 63
+KEY_PART_BITS = 21          # a key saved as three float32 integers below 2**21 (exact)
+EXPIRY_CHECKS = 8           # look for expired rows this many times per expireAfterSeconds
+KEY_DTYPE = np.dtype("<i8")
+
+
+def keys_per_request(dim: int) -> int:
+    """The most keys one request to one shard may carry, for rows of dim values."""
+    return max(1, min(MAX_KEYS, MAX_ROW_VALUES // dim))
+
+
+def owner_of(keys: np.ndarray, shards: int) -> np.ndarray:
+    """The shard that owns each key. The high half of the hash: the table's slots use the low."""
+    return ((mix(keys) >> np.uint64(32)) % np.uint64(shards)).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys(protocol.Payload):
+    """Unique non-negative int64 keys, at most MAX_KEYS, after a uint32 count."""
+
+    keys: np.ndarray
+    COUNT: ClassVar[struct.Struct] = struct.Struct("<I")
+
+    def pack(self) -> bytes:
+        return self.COUNT.pack(self.keys.size) + np.ascontiguousarray(self.keys, dtype=KEY_DTYPE).tobytes()
+
+    @classmethod
+    def unpack(cls, frame: bytes | memoryview) -> Self:
+        if len(frame) < cls.COUNT.size:
+            raise errors.ProtocolError(f"a key list is {len(frame)} bytes, shorter than its count")
+        (count,) = cls.COUNT.unpack_from(frame)
+        if count > MAX_KEYS:
+            raise errors.ProtocolError(f"{count} keys in one request, at most {MAX_KEYS}")
+        if len(frame) != cls.COUNT.size + count * KEY_DTYPE.itemsize:
+            raise errors.ProtocolError(f"a key list of {len(frame)} bytes does not hold the {count} keys it declares")
+        keys = np.frombuffer(frame, dtype=KEY_DTYPE, count=count, offset=cls.COUNT.size).astype(np.int64)
+        payload = cls(keys)
+        payload.check()
+        return payload
+
+    def check(self) -> None:
+        if self.keys.size and int(self.keys.min()) < 0:
+            raise errors.ProtocolError("keys must be non-negative (63-bit)")
+        if np.unique(self.keys).size != self.keys.size:
+            raise errors.ProtocolError("keys must be unique within a request")
+
+
+SPARSE_PULL = protocol.define(OpSpec(20, "SPARSE_PULL", request=Keys, reply_array=True))
+SPARSE_PUSH = protocol.define(OpSpec(21, "SPARSE_PUSH", request=Keys, request_array=True, command=True))
+STATE_PREFIX = "sparse."
+
+
+class SparseRows:
+    """A shard's part of the embedding table: the rows whose keys it owns."""
+
+    def __init__(self, shard: Shard, *, dim: int, learning_rate: float, seed: int, admit_after: int = 1,
+                 expire_after: float | None = None, max_gradient_norm: float = float("inf")) -> None:
+        self.shard = shard
+        self.table = RowTable(dim, learning_rate=learning_rate, seed=seed, admit_after=admit_after,
+                              expire_after=expire_after)
+        self.max_gradient_norm = np.float32(min(max_gradient_norm, np.finfo(np.float32).max))
+        self._next_expiry = time.time() + self._expiry_interval()
+
+    @property
+    def dim(self) -> int:
+        return self.table.dim
+
+    def handlers(self) -> Mapping[OpSpec, Handler]:
+        return {SPARSE_PULL: self._pull, SPARSE_PUSH: self._push}
+
+    def repeat_handlers(self) -> Mapping[OpSpec, Handler]:
+        return {}
+
+    def array_values(self) -> int:
+        # The keys' frame (8 bytes a key) is capped by the same frame size: at least 3 values a key.
+        return keys_per_request(self.dim) * max(self.dim, 3)
+
+    # -- ops -------------------------------------------------------------------------------
+
+    def _pull(self, message: Message) -> Answer:
+        keys = self._owned(message.meta.keys)
+        return Answer(array=self.table.rows(keys).reshape(-1))
+
+    def _push(self, message: Message) -> Answer:
+        keys = self._owned(message.meta.keys)
+        grads = message.array
+        if grads is None or grads.size != keys.size * self.dim:
+            raise errors.ProtocolError(f"a sparse push of {keys.size} keys must carry {keys.size * self.dim} "
+                                       f"float32 values, got {message.header.count}")
+        now = time.time()
+        self.table.update(keys, self._bounded(grads.reshape(keys.size, self.dim)), now)
+        if now >= self._next_expiry:
+            self._expire(now)
+        return Answer()
+
+    def _owned(self, keys: np.ndarray) -> np.ndarray:
+        if keys.size > keys_per_request(self.dim):
+            raise errors.ProtocolError(f"{keys.size} keys in one request, at most {keys_per_request(self.dim)} "
+                                       f"for rows of {self.dim} values")
+        if keys.size and (owner_of(keys, self.shard.layout.shards) != self.shard.index).any():
+            raise errors.ProtocolError(f"keys sent to shard {self.shard.index} that another shard owns")
+        return keys
+
+    def _bounded(self, grads: np.ndarray) -> np.ndarray:
+        """Each row's gradient scaled down to max_gradient_norm; Refused if any is not finite.
+        Rows are independent parameters, so each gets its own bound."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            norms = np.sqrt(np.einsum("ij,ij->i", grads, grads, dtype=np.float64))
+        if not np.isfinite(grads).all():
+            raise errors.Refused("row gradients have non-finite values; update refused")
+        over = norms > self.max_gradient_norm
+        if not over.any():
+            return grads
+        self.shard.metrics.clipped.inc()
+        scale = np.where(over, self.max_gradient_norm / np.maximum(norms, 1e-30), 1.0).astype(np.float32)
+        return grads * scale[:, None]
+
+    def _expire(self, now: float) -> None:
+        dropped = self.table.expire(now)
+        self._next_expiry = now + self._expiry_interval()
+        if dropped:
+            log.info("event=rows_expired shard=%d dropped=%d rows=%d", self.shard.index, dropped, self.table.n)
+
+    def _expiry_interval(self) -> float:
+        expire_after = self.table.expire_after
+        return float("inf") if expire_after is None else max(1.0, expire_after / EXPIRY_CHECKS)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        t, n = self.table, self.table.n
+        base = float(t.touched[:n].min()) if n else 0.0
+        arrays = {"keys": _key_parts(t.keys[:n]), "values": t.values[:n], "accumulators": t.accumulators[:n],
+                  "touched": (t.touched[:n] - base).astype(np.float32)}
+        if t.counts is not None:  # capped at admitAfter (<= 1e6): exact in float32
+            arrays["admission"] = np.minimum(t.counts, t.admit_after).astype(np.float32)
+        meta = {"sparseRows": n, "sparseDim": self.dim, "sparseTouchBase": base}
+        return {STATE_PREFIX + name: array for name, array in arrays.items()}, meta
+
+    def restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        if STATE_PREFIX + "values" not in ckpt.arrays:
+            return  # written before the job had embeddings: the table starts empty
+        saved_dim = int(ckpt.meta.get("sparseDim", self.dim))
+        if saved_dim != self.dim:
+            raise errors.ConfigError(
+                f"shard {self.shard.index}: the checkpoints in {self.shard.settings.checkpoint_dir} hold embedding "
+                f"rows of dim {saved_dim}, the job asks for spec.model.embeddings.dim {self.dim}")
+        a = {name: ckpt.arrays[STATE_PREFIX + name] for name in ("keys", "values", "accumulators", "touched")}
+        n = a["accumulators"].size
+        self.table.load(_keys_from_parts(a["keys"]), a["values"].reshape(n, self.dim), a["accumulators"],
+                        a["touched"].astype(np.float64) + float(ckpt.meta.get("sparseTouchBase", 0.0)))
+        counts = ckpt.arrays.get(STATE_PREFIX + "admission")
+        if self.table.counts is not None and counts is not None and counts.size == self.table.counts.size:
+            self.table.counts[...] = counts
+        log.info("event=rows_restored shard=%d rows=%d", self.shard.index, n)
+
+
+def _key_parts(keys: np.ndarray) -> np.ndarray:
+    """Keys as [n, 3] float32 integers below 2**21: exact, and finite as checkpoints require."""
+    mask = (1 << KEY_PART_BITS) - 1
+    return np.stack([(keys >> (KEY_PART_BITS * i)) & mask for i in range(3)], axis=1).astype(np.float32)
+
+
+def _keys_from_parts(parts: np.ndarray) -> np.ndarray:
+    p = parts.reshape(-1, 3).astype(np.int64)
+    return p[:, 0] | (p[:, 1] << KEY_PART_BITS) | (p[:, 2] << (2 * KEY_PART_BITS))
+
+
+# -- the replica's side ----------------------------------------------------------------------
+
+
+class RowClient:
+    """Pulls and pushes rows of unique keys, each key to its owner, all shards at once."""
+
+    def __init__(self, group: ShardGroup, dim: int) -> None:
+        self.group, self.dim = group, dim
+
+    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, list[slice], list[Keys]]:
+        """The keys grouped by owner (order), each shard's span of that order, and its payload."""
+        owners = owner_of(keys, self.group.layout.shards)
+        order = np.argsort(owners, kind="stable")
+        ends = np.cumsum(np.bincount(owners, minlength=self.group.layout.shards))
+        spans = [slice(int(a), int(b)) for a, b in zip(np.r_[0, ends[:-1]], ends)]
+        return order, spans, [Keys(keys[order[span]]) for span in spans]
+
+    def pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
+        """The rows of keys ([n, dim], in the keys' order) and the last shards' replies."""
+        rows = np.empty((keys.size, self.dim), dtype=np.float32)
+        replies: list[Reply] = []
+        for chunk in self._chunks(keys.size):  # no shard gets more than MAX_KEYS keys in one request
+            rows[chunk], replies = self._pull(keys[chunk])
+        return rows, replies
+
+    def _pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
+        order, spans, metas = self._split(keys)
+        # Zeros: a shard that answers DONE sends no rows, and the step still computes on finite ones.
+        grouped = np.zeros((keys.size, self.dim), dtype=np.float32)
+        replies = self.group.request(SPARSE_PULL, meta=metas, receive_into=[grouped[s].reshape(-1) for s in spans])
+        rows = np.empty_like(grouped)
+        rows[order] = grouped
+        return rows, replies
+
+    def push(self, keys: np.ndarray, grads: np.ndarray) -> list[Reply]:
+        """Push each key's row gradient (grads [n, dim], in the keys' order) to its owner."""
+        replies: list[Reply] = []
+        for chunk in self._chunks(keys.size):
+            order, spans, metas = self._split(keys[chunk])
+            grouped = np.ascontiguousarray(grads[chunk][order], dtype=np.float32)
+            replies = self.group.request(SPARSE_PUSH, meta=metas, array=[grouped[s].reshape(-1) for s in spans])
+        return replies
+
+    def _chunks(self, n: int) -> list[slice]:
+        step = keys_per_request(self.dim)
+        return [slice(start, start + step) for start in range(0, n, step)]

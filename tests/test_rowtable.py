@@ -1,0 +1,107 @@
+"""The embedding row table: hash index, row-wise Adagrad, admission, expiry, state."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distbelief.runtime import rowtable
+from distbelief.runtime.rowtable import RowTable, initial_rows
+
+DIM = 4
+
+
+def _keys(n: int, seed: int = 0) -> np.ndarray:
+    return np.unique(np.random.default_rng(seed).integers(0, 2**63 - 1, n, dtype=np.int64))
+
+
+def test_lookup_finds_every_created_row_across_growth() -> None:
+    table = RowTable(DIM, learning_rate=0.1, seed=1)
+    keys = _keys(20_000)  # 20x the first capacity: the rows and the index double many times
+    for chunk in np.array_split(keys, 7):
+        table.update(chunk, np.zeros((chunk.size, DIM), np.float32), now=0.0)
+    assert table.n == keys.size
+    index = table.lookup(keys)
+    np.testing.assert_array_equal(np.sort(index), np.arange(keys.size))
+    np.testing.assert_array_equal(table.keys[index], keys)
+    assert (table.lookup(_keys(1000, seed=9)) == -1).all()
+
+
+def test_colliding_keys_in_one_batch_all_get_their_own_slot() -> None:
+    table = RowTable(DIM, learning_rate=0.1, seed=1)
+    slots = table._slot_keys.size
+    keys = np.arange(50, dtype=np.int64)
+    hashed = rowtable.mix(keys) & np.uint64(slots - 1)
+    same_slot = keys[hashed == hashed[0]]
+    # Many keys on a few slots: linear probing has to resolve clashes within one round.
+    crowd = np.unique(np.r_[same_slot, np.arange(0, 4000, 3)])
+    table.update(crowd, np.ones((crowd.size, DIM), np.float32), now=0.0)
+    np.testing.assert_array_equal(table.keys[table.lookup(crowd)], crowd)
+
+
+def test_a_missing_row_reads_as_its_initial_value_and_is_not_created() -> None:
+    table = RowTable(DIM, learning_rate=0.1, seed=7)
+    keys = np.array([3, 2**62, 12345], dtype=np.int64)
+    np.testing.assert_array_equal(table.rows(keys), initial_rows(keys, DIM, 7))
+    assert table.n == 0
+
+
+def test_initial_rows_depend_on_key_and_seed_only() -> None:
+    keys = _keys(1000)
+    first = initial_rows(keys, 16, seed=3)
+    np.testing.assert_array_equal(first[::-1], initial_rows(keys[::-1], 16, seed=3))
+    assert not np.allclose(first, initial_rows(keys, 16, seed=4))
+    assert np.abs(first).max() <= rowtable.INIT_SCALE
+    assert abs(float(first.mean())) < 0.005 and first.std() > 0.02  # spread over the range, centred
+    assert np.unique(first[:, 0]).size > 990  # rows differ
+
+
+def test_update_is_row_wise_adagrad_from_the_initial_value() -> None:
+    table = RowTable(DIM, learning_rate=0.5, seed=2)
+    keys = np.array([10, 20], dtype=np.int64)
+    rng = np.random.default_rng(0)
+    expected, acc = initial_rows(keys, DIM, 2).astype(np.float64), np.zeros(2)
+    for _ in range(3):
+        g = rng.standard_normal((2, DIM)).astype(np.float32)
+        table.update(keys, g, now=1.0)
+        acc += (g.astype(np.float64) ** 2).mean(axis=1)
+        expected -= 0.5 * g / (np.sqrt(acc)[:, None] + rowtable.EPSILON)
+    np.testing.assert_allclose(table.rows(keys), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(table.accumulators[table.lookup(keys)], acc, rtol=1e-5)
+
+
+def test_a_row_is_created_by_its_admitted_push_only() -> None:
+    table = RowTable(DIM, learning_rate=0.5, seed=2, admit_after=3)
+    keys = np.array([5, 6], dtype=np.int64)
+    g = np.ones((2, DIM), np.float32)
+    assert table.update(keys, g, now=0.0) == 0
+    assert table.update(keys[:1], g[:1], now=0.0) == 0
+    assert table.n == 0
+    assert table.update(keys, g, now=0.0) == 1  # key 5's third push; key 6 has two
+    np.testing.assert_array_equal(table.lookup(keys) >= 0, [True, False])
+    # The admitted push is applied: the row moved off its initial value.
+    assert not np.allclose(table.rows(keys[:1]), initial_rows(keys[:1], DIM, 2))
+
+
+def test_expiry_drops_rows_not_pushed_to_and_keeps_the_others_intact() -> None:
+    table = RowTable(DIM, learning_rate=0.5, seed=2, expire_after=10.0)
+    old, fresh = np.arange(0, 3000, dtype=np.int64), np.arange(3000, 3500, dtype=np.int64)
+    table.update(old, np.ones((old.size, DIM), np.float32), now=100.0)
+    table.update(fresh, np.ones((fresh.size, DIM), np.float32), now=105.0)
+    kept = table.rows(fresh)
+    assert table.expire(now=112.0) == old.size
+    assert table.n == fresh.size
+    np.testing.assert_array_equal(table.rows(fresh), kept)
+    assert (table.lookup(old) == -1).all()
+    np.testing.assert_array_equal(table.rows(old[:5]), initial_rows(old[:5], DIM, 2))
+    assert table.nbytes() < 200_000  # memory follows the rows that are left
+
+
+def test_load_replaces_every_row() -> None:
+    table = RowTable(DIM, learning_rate=0.5, seed=2)
+    table.update(np.arange(10, dtype=np.int64), np.ones((10, DIM), np.float32), now=0.0)
+    keys = np.array([7, 2**60], dtype=np.int64)
+    values = np.arange(2 * DIM, dtype=np.float32).reshape(2, DIM)
+    table.load(keys, values, np.array([1.0, 2.0], np.float32), np.array([5.0, 6.0]))
+    assert table.n == 2
+    np.testing.assert_array_equal(table.rows(keys), values)
+    assert table.lookup(np.array([3], dtype=np.int64))[0] == -1

@@ -1,0 +1,114 @@
+"""A job with embeddings: its spec, its held-out AUC, and the sparse example end to end
+(local mode: real shard and replica processes), including a killed shard."""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from distbelief.operator import local, report, scrape, spec
+from distbelief.runtime import contract, data, models
+
+from conftest import load_example
+
+EXAMPLE = "ctr-sparse.yaml"
+
+
+def _job(**model: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(load_example(EXAMPLE))
+    doc["spec"]["model"].update(model)
+    return doc
+
+
+def test_embeddings_get_their_defaults_and_bounds() -> None:
+    job = spec.validate_job(_job(embeddings={}))
+    assert job["spec"]["model"]["embeddings"] == {"dim": 16, "hashBuckets": 0, "admitAfter": 1}
+    for field, value in [("dim", 0), ("dim", 5000), ("hashBuckets", -1), ("admitAfter", 0),
+                         ("expireAfterSeconds", 0)]:
+        with pytest.raises(spec.SpecError, match=f"spec.model.embeddings.{field}"):
+            spec.validate_job(_job(embeddings={field: value}))
+
+
+def test_ids_only_data_without_embeddings_and_embeddings_under_sandblaster_are_refused() -> None:
+    doc = _job()
+    del doc["spec"]["model"]["embeddings"]
+    with pytest.raises(spec.SpecError, match="set spec.model.embeddings"):
+        spec.validate_job(doc)
+    doc = _job()
+    doc["spec"]["training"]["algorithm"] = "sandblaster"
+    with pytest.raises(spec.SpecError, match="spec.model.embeddings: needs spec.training.algorithm: downpour"):
+        spec.validate_job(doc)
+    doc = _job()
+    doc["spec"]["data"]["source"] = "synthetic-ctr:fields=2,ids=10,samples=100,zipf=0.1"
+    with pytest.raises(spec.SpecError, match="zipf must be within"):
+        spec.validate_job(doc)
+
+
+def test_auc_is_the_rank_statistic_with_ties_shared() -> None:
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 500)
+    scores = np.round(labels * 0.5 + rng.standard_normal(500), 1)  # many ties
+    assert models.auc(scores, labels) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
+    assert models.auc(np.arange(4.0), np.array([0, 0, 1, 1])) == 1.0
+    assert models.auc(np.ones(4), np.array([0, 1, 0, 1])) == 0.5
+    assert models.auc(np.arange(3.0), np.zeros(3, dtype=int)) is None
+
+
+def _run(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
+    code = local.LocalRun(spec.validate_job(doc), str(output)).run(progress=False)
+    return code, json.loads((output / report.REPORT_FILE).read_text())
+
+
+@pytest.mark.slow
+def test_the_sparse_example_trains_and_beats_trivial_baselines_on_auc(tmp_path: Path) -> None:
+    doc = load_example(EXAMPLE)
+    code, summary = _run(doc, tmp_path)
+    assert code == 0 and summary["phase"] == "Succeeded"
+    # Chance is 0.5; the planted model's ids carry real signal, and the example learns it.
+    assert summary["auc"] >= 0.72
+    _, y, _ = data.read_source(doc["spec"]["data"]["source"])
+    assert summary["accuracy"] > max(y.mean(), 1 - y.mean()) + 0.05  # beats the majority class
+    chief = tmp_path / "volumes" / "ctr-sparse-ps-0" / "checkpoints"
+    history = [json.loads(line) for line in (chief / contract.HISTORY_FILE).read_text().splitlines()]
+    assert all(0 <= row["auc"] <= 1 for row in history)
+    assert json.loads((chief / contract.RESULT_FILE).read_text())["auc"] == summary["auc"]
+    assert summary["globalStep"] >= doc["spec"]["training"]["maxSteps"]
+
+
+@pytest.mark.slow
+def test_a_killed_shard_comes_back_with_its_rows_and_the_sparse_job_completes(tmp_path: Path) -> None:
+    doc = load_example(EXAMPLE)
+    doc["spec"]["training"]["maxSteps"] = 3000
+    doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = 1
+    run = local.LocalRun(spec.validate_job(doc), str(tmp_path))
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
+    thread.start()
+    try:
+        port = run.shards[0].ports[contract.METRICS_PORT_NAME]
+        deadline = time.monotonic() + 120
+        while (scrape.read(f"http://127.0.0.1:{port}/metrics").global_step or 0) < 400:
+            assert time.monotonic() < deadline, "step 400 not reached"
+            time.sleep(0.2)
+        time.sleep(1.5)  # a periodic checkpoint lands
+        run.shards[1].process.send_signal(signal.SIGKILL)
+        thread.join(timeout=240)
+    finally:
+        run.interrupt()
+        thread.join(timeout=60)
+    summary = json.loads((tmp_path / report.REPORT_FILE).read_text())
+    assert codes == [0] and summary["phase"] == "Succeeded"
+    assert summary["restartsByPod"]["ctr-sparse-ps-1"] == 1
+    log = (tmp_path / "logs" / "ctr-sparse-ps-1.log").read_text()
+    restored = [int(line.split("rows=")[1].split()[0]) for line in log.splitlines() if "event=rows_restored" in line]
+    assert restored and restored[0] > 1000, "the restarted shard lost its embedding rows"
+    assert summary["auc"] >= 0.65
