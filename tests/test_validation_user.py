@@ -133,3 +133,19 @@ def test_run_and_predict_take_one_job_per_file(tmp_path: Path) -> None:
         done = distbelief(command, str(path))
         assert done.returncode == 2
         assert done.stderr.strip() == f"error: {path}: distbelief {command} takes one DistBeliefJob per file, found 2 documents"
+
+
+def test_every_pattern_of_the_crd_is_explained_with_an_example() -> None:
+    """A pattern the CRD gains without an explanation would show users a raw regex."""
+    from distbelief.operator import schemawalk
+
+    def patterns(node: object) -> set[str]:
+        if isinstance(node, dict):
+            found = {node["pattern"]} if isinstance(node.get("pattern"), str) else set()
+            return found.union(*(patterns(v) for v in node.values()))
+        if isinstance(node, list):
+            return set().union(*(patterns(v) for v in node))
+        return set()
+
+    missing = patterns(spec.openapi_schema()) - set(schemawalk.PATTERN_RULES)
+    assert not missing, f"patterns without an explanation: {sorted(missing)}"
