@@ -52,7 +52,7 @@ except ImportError:  # running from a checkout without the editable install
 import numpy as np
 import zmq
 
-from distbelief.runtime import optim
+from distbelief.runtime import optim, transport
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import Status
@@ -165,7 +165,7 @@ def shard_figures(params: int, shards: int, repeats: int, calls: int, io_threads
     servers = ShardProcesses(params, shards)
     context = zmq.Context(io_threads=io_threads)
     group = ShardGroup(servers.addresses, layout, timeouts=Timeouts(request=30.0, unavailable=120.0),
-                       context=context)
+                       transport_=transport.ZmqTransport(context))
     try:
         assert all(r.header.status == Status.OK for r in group.hello())
         out = np.empty(layout.total, dtype=np.float32)
