@@ -6,8 +6,10 @@ another replica."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -15,7 +17,7 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import errors, keys
+from distbelief.runtime import dense, errors, keys
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
@@ -144,3 +146,51 @@ def test_a_keys_folder_of_an_earlier_version_gets_the_chief_s_keypair(tmp_path: 
     assert (upgraded.server_secret, upgraded.client_secret) == (made.server_secret, made.client_secret)
     assert upgraded.chief_secret is not None and upgraded.chief_public not in (made.chief_public, None)
     upgraded._check_pairs(str(tmp_path))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _count(histogram) -> float:
+    return next(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
+
+
+def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: keys.JobKeys) -> None:
+    """400 pulls of a 1 MB slice, none of them read: without a send high-water mark the
+    shard would queue 400 MB of copies; with one it keeps a bounded few and drops the rest,
+    and goes on serving others."""
+    import zmq
+
+    from distbelief.runtime import protocol
+
+    layout = Layout.of([("w", (250_000,))], shards=1)
+    live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32),
+                        security=job_keys.server_security())
+    greedy = zmq.Context.instance().socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    greedy.setsockopt(zmq.RCVHWM, 1)  # it reads nothing, so what piles up piles up at the shard
+    for option, value in job_keys.client_options().items():
+        greedy.setsockopt(option, value)
+    greedy.connect(live.addresses[0])
+    group = live.group(security=job_keys.client_options())
+    try:
+        group.hello()  # the shard is up and admits the key
+        before = _rss_bytes()
+        pull = protocol.Header(op=dense.PULL.code, shard=0, layout=layout.hash)
+        for seq in range(400):
+            greedy.send(dataclasses.replace(pull, seq=seq).pack())
+        pulls = live.shards[0].metrics.request_seconds("PULL")
+        deadline = time.monotonic() + 60
+        while _count(pulls) < 400 and time.monotonic() < deadline:  # every one answered (or dropped)
+            time.sleep(0.05)
+        assert _count(pulls) >= 400
+        out = np.empty(layout.total, np.float32)
+        assert [r.step for r in group.pull(out)] == [0]  # and others are still served
+        grown = _rss_bytes() - before
+        assert grown < 150 * 1024 * 1024, f"RSS grew by {grown} bytes"
+    finally:
+        greedy.close()
+        group.close()
+        live.stop()

@@ -170,3 +170,14 @@ def test_a_two_class_jobs_auc_reaches_the_status_and_other_jobs_have_none() -> N
     assert status["auc"] == 0.8125
     silent = compute_status(job(**status), Observed(shards_ready=2, workers_ready=3), LATER)
     assert silent["auc"] == 0.8125
+
+
+def test_a_replica_that_exited_on_a_non_finite_loss_fails_the_job_on_a_cluster() -> None:
+    message = "INFO x\nerror: the training loss was nan for 3 pushes in a row, at global step 17\n"
+    pods = [_pod("digits-ps-0", "ps"),
+            _pod("digits-worker-abc", "worker", state={"terminated": {"exitCode": 3, "message": message}})]
+    seen = pod_failures(pods)
+    assert seen["non_finite_loss"] == "digits-worker-abc: error: the training loss was nan for 3 pushes in a row, " \
+                                      "at global step 17"
+    failed = compute_status(job(), Observed(shards_ready=2, workers_ready=2, **seen), NOW)
+    assert condition(failed, "Failed")["reason"] == "NonFiniteLoss"

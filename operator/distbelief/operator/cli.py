@@ -43,6 +43,9 @@ def _report(exc: Exception) -> int:
     if isinstance(exc, (errors.ConfigError, errors.LayoutMismatch, errors.CheckpointError)):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    if isinstance(exc, errors.Diverged):
+        print(f"error: {exc}", file=sys.stderr)
+        return contract.EXIT_NON_FINITE_LOSS
     if isinstance(exc, (errors.RuntimeFailure, OSError)):
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 import signal
 import sys
@@ -44,7 +43,6 @@ STOP_GRACE_SECONDS = 15.0
 BACKOFF_START, BACKOFF_MAX = 1.0, 30.0
 # Polls in a row a replica's last minibatch loss must be non-finite before the job fails:
 # the shards drop such pushes, so a diverged model would otherwise hang the job.
-NON_FINITE_POLLS = 3
 KEYS_FOLDER = "keys"
 # The signals that stop a run as Ctrl-C does: every pod checkpoints, the run ends Suspended.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -95,7 +93,6 @@ class LocalRun:
         self._interrupted = False
         self.status: dict[str, Any] = {}
         self._history_at_start = 0
-        self._non_finite: dict[str, int] = {}
 
     @property
     def pods(self) -> list[LocalPod]:
@@ -144,7 +141,7 @@ class LocalRun:
                 return "Suspended", "Interrupted: checkpoints kept; run again to resume"
             figures = scrape.read(live.url, timeout=report.SCRAPE_TIMEOUT)
             replicas = self._scrape_replicas()
-            status = self._status(figures, replicas)
+            status = self._status(figures)
             if status["phase"] in TERMINAL:
                 return self._ending(status)
             if all(pod.poll() == 0 for pod in self.shards):
@@ -166,21 +163,22 @@ class LocalRun:
         return {pod.name: scrape.read(pod.metrics_url, timeout=report.SCRAPE_TIMEOUT)
                 for pod in self.workers if pod.running}
 
-    def _status(self, figures: scrape.Figures, replicas: Mapping[str, scrape.Figures]) -> dict[str, Any]:
+    def _status(self, figures: scrape.Figures) -> dict[str, Any]:
         """The job's new status from compute_status, as the operator would write it."""
         if all(pod.poll() == 0 for pod in self.shards):
             figures = _decided(report.read_result(self.chief_dir)) or figures
-        self.status = compute_status({**self.job, "status": self.status}, self._observe(figures, replicas),
+        self.status = compute_status({**self.job, "status": self.status}, self._observe(figures),
                                      datetime.datetime.now(datetime.timezone.utc))
         return self.status
 
-    def _observe(self, figures: scrape.Figures, replicas: Mapping[str, scrape.Figures]) -> Observed:
+    def _observe(self, figures: scrape.Figures) -> Observed:
         """What the operator would read from the cluster, read from the local processes. A
         crashed pod counts its coming restart, as a container's restartCount does."""
         crashed = {pod.name: pod.poll() not in (None, 0) for pod in self.pods}
         restarts = {pod.name: pod.restarts + crashed[pod.name] for pod in self.pods}
         worst = max(self.shards, key=lambda pod: restarts[pod.name])
         invalid = next((pod for pod in self.pods if pod.poll() == contract.EXIT_INVALID_CONFIG), None)
+        diverged = next((pod for pod in self.workers if pod.poll() == contract.EXIT_NON_FINITE_LOSS), None)
         return Observed(
             shards_ready=sum(pod.running for pod in self.shards), workers=len(self.workers),
             workers_ready=sum(pod.running for pod in self.workers), shard_restarts=restarts[worst.name],
@@ -188,18 +186,7 @@ class LocalRun:
             invalid_config=f"{invalid.name}: {invalid.last_error_line()}" if invalid else None,
             shard_failure=f"{worst.name} exited with code {worst.exit_code}; last log line: "
                           f"{worst.last_log_line()}" if crashed[worst.name] else None,
-            non_finite_loss=self._non_finite_loss(figures.global_step, replicas))
-
-    def _non_finite_loss(self, step: int | None, replicas: Mapping[str, scrape.Figures]) -> str | None:
-        """Which replica's minibatch loss has stayed NaN or infinite for NON_FINITE_POLLS polls."""
-        for pod in self.workers:
-            seen = replicas.get(pod.name, scrape.Figures())
-            bad = seen.replica_loss is not None and not math.isfinite(seen.replica_loss)
-            self._non_finite[pod.name] = self._non_finite.get(pod.name, 0) + 1 if bad else 0
-            if self._non_finite[pod.name] >= NON_FINITE_POLLS:
-                return (f"{pod.name} computed a training loss of {seen.replica_loss} at global step {step} "
-                        f"(its minibatch {seen.replica_steps}): lower spec.training.learningRate, or check the data")
-        return None
+            non_finite_loss=f"{diverged.name}: {diverged.last_error_line()}" if diverged else None)
 
     def _ending(self, status: Mapping[str, Any]) -> tuple[str, str]:
         """(phase, reason) of a final status. The chief's own decision is let finish: the shards
@@ -220,11 +207,12 @@ class LocalRun:
             time.sleep(0.1)
 
     def _restart_crashed(self) -> None:
-        """Restart crashed pods with back-off; a pod that exited with a config error never is."""
+        """Restart crashed pods with back-off; one that exited with a config error, or a replica
+        whose loss went non-finite, never is (a restart cannot help either)."""
         now = time.monotonic()
         for pod in self.pods:
             code = pod.poll()
-            if code in (None, 0, contract.EXIT_INVALID_CONFIG):
+            if code in (None, 0, contract.EXIT_INVALID_CONFIG, contract.EXIT_NON_FINITE_LOSS):
                 continue
             if pod.restart_at == 0.0:
                 delay = min(BACKOFF_MAX, BACKOFF_START * 2 ** pod.restarts)

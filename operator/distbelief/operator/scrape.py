@@ -40,7 +40,6 @@ class Figures:
     checkpoint_time: float | None = None
     finished_reason: str | None = None
     finished_outcome: str | None = None
-    replica_loss: float | None = None       # a replica's: the loss of its last minibatch
     replica_steps: int | None = None        # a replica's: the minibatches it computed
     replica_examples: int | None = None     # a replica's: the examples it trained on
     staleness_max: int | None = None        # the largest staleness of an update shard 0 applied
@@ -83,7 +82,6 @@ def parse(text: str) -> Figures:
         checkpoint_time=values.get(M.CHECKPOINT_TIME) or None,
         finished_reason=finished[0] if finished else None,
         finished_outcome=finished[1] if finished else None,
-        replica_loss=values.get(M.WORKER_LOSS),
         replica_steps=integer(M.WORKER_STEPS + "_total"),
         replica_examples=integer(M.WORKER_EXAMPLES + "_total"),
     )

@@ -42,8 +42,8 @@ class Observed:
 def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
     """The fields of Observed that a job's pods show: the most restarts of one shard
     container and how it last ended, and the first container that exited with a config
-    error (which restarting cannot fix)."""
-    invalid, restarts, failure = None, 0, None
+    error, and the first replica whose loss went non-finite (neither can a restart fix)."""
+    invalid, diverged, restarts, failure = None, None, 0, None
     for pod in pods:
         name, role = pod["metadata"]["name"], (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
         for container in (pod.get("status") or {}).get("containerStatuses", []):
@@ -51,11 +51,15 @@ def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
             bad = next((end for end in ends if end.get("exitCode") == contract.EXIT_INVALID_CONFIG), None)
             if bad is not None and invalid is None:
                 invalid = f"{name}: {_last_line(bad.get('message')) or 'exited with a config error'}"
+            lost = next((end for end in ends if end.get("exitCode") == contract.EXIT_NON_FINITE_LOSS), None)
+            if lost is not None and diverged is None:
+                diverged = f"{name}: {_last_line(lost.get('message')) or 'its training loss went non-finite'}"
             if role == contract.ROLE_PS and container.get("restartCount", 0) >= max(restarts, 1):
                 restarts, last = container["restartCount"], ends[1]
                 failure = f"{name} last exited with code {last['exitCode']}: {_last_line(last.get('message'))}" \
                     if "exitCode" in last else None
-    return {"invalid_config": invalid, "shard_restarts": restarts, "shard_failure": failure}
+    return {"invalid_config": invalid, "non_finite_loss": diverged, "shard_restarts": restarts,
+            "shard_failure": failure}
 
 
 def _last_line(text: str | None) -> str:

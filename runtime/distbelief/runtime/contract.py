@@ -303,6 +303,9 @@ def source_params(body: str, kind: str, bounds: Mapping[str, tuple[float, float]
 # an unusable checkpoint): restarting cannot help, so local mode and the operator end the
 # job at once (reason InvalidConfig) instead of retrying it as a crash.
 EXIT_INVALID_CONFIG = 2
+# The exit code of a replica whose training loss stayed non-finite (the model diverged):
+# restarting it would diverge again, so the job fails at once (reason NonFiniteLoss).
+EXIT_NON_FINITE_LOSS = 3
 
 
 def _number(text: str, *, real: bool) -> float | None:

@@ -13,7 +13,8 @@
     ├── Stopped              the role was asked to stop while it waited
     ├── CheckpointError      a checkpoint that cannot be written
     │   └── CorruptCheckpoint  a checkpoint that cannot be trusted on read
-    └── ConfigError          a resolved config or data source the roles cannot use
+    ├── ConfigError          a resolved config or data source the roles cannot use
+    └── Diverged             a replica whose training loss stayed non-finite
 
 ZeroMQ's own errors are translated into these inside transport.py; nothing above it
 sees a zmq exception. A shard's ProtocolError travels back as an error reply whose code
@@ -85,3 +86,7 @@ class ShardRestarted(RuntimeFailure):
 
 class JobFinished(RuntimeFailure):
     """A shard answered that the job is done."""
+
+
+class Diverged(RuntimeFailure):
+    """A replica's training loss stayed non-finite: the model diverged."""

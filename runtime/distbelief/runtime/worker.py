@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from distbelief.runtime import models
+from distbelief.runtime import errors, models
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.data import Dataset, minibatches
 from distbelief.runtime.metrics import WorkerMetrics
@@ -31,6 +31,7 @@ from distbelief.runtime.metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 WARMSTART_POLL_SECONDS = 0.5
+NON_FINITE_PUSHES = 3  # pushes in a row behind a non-finite loss before a replica gives up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Worker:
         self.joined = threading.Event()
         self.steps = 0
         self._counted = (0, 0, 0)
+        self._non_finite = 0  # pushes in a row behind a non-finite loss
 
     def run(self) -> str:
         """Train until the job is done or stop is requested; returns why it ended."""
@@ -120,13 +122,20 @@ class Worker:
         """Push the accumulated gradient; with fetch, the replies also refill self.params.
 
         A gradient behind a non-finite loss is dropped, not pushed (the shards would refuse
-        it): the replica goes on computing, its loss gauge says NaN, and the job's status
-        fails it as NonFiniteLoss."""
+        it); after NON_FINITE_PUSHES such pushes in a row the model has diverged, and the
+        replica stops with Diverged (its exit code fails the job as NonFiniteLoss)."""
         if not np.isfinite(loss):
+            self._non_finite += 1
             log.error("event=non_finite_loss worker=%08x step=%d action=gradient_dropped", self.group.worker_id,
                       self.steps)
+            if self._non_finite >= NON_FINITE_PUSHES:
+                raise errors.Diverged(
+                    f"the training loss was {loss} for {self._non_finite} pushes in a row, at global step "
+                    f"{max(self.pulled_steps)} (this replica's minibatch {self.steps}): lower "
+                    "spec.training.learningRate, or check the data")
             self.accumulated[...] = 0
             return self._pull() if fetch else False
+        self._non_finite = 0
         started = time.perf_counter()
         if fetch:
             replies = self.group.push_and_pull(self.accumulated, self.params, steps=self.pulled_steps,
