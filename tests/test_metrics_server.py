@@ -63,7 +63,8 @@ def test_idle_flood_keeps_healthz_answering_with_bounded_threads(metrics: Metric
                 for _ in range(300)]
         for _ in range(3):
             assert get(metrics.port, "/healthz") == (200, b"ok\n")
-        assert threading.active_count() <= threads_before
+        # A thread per connection would add 300; a few may come and go elsewhere in the process.
+        assert threading.active_count() <= threads_before + 3
         # The server keeps at most 64 sockets: it closed the oldest idle ones for newcomers.
         assert sum(closed_by_peer(s) for s in idle) >= 300 - 64
 
