@@ -43,6 +43,13 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
     assert all(len(row["replicaExamplesPerSecond"]) == 3 for row in training[2:])
     assert all(0 < row["trainLoss"] < 10 for row in training)
     assert [row["step"] for row in training] == sorted(row["step"] for row in training)
+    [history] = (tmp_path / "volumes").glob(f"digits-ps-0/{contract.CHECKPOINT_VOLUME}/{contract.HISTORY_FILE}")
+    evaluations = [json.loads(line) for line in history.read_text().splitlines()]
+    working = [row for row in evaluations if row["replicas"]]  # the chief's history, on a cluster too
+    assert working and all(0 < row["trainLoss"] < 10 and row["replicas"] <= 3 for row in working)
+    assert max(row["replicas"] for row in working) == 3
+    assert all(row["examplesPerSecondPerReplica"] == pytest.approx(row["examplesPerSecond"] / row["replicas"])
+               for row in working)
     shard_logs = sorted((tmp_path / "logs").glob("digits-ps-*.log"))
     assert len(shard_logs) == 2
     for log in shard_logs:  # the shards ran with the job's keys

@@ -63,7 +63,7 @@ class StoppingRules:
 class Chief:
     def __init__(self, *, group: ShardGroup, model: models.Model, dataset: Dataset, rules: StoppingRules,
                  eval_every: float, max_eval_examples: int, output_dir: str, start_time: float,
-                 metrics: ChiefMetrics, throughput: Callable[[], tuple[int, float]],
+                 metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
                  optimiser_state: Callable[[], dict | None] = lambda: None,
                  held_out: Callable[[], tuple[models.Model, np.ndarray]] | None = None) -> None:
         """held_out: the model to score and its held-out inputs, when they are not the data's x
@@ -71,7 +71,7 @@ class Chief:
         self.group, self.model, self.rules = group, model, rules
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
-        self.throughput = throughput  # (examples so far, examples/s now) from shard 0
+        self.training = training  # shard 0's training figures (examples, examples/s, train loss, replicas)
         self.optimiser_state = optimiser_state  # Sandblaster's committed state on shard 0, if any
         self.x_test = dataset.x_test[:max_eval_examples]
         self.y_test = dataset.y_test[:max_eval_examples]
@@ -138,9 +138,8 @@ class Chief:
         self.metrics.loss.set(loss)
         self.metrics.accuracy.set(accuracy)
         self.metrics.evaluated_step.set(step)
-        examples, rate = self.throughput()
         line = {"time": time.time(), "elapsed": round(elapsed, 3), "step": step, "loss": loss,
-                "accuracy": accuracy, "examples": examples, "examplesPerSecond": rate}
+                "accuracy": accuracy, **self.training()}
         if auc is not None:
             line["auc"] = auc
             self.metrics.auc.set(auc)
@@ -151,7 +150,7 @@ class Chief:
     def _finish(self, reason: str, outcome: str, *, step: int, loss: float, accuracy: float, elapsed: float,
                 auc: float | None) -> None:
         self.metrics.finished.labels(reason=reason, outcome=outcome).set(1)
-        examples = self.throughput()[0]
+        examples = self.training()["examples"]
         result = {"phase": outcome, "reason": reason, "globalStep": step, "loss": loss, "accuracy": accuracy,
                   "examples": examples, "examplesPerSecond": examples / elapsed if elapsed > 0 else 0.0,
                   "trainingSeconds": round(elapsed, 3), "finishedAt": time.time()}

@@ -118,7 +118,7 @@ def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, algorithm: algor
                   rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
                   max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry),
-                  throughput=lambda: (server.examples_total, server.examples_per_second),
+                  training=server.training_figures,
                   optimiser_state=algorithm.optimiser_state(server), held_out=algorithm.held_out(job, group))
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop

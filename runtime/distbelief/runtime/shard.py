@@ -83,6 +83,7 @@ class Shard:
         self._last_command: OrderedDict[tuple, tuple[int, int, list | None]] = OrderedDict()
         self._last_checkpoint = (time.monotonic(), -1)
         self._train_loss: float | None = None
+        self._pushed_at: dict[tuple, float] = {}  # peer -> when it last pushed (replicas at work)
         self._saved_finished = False
         self._checkpoint_failures = 0  # in a row; reset by the next checkpoint that lands
 
@@ -307,8 +308,20 @@ class Shard:
             self.metrics.staleness_max.set(staleness)
         self.count_examples(examples)
         self._train_loss = loss if self._train_loss is None else (1 - LOSS_EMA) * self._train_loss + LOSS_EMA * loss
+        self._pushed_at[self._peer] = time.monotonic()
+        if len(self._pushed_at) > REMEMBERED_PEERS:
+            self._pushed_at = dict(sorted(self._pushed_at.items(), key=lambda kv: kv[1])[-REMEMBERED_PEERS // 2:])
         self.metrics.train_loss.set(self._train_loss)
         self.step_reached(self.step)
+
+    def training_figures(self) -> dict[str, Any]:
+        """Examples so far and per second, the replicas' mean minibatch loss, and how many
+        replicas pushed within the rate window (for the chief's history)."""
+        now = time.monotonic()
+        replicas = sum(now - at <= RATE_WINDOW_SECONDS for at in list(self._pushed_at.values()))
+        rate = self.examples_per_second
+        return {"examples": self.examples_total, "examplesPerSecond": rate, "trainLoss": self._train_loss,
+                "replicas": replicas, "examplesPerSecondPerReplica": rate / replicas if replicas else None}
 
     def count_examples(self, examples: int) -> None:
         """Examples trained on, for the totals and the examples/s rate."""
