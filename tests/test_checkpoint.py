@@ -382,3 +382,12 @@ def test_checkpoint_of_another_layout_or_shard_is_an_error(tmp_path, layout, sha
     assert f"not shard {SHARD} of layout {LAYOUT:016x}" in message
     assert "another checkpoint folder" in message
     assert snapshot(tmp_path) == before  # the user's work is neither renamed nor deleted
+
+
+def test_a_folder_replaced_by_a_file_right_after_a_write_lists_no_checkpoints(tmp_path):
+    """The folder can be moved away between a checkpoint's rename and its pruning (an
+    operator's mistake, a volume going away): pruning must not take the shard down."""
+    target = tmp_path / "file"
+    target.write_text("not a folder")
+    assert checkpoint.list_checkpoints(str(target)) == []
+    checkpoint._prune(str(target), keep=1)  # nothing to prune, and no error

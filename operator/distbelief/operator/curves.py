@@ -61,14 +61,19 @@ class Recorder:
 
 
 def read(output: str) -> list[dict[str, Any]]:
+    return read_json_lines(os.path.join(output, CURVES_FILE))
+
+
+def read_json_lines(path: str) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file; none if it is absent, and never a line cut short by a crash."""
     rows = []
     try:
-        with open(os.path.join(output, CURVES_FILE), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             for line in f:
                 try:
                     rows.append(json.loads(line))
                 except ValueError:
-                    continue  # a line cut short by a crash
+                    continue
     except OSError:
         pass
     return rows

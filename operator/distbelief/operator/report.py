@@ -72,17 +72,7 @@ def read_result(chief_dir: str) -> dict[str, Any] | None:
 
 
 def read_history(chief_dir: str) -> list[dict[str, Any]]:
-    rows = []
-    try:
-        with open(os.path.join(chief_dir, contract.HISTORY_FILE), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    continue  # a line cut short by a crash
-    except OSError:
-        pass
-    return rows
+    return curves.read_json_lines(os.path.join(chief_dir, contract.HISTORY_FILE))
 
 
 def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, started: float,

@@ -129,7 +129,7 @@ def list_checkpoints(folder: str) -> list[str]:
     """Checkpoint files in folder, newest first."""
     try:
         names = [n for n in os.listdir(folder) if n.startswith("step-") and n.endswith(SUFFIX)]
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # gone, or replaced while a write finished
         return []
     return [os.path.join(folder, n) for n in sorted(names, reverse=True)]
 
