@@ -129,9 +129,12 @@ def test_random_sigkills_of_shards_and_replicas_lose_nothing_but_the_last_interv
         assert restarts == sum(k["pod"] == name for k in kills), name
     assert summary["globalStep"] >= MAX_STEPS
 
-    # As accurate as the clean run, within one point of held-out accuracy.
-    assert clean_summary["accuracy"] >= 0.95
-    assert abs(summary["accuracy"] - clean_summary["accuracy"]) <= 0.01, (summary, clean_summary)
+    # As accurate as the clean run. The held-out set has 359 examples: at 98 % accuracy one
+    # run's figure has a standard deviation of 0.7 points, a difference of two runs about
+    # 0.9, so "within one point" failed about one run in four by chance alone. Within 2.5
+    # points (below 3 standard deviations), and both above the example's own bar.
+    assert clean_summary["accuracy"] >= 0.95 and summary["accuracy"] >= 0.95, (summary, clean_summary)
+    assert abs(summary["accuracy"] - clean_summary["accuracy"]) <= 0.025, (summary, clean_summary)
 
     # Each shard resumed from its newest checkpoint: what a kill loses is at most the
     # updates applied since that checkpoint, and a shard's checkpoints never go back.
