@@ -232,9 +232,10 @@ class Message:
     array: np.ndarray | None = None
 
 
-def parse_request(frames: list[memoryview]) -> Message:
-    """Check a request's frames against its op's spec; ProtocolError says what is wrong."""
-    header = unpack_header(frames[0])
+def parse_request(frames: list[memoryview], header: Header | None = None) -> Message:
+    """Check a request's frames against its op's spec; ProtocolError says what is wrong.
+    header: frames[0] already parsed (the shard reads it first to address its errors)."""
+    header = header or unpack_header(frames[0])
     if header.status != Status.OK or header.error != ErrorCode.NONE:  # statuses are the shard's to give
         raise errors.ProtocolError("a request must have status OK and no error code")
     spec = spec_of(header.op)

@@ -192,7 +192,7 @@ class Shard:
     def _answer(self, header: Header, incoming: transport.Incoming) -> list:
         try:
             self._check(header, incoming.user)
-            message = protocol.parse_request(incoming.frames)
+            message = protocol.parse_request(incoming.frames, header)
         except errors.ProtocolError as exc:
             self._reject(str(exc))
             return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
