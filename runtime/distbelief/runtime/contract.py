@@ -52,6 +52,12 @@ SHARD_PORT_NAME = "ps"
 # Sandblaster's coordinator runs beside shard 0 and takes replicas' requests on this port.
 COORDINATOR_PORT = 7171
 COORDINATOR_PORT_NAME = "coordinator"
+# A partitioned replica's stages (spec.model.partitions > 1): each worker pod serves the
+# activations of its stage's upstream neighbour on this port, and finds its group's other
+# pods through the rendezvous beside shard 0 (on the coordinator port, which Downpour
+# leaves free).
+STAGE_PORT = 7172
+STAGE_PORT_NAME = "stage"
 HEALTH_PATH = "/healthz"   # liveness: the process runs
 READY_PATH = "/readyz"     # readiness: the role serves (a shard restored, a replica joined)
 
@@ -74,6 +80,12 @@ SCRATCH_DIR = "/tmp"
 ENV_POD_NAME = "POD_NAME"
 ENV_PS_ADDRESSES = "DISTBELIEF_PS_ADDRESSES"
 ENV_COORDINATOR_ADDRESS = "DISTBELIEF_COORDINATOR_ADDRESS"
+# A partitioned job's worker pods: which partition (0..N-1) the pod computes, and the
+# address its stage serves on, as its group's other pods reach it (on a cluster
+# tcp://$(POD_IP):STAGE_PORT, POD_IP from the downward API).
+ENV_PARTITION = "DISTBELIEF_PARTITION"
+ENV_POD_IP = "POD_IP"
+ENV_STAGE_ADDRESS = "DISTBELIEF_STAGE_ADDRESS"
 
 # Files the chief (shard 0) writes beside its checkpoints.
 HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation
@@ -131,6 +143,10 @@ class JobNames:
         """The Deployment (and the HPA) of the model replicas."""
         return self.job + WORKER_SUFFIX
 
+    def worker_partition(self, partition: int) -> str:
+        """The Deployment of one partition's pods in a job with spec.model.partitions > 1."""
+        return f"{self.worker}-p{partition}"
+
     def shard_pod(self, index: int) -> str:
         return f"{self.ps}-{index}"
 
@@ -181,8 +197,13 @@ class JobConfig:
     def sandblaster(self) -> bool:
         return self.spec.get("training", {}).get("algorithm") == "sandblaster"
 
+    @property
+    def partitions(self) -> int:
+        return int(self.spec["model"].get("partitions", 1))
+
     def coordinator_address(self, environ: Mapping[str, str] = os.environ) -> str:
-        """Where Sandblaster's coordinator listens: beside shard 0 (or the override)."""
+        """Where Sandblaster's coordinator, or a partitioned job's rendezvous, listens: beside
+        shard 0 (or the override)."""
         override = environ.get(ENV_COORDINATOR_ADDRESS, "").strip()
         return override or self.names.shard_address(0, self.namespace, COORDINATOR_PORT)
 
