@@ -20,10 +20,11 @@ from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import WorkerMetrics
 from distbelief.runtime.models import Mlp, evaluate
 from distbelief.runtime.pipeline import staged
-from distbelief.runtime.pipeline.ops import APPLY_HELD, HOLD, ApplyHeld, Held
+from distbelief.runtime.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
 from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
 from distbelief.runtime.pipeline.stages import plan
+from distbelief.runtime.protocol import Status
 
 TIMEOUTS = Timeouts(request=2.0, unavailable=20.0)
 
@@ -194,3 +195,39 @@ def test_held_gradients_expire_and_are_bounded(monkeypatch) -> None:
     now[0] += staged.HELD_SECONDS + 1
     held._expire(now[0])
     assert not held._held
+
+
+def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluster) -> None:
+    c = cluster(2, 2)
+    later = c.pod(1)
+    thread = run_in_thread(later)
+    stop = threading.Event()
+    me = RendezvousLink(c.rendezvous.endpoint, partition=0, me="tester", worker_id=1, layout=c.layout.hash,
+                        security=None, stop=stop)
+    view = me.wait_for_group()
+    tp = transport.default()
+    link = tp.link(view["downstream"], None, watch=False)
+    width = later.stage.input_width
+    good = np.concatenate([np.zeros(4 * width, np.float32), np.array([1, 2, 3, 4], np.float32)])
+    bad_labels = good.copy()
+    bad_labels[-1] = 0.5
+
+    def forward(seq: int, group: int, body: np.ndarray, rows: int = 4):
+        header = protocol.Header(op=FORWARD.code, shard=0, layout=c.layout.hash, seq=seq, count=body.size)
+        link.send([header.pack(), Forward(group, 5, rows, width, 0).pack(), memoryview(body)])
+        assert tp.wait([link], 10.0)
+        received = link.receive()
+        return protocol.unpack_header(received.header), received
+
+    header, received = forward(1, view["group"] ^ 2, good)
+    assert header.status == Status.ERROR and b"group" in bytes(received.frames[0])
+    header, received = forward(2, view["group"], bad_labels)
+    assert header.status == Status.ERROR and b"labels" in bytes(received.frames[0])
+    header, received = forward(3, view["group"], good)
+    assert header.status == Status.OK and header.count == 4 * width
+    assert np.isfinite(protocol.float_view(received.frames[1], header.count)).all()
+    assert c.steps() == [0, 0]  # no PUSH flag: nothing held, nothing applied
+    link.close()
+    me.close()
+    c.stop.set()
+    thread.join(timeout=10)

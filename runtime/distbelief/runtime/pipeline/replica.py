@@ -282,6 +282,8 @@ class LaterPartition(PartitionPod):
         self.server.close()
 
     def train(self) -> bool:
+        if self.pull():  # whatever the group's first FORWARD says, this pod computes from its shards' state
+            return True
         while not self.stop_requested.is_set():
             if self.server.poll(SERVE_POLL_SECONDS):
                 incoming = self.server.receive()
