@@ -25,6 +25,7 @@ from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
 from distbelief.runtime.pipeline.stages import plan
 from distbelief.runtime.protocol import Status
+from distbelief.runtime.worker import Worker, WorkerSettings
 
 TIMEOUTS = Timeouts(request=2.0, unavailable=20.0)
 
@@ -46,7 +47,7 @@ class Cluster:
     def steps(self) -> list[int]:
         return [s.step for s in self.shards.shards]
 
-    def pod(self, partition: int, stop: threading.Event | None = None, batch: int = 32):
+    def pod(self, partition: int, stop: threading.Event | None = None, batch: int = 32, seed: int | None = None):
         stop = stop or self.stop
         stages = plan(self.model, len(self.layout.stages) + 1).stages
         stage = stages[partition]
@@ -61,7 +62,7 @@ class Cluster:
         me = server.endpoint if server else f"partition-0/{group.worker_id:08x}"
         rendezvous = RendezvousLink(self.rendezvous.endpoint, partition=partition, me=me, worker_id=group.worker_id,
                                     layout=self.layout.hash, security=None, stop=stop)
-        settings = PodSettings(batch_size=batch, classes=self.dataset.n_classes, seed=partition)
+        settings = PodSettings(batch_size=batch, classes=self.dataset.n_classes, seed=seed)
         metrics = WorkerMetrics(prom.CollectorRegistry())
         if partition == 0:
             everyone = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop,
@@ -231,3 +232,34 @@ def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluste
     me.close()
     c.stop.set()
     thread.join(timeout=10)
+
+
+def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cluster) -> None:
+    """One replica, one step at a time, same minibatches: the partitioned pods apply the same
+    updates as an unpartitioned worker, so they end at the same parameters and accuracy."""
+    steps = 300
+    c = cluster(2, 2)
+    whole_layout = Layout.of(c.model.shapes, 2)
+    whole = start_shards(tmp_path / "whole", whole_layout, c.model.init_params(0), learning_rate=0.05,
+                         checkpoint_every=3600)
+    try:
+        stop_whole = threading.Event()
+        worker = Worker(WorkerSettings(batch_size=32, seed=0), whole.group(stop=stop_whole), c.model, c.dataset,
+                        WorkerMetrics(prom.CollectorRegistry()), stop=stop_whole)
+        whole.shards[0].step_reached = lambda step: step >= steps and stop_whole.set()
+        try:
+            worker.run()
+        except errors.Stopped:  # stopped while waiting for the reply to its last push
+            pass
+        expected = np.concatenate([whole.params(i) for i in range(2)])
+    finally:
+        whole.stop()
+    pods = [c.pod(0, seed=0), c.pod(1)]
+    c.shards.shards[0].step_reached = lambda step: step >= steps and c.stop.set()
+    threads = [run_in_thread(p) for p in pods]
+    for t in threads:
+        t.join(timeout=120)
+    assert c.steps() == [steps, steps]
+    np.testing.assert_allclose(c.params(), expected, rtol=1e-3, atol=1e-5)
+    accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)[1]
+    assert abs(accuracy - evaluate(c.model, expected, c.dataset.x_test, c.dataset.y_test)[1]) <= 0.01
