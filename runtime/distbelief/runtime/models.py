@@ -23,6 +23,7 @@ from distbelief.runtime import errors
 
 Batch = tuple[np.ndarray, np.ndarray]
 EVAL_CHUNK = 4096
+INIT_CHUNK = 1 << 22  # initial weights are drawn this many at a time
 
 
 class Model(Protocol):
@@ -38,6 +39,14 @@ class Model(Protocol):
 
 def num_params(model: Model) -> int:
     return sum(int(np.prod(shape)) for _, shape in model.shapes)
+
+
+def initial_slice(model: Model, seed: int, start: int, stop: int) -> np.ndarray:
+    """Values [start, stop) of the model's initial parameters (a shard's slice)."""
+    init_slice = getattr(model, "init_slice", None)
+    if init_slice is not None:
+        return init_slice(seed, start, stop)
+    return np.array(model.init_params(seed)[start:stop])  # user models: made whole, then cut
 
 
 def split_params(model: Model, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -70,16 +79,30 @@ class Mlp:
         return list(zip(views[0::2], views[1::2]))
 
     def init_params(self, seed: int) -> np.ndarray:
+        return self.init_slice(seed, 0, num_params(self))
+
+    def init_slice(self, seed: int, start: int, stop: int) -> np.ndarray:
+        """Values [start, stop) of init_params(seed), made without holding the rest: a shard
+        of a model larger than its memory initialises only its own slice. Weights are He
+        (relu) or Glorot-style (tanh) normals drawn from one stream in layer order, biases 0."""
+        out = np.zeros(stop - start, dtype=np.float32)
+        if self.depth == 1:
+            return out  # softmax regression: zero is the natural start of a convex problem
         rng = np.random.default_rng(seed)
-        flat = np.zeros(num_params(self), dtype=np.float32)
-        layers = self._layers(flat)
-        if len(layers) == 1:
-            return flat  # softmax regression: zero is the natural start of a convex problem
         gain = 2.0 if self.activation == "relu" else 1.0
-        for weight, _ in layers:
-            weight[...] = rng.standard_normal(weight.shape, dtype=np.float32)
-            weight *= np.float32(np.sqrt(gain / weight.shape[0]))
-        return flat
+        offset = 0
+        for (_, (fan_in, fan_out)), (_, bias) in zip(self.shapes[0::2], self.shapes[1::2]):
+            if offset >= stop:
+                break  # the stream's later draws are other layers'
+            scale = np.float32(np.sqrt(gain / fan_in))
+            for first in range(offset, offset + fan_in * fan_out, INIT_CHUNK):
+                last = min(first + INIT_CHUNK, offset + fan_in * fan_out)
+                values = rng.standard_normal(last - first, dtype=np.float32)  # drawn even if unused: same stream
+                low, high = max(first, start), min(last, stop)
+                if low < high:
+                    out[low - start:high - start] = values[low - first:high - first] * scale
+            offset += fan_in * fan_out + bias[0]
+        return out
 
     @property
     def depth(self) -> int:
