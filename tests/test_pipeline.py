@@ -14,12 +14,14 @@ import pytest
 
 from conftest import LiveShards, start_shards
 from distbelief.runtime import data, errors, protocol, transport
+from distbelief.runtime.chief import WholeModel
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import WorkerMetrics
 from distbelief.runtime.models import Mlp, evaluate
 from distbelief.runtime.pipeline import staged
+from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
 from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
@@ -263,3 +265,28 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
     np.testing.assert_allclose(c.params(), expected, rtol=1e-3, atol=1e-5)
     accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)[1]
     assert abs(accuracy - evaluate(c.model, expected, c.dataset.x_test, c.dataset.y_test)[1]) <= 0.01
+
+
+def test_the_chief_scores_a_partitioned_model_stage_by_stage_as_the_whole(tmp_path: Path, cluster) -> None:
+    c = cluster(3, 4)
+    pods = [c.pod(k) for k in range(3)]
+    threads = [run_in_thread(p) for p in pods]
+    wait_for(lambda: pods[0].steps >= 50)
+    c.stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    parts = plan(c.model, 3).stages
+    staged = StagedModel(plan(c.model, 3), [c.shards.group(shards=c.layout.shards_of(s.offset, s.offset + s.size))
+                                            for s in parts], c.dataset, max_eval_examples=300)
+    whole = WholeModel(c.shards.group(), c.model, c.dataset, max_eval_examples=300)
+    got, expected = staged.score(), whole.score()
+    assert got.step == expected.step == c.steps()[0]
+    assert got.accuracy == expected.accuracy and got.loss == pytest.approx(expected.loss, rel=1e-5)
+    staged.save(str(tmp_path / "staged.npz"))
+    whole.save(str(tmp_path / "whole.npz"))
+    with np.load(tmp_path / "staged.npz") as a, np.load(tmp_path / "whole.npz") as b:
+        assert list(a.keys()) == list(b.keys()) == [name for name, _ in c.model.shapes]
+        for name in a.keys():
+            np.testing.assert_array_equal(a[name], b[name])
+    staged.close()
+    whole.close()

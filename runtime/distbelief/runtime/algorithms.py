@@ -61,7 +61,7 @@ class ChiefContext:
     job: Any                      # roles.Job
     shard: Shard
     registry: prom.CollectorRegistry
-    group: Callable[[], ShardGroup]
+    group: Callable[..., ShardGroup]   # (shards=None: all, stop=None) -> a fresh client of those shards
     server_security: keys.ServerSecurity | None
     coordinator_bind: str
 

@@ -15,7 +15,9 @@ n_classes) and returning an object with those members.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping, Protocol, Sequence
+import os
+import zipfile
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -47,6 +49,16 @@ def initial_slice(model: Model, seed: int, start: int, stop: int) -> np.ndarray:
     if init_slice is not None:
         return init_slice(seed, start, stop)
     return np.array(model.init_params(seed)[start:stop])  # user models: made whole, then cut
+
+
+def save_params(path: str, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+    """Write named tensors to an .npz file (np.load reads it), one at a time as they come,
+    then move it into place: a reader never sees half a file."""
+    with zipfile.ZipFile(path + ".tmp", "w", allowZip64=True) as archive:
+        for name, array in tensors:
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(array))
+    os.replace(path + ".tmp", path)
 
 
 def split_params(model: Model, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -156,7 +168,7 @@ class Mlp:
             return 0.0
         for (weight, _), (grad_w, _) in zip(layers, grads):
             grad_w += self.l2 * weight
-        return self._l2_penalty(layers)
+        return self.l2_penalty(layers)
 
     def _logits(self, layers, x: np.ndarray) -> np.ndarray:
         return self.forward_layers(layers, x)[-1]
@@ -189,9 +201,9 @@ class Mlp:
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         logits = self._logits(self._layers(params), x)
         loss = softmax_cross_entropy_inplace(logits, y)
-        return loss + self._l2_penalty(self._layers(params)) if self.l2 else loss
+        return loss + self.l2_penalty(self._layers(params)) if self.l2 else loss
 
-    def _l2_penalty(self, layers: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    def l2_penalty(self, layers: list[tuple[np.ndarray, np.ndarray]]) -> float:
         """l2/2 times the sum of the squared weights (biases are not regularised)."""
         return 0.5 * float(self.l2) * sum(float(np.vdot(weight, weight)) for weight, _ in layers)
 

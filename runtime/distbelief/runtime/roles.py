@@ -17,11 +17,12 @@ import threading
 import prometheus_client as prom
 
 from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models
-from distbelief.runtime.chief import Chief, StoppingRules
+from distbelief.runtime.chief import Chief, Scorer, StoppingRules, WholeModel
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
 from distbelief.runtime.pipeline import stages
+from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.shard import Shard, ShardSettings
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     if index == 0:
         context = algorithms.ChiefContext(
             job=job, shard=server, registry=registry, server_security=access.server,
-            group=lambda: ShardGroup(job.config.shard_addresses(), job.layout, security=access.client),
+            group=lambda shards=None, stop=None: ShardGroup(job.config.shard_addresses(), job.layout,
+                                                            security=access.client, shards=shards, stop=stop),
             coordinator_bind=f"tcp://{listen}:{coordinator_port}")
         helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm)))
         beside = algorithm.beside_chief(context)
@@ -128,12 +130,16 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
 def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, algorithm: algorithms.Algorithm) -> Chief:
     job, server, group = ctx.job, ctx.shard, ctx.group()
     training = job.spec["training"]
-    chief = Chief(group=group, model=job.model, dataset=job.dataset,
-                  rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
-                  max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
-                  start_time=server.start_time, metrics=ChiefMetrics(ctx.registry),
-                  training=server.training_figures,
-                  optimiser_state=algorithm.optimiser_state(server), held_out=algorithm.held_out(job, group))
+    max_eval = int(job.spec["data"]["maxEvalExamples"])
+    if job.plan is None:
+        scorer: Scorer = WholeModel(group, job.model, job.dataset, max_eval, held_out=algorithm.held_out(job, group))
+    else:
+        scorer = StagedModel(job.plan, [ctx.group(job.stage_shards(k), group.stop) for k in range(len(job.plan.stages))],
+                             job.dataset, max_eval)
+    chief = Chief(group=group, scorer=scorer, rules=StoppingRules.from_spec(training),
+                  eval_every=float(training["evalEverySeconds"]), output_dir=output_dir,
+                  start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
+                  optimiser_state=algorithm.optimiser_state(server))
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()
