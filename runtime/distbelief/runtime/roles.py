@@ -20,7 +20,7 @@ from distbelief.runtime import algorithms, contract, data, embedding, errors, ke
 from distbelief.runtime.chief import Chief, StoppingRules
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
+from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
         warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger, security=access.server)
-    registry = prom.CollectorRegistry()
+    registry = _registry()
     server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
     algorithm.attach(server, job)
     server.restore()
@@ -130,7 +130,7 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     stop = _stop_on_termination()
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_WORKER, job)
-    registry = prom.CollectorRegistry()
+    registry = _registry()
     group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop, security=access.client)
     worker = algorithms.of(job).replica(algorithms.ReplicaContext(
         job=job, group=group, metrics=WorkerMetrics(registry), client_security=access.client, stop=stop))
@@ -144,6 +144,13 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
         metrics.stop()
     log.info("event=worker_exit worker=%08x steps=%d reason=%s", group.worker_id, worker.steps, ended)
     return 0
+
+
+def _registry() -> prom.CollectorRegistry:
+    """A role's metrics registry; it reports the process's traffic from the start."""
+    registry = prom.CollectorRegistry()
+    registry.register(TrafficCollector())
+    return registry
 
 
 def _stop_on_termination() -> threading.Event:
