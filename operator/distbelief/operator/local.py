@@ -114,8 +114,7 @@ class LocalRun:
         previous = {sig: signal.signal(sig, self.interrupt) for sig in STOP_SIGNALS} if in_main_thread else {}
         log.info("event=local_run job=%s shards=%d workers=%d output=%s", self.name, len(self.shards),
                  len(self.workers), self.output)
-        live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]),
-                               metrics_port=self.shards[0].ports[contract.METRICS_PORT_NAME], enabled=progress,
+        live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]), enabled=progress,
                                initial=resumed_at)
         recorder = curves.Recorder(self.output, resumed_at=resumed_at)
         self._history_at_start = self._history_size()

@@ -32,14 +32,13 @@ class Progress:
     """A progress bar over global steps, with loss, accuracy and examples/s beside it (and
     a Sandblaster job's objective)."""
 
-    def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool, initial: int = 0) -> None:
-        self.url = f"http://127.0.0.1:{metrics_port}/metrics"
+    def __init__(self, job: str, *, total: int, enabled: bool, initial: int = 0) -> None:
         tty = sys.stderr.isatty()
         self.bar = tqdm(total=total, initial=min(initial, total), desc=job, unit="step", disable=not enabled,
                         dynamic_ncols=True, mininterval=0.2 if tty else 10.0, file=sys.stderr)
 
     def update(self, figures: scrape.Figures, *, evaluated: bool) -> None:
-        """Show the chief's figures as read from self.url; evaluated: whether the chief has
+        """Show the chief's figures (shard 0's metrics); evaluated: whether the chief has
         scored the parameters yet in this run (its loss and accuracy mean nothing before)."""
         if not figures.reachable:
             return
