@@ -76,7 +76,7 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
         return LocalRun(job, output).run(progress=progress, resumed_at=found.step or 0)
 
 
-def _how_it_ended(pod: LocalPod) -> str:
+def _shard_failure(pod: LocalPod) -> str:
     last = pod.last_log_line()
     return f"{pod.ending()}; last log line: {last}" if last else pod.ending()
 
@@ -196,7 +196,7 @@ class LocalRun:
             workers_ready=sum(pod.running for pod in self.workers), shard_restarts=restarts[worst.name],
             figures=figures, children_created=True,
             invalid_config=f"{invalid.name}: {invalid.last_error_line()}" if invalid else None,
-            shard_failure=_how_it_ended(worst) if crashed[worst.name] else None,
+            shard_failure=_shard_failure(worst) if crashed[worst.name] else None,
             non_finite_loss=f"{diverged.name}: {diverged.last_error_line()}" if diverged else None)
 
     def _ending(self, status: Mapping[str, Any]) -> tuple[str, str]:
