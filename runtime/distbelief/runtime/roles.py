@@ -20,7 +20,7 @@ from distbelief.runtime import algorithms, contract, data, embedding, errors, ke
 from distbelief.runtime.chief import Chief, Scorer, StoppingRules, WholeModel
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
+from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics
 from distbelief.runtime.pipeline import stages
 from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.shard import Shard, ShardSettings
@@ -99,7 +99,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
         warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger, security=access.server)
-    registry = prom.CollectorRegistry()
+    registry = _registry()
     server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
     algorithm.attach(server, job)
     server.restore()
@@ -150,7 +150,7 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     stop = _stop_on_termination()
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_WORKER, job)
-    registry = prom.CollectorRegistry()
+    registry = _registry()
     stage = stage_access(job, access, listen)
     shards = job.stage_shards(stage.partition) if stage.partition > 0 else None
     group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop, security=access.client, shards=shards)
@@ -186,6 +186,13 @@ def stage_access(job: Job, access: Access, listen: str,
                                  "the tcp://host:port its group reaches it at")
     return algorithms.StageAccess(partition=partition, bind=f"tcp://{listen}:{port}" if port.isdigit() else None,
                                   address=address or None, server=access.stage_server, client=access.stage_client)
+
+
+def _registry() -> prom.CollectorRegistry:
+    """A role's metrics registry; it reports the process's traffic from the start."""
+    registry = prom.CollectorRegistry()
+    registry.register(TrafficCollector())
+    return registry
 
 
 def _stop_on_termination() -> threading.Event:
