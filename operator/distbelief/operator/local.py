@@ -2,7 +2,7 @@
 
 `distbelief run JOB.yaml` validates the job, renders exactly the children the operator
 would create, and then plays the kubelet's part: one local process per pod (one per
-shard of the StatefulSet, one per replica of the Deployment) running the container's
+shard of the StatefulSet, one per pod of each worker Deployment) running the container's
 command and environment, with loopback ports instead of cluster DNS, folders instead of
 volumes, and restart-on-crash with back-off. It shows live progress scraped from the
 chief's metrics, and leaves a report in the output folder:
@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from distbelief.operator import curves, outputdir, preflight, render, report, scrape, sizing, spec
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
@@ -180,13 +180,20 @@ class LocalRun:
         invalid = next((pod for pod in self.pods if pod.poll() == contract.EXIT_INVALID_CONFIG), None)
         diverged = next((pod for pod in self.workers if pod.poll() == contract.EXIT_NON_FINITE_LOSS), None)
         return Observed(
-            shards_ready=sum(pod.running for pod in self.shards), workers=len(self.workers),
-            workers_ready=sum(pod.running for pod in self.workers), shard_restarts=restarts[worst.name],
+            shards_ready=sum(pod.running for pod in self.shards), workers=self._replicas(lambda pod: True),
+            workers_ready=self._replicas(lambda pod: pod.running), shard_restarts=restarts[worst.name],
             figures=figures, children_created=True,
             invalid_config=f"{invalid.name}: {invalid.last_error_line()}" if invalid else None,
             shard_failure=f"{worst.name} exited with code {worst.exit_code}; last log line: "
                           f"{worst.last_log_line()}" if crashed[worst.name] else None,
             non_finite_loss=f"{diverged.name}: {diverged.last_error_line()}" if diverged else None)
+
+    def _replicas(self, counted: Callable[[LocalPod], bool]) -> int:
+        """Model replicas whose pods all count: one pod of each partition's Deployment makes
+        one, so the Deployment with the fewest counted pods tells (as on a cluster)."""
+        workloads = {pod.workload for pod in self.workers}
+        return min((sum(counted(pod) for pod in self.workers if pod.workload == name) for name in workloads),
+                   default=0)
 
     def _ending(self, status: Mapping[str, Any]) -> tuple[str, str]:
         """(phase, reason) of a final status. The chief's own decision is let finish: the shards
