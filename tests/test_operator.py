@@ -158,6 +158,11 @@ def phase_is(phase: str) -> Callable[[Any], bool]:
     return lambda job: job is not None and (job.get("status") or {}).get("phase") == phase
 
 
+def condition_holds(kind: str) -> Callable[[Any], bool]:
+    return lambda job: any(c["type"] == kind and c["status"] == "True"
+                           for c in ((job or {}).get("status") or {}).get("conditions", []))
+
+
 def kubelet_ready(kube: KubeEmulator, job: str, shards: int, workers: int) -> None:
     kube.patch_status("apps/v1/statefulsets", f"{job}-ps", {"replicas": shards, "readyReplicas": shards})
     kube.patch_status("apps/v1/deployments", f"{job}-worker", {"replicas": workers, "readyReplicas": workers})
@@ -325,11 +330,7 @@ def test_spec_updates_roll_out_and_a_reshard_is_refused(cluster: tuple[KubeEmula
     wait(kube, "apps/v1/deployments", "update-worker", image_is)
     patch_job(kube, "update", {"spec": {"parameterServers": {"shards": 3}}})
 
-    def locked(job: Any) -> bool:
-        return any(c["type"] == "ShardCountLocked" and c["status"] == "True"
-                   for c in (job.get("status") or {}).get("conditions", []))
-
-    job = wait(kube, JOBS, "update", locked)
+    job = wait(kube, JOBS, "update", condition_holds("ShardCountLocked"))
     message = next(c["message"] for c in job["status"]["conditions"] if c["type"] == "ShardCountLocked")
     assert "from 2 to 3" in message
     assert kube.get("apps/v1/statefulsets", "update-ps")["spec"]["replicas"] == 2
@@ -365,11 +366,7 @@ def test_a_partitioned_job_scales_every_partition_and_keeps_its_partition_count(
         wait(kube, "apps/v1/deployments", name, lambda d: d and d["spec"]["replicas"] == 5)
     patch_job(kube, "parts", {"spec": {"model": {"partitions": 1}}})
 
-    def locked(job: Any) -> bool:
-        return any(c["type"] == "PartitionCountLocked" and c["status"] == "True"
-                   for c in (job.get("status") or {}).get("conditions", []))
-
-    job = wait(kube, JOBS, "parts", locked)
+    job = wait(kube, JOBS, "parts", condition_holds("PartitionCountLocked"))
     message = next(c["message"] for c in job["status"]["conditions"] if c["type"] == "PartitionCountLocked")
     assert message.startswith("spec.model.partitions changed from 2 to 1: repartitioning a job is not supported")
     assert "PartitionCountLocked" in event_reasons(kube, "parts", {"PartitionCountLocked"})

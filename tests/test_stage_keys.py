@@ -16,16 +16,6 @@ ANSWER_SECONDS = 5.0    # a peer that got in has its answer by then
 REFUSED_SECONDS = 0.5   # how long a refused peer is watched for a message getting through
 
 
-@pytest.fixture(params=[True, False], ids=["encrypted", "unencrypted"])
-def encrypted(request: pytest.FixtureRequest) -> bool:
-    return request.param
-
-
-@pytest.fixture
-def job_keys() -> keys.JobKeys:
-    return keys.JobKeys.generate()
-
-
 @pytest.fixture
 def stage(job_keys: keys.JobKeys, encrypted: bool) -> Iterator[transport.ZmqServer]:
     """A stage's ROUTER in a context of its own: a ZAP handler stopped and started again at
