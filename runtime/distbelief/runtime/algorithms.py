@@ -22,11 +22,14 @@ from typing import Any, Callable, Protocol
 
 import prometheus_client as prom
 
-from distbelief.runtime import keys
+from distbelief.runtime import keys, protocol, transport
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.embedding import EmbeddingModel
 from distbelief.runtime.metrics import CoordinatorMetrics, WorkerMetrics
+from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
+from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
+from distbelief.runtime.pipeline.staged import HeldGradients
 from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
 from distbelief.runtime.sandblaster.lbfgs import LbfgsSettings
 from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
@@ -63,12 +66,24 @@ class ChiefContext:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageAccess:
+    """A partition pod's stage: which partition, where it serves and is reached, its keys."""
+
+    partition: int = 0
+    bind: str | None = None                       # where a partition k > 0 serves FORWARDs
+    address: str | None = None                    # where its group's other pods reach it
+    server: keys.ServerSecurity | None = None
+    client: dict | None = None                    # a DEALER to the next stage
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicaContext:
     job: Any                      # roles.Job
-    group: ShardGroup
+    group: ShardGroup             # every shard; a partition k > 0: the shards of its stage
     metrics: WorkerMetrics
     client_security: dict | None
     stop: threading.Event
+    stage: StageAccess = StageAccess()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +101,13 @@ class Algorithm:
 
 def _downpour_attach(shard: Shard, job: Any) -> None:
     training = job.spec["training"]
-    shard.attach(DenseSlice(shard, job.model.init_params(int(training["seed"])), optimizer=str(training["optimizer"]),
-                            learning_rate=float(training["learningRate"]),
-                            max_gradient_norm=float(training["maxGradientNorm"]),
-                            max_staleness=training.get("maxStaleness")))
+    dense = DenseSlice(shard, job.model.init_params(int(training["seed"])), optimizer=str(training["optimizer"]),
+                       learning_rate=float(training["learningRate"]),
+                       max_gradient_norm=float(training["maxGradientNorm"]),
+                       max_staleness=training.get("maxStaleness"))
+    shard.attach(dense)
+    if job.plan is not None:
+        shard.attach(HeldGradients(dense))
     if isinstance(job.model, EmbeddingModel):
         options = job.spec["model"]["embeddings"]
         expire = options.get("expireAfterSeconds")
@@ -100,6 +118,8 @@ def _downpour_attach(shard: Shard, job: Any) -> None:
 
 
 def _downpour_replica(ctx: ReplicaContext) -> ReplicaLoop:
+    if ctx.job.plan is not None:
+        return _partition_pod(ctx)
     training = ctx.job.spec["training"]
     settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
                               push_every=int(training["pushEvery"]))
@@ -114,7 +134,38 @@ def _downpour_held_out(job: Any, group: ShardGroup) -> HeldOut | None:
     return held_out_inputs(job.model, group, dataset.x_test[:limit], dataset.ids_test[:limit])
 
 
-DOWNPOUR = Algorithm(name="downpour", attach=_downpour_attach, beside_chief=lambda ctx: None,
+def _downpour_beside_chief(ctx: ChiefContext) -> Rendezvous | None:
+    if ctx.job.plan is None:
+        return None
+    return Rendezvous(ctx.coordinator_bind, len(ctx.job.plan.stages), ctx.job.layout.hash,
+                      security=ctx.server_security, finished=lambda: ctx.shard.finished is not None).start()
+
+
+def _partition_pod(ctx: ReplicaContext) -> ReplicaLoop:
+    """A pod of a partitioned replica (spec.model.partitions > 1): its stage of the model."""
+    job, access, group = ctx.job, ctx.stage, ctx.group
+    training = job.spec["training"]
+    stage = job.plan.stages[access.partition]
+    settings = PodSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
+                           push_every=int(training["pushEvery"]), classes=job.dataset.n_classes)
+    me = access.address or f"partition-0/{group.worker_id:08x}"  # partition 0 serves nothing: a name will do
+    rendezvous = RendezvousLink(job.config.coordinator_address(), partition=access.partition, me=me,
+                                worker_id=group.worker_id, layout=job.layout.hash, security=ctx.client_security,
+                                stop=ctx.stop)
+    tp = transport.default()
+    if access.partition == 0:
+        own = ShardGroup(job.config.shard_addresses(), job.layout, worker_id=group.worker_id, stop=ctx.stop,
+                         security=ctx.client_security, shards=job.stage_shards(0))
+        links = PodLinks(own, rendezvous, tp, access.client, everyone=group)
+        return FirstPartition(settings, stage, links, ctx.metrics, job.dataset, stop=ctx.stop)
+    values = settings.batch_size * (stage.input_width + 1)
+    server = tp.server(access.bind, who=f"stage {access.partition}", max_frame=protocol.max_frame_bytes(values),
+                       max_frames=3, security=access.server)
+    return LaterPartition(settings, stage, PodLinks(group, rendezvous, tp, access.client), ctx.metrics, server,
+                          stop=ctx.stop)
+
+
+DOWNPOUR = Algorithm(name="downpour", attach=_downpour_attach, beside_chief=_downpour_beside_chief,
                      replica=_downpour_replica, held_out=_downpour_held_out)
 
 

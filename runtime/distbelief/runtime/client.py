@@ -26,7 +26,7 @@ from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import ErrorCode, Header, OpSpec, Status
 
 
-Arrays = np.ndarray | Sequence[np.ndarray]  # a flat vector over the layout, or one array per shard
+Arrays = np.ndarray | Sequence[np.ndarray]  # a flat vector over the group's shards, or one array per shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,21 +57,27 @@ class Timeouts:
 
 
 class ShardGroup:
-    """All shards of one job, as seen by one replica (or by the chief)."""
+    """The shards of one job, as seen by one replica (or by the chief): all of them, or
+    (a partition of a model-parallel replica) the consecutive ones holding its stage."""
 
     def __init__(self, addresses: Sequence[str], layout: Layout, *, worker_id: int | None = None,
                  timeouts: Timeouts = Timeouts(), transport_: transport.Transport | None = None,
-                 security: dict | None = None, stop: threading.Event | None = None) -> None:
-        """security: the job keys' client socket options (keys.JobKeys.client_options)."""
+                 security: dict | None = None, stop: threading.Event | None = None,
+                 shards: Sequence[int] | None = None) -> None:
+        """addresses: every shard's; shards: the ones this group talks to (default all);
+        security: the job keys' client socket options (keys.JobKeys.client_options)."""
         if len(addresses) != layout.shards:
             raise errors.ConfigError(f"{len(addresses)} shard addresses for {layout.shards} shards")
         self.layout = layout
-        self.addresses = list(addresses)
+        self.indices = list(range(layout.shards) if shards is None else shards)
+        self.addresses = [addresses[i] for i in self.indices]
+        self.base = layout.bounds(self.indices[0])[0]  # where the group's flat vector begins
+        self.values = layout.bounds(self.indices[-1])[1] - self.base
         self.worker_id = worker_id if worker_id is not None else random.getrandbits(32)
         self.policy = timeouts.policy()
         self.stop = stop or threading.Event()  # set: a waiting request gives up (Stopped)
         self._transport = transport_ or transport.default()
-        self._links = [self._transport.link(a, security) for a in addresses]
+        self._links = [self._transport.link(a, security) for a in self.addresses]
         self._seq = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -95,11 +101,11 @@ class ShardGroup:
     # -- dense slices --------------------------------------------------------------------------
 
     def pull(self, out: np.ndarray) -> list[Reply]:
-        """Fill out (the full flat vector) with every shard's slice; the replies carry steps."""
+        """Fill out (the group's flat vector) with every shard's slice; the replies carry steps."""
         return self.request(dense.PULL, receive_into=out)
 
     def push(self, grad: np.ndarray, *, steps: Sequence[int], examples: int, loss: float) -> list[Reply]:
-        """Send each shard its slice of grad; steps[i] is the step pulled from shard i."""
+        """Send each shard its slice of grad; steps[i] is the step pulled from the group's i-th shard."""
         return self.request(dense.PUSH, array=grad, steps=steps, meta=dense.Update(examples=examples, loss=loss))
 
     def push_and_pull(self, grad: np.ndarray, out: np.ndarray, *, steps: Sequence[int], examples: int,
@@ -115,16 +121,17 @@ class ShardGroup:
                 steps: Sequence[int] | None = None) -> list[Reply]:
         """array: a flat vector each shard gets its slice of (the dense layout's), or one
         array per shard; receive_into: likewise, what the replies' arrays fill; meta: one
-        payload for every shard, or one per shard."""
+        payload for every shard, or one per shard. Lists go in the group's shard order."""
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        shards = range(self.layout.shards)
-        headers = [Header(op=op.code, shard=i, layout=self.layout.hash, seq=self._seq, worker=self.worker_id,
-                          step=steps[i] if steps else 0, count=0 if array is None else self._part(i, array).size)
+        shards = range(len(self.indices))
+        headers = [Header(op=op.code, shard=self.indices[i], layout=self.layout.hash, seq=self._seq,
+                          worker=self.worker_id, step=steps[i] if steps else 0,
+                          count=0 if array is None else self._part(i, array).size)
                    for i in shards]
-        metas = list(meta) if isinstance(meta, Sequence) else [meta] * self.layout.shards
+        metas = list(meta) if isinstance(meta, Sequence) else [meta] * len(shards)
         requests = [[h.pack(), *self._body(i, metas[i], array)] for i, h in enumerate(headers)]
         exchange = transport.Exchange(self._links, requests, self.policy,
-                                      names=[f"shard {i} at {a}" for i, a in enumerate(self.addresses)])
+                                      names=[f"shard {self.indices[i]} at {a}" for i, a in enumerate(self.addresses)])
         replies: dict[int, Reply] = {}
 
         def accept(i: int, received: transport.Received) -> bool:
@@ -144,20 +151,21 @@ class ShardGroup:
             self.retries += exchange.resends
         return [replies[i] for i in shards]
 
-    def _body(self, shard: int, meta: protocol.Payload | None, array: np.ndarray | None) -> list:
+    def _body(self, position: int, meta: protocol.Payload | None, array: np.ndarray | None) -> list:
         body: list = [meta.pack()] if meta is not None else []
         if array is not None:
-            body.append(memoryview(self._part(shard, array)))
+            body.append(memoryview(self._part(position, array)))
         return body
 
-    def _part(self, shard: int, arrays: Arrays) -> np.ndarray:
-        """Shard's own array: its slice of a flat vector, or its entry of a per-shard list."""
+    def _part(self, position: int, arrays: Arrays) -> np.ndarray:
+        """The group's position-th shard's array: its slice of the group's flat vector, or its
+        entry of a per-shard list."""
         if isinstance(arrays, np.ndarray):
-            start, stop = self.layout.bounds(shard)
-            return arrays[start:stop]
-        return arrays[shard]
+            start, stop = self.layout.bounds(self.indices[position])
+            return arrays[start - self.base:stop - self.base]
+        return arrays[position]
 
-    def _sink(self, shard: int, op: OpSpec, request: Header, out: Arrays) -> transport.Sink:
+    def _sink(self, position: int, op: OpSpec, request: Header, out: Arrays) -> transport.Sink:
         array_frame = 1 if op.reply is not None else 0  # the reply's meta, if any, comes first
 
         def where(frame: memoryview, index: int) -> np.ndarray | None:
@@ -166,16 +174,16 @@ class ShardGroup:
             header = protocol.unpack_header(frame)
             if header.seq != request.seq or header.status not in (Status.OK, Status.STALE):
                 return None  # a reply to an earlier request, or an error's text: not parameters
-            return self._part(shard, out)
+            return self._part(position, out)
         return where
 
-    def _read(self, shard: int, op: OpSpec, request: Header, received: transport.Received,
+    def _read(self, position: int, op: OpSpec, request: Header, received: transport.Received,
               receive_into: Arrays | None) -> Reply | None:
         """The reply of one shard; None if it was a stale one (an earlier seq)."""
         header = protocol.unpack_header(received.header)
-        if header.seq != request.seq or header.shard != shard:
+        if header.seq != request.seq or header.shard != request.shard:
             return None
-        address = self.addresses[shard]
+        address, shard = self.addresses[position], request.shard
         if header.status == Status.ERROR:
             text = protocol.decode_text(received.frames[0]) if received.frames else ""
             if header.error == ErrorCode.LAYOUT:
@@ -184,7 +192,7 @@ class ShardGroup:
         if header.status not in (Status.OK, Status.STALE):
             return Reply(header=header)
         if op.reply_array and receive_into is not None:
-            values = self._part(shard, receive_into).size
+            values = self._part(position, receive_into).size
             expected = values * protocol.DTYPE.itemsize
             if header.count != values or received.into_sink != expected:
                 raise errors.ProtocolError(f"shard {shard} sent {received.into_sink} bytes, expected {expected}")

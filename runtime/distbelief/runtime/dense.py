@@ -108,26 +108,39 @@ class DenseSlice:
         return Answer(array=self.params.copy())
 
     def _push(self, message: Message) -> Answer:
-        if self._too_stale(message):
+        if self.too_stale(message.header.step):
             return Answer(status=Status.STALE)
+        self.apply(message.header, self.checked(message), examples=message.meta.examples, loss=message.meta.loss)
+        return Answer()
+
+    def checked(self, message: Message) -> np.ndarray:
+        """The pushed gradient, if it has the slice's size; ProtocolError if not."""
         grad = message.array
         if grad is None or grad.size != self.params.size:
             raise errors.ProtocolError(
                 f"a push to shard {self.shard.index} must carry {self.params.size} float32 values, "
                 f"header declares {message.header.count}")
-        self.optimizer.apply(self.params, self._bounded(grad))
-        self.shard.applied(message.header, examples=message.meta.examples, loss=message.meta.loss)
-        return Answer()
+        return grad
 
-    def _bounded(self, grad: np.ndarray) -> np.ndarray:
-        """grad, or a copy scaled to max_gradient_norm; Refused if it has a non-finite value."""
+    def apply(self, header: protocol.Header, grad: np.ndarray, *, examples: int, loss: float) -> None:
+        """One update: grad (bounded, see above) applied by the optimizer; the step advances."""
+        self.optimizer.apply(self.params, self._bounded(grad))
+        self.shard.applied(header, examples=examples, loss=loss)
+
+    @staticmethod
+    def norm(grad: np.ndarray) -> float:
+        """grad's L2 norm; Refused if grad has a non-finite value."""
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we test for
             squared = float(np.dot(grad, grad))
         if not np.isfinite(squared):
             if not np.isfinite(grad).all():
                 raise errors.Refused("gradient has non-finite values; update refused")
             squared = float(np.dot(grad.astype(np.float64), grad.astype(np.float64)))  # finite, but huge
-        norm = squared ** 0.5
+        return squared ** 0.5
+
+    def _bounded(self, grad: np.ndarray) -> np.ndarray:
+        """grad, or a copy scaled to max_gradient_norm; Refused if it has a non-finite value."""
+        norm = self.norm(grad)
         if norm <= self.max_gradient_norm:
             return grad
         if self._clipped is None:
@@ -140,9 +153,10 @@ class DenseSlice:
         status = self._push(message).status
         return dataclasses.replace(self._pull(message), status=status)
 
-    def _too_stale(self, message: Message) -> bool:
-        """Whether the pushed gradient was computed more than max_staleness updates ago."""
-        lag = self.shard.step - message.header.step
+    def too_stale(self, pulled_step: int) -> bool:
+        """Whether a gradient computed from this step's parameters is more than max_staleness
+        updates old."""
+        lag = self.shard.step - pulled_step
         if self.max_staleness is None or lag <= self.max_staleness:
             return False
         self.shard.metrics.stale.inc()

@@ -90,3 +90,8 @@ class JobFinished(RuntimeFailure):
 
 class Diverged(RuntimeFailure):
     """A replica's training loss stayed non-finite: the model diverged."""
+
+
+class GroupBroken(RuntimeFailure):
+    """A partitioned replica's group fell apart mid-step (a pod of it died or left); its
+    step is not applied, and its pods join new groups."""

@@ -81,23 +81,62 @@ class Mlp:
             weight *= np.float32(np.sqrt(gain / weight.shape[0]))
         return flat
 
-    def _hidden(self, layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> list[np.ndarray]:
+    @property
+    def depth(self) -> int:
+        return len(self.shapes) // 2
+
+    def forward_layers(self, layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray,
+                       first: int = 0) -> list[np.ndarray]:
+        """The input and every layer's output for layers first, first+1, ... of the network
+        (their (weight, bias) pairs); each output but the network's last is activated."""
         activations = [x]
-        for weight, bias in layers[:-1]:
+        for j, (weight, bias) in enumerate(layers):
             h = activations[-1] @ weight
             h += bias
-            if self.activation == "relu":
-                np.maximum(h, 0, out=h)
-            else:
-                np.tanh(h, out=h)
+            if first + j < self.depth - 1:
+                self._activate(h)
             activations.append(h)
         return activations
 
+    def _activate(self, h: np.ndarray) -> None:
+        if self.activation == "relu":
+            np.maximum(h, 0, out=h)
+        else:
+            np.tanh(h, out=h)
+
+    def activation_grad(self, delta: np.ndarray, h: np.ndarray) -> None:
+        """delta (the gradient w.r.t. an activated output h) becomes the gradient w.r.t. the
+        layer's output before its activation."""
+        if self.activation == "relu":
+            delta *= h > 0
+        else:
+            delta *= 1 - h * h
+
+    def backward_layers(self, layers: list[tuple[np.ndarray, np.ndarray]], grads: list[tuple[np.ndarray, np.ndarray]],
+                        activations: list[np.ndarray], delta: np.ndarray, *, input_grad: bool) -> np.ndarray | None:
+        """Given delta = d(loss)/d(the last layer's pre-activation output), write each layer's
+        gradient into grads; returns d(loss)/d(the first layer's input) with input_grad."""
+        for i in range(len(layers) - 1, -1, -1):
+            weight, _ = layers[i]
+            grad_w, grad_b = grads[i]
+            np.matmul(activations[i].T, delta, out=grad_w)
+            np.sum(delta, axis=0, out=grad_b)
+            if i > 0 or input_grad:
+                delta = delta @ weight.T
+            if i > 0:
+                self.activation_grad(delta, activations[i])
+        return delta if input_grad else None
+
+    def add_l2(self, layers: list[tuple[np.ndarray, np.ndarray]], grads: list[tuple[np.ndarray, np.ndarray]]) -> float:
+        """Add the L2 term's gradient to grads; returns the term's value (0 without l2)."""
+        if not self.l2:
+            return 0.0
+        for (weight, _), (grad_w, _) in zip(layers, grads):
+            grad_w += self.l2 * weight
+        return self._l2_penalty(layers)
+
     def _logits(self, layers, x: np.ndarray) -> np.ndarray:
-        weight, bias = layers[-1]
-        logits = self._hidden(layers, x)[-1] @ weight
-        logits += bias
-        return logits
+        return self.forward_layers(layers, x)[-1]
 
     def loss_and_grad(self, params: np.ndarray, batch: Batch,
                       out: np.ndarray | None = None) -> tuple[float, np.ndarray]:
@@ -111,29 +150,12 @@ class Mlp:
         layers = self._layers(params)
         grad = np.empty_like(params) if out is None else out
         grads = self._layers(grad)
-        activations = self._hidden(layers, x)
-        weight, bias = layers[-1]
-        delta = activations[-1] @ weight
-        delta += bias
-        loss = _softmax_cross_entropy_inplace(delta, y)  # delta now holds d(loss)/d(logits)
-        for i in range(len(layers) - 1, -1, -1):
-            weight, _ = layers[i]
-            grad_w, grad_b = grads[i]
-            np.matmul(activations[i].T, delta, out=grad_w)
-            np.sum(delta, axis=0, out=grad_b)
-            if i > 0 or input_grad:
-                delta = delta @ weight.T
-            if i > 0:
-                h = activations[i]
-                if self.activation == "relu":
-                    delta *= h > 0
-                else:
-                    delta *= 1 - h * h
-        if self.l2:
-            loss += self._l2_penalty(layers)
-            for (weight, _), (grad_w, _) in zip(layers, grads):
-                grad_w += self.l2 * weight
-        return loss, grad, delta if input_grad else None
+        activations = self.forward_layers(layers, x)
+        delta = activations.pop()
+        loss = softmax_cross_entropy_inplace(delta, y)  # delta now holds d(loss)/d(logits)
+        delta = self.backward_layers(layers, grads, activations, delta, input_grad=input_grad)
+        loss += self.add_l2(layers, grads)
+        return loss, grad, delta
 
     def predict(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
         return np.argmax(self._logits(self._layers(params), x), axis=1)
@@ -143,7 +165,7 @@ class Mlp:
 
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         logits = self._logits(self._layers(params), x)
-        loss = _softmax_cross_entropy_inplace(logits, y)
+        loss = softmax_cross_entropy_inplace(logits, y)
         return loss + self._l2_penalty(self._layers(params)) if self.l2 else loss
 
     def _l2_penalty(self, layers: list[tuple[np.ndarray, np.ndarray]]) -> float:
@@ -151,7 +173,7 @@ class Mlp:
         return 0.5 * float(self.l2) * sum(float(np.vdot(weight, weight)) for weight, _ in layers)
 
 
-def _softmax_cross_entropy_inplace(logits: np.ndarray, y: np.ndarray) -> float:
+def softmax_cross_entropy_inplace(logits: np.ndarray, y: np.ndarray) -> float:
     """Mean cross-entropy of integer labels; overwrites logits with its gradient."""
     n = logits.shape[0]
     logits -= logits.max(axis=1, keepdims=True)

@@ -21,13 +21,15 @@ from distbelief.runtime.chief import Chief, StoppingRules
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
+from distbelief.runtime.pipeline import stages
 from distbelief.runtime.shard import Shard, ShardSettings
 
 log = logging.getLogger(__name__)
 
 
 class Job:
-    """What every role derives from the config in the same way: data, model, layout."""
+    """What every role derives from the config in the same way: data, model, the cut into
+    stages (a partitioned model), layout."""
 
     def __init__(self, config: contract.JobConfig) -> None:
         self.config = config
@@ -36,7 +38,13 @@ class Job:
         self.model: models.Model = (
             embedding.build(self.spec["model"], self.dataset) if self.spec["model"].get("embeddings")
             else models.build_model(self.spec["model"], self.dataset.n_features, self.dataset.n_classes))
-        self.layout = Layout.of(self.model.shapes, config.shards)
+        self.plan = stages.plan(self.model, config.partitions) if config.partitions > 1 else None
+        self.layout = Layout.of(self.model.shapes, config.shards, self.plan.boundaries if self.plan else ())
+
+    def stage_shards(self, partition: int) -> list[int]:
+        """The shards holding a partition's stage."""
+        stage = self.plan.stages[partition]
+        return self.layout.shards_of(stage.offset, stage.offset + stage.size)
 
     @classmethod
     def load(cls, path: str) -> "Job":
@@ -48,10 +56,12 @@ class Job:
 
 @dataclasses.dataclass(frozen=True)
 class Access:
-    """The job's keys as one role's sockets use them; without keys, both None (anyone gets in)."""
+    """The job's keys as one role's sockets use them; without keys, all None (anyone gets in)."""
 
     server: keys.ServerSecurity | None = None  # a shard's or the coordinator's serving socket
     client: dict | None = None                 # a DEALER to a shard or to the coordinator
+    stage_server: keys.ServerSecurity | None = None  # a partition pod's stage (partitioned jobs)
+    stage_client: dict | None = None                 # a DEALER to another partition pod's stage
 
 
 def load_access(keys_dir: str, role: str, job: Job) -> Access:
@@ -68,7 +78,11 @@ def load_access(keys_dir: str, role: str, job: Job) -> Access:
     if role == contract.ROLE_PS:  # serves; its clients are the chief and the coordinator
         return Access(server=job_keys.server_security(encrypted=encrypted),
                       client=job_keys.client_options(role=keys.CHIEF, encrypted=encrypted))
-    return Access(client=job_keys.client_options(role=keys.REPLICA, encrypted=encrypted))
+    if job.plan is None:
+        return Access(client=job_keys.client_options(role=keys.REPLICA, encrypted=encrypted))
+    return Access(client=job_keys.client_options(role=keys.REPLICA, encrypted=encrypted),
+                  stage_server=job_keys.stage_security(encrypted=encrypted),
+                  stage_client=job_keys.stage_client_options(encrypted=encrypted))
 
 
 def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
@@ -131,9 +145,12 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_WORKER, job)
     registry = prom.CollectorRegistry()
-    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop, security=access.client)
+    stage = stage_access(job, access, listen)
+    shards = job.stage_shards(stage.partition) if stage.partition > 0 else None
+    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop, security=access.client, shards=shards)
     worker = algorithms.of(job).replica(algorithms.ReplicaContext(
-        job=job, group=group, metrics=WorkerMetrics(registry), client_security=access.client, stop=stop))
+        job=job, group=group, metrics=WorkerMetrics(registry), client_security=access.client, stop=stop,
+        stage=stage))
     metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
     try:
         ended = worker.run()
@@ -144,6 +161,25 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
         metrics.stop()
     log.info("event=worker_exit worker=%08x steps=%d reason=%s", group.worker_id, worker.steps, ended)
     return 0
+
+
+def stage_access(job: Job, access: Access, listen: str,
+                 environ: dict[str, str] | os._Environ = os.environ) -> algorithms.StageAccess:
+    """A partition pod's stage, from its environment (DISTBELIEF_PARTITION and the stage
+    address, which the renderer sets); an unpartitioned job's worker has none."""
+    if job.plan is None:
+        return algorithms.StageAccess()
+    text = environ.get(contract.ENV_PARTITION, "")
+    if not text.isdigit() or int(text) >= len(job.plan.stages):
+        raise errors.ConfigError(f"{contract.ENV_PARTITION}={text!r}: a partition pod of this job needs "
+                                 f"0..{len(job.plan.stages) - 1}")
+    partition, address = int(text), environ.get(contract.ENV_STAGE_ADDRESS, "").strip()
+    _, _, port = address.rpartition(":")
+    if partition > 0 and not port.isdigit():
+        raise errors.ConfigError(f"{contract.ENV_STAGE_ADDRESS}={address!r}: partition {partition} needs "
+                                 "the tcp://host:port its group reaches it at")
+    return algorithms.StageAccess(partition=partition, bind=f"tcp://{listen}:{port}" if port.isdigit() else None,
+                                  address=address or None, server=access.stage_server, client=access.stage_client)
 
 
 def _stop_on_termination() -> threading.Event:

@@ -1,0 +1,265 @@
+"""Partitioned replicas on loopback: groups by rendezvous, training, and steps applied on
+every shard or on none."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import prometheus_client as prom
+import pytest
+
+from conftest import LiveShards, start_shards
+from distbelief.runtime import data, errors, protocol, transport
+from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.layout import Layout
+from distbelief.runtime.metrics import WorkerMetrics
+from distbelief.runtime.models import Mlp, evaluate
+from distbelief.runtime.pipeline import staged
+from distbelief.runtime.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
+from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
+from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
+from distbelief.runtime.pipeline.stages import plan
+from distbelief.runtime.protocol import Status
+from distbelief.runtime.worker import Worker, WorkerSettings
+
+TIMEOUTS = Timeouts(request=2.0, unavailable=20.0)
+
+
+@dataclasses.dataclass
+class Cluster:
+    """Shards holding gradients, and a rendezvous, for partitioned pods in threads."""
+
+    model: Mlp
+    dataset: data.Dataset
+    layout: Layout
+    shards: LiveShards
+    rendezvous: Rendezvous
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def params(self) -> np.ndarray:
+        return np.concatenate([self.shards.params(i) for i in range(self.layout.shards)])
+
+    def steps(self) -> list[int]:
+        return [s.step for s in self.shards.shards]
+
+    def pod(self, partition: int, stop: threading.Event | None = None, batch: int = 32, seed: int | None = None):
+        stop = stop or self.stop
+        stages = plan(self.model, len(self.layout.stages) + 1).stages
+        stage = stages[partition]
+        own = self.layout.shards_of(stage.offset, stage.offset + stage.size)
+        group = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop, shards=own)
+        tp = transport.default()
+        server = None
+        if partition > 0:
+            server = tp.server("tcp://127.0.0.1:*", who=f"stage {partition}",
+                               max_frame=protocol.max_frame_bytes(batch * (stage.input_width + 1)), max_frames=3,
+                               security=None)
+        me = server.endpoint if server else f"partition-0/{group.worker_id:08x}"
+        rendezvous = RendezvousLink(self.rendezvous.endpoint, partition=partition, me=me, worker_id=group.worker_id,
+                                    layout=self.layout.hash, security=None, stop=stop)
+        settings = PodSettings(batch_size=batch, classes=self.dataset.n_classes, seed=seed)
+        metrics = WorkerMetrics(prom.CollectorRegistry())
+        if partition == 0:
+            everyone = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop,
+                                  worker_id=group.worker_id)
+            return FirstPartition(settings, stage, PodLinks(group, rendezvous, tp, None, everyone=everyone), metrics,
+                                  self.dataset, stop=stop)
+        return LaterPartition(settings, stage, PodLinks(group, rendezvous, tp, None), metrics, server, stop=stop)
+
+
+def start_cluster(tmp_path: Path, partitions: int, shards: int) -> Cluster:
+    dataset = data.load({"source": "builtin:digits", "testFraction": 0.2, "seed": 0})
+    model = Mlp(dataset.n_features, dataset.n_classes, [48, 32])
+    layout = Layout.of(model.shapes, shards, plan(model, partitions).boundaries)
+    live = start_shards(tmp_path, layout, model.init_params(0), learning_rate=0.05, checkpoint_every=3600,
+                        attach=lambda shard: shard.attach(staged.HeldGradients(shard.plugin(DenseSlice))))
+    rendezvous = Rendezvous("tcp://127.0.0.1:*", partitions, layout.hash, security=None,
+                            finished=lambda: False).start()
+    return Cluster(model, dataset, layout, live, rendezvous)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    made: list[Cluster] = []
+
+    def make(partitions: int, shards: int) -> Cluster:
+        made.append(start_cluster(tmp_path, partitions, shards))
+        return made[-1]
+    yield make
+    for c in made:
+        c.stop.set()
+        c.rendezvous.stop()
+        c.shards.stop()
+
+
+def run_in_thread(pod) -> threading.Thread:
+    thread = threading.Thread(target=pod.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("partitions,shards", [(2, 2), (3, 4)])
+def test_a_partitioned_replica_trains_digits(cluster, partitions: int, shards: int) -> None:
+    c = cluster(partitions, shards)
+    pods = [c.pod(k) for k in range(partitions)]
+    threads = [run_in_thread(p) for p in pods]
+    wait_for(lambda: pods[0].steps >= 600, timeout=120)
+    c.stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    steps = c.steps()
+    assert len(set(steps)) == 1 and steps[0] >= 590  # every step applied on every shard
+    _, accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)
+    assert accuracy >= 0.85
+
+
+def test_each_partition_pulls_and_holds_only_on_its_own_shards(cluster) -> None:
+    c = cluster(2, 4)
+    pods = [c.pod(k) for k in range(2)]
+    assert pods[0].links.own.indices == [0, 1] and pods[1].links.own.indices == [2, 3]
+    assert pods[0].params.size + pods[1].params.size == c.layout.total
+    threads = [run_in_thread(p) for p in pods]
+    wait_for(lambda: pods[0].steps >= 20)
+    c.stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    later_bytes = pods[1].links.own.bytes_out
+    assert later_bytes < 4 * 22 * pods[1].params.nbytes  # its stage's slice per step, not the model's
+
+
+def test_a_group_that_loses_a_pod_applies_nothing_half_and_re_forms(cluster) -> None:
+    c = cluster(2, 2)
+    first, doomed_stop = c.pod(0), threading.Event()
+    doomed = c.pod(1, stop=doomed_stop)
+    threads = [run_in_thread(first), run_in_thread(doomed)]
+    wait_for(lambda: first.steps >= 30)
+    doomed_stop.set()          # partition 1 leaves mid-run: its group breaks
+    threads[1].join(timeout=10)
+    doomed.server.close()
+    replacement = c.pod(1)
+    threads.append(run_in_thread(replacement))
+    wait_for(lambda: replacement.steps >= 30)
+    assert c.rendezvous.groups.formed >= 2
+    c.stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    steps = c.steps()
+    assert steps[0] == steps[1] >= 60
+
+
+def test_a_held_gradient_is_applied_only_when_its_step_is_committed(cluster) -> None:
+    c = cluster(2, 2)
+    group = ShardGroup(c.shards.addresses, c.layout, timeouts=TIMEOUTS, shards=[1])
+    before = c.shards.params(1).copy()
+    grad = np.ones(c.layout.size(1), dtype=np.float32)
+    group.request(HOLD, meta=Held(7), array=grad, steps=[0])
+    assert c.steps() == [0, 0] and np.array_equal(c.shards.params(1), before)
+    group.request(APPLY_HELD, meta=ApplyHeld(7, 32, 1.0))
+    assert c.steps() == [0, 1] and not np.array_equal(c.shards.params(1), before)
+    with pytest.raises(errors.ShardRefused, match="holds no gradient"):
+        group.request(APPLY_HELD, meta=ApplyHeld(7, 32, 1.0))  # a new request for the same token
+    group.close()
+
+
+def test_a_non_finite_gradient_is_refused_when_held_not_when_applied(cluster) -> None:
+    c = cluster(2, 2)
+    group = ShardGroup(c.shards.addresses, c.layout, timeouts=TIMEOUTS, shards=[1])
+    grad = np.ones(c.layout.size(1), dtype=np.float32)
+    grad[3] = np.nan
+    with pytest.raises(errors.ShardRefused, match="non-finite"):
+        group.request(HOLD, meta=Held(9), array=grad, steps=[0])
+    group.close()
+
+
+def test_held_gradients_expire_and_are_bounded(monkeypatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(staged.time, "monotonic", lambda: now[0])
+    held = staged.HeldGradients.__new__(staged.HeldGradients)
+    held._held = staged.OrderedDict()
+    for token in range(staged.MAX_HELD + 3):
+        held._held[token] = staged.HeldGradient(None, np.zeros(1, np.float32), now[0])
+        if len(held._held) > staged.MAX_HELD:
+            held._held.popitem(last=False)
+    assert list(held._held) == list(range(3, staged.MAX_HELD + 3))
+    now[0] += staged.HELD_SECONDS + 1
+    held._expire(now[0])
+    assert not held._held
+
+
+def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluster) -> None:
+    c = cluster(2, 2)
+    later = c.pod(1)
+    thread = run_in_thread(later)
+    stop = threading.Event()
+    me = RendezvousLink(c.rendezvous.endpoint, partition=0, me="tester", worker_id=1, layout=c.layout.hash,
+                        security=None, stop=stop)
+    view = me.wait_for_group()
+    tp = transport.default()
+    link = tp.link(view["downstream"], None, watch=False)
+    width = later.stage.input_width
+    good = np.concatenate([np.zeros(4 * width, np.float32), np.array([1, 2, 3, 4], np.float32)])
+    bad_labels = good.copy()
+    bad_labels[-1] = 0.5
+
+    def forward(seq: int, group: int, body: np.ndarray, rows: int = 4):
+        header = protocol.Header(op=FORWARD.code, shard=0, layout=c.layout.hash, seq=seq, count=body.size)
+        link.send([header.pack(), Forward(group, 5, rows, width, 0).pack(), memoryview(body)])
+        assert tp.wait([link], 10.0)
+        received = link.receive()
+        return protocol.unpack_header(received.header), received
+
+    header, received = forward(1, view["group"] ^ 2, good)
+    assert header.status == Status.ERROR and b"group" in bytes(received.frames[0])
+    header, received = forward(2, view["group"], bad_labels)
+    assert header.status == Status.ERROR and b"labels" in bytes(received.frames[0])
+    header, received = forward(3, view["group"], good)
+    assert header.status == Status.OK and header.count == 4 * width
+    assert np.isfinite(protocol.float_view(received.frames[1], header.count)).all()
+    assert c.steps() == [0, 0]  # no PUSH flag: nothing held, nothing applied
+    link.close()
+    me.close()
+    c.stop.set()
+    thread.join(timeout=10)
+
+
+def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cluster) -> None:
+    """One replica, one step at a time, same minibatches: the partitioned pods apply the same
+    updates as an unpartitioned worker, so they end at the same parameters and accuracy."""
+    steps = 300
+    c = cluster(2, 2)
+    whole_layout = Layout.of(c.model.shapes, 2)
+    whole = start_shards(tmp_path / "whole", whole_layout, c.model.init_params(0), learning_rate=0.05,
+                         checkpoint_every=3600)
+    try:
+        stop_whole = threading.Event()
+        worker = Worker(WorkerSettings(batch_size=32, seed=0), whole.group(stop=stop_whole), c.model, c.dataset,
+                        WorkerMetrics(prom.CollectorRegistry()), stop=stop_whole)
+        whole.shards[0].step_reached = lambda step: step >= steps and stop_whole.set()
+        try:
+            worker.run()
+        except errors.Stopped:  # stopped while waiting for the reply to its last push
+            pass
+        expected = np.concatenate([whole.params(i) for i in range(2)])
+    finally:
+        whole.stop()
+    pods = [c.pod(0, seed=0), c.pod(1)]
+    c.shards.shards[0].step_reached = lambda step: step >= steps and c.stop.set()
+    threads = [run_in_thread(p) for p in pods]
+    for t in threads:
+        t.join(timeout=120)
+    assert c.steps() == [steps, steps]
+    np.testing.assert_allclose(c.params(), expected, rtol=1e-3, atol=1e-5)
+    accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)[1]
+    assert abs(accuracy - evaluate(c.model, expected, c.dataset.x_test, c.dataset.y_test)[1]) <= 0.01
