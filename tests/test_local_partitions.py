@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from distbelief.operator import local, scrape, spec
-from distbelief.runtime import contract, keys
+from distbelief.operator import local, preflight, scrape, spec
+from distbelief.runtime import contract, keys, roles
+from distbelief.runtime.layout import Layout
 
 from conftest import load_example
 
@@ -73,3 +74,13 @@ def test_the_status_counts_replicas_whose_every_partition_runs(run: local.LocalR
         for pod in running:
             pod.process.kill()
             pod.process.wait()
+
+
+def test_local_mode_checks_earlier_checkpoints_against_the_staged_layout() -> None:
+    """The layout a partitioned job's shards write (stages on shards of their own) is the
+    one `distbelief run` expects in an output folder, so a run resumes; a layout that
+    ignored the cut would refuse the job's own checkpoints."""
+    job = spec.validate_job(load_example("digits-partitioned.yaml"))
+    checked = preflight.check(job)
+    assert checked.layout == roles.Job(spec.job_config(job)).layout.hash
+    assert checked.layout != Layout.of(checked.shapes, 2).hash

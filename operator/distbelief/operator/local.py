@@ -34,7 +34,6 @@ from distbelief.operator import curves, outputdir, preflight, render, report, sc
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
 from distbelief.operator.status import CHIEF_ENDED, SUSPENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
-from distbelief.runtime.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +60,11 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
     checked = preflight.check(job)
     for line in sizing.memory_warnings(job["spec"], checked.parameters):
         sys.stderr.write(f"warning: {line}\n")
-    layout = Layout.of(checked.shapes, int(job["spec"]["parameterServers"]["shards"])).hash
     output = os.path.abspath(output or os.path.join("out", job["metadata"]["name"]))
     with outputdir.locked(output):
         if fresh:
             outputdir.clear(output)
-        found = outputdir.earlier(output, job, layout)
+        found = outputdir.earlier(output, job, checked.layout)
         announcement = found.announcement()
         if announcement:
             sys.stdout.write(announcement + "\n")
