@@ -86,6 +86,6 @@ def test_the_report_plot_is_drawn_from_history_and_curves(tmp_path: Path) -> Non
     curves.Recorder(str(tmp_path), resumed_at=0).record(
         scrape.Figures(global_step=50, train_loss=0.7, examples_per_second=10.0), {"w-0": scrape.Figures()})
     summary = report.write(str(tmp_path), str(chief), job="digits", phase="Suspended", reason="Interrupted",
-                           started=started, restarts={})
+                           started=started, pods={})
     assert summary["plot"] == report.PLOT_FILE
     assert (tmp_path / report.PLOT_FILE).read_bytes().startswith(b"\x89PNG")

@@ -205,7 +205,7 @@ def test_a_secured_server_without_client_credentials_is_refused(tmp_path: Path, 
 class _Job:
     def __init__(self, **parameter_servers: object) -> None:
         self.spec = {"parameterServers": parameter_servers}
-        self.plan = None  # an unpartitioned model
+        self.plan = None  # not partitioned
 
 
 def test_roles_without_keys_run_unauthenticated_and_say_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

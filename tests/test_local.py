@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import signal
 import threading
 import time
@@ -35,6 +36,7 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
     assert summary["globalStep"] >= load_example("digits-mlp.yaml")["spec"]["training"]["maxSteps"]
     assert summary["examplesPerSecond"] > 0 and summary["wallSeconds"] > 0
     assert summary["restarts"] == 0
+    _every_pod_reports_its_memory_and_traffic(summary, shards=2, workers=3)
     assert (tmp_path / report.PLOT_FILE).read_bytes().startswith(b"\x89PNG")
     rows = [json.loads(line) for line in (tmp_path / "curves.jsonl").read_text().splitlines()]
     assert rows[0] == {"time": rows[0]["time"], "event": "start", "step": 0}
@@ -57,6 +59,23 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
     with np.load(tmp_path / contract.PARAMS_FILE) as params:
         assert params["layer0.weight"].shape == (64, 64)
         assert params["layer1.weight"].shape == (64, 10)
+
+
+def _every_pod_reports_its_memory_and_traffic(summary: dict[str, Any], *, shards: int, workers: int) -> None:
+    pods = summary["pods"]
+    assert sorted(pods) == [f"digits-ps-{i}" for i in range(shards)] + [f"digits-worker-{i}" for i in range(workers)]
+    for name, pod in pods.items():
+        assert pod["peakRssBytes"] > 30 << 20, name  # an interpreter with numpy and ZeroMQ, at least
+        assert pod["bytesIn"] > 0 and pod["bytesOut"] > 0, name
+        assert pod["memoryLimit"] == "1Gi" and pod["oomKills"] == 0, name
+        assert pod["restarts"] == summary["restartsByPod"][name]
+    # Each replica pulled the model (64*64+64 + 64*10+10 floats) many times; shard 0 also ran the chief.
+    model_bytes = 4 * (64 * 64 + 64 + 64 * 10 + 10)
+    assert all(pods[f"digits-worker-{i}"]["bytesIn"] > 100 * model_bytes for i in range(workers))
+    # Every byte one pod sent, another received: the counts agree but for what moved after
+    # a pod's last scrape (or was lost with a killed one).
+    sent, received = (sum(pod[key] for pod in pods.values()) for key in ("bytesOut", "bytesIn"))
+    assert received == pytest.approx(sent, rel=0.05)
 
 
 def test_fetch_and_push_every_n_steps_still_converge(tmp_path: Path) -> None:
@@ -126,6 +145,8 @@ def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path
     assert codes == [0] and summary["phase"] == "Succeeded"
     assert summary["restartsByPod"]["digits-ps-1"] == 1
     assert summary["restartsByPod"]["digits-worker-0"] == 1
+    _every_pod_reports_its_memory_and_traffic(summary, shards=2, workers=3)
+    assert summary["pods"]["digits-ps-1"]["restarts"] == 1 and summary["pods"]["digits-worker-0"]["restarts"] == 1
     restored = _restored_steps(tmp_path / "logs" / "digits-ps-1.log")
     assert restored and restored[0] >= 2000, "the restarted shard did not resume from its checkpoint"
     assert summary["accuracy"] >= 0.95
@@ -167,3 +188,18 @@ def test_a_config_error_fails_the_job_at_once_without_restarts(tmp_path: Path) -
     assert summary["reason"].startswith("InvalidConfig: digits-")
     assert "missing.npz" in summary["reason"]
     assert summary["restarts"] == 0
+
+
+def test_a_shard_over_its_memory_limit_is_oom_killed_and_fails_the_job_as_on_a_cluster(tmp_path: Path) -> None:
+    doc = load_example("digits-mlp.yaml")
+    # An interpreter with numpy and ZeroMQ alone is over 40 MiB resident.
+    doc["spec"]["parameterServers"]["resources"]["limits"]["memory"] = "40Mi"
+    doc["spec"]["runPolicy"]["backoffLimit"] = 0
+    code, summary = run_job(doc, tmp_path)
+    assert code == 1 and summary["phase"] == "Failed"
+    assert summary["reason"].startswith("BackoffLimitExceeded: ")
+    assert re.search(r"digits-ps-\d was OOMKilled \(exit code 137\): \d+ MiB resident, over its "
+                     r"resources.limits.memory 40Mi", summary["reason"]), summary["reason"]
+    killed = [pod for pod in summary["pods"].values() if pod["oomKills"]]
+    assert killed and all(pod["memoryLimit"] == "40Mi" and pod["peakRssBytes"] > 40 << 20 for pod in killed)
+    assert all(pod["oomKills"] == 0 for name, pod in summary["pods"].items() if "worker" in name)

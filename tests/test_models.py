@@ -355,3 +355,12 @@ def test_a_gradient_returned_instead_of_written_into_out_reaches_out(monkeypatch
     assert grad is out and loss == pytest.approx(expected_loss)
     np.testing.assert_allclose(out, expected, rtol=1e-6)
     assert np.abs(out).sum() > 0
+
+
+@pytest.mark.parametrize("hidden,activation", [([300, 200], "relu"), ([50], "tanh"), ([], "relu")])
+def test_a_slice_of_the_initial_parameters_is_made_without_the_rest(hidden, activation, monkeypatch):
+    model = Mlp(784, 10, hidden, activation)
+    whole = model.init_params(3)
+    monkeypatch.setattr(models, "INIT_CHUNK", 1000)  # slices straddle the chunks the stream is drawn in
+    for start, stop in ((0, 10), (999, 1001), (5000, whole.size), (whole.size - 7, whole.size)):
+        np.testing.assert_array_equal(models.initial_slice(model, 3, start, stop), whole[start:stop])

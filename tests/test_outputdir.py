@@ -124,6 +124,6 @@ def test_the_summary_never_shows_an_earlier_runs_figures(tmp_path: Path) -> None
     (chief / contract.RESULT_FILE).write_text(json.dumps(
         {"phase": "Failed", "reason": "DeadlineExceeded", "globalStep": 900, "accuracy": 0.93, "finishedAt": before}))
     summary = report.write(str(tmp_path), str(chief), job="digits", phase="Failed", reason="InvalidConfig: x",
-                           started=time.time(), restarts={})
+                           started=time.time(), pods={})
     assert summary["accuracy"] is None and summary["loss"] is None and summary["evaluations"] == 0
     assert summary["globalStep"] == 0

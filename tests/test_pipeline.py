@@ -13,13 +13,15 @@ import prometheus_client as prom
 import pytest
 
 from conftest import LiveShards, start_shards
-from distbelief.runtime import data, errors, protocol, transport
+from distbelief.runtime import contract, data, errors, protocol, roles, transport
+from distbelief.runtime.chief import WholeModel
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import WorkerMetrics
 from distbelief.runtime.models import Mlp, evaluate
 from distbelief.runtime.pipeline import staged
+from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
 from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
@@ -263,3 +265,59 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
     np.testing.assert_allclose(c.params(), expected, rtol=1e-3, atol=1e-5)
     accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)[1]
     assert abs(accuracy - evaluate(c.model, expected, c.dataset.x_test, c.dataset.y_test)[1]) <= 0.01
+
+
+def test_the_chief_scores_a_partitioned_model_stage_by_stage_as_the_whole(tmp_path: Path, cluster) -> None:
+    c = cluster(3, 4)
+    pods = [c.pod(k) for k in range(3)]
+    threads = [run_in_thread(p) for p in pods]
+    wait_for(lambda: pods[0].steps >= 50)
+    c.stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    parts = plan(c.model, 3).stages
+    staged = StagedModel(plan(c.model, 3), [c.shards.group(shards=c.layout.shards_of(s.offset, s.offset + s.size))
+                                            for s in parts], c.dataset, max_eval_examples=300)
+    whole = WholeModel(c.shards.group(), c.model, c.dataset, max_eval_examples=300)
+    got, expected = staged.score(), whole.score()
+    assert got.step == expected.step == c.steps()[0]
+    assert got.accuracy == expected.accuracy and got.loss == pytest.approx(expected.loss, rel=1e-5)
+    staged.save(str(tmp_path / "staged.npz"))
+    whole.save(str(tmp_path / "whole.npz"))
+    with np.load(tmp_path / "staged.npz") as a, np.load(tmp_path / "whole.npz") as b:
+        assert list(a.keys()) == list(b.keys()) == [name for name, _ in c.model.shapes]
+        for name in a.keys():
+            np.testing.assert_array_equal(a[name], b[name])
+    staged.close()
+    whole.close()
+
+
+def partitioned_job(partitions: int = 2):
+    config = contract.JobConfig(name="p", namespace="default", spec={
+        "model": {"type": "mlp", "hiddenLayers": [32, 16], "partitions": partitions},
+        "data": {"source": "builtin:digits", "testFraction": 0.2},
+        "parameterServers": {"shards": 2, "port": 7070}})
+    return roles.Job(config)
+
+
+def test_a_partition_pod_reads_its_partition_and_stage_address_from_its_environment() -> None:
+    job = partitioned_job()
+    env = {contract.ENV_PARTITION: "1", contract.ENV_STAGE_ADDRESS: "tcp://10.0.0.7:7172"}
+    stage = roles.stage_access(job, roles.Access(), "0.0.0.0", env)
+    assert (stage.partition, stage.bind, stage.address) == (1, "tcp://0.0.0.0:7172", "tcp://10.0.0.7:7172")
+    assert job.stage_shards(0) == [0] and job.stage_shards(1) == [1]
+    first = roles.stage_access(job, roles.Access(), "0.0.0.0", {contract.ENV_PARTITION: "0"})
+    assert first.partition == 0 and first.bind is None
+
+
+@pytest.mark.parametrize("env,problem", [({}, "DISTBELIEF_PARTITION=''"),
+                                         ({contract.ENV_PARTITION: "2"}, "0..1"),
+                                         ({contract.ENV_PARTITION: "1"}, "DISTBELIEF_STAGE_ADDRESS")])
+def test_a_partition_pod_without_a_usable_environment_stops_with_a_config_error(env, problem) -> None:
+    with pytest.raises(errors.ConfigError, match=problem):
+        roles.stage_access(partitioned_job(), roles.Access(), "0.0.0.0", env)
+
+
+def test_a_job_with_fewer_shards_than_partitions_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="at least spec.model.partitions"):
+        partitioned_job(partitions=3)

@@ -382,6 +382,9 @@ def test_the_example_converges_locally_through_a_replica_and_a_shard_kill(tmp_pa
     assert summary["phase"] == "Succeeded" and summary["reason"] == "Converged"
     assert summary["accuracy"] >= 0.93
     assert summary["restartsByPod"][run.shards[1].name] == 1
+    assert summary["pods"][run.shards[1].name]["restarts"] == 1
+    # The coordinator's and the replicas' sockets count too, not only the shards' serving ones.
+    assert all(pod["bytesIn"] > 0 and pod["bytesOut"] > 0 for pod in summary["pods"].values()), summary["pods"]
     result = json.loads((Path(run.chief_dir) / contract.RESULT_FILE).read_text())
     assert abs(result["objective"] - optimum) / optimum < 1e-4
     shard_log = (tmp_path / "logs" / f"{run.shards[0].name}.log").read_text()

@@ -141,10 +141,11 @@ def test_every_metric_the_operator_reads_is_one_a_role_exports() -> None:
     import prometheus_client as prom
 
     from distbelief.runtime import contract
-    from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics, WorkerMetrics
+    from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics, TrafficCollector, WorkerMetrics
 
     registry = prom.CollectorRegistry()
     ShardMetrics(registry, 0), ChiefMetrics(registry), CoordinatorMetrics(registry)
+    registry.register(TrafficCollector())
     WorkerMetrics(worker := prom.CollectorRegistry())
     exported = {family.name for r in (registry, worker) for family in r.collect()}
     read = {value for name, value in vars(contract.Metric).items() if name.isupper()}

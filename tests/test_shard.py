@@ -17,15 +17,20 @@ import time
 from pathlib import Path
 
 import numpy as np
+import prometheus_client as prom
 import pytest
 import zmq
+
+from distbelief.operator import scrape
 
 from distbelief.runtime import dense, errors, protocol, roles
 from distbelief.runtime.contract import JobConfig
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
+from distbelief.runtime.metrics import TrafficCollector
 from distbelief.runtime.optim import Adagrad
 from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime.traffic import PROCESS_TRAFFIC
 
 from conftest import LiveShards, start_shards
 
@@ -36,6 +41,25 @@ def test_pull_returns_the_initial_parameters(two_shards: LiveShards) -> None:
     replies = group.pull(out)
     assert [r.header.step for r in replies] == [0, 0]
     np.testing.assert_array_equal(out, np.arange(two_shards.layout.total, dtype=np.float32) / 100)
+
+
+def test_every_socket_of_the_process_counts_its_traffic_and_the_metrics_report_it(two_shards: LiveShards) -> None:
+    registry = prom.CollectorRegistry()
+    registry.register(TrafficCollector())
+    before = (PROCESS_TRAFFIC.bytes_in, PROCESS_TRAFFIC.bytes_out)
+    group = two_shards.group()
+    out = np.zeros(two_shards.layout.total, dtype=np.float32)
+    group.pull(out)
+    group.push(np.ones_like(out), steps=[0, 0], examples=1, loss=1.0)
+    # The shards and the client live in this process: each byte one of them sent, another got.
+    moved = group.bytes_in + group.bytes_out
+    assert moved > 2 * out.nbytes  # the parameters came and the gradient went
+    deadline = time.monotonic() + 5
+    while PROCESS_TRAFFIC.bytes_out - before[1] < moved and time.monotonic() < deadline:
+        time.sleep(0.01)  # a shard counts its reply just after sending it: the client may read it first
+    assert (PROCESS_TRAFFIC.bytes_in - before[0], PROCESS_TRAFFIC.bytes_out - before[1]) == (moved, moved)
+    scraped = scrape.parse(prom.generate_latest(registry).decode())
+    assert (scraped.bytes_in, scraped.bytes_out) == (PROCESS_TRAFFIC.bytes_in, PROCESS_TRAFFIC.bytes_out)
 
 
 def test_push_applies_adagrad_on_every_shard(two_shards: LiveShards) -> None:

@@ -159,6 +159,13 @@ def test_a_crash_looping_shard_says_how_it_last_ended() -> None:
     assert "digits-ps-1 last exited with code 1: error: gone" in message
 
 
+def test_a_shard_the_oom_killer_keeps_ending_says_so() -> None:
+    pods = [_pod("digits-ps-0", "ps", restarts=4, last={"terminated": {"exitCode": 137, "reason": "OOMKilled"}})]
+    failed = compute_status(job(), Observed(**pod_failures(pods)), NOW)
+    assert "digits-ps-0 last exited with code 137 (OOMKilled: over its memory limit)" in \
+        condition(failed, "Failed")["message"]
+
+
 def test_a_replica_whose_loss_stays_non_finite_fails_the_job() -> None:
     seen = "digits-worker-1 computed a training loss of nan at global step 17"
     failed = compute_status(job(), Observed(shards_ready=2, workers_ready=3, non_finite_loss=seen), NOW)

@@ -7,7 +7,8 @@ command and environment, with loopback ports instead of cluster DNS, folders ins
 volumes, and restart-on-crash with back-off. It shows live progress scraped from the
 chief's metrics, and leaves a report in the output folder:
 
-    report.json    phase, reason, globalStep, loss, accuracy, examplesPerSecond, wallSeconds, restarts
+    report.json    phase, reason, globalStep, loss, accuracy, examplesPerSecond, wallSeconds, restarts,
+                   and pods.<pod>: peakRssBytes, bytesIn, bytesOut, restarts (podusage.py)
     training.png   training and held-out loss, accuracy and examples/s over steps
     curves.jsonl   the training figures behind the plot, and where each run started
     params.npz     the trained parameters, one array per named tensor
@@ -30,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from distbelief.operator import curves, outputdir, preflight, render, report, scrape, sizing, spec
+from distbelief.operator import curves, outputdir, podusage, preflight, render, report, scrape, sizing, spec
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
 from distbelief.operator.status import CHIEF_ENDED, SUSPENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
@@ -73,6 +74,11 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
         return LocalRun(job, output).run(progress=progress, resumed_at=found.step or 0)
 
 
+def _shard_failure(pod: LocalPod) -> str:
+    last = pod.last_log_line()
+    return f"{pod.ending()}; last log line: {last}" if last else pod.ending()
+
+
 def _exit_code(phase: str) -> int:
     return {contract.SUCCEEDED: 0, SUSPENDED: 130}.get(phase, 1)
 
@@ -106,23 +112,23 @@ class LocalRun:
         previous = {sig: signal.signal(sig, self.interrupt) for sig in STOP_SIGNALS} if in_main_thread else {}
         log.info("event=local_run job=%s shards=%d workers=%d output=%s", self.name, len(self.shards),
                  len(self.workers), self.output)
-        live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]),
-                               metrics_port=self.shards[0].ports[contract.METRICS_PORT_NAME], enabled=progress,
+        live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]), enabled=progress,
                                initial=resumed_at)
         recorder = curves.Recorder(self.output, resumed_at=resumed_at)
         self._history_at_start = self._history_size()
-        try:
-            for pod in self.pods:
-                pod.start()
-            phase, reason = self._supervise(live, recorder)
-        finally:
-            self._stop_all()
-            live.close()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        restarts = {pod.name: pod.restarts for pod in self.pods}
+        with podusage.MemoryWatchdog(lambda: self.pods):
+            try:
+                for pod in self.pods:
+                    pod.start()
+                phase, reason = self._supervise(live, recorder)
+            finally:
+                self._stop_all()
+                live.close()
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
         summary = report.write(self.output, self.chief_dir, job=self.name, phase=phase, reason=reason,
-                               started=started, restarts=restarts, staleness=self.status.get("staleness"))
+                               started=started, pods={pod.name: pod.figures() for pod in self.pods},
+                               staleness=self.status.get("staleness"))
         report.print_summary(summary, self.output)
         return _exit_code(phase)
 
@@ -137,8 +143,9 @@ class LocalRun:
         while True:
             if self._interrupted:
                 return "Suspended", "Interrupted: checkpoints kept; run again to resume"
-            figures = scrape.read(live.url, timeout=report.SCRAPE_TIMEOUT)
-            replicas = self._scrape_replicas()
+            seen = self._scrape_pods()
+            figures = seen.get(self.shards[0].name, scrape.Figures())
+            replicas = {pod.name: seen[pod.name] for pod in self.workers if pod.name in seen}
             status = self._status(figures)
             if status["phase"] in TERMINAL:
                 return self._ending(status)
@@ -156,10 +163,15 @@ class LocalRun:
         except OSError:
             return 0
 
-    def _scrape_replicas(self) -> dict[str, scrape.Figures]:
-        """Each running replica's own figures (its loss and examples), by pod name."""
-        return {pod.name: scrape.read(pod.metrics_url, timeout=report.SCRAPE_TIMEOUT)
-                for pod in self.workers if pod.running}
+    def _scrape_pods(self) -> dict[str, scrape.Figures]:
+        """Each running pod's own figures, by pod name: the chief's are shard 0's; a replica's
+        its loss and examples; every pod's, its traffic (noted: the last value seen counts)."""
+        seen = {pod.name: scrape.read(pod.metrics_url, timeout=report.SCRAPE_TIMEOUT)
+                for pod in self.pods if pod.running}
+        for pod in self.pods:
+            if pod.name in seen:
+                pod.usage.scraped(seen[pod.name])
+        return seen
 
     def _status(self, figures: scrape.Figures) -> dict[str, Any]:
         """The job's new status from compute_status, as the operator would write it."""
@@ -182,8 +194,7 @@ class LocalRun:
             workers_ready=self._replicas(lambda pod: pod.running), shard_restarts=restarts[worst.name],
             figures=figures, children_created=True,
             invalid_config=f"{invalid.name}: {invalid.last_error_line()}" if invalid else None,
-            shard_failure=f"{worst.name} exited with code {worst.exit_code}; last log line: "
-                          f"{worst.last_log_line()}" if crashed[worst.name] else None,
+            shard_failure=_shard_failure(worst) if crashed[worst.name] else None,
             non_finite_loss=f"{diverged.name}: {diverged.last_error_line()}" if diverged else None)
 
     def _replicas(self, counted: Callable[[LocalPod], bool]) -> int:
@@ -222,7 +233,8 @@ class LocalRun:
             if pod.restart_at == 0.0:
                 delay = min(BACKOFF_MAX, BACKOFF_START * 2 ** pod.restarts)
                 pod.restart_at = now + delay
-                log.warning("event=pod_crashed pod=%s exit_code=%d restart_in_s=%.0f", pod.name, code, delay)
+                log.warning("event=pod_crashed pod=%s exit_code=%d restart_in_s=%.0f ended=%r", pod.name, code, delay,
+                            pod.ending())
             elif now >= pod.restart_at:
                 pod.restarts += 1
                 pod.restart_at = 0.0
@@ -230,6 +242,7 @@ class LocalRun:
 
     def _stop_all(self) -> None:
         """SIGTERM every pod (the shards checkpoint on it), then SIGKILL what remains."""
+        self._scrape_pods()  # the traffic up to now
         for pod in self.workers + self.shards:
             pod.signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
@@ -239,4 +252,4 @@ class LocalRun:
             if pod.running:
                 log.warning("event=pod_killed pod=%s reason=did_not_stop_in_%.0fs", pod.name, STOP_GRACE_SECONDS)
                 pod.signal(signal.SIGKILL)
-                pod.process.wait()
+                pod.wait()

@@ -5,7 +5,8 @@ cluster DNS and folders instead of volumes (ConfigMaps and Secrets written out a
 A partitioned job's worker pods serve their stages on a free loopback port each, and
 find the rendezvous beside shard 0 on its coordinator port, as Sandblaster's replicas
 find the coordinator.
-A pod gets SIGTERM when `distbelief run` dies, even by SIGKILL, so none outlives it.
+A pod gets SIGTERM when `distbelief run` dies, even by SIGKILL, so none outlives it. Its
+resources.limits.memory is held to as a cluster would (podusage.py).
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ from __future__ import annotations
 import base64
 import ctypes
 import dataclasses
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, Mapping
 
+from distbelief.operator import podparts, podusage
 from distbelief.runtime import contract
+
+log = logging.getLogger(__name__)
 
 # The role flags that receive a container port's local number, by port name.
 PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "--metrics-port",
@@ -52,36 +59,99 @@ class LocalPod:
     log_path: str
     ports: dict[str, int]
     workload: str = ""   # the StatefulSet's or Deployment's name
+    memory_limit: str | None = None   # the container's resources.limits.memory, as written
     process: subprocess.Popen | None = None
     restarts: int = 0
     exit_code: int | None = None
     restart_at: float = 0.0
+    usage: podusage.PodUsage = dataclasses.field(default_factory=podusage.PodUsage, init=False)
+    oom_resident: int | None = dataclasses.field(default=None, init=False)  # set when the watchdog killed it
+    _launcher_peak: int = dataclasses.field(default=0, init=False, repr=False)
+    # Reaping, signalling and the watchdog's look happen on two threads: one at a time.
+    _lock: threading.RLock = dataclasses.field(default_factory=threading.RLock, init=False, repr=False)
 
     @property
     def metrics_url(self) -> str:
         return f"http://{LOOPBACK}:{self.ports[contract.METRICS_PORT_NAME]}/metrics"
 
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        return int(podparts.cpu_cores(self.memory_limit)) if self.memory_limit else None
+
     def start(self) -> None:
         log_file = open(self.log_path, "ab")
         parent = os.getpid()
-        self.process = subprocess.Popen(self.argv, env=self.env, stdout=log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=lambda: _die_with_parent(parent))
+        with self._lock:
+            self.usage.new_run()
+            self.process = subprocess.Popen(self.argv, env=self.env, stdout=log_file, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=lambda: _die_with_parent(parent))
+            self._launcher_peak = podusage.own_peak()
+            self.exit_code = self.oom_resident = None
         log_file.close()
-        self.exit_code = None
 
     def poll(self) -> int | None:
-        if self.process is not None and self.exit_code is None:
-            self.exit_code = self.process.poll()
-        return self.exit_code
+        with self._lock:
+            if self.process is not None and self.exit_code is None:
+                self.exit_code = self._reap()
+            return self.exit_code
+
+    def _reap(self) -> int | None:
+        """The exit code once the process has ended (reaped here, for its ru_maxrss), else None."""
+        if self.process.returncode is not None:  # reaped already by Popen: its pid may be another's now
+            return self.process.returncode
+        try:
+            pid, status, usage = os.wait4(self.process.pid, os.WNOHANG)
+        except ChildProcessError:  # Popen reaped it in between
+            return self.process.poll()
+        if pid == 0:
+            return None
+        if usage.ru_maxrss * 1024 > self._launcher_peak:  # only then is it the pod's own (podusage)
+            self.usage.peaked(usage.ru_maxrss * 1024)
+        self.process.returncode = os.waitstatus_to_exitcode(status)
+        return self.process.returncode
+
+    def wait(self) -> None:
+        while self.poll() is None:
+            time.sleep(0.02)
 
     @property
     def running(self) -> bool:
         return self.process is not None and self.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.running:
-            self.process.send_signal(sig)
+        with self._lock:  # never a pid the process had once it is reaped
+            if self.running:
+                os.kill(self.process.pid, sig)
+
+    def watch_memory(self) -> None:
+        """Note the process's peak; SIGKILL it when over its memory limit, as a cluster's
+        OOM killer would (podusage says how close this comes)."""
+        with self._lock:
+            memory = podusage.memory_of(self.process.pid) if self.running else None
+            if memory is None:
+                return
+            self.usage.peaked(memory.peak)
+            limit = self.memory_limit_bytes
+            if limit is not None and memory.resident > limit and self.oom_resident is None:
+                self.oom_resident = memory.resident
+                self.usage.oom_kills += 1
+                os.kill(self.process.pid, signal.SIGKILL)
+                log.warning("event=pod_oom_killed pod=%s resident_bytes=%d limit=%s", self.name, memory.resident,
+                            self.memory_limit)
+
+    def ending(self) -> str:
+        """How the process last ended, as a cluster would say it."""
+        if self.oom_resident is not None:
+            return podusage.oom_message(self.name, self.oom_resident, self.memory_limit or "")
+        return f"{self.name} exited with code {self.exit_code}"
+
+    def figures(self) -> dict[str, Any]:
+        """The pod's entry in report.json: what it used over the run, across its restarts."""
+        entry = {"role": self.role, **self.usage.figures(), "restarts": self.restarts}
+        if self.memory_limit:
+            entry.update(memoryLimit=self.memory_limit, oomKills=self.usage.oom_kills)
+        return entry
 
     def last_error_line(self) -> str:
         """The role's one-line error ("error: ..."), else its last log line."""
@@ -155,7 +225,8 @@ def _pod(node: LocalNode, workload: Mapping[str, Any], name: str, ports: dict[st
     return LocalPod(name=name, role=workload["metadata"]["labels"][contract.LABEL_ROLE],
                     argv=_local_command(container["command"]) + args + extra_args, env=env,
                     log_path=os.path.join(node.output, "logs", f"{name}.log"), ports=ports,
-                    workload=workload["metadata"]["name"])
+                    workload=workload["metadata"]["name"],
+                    memory_limit=(container.get("resources") or {}).get("limits", {}).get("memory"))
 
 
 def _local_command(command: list[str]) -> list[str]:

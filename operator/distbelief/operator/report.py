@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from tqdm import tqdm
 
 from distbelief.operator import curves, scrape
+from distbelief.operator.podusage import OOM_KILLED
 
 from distbelief.runtime import contract
 
@@ -31,14 +32,13 @@ class Progress:
     """A progress bar over global steps, with loss, accuracy and examples/s beside it (and
     a Sandblaster job's objective)."""
 
-    def __init__(self, job: str, *, total: int, metrics_port: int, enabled: bool, initial: int = 0) -> None:
-        self.url = f"http://127.0.0.1:{metrics_port}/metrics"
+    def __init__(self, job: str, *, total: int, enabled: bool, initial: int = 0) -> None:
         tty = sys.stderr.isatty()
         self.bar = tqdm(total=total, initial=min(initial, total), desc=job, unit="step", disable=not enabled,
                         dynamic_ncols=True, mininterval=0.2 if tty else 10.0, file=sys.stderr)
 
     def update(self, figures: scrape.Figures, *, evaluated: bool) -> None:
-        """Show the chief's figures as read from self.url; evaluated: whether the chief has
+        """Show the chief's figures (shard 0's metrics); evaluated: whether the chief has
         scored the parameters yet in this run (its loss and accuracy mean nothing before)."""
         if not figures.reachable:
             return
@@ -76,9 +76,10 @@ def read_history(chief_dir: str) -> list[dict[str, Any]]:
 
 
 def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, started: float,
-          restarts: Mapping[str, int], staleness: Mapping[str, float] | None = None) -> dict[str, Any]:
+          pods: Mapping[str, Mapping[str, Any]], staleness: Mapping[str, float] | None = None) -> dict[str, Any]:
     """report.json, training.png and params.npz in output; returns the report. Its figures
-    are this run's (since `started`): never an earlier run's, when this one evaluated nothing."""
+    are this run's (since `started`): never an earlier run's, when this one evaluated nothing.
+    pods: each pod's figures (LocalPod.figures), restarts among them."""
     result = read_result(chief_dir) or {}
     if result.get("finishedAt", 0) < started:
         result = {}
@@ -94,10 +95,11 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, sta
         "examples": result.get("examples"),
         "trainingSeconds": result.get("trainingSeconds"),
         "wallSeconds": round(time.time() - started, 3),
-        "restarts": sum(restarts.values()),
-        "restartsByPod": dict(restarts),
+        "restarts": sum(pod["restarts"] for pod in pods.values()),
+        "restartsByPod": {name: pod["restarts"] for name, pod in pods.items()},
         "evaluations": len(ours),
         "staleness": dict(staleness) if staleness else None,
+        "pods": {name: dict(pod) for name, pod in pods.items()},
     }
     auc = result.get("auc", last.get("auc"))
     if auc is not None:
@@ -126,6 +128,8 @@ def print_summary(summary: Mapping[str, Any], output: str) -> None:
         *([f"  held-out AUC       {summary['auc']:.4f}"] if summary.get("auc") is not None else []),
         f"  examples/s         {summary['examplesPerSecond']:,.0f}",
         f"  wall time          {summary['wallSeconds']:.1f} s, restarts {summary['restarts']}",
+        *[f"  {OOM_KILLED:<19}{name} {pod['oomKills']}x, over its memory limit {pod['memoryLimit']}"
+          for name, pod in summary["pods"].items() if pod.get("oomKills")],
         f"  report             {os.path.join(output, REPORT_FILE)}",
     ]
     sys.stdout.write("\n".join(lines) + "\n")

@@ -44,6 +44,8 @@ class Figures:
     replica_examples: int | None = None     # a replica's: the examples it trained on
     staleness_max: int | None = None        # the largest staleness of an update shard 0 applied
     staleness_p50: float | None = None      # the median's bucket bound, from shard 0's histogram
+    bytes_in: int | None = None             # what the pod's process received over the job's transport
+    bytes_out: int | None = None            # ... and sent
 
     @property
     def reachable(self) -> bool:
@@ -84,6 +86,8 @@ def parse(text: str) -> Figures:
         finished_outcome=finished[1] if finished else None,
         replica_steps=integer(M.WORKER_STEPS + "_total"),
         replica_examples=integer(M.WORKER_EXAMPLES + "_total"),
+        bytes_in=integer(M.TRANSPORT_BYTES_IN + "_total"),
+        bytes_out=integer(M.TRANSPORT_BYTES_OUT + "_total"),
     )
 
 

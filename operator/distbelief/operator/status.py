@@ -57,10 +57,16 @@ def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
                 diverged = f"{name}: {_last_line(lost.get('message')) or 'its training loss went non-finite'}"
             if role == contract.ROLE_PS and container.get("restartCount", 0) >= max(restarts, 1):
                 restarts, last = container["restartCount"], ends[1]
-                failure = f"{name} last exited with code {last['exitCode']}: {_last_line(last.get('message'))}" \
-                    if "exitCode" in last else None
+                failure = _how_it_ended(name, last) if "exitCode" in last else None
     return {"invalid_config": invalid, "non_finite_loss": diverged, "shard_restarts": restarts,
             "shard_failure": failure}
+
+
+def _how_it_ended(pod: str, terminated: Mapping[str, Any]) -> str:
+    """A container's last end as its status tells it: an OOMKilled one says so (its message is empty)."""
+    killed = " (OOMKilled: over its memory limit)" if terminated.get("reason") == "OOMKilled" else ""
+    last = _last_line(terminated.get("message"))
+    return f"{pod} last exited with code {terminated['exitCode']}{killed}" + (f": {last}" if last else "")
 
 
 def _last_line(text: str | None) -> str:

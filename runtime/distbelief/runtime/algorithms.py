@@ -20,9 +20,10 @@ import dataclasses
 import threading
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import prometheus_client as prom
 
-from distbelief.runtime import keys, protocol, transport
+from distbelief.runtime import keys, models, protocol, transport
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.embedding import EmbeddingModel
@@ -60,7 +61,7 @@ class ChiefContext:
     job: Any                      # roles.Job
     shard: Shard
     registry: prom.CollectorRegistry
-    group: Callable[[], ShardGroup]
+    group: Callable[..., ShardGroup]   # (shards=None: all, stop=None) -> a fresh client of those shards
     server_security: keys.ServerSecurity | None
     coordinator_bind: str
 
@@ -96,12 +97,17 @@ class Algorithm:
     held_out: Callable[[Any, ShardGroup], HeldOut | None] = lambda job, group: None
 
 
+def _initial(shard: Shard, job: Any) -> np.ndarray:
+    """The shard's slice of the model's initial parameters (never the whole vector)."""
+    return models.initial_slice(job.model, int(job.spec["training"]["seed"]), *job.layout.bounds(shard.index))
+
+
 # -- Downpour SGD ------------------------------------------------------------------------
 
 
 def _downpour_attach(shard: Shard, job: Any) -> None:
     training = job.spec["training"]
-    dense = DenseSlice(shard, job.model.init_params(int(training["seed"])), optimizer=str(training["optimizer"]),
+    dense = DenseSlice(shard, _initial(shard, job), optimizer=str(training["optimizer"]),
                        learning_rate=float(training["learningRate"]),
                        max_gradient_norm=float(training["maxGradientNorm"]),
                        max_staleness=training.get("maxStaleness"))
@@ -174,7 +180,7 @@ DOWNPOUR = Algorithm(name="downpour", attach=_downpour_attach, beside_chief=_dow
 
 def _sandblaster_attach(shard: Shard, job: Any) -> None:
     training = job.spec["training"]
-    dense = DenseSlice(shard, job.model.init_params(int(training["seed"])), optimizer=str(training["optimizer"]),
+    dense = DenseSlice(shard, _initial(shard, job), optimizer=str(training["optimizer"]),
                        learning_rate=float(training["learningRate"]), pushes=False)
     shard.attach(dense)
     shard.attach(ShardVectors(shard, dense, int(training["sandblaster"]["historySize"])))

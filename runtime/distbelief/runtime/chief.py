@@ -6,6 +6,10 @@ Every evalEverySeconds, or as soon as shard 0 reaches maxSteps, it pulls the cur
 parameters, scores them on the held-out set, appends the figures to history.jsonl, and
 checks the stopping rules. When one holds it sends DONE to every shard (each writes a
 final checkpoint and tells its replicas to stop) and writes result.json.
+
+How the parameters are pulled and scored is a Scorer's: WholeModel pulls every shard's
+slice into one vector (a partitioned model's scorer holds one stage at a time instead,
+pipeline/evaluation.py).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -60,24 +64,66 @@ class StoppingRules:
         return None
 
 
-class Chief:
-    def __init__(self, *, group: ShardGroup, model: models.Model, dataset: Dataset, rules: StoppingRules,
-                 eval_every: float, max_eval_examples: int, output_dir: str, start_time: float,
-                 metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
-                 optimiser_state: Callable[[], dict | None] = lambda: None,
+@dataclasses.dataclass(frozen=True)
+class Score:
+    step: int
+    loss: float
+    accuracy: float
+    auc: float | None = None   # two-class jobs
+
+
+class Scorer(Protocol):
+    def score(self) -> Score | None:
+        """Pull the parameters and score them; None if a shard says the job is done."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Write the parameters (one array per named tensor) to an .npz file."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class WholeModel:
+    """Scores the whole flat vector, pulled from every shard at once."""
+
+    def __init__(self, group: ShardGroup, model: models.Model, dataset: Dataset, max_eval_examples: int,
                  held_out: Callable[[], tuple[models.Model, np.ndarray]] | None = None) -> None:
         """held_out: the model to score and its held-out inputs, when they are not the data's x
         (a model with embeddings scores its MLP on inputs built from the shards' rows)."""
-        self.group, self.model, self.rules = group, model, rules
+        self.group, self.model = group, model
+        x_test = dataset.x_test[:max_eval_examples]
+        self.y_test = dataset.y_test[:max_eval_examples]
+        self.held_out = held_out or (lambda: (model, x_test))
+        self.two_classes = dataset.n_classes == 2
+        self.params = np.empty(group.layout.total, dtype=np.float32)
+
+    def score(self) -> Score | None:
+        replies = self.group.pull(self.params)
+        if any(r.done for r in replies):
+            return None
+        model, x = self.held_out()
+        loss, accuracy = models.evaluate(model, self.params, x, self.y_test)
+        auc = models.held_out_auc(model, self.params, x, self.y_test) if self.two_classes else None
+        return Score(replies[0].header.step, loss, accuracy, auc)
+
+    def save(self, path: str) -> None:
+        """The parameters just scored: they are the trained model's."""
+        models.save_params(path, models.split_params(self.model, self.params).items())
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class Chief:
+    def __init__(self, *, group: ShardGroup, scorer: Scorer, rules: StoppingRules, eval_every: float,
+                 output_dir: str, start_time: float, metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
+                 optimiser_state: Callable[[], dict | None] = lambda: None) -> None:
+        self.group, self.scorer, self.rules = group, scorer, rules
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
         self.training = training  # shard 0's training figures (examples, examples/s, train loss, replicas)
         self.optimiser_state = optimiser_state  # Sandblaster's committed state on shard 0, if any
-        self.x_test = dataset.x_test[:max_eval_examples]
-        self.y_test = dataset.y_test[:max_eval_examples]
-        self.held_out = held_out or (lambda: (model, self.x_test))
-        self.two_classes = dataset.n_classes == 2
-        self.params = np.empty(group.layout.total, dtype=np.float32)
         self.failure: BaseException | None = None
         self.on_failure: Callable[[], None] = lambda: None
         self._wake = threading.Event()
@@ -114,17 +160,15 @@ class Chief:
             self.failure = exc
             self.on_failure()
         finally:
+            self.scorer.close()
             self.group.close()
 
     def evaluate_and_decide(self) -> bool:
         """One evaluation; True once the job is done."""
-        replies = self.group.pull(self.params)
-        if any(r.done for r in replies):
+        score = self.scorer.score()
+        if score is None:
             return True  # finished before this chief started (a restarted shard 0)
-        step = replies[0].header.step
-        model, x = self.held_out()
-        loss, accuracy = models.evaluate(model, self.params, x, self.y_test)
-        auc = models.held_out_auc(model, self.params, x, self.y_test) if self.two_classes else None
+        step, loss, accuracy, auc = score.step, score.loss, score.accuracy, score.auc
         elapsed = time.time() - self.start_time
         self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
         verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed,
@@ -159,8 +203,7 @@ class Chief:
         state = self.optimiser_state()
         if state:
             result["objective"] = state.get("objective")  # the training objective L-BFGS reached
-        # The parameters just evaluated are the trained model: keep them beside the result.
-        np.savez(os.path.join(self.output_dir, contract.PARAMS_FILE), **models.split_params(self.model, self.params))
+        self.scorer.save(os.path.join(self.output_dir, contract.PARAMS_FILE))
         path = os.path.join(self.output_dir, contract.RESULT_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -44,6 +44,8 @@ class Metric:
     WORKER_LOSS = "distbelief_worker_loss"
     WORKER_STEPS = "distbelief_worker_steps"
     WORKER_EXAMPLES = "distbelief_worker_examples"
+    TRANSPORT_BYTES_IN = "distbelief_transport_bytes_in"    # every socket of the pod's process
+    TRANSPORT_BYTES_OUT = "distbelief_transport_bytes_out"
 
 # Ports inside every pod. The shard port comes from the spec; these are fixed.
 METRICS_PORT = 9100

@@ -64,12 +64,14 @@ class DenseSlice:
     def __init__(self, shard: Shard, initial: np.ndarray, *, optimizer: str, learning_rate: float,
                  pushes: bool = True, max_gradient_norm: float = float("inf"),
                  max_staleness: int | None = None) -> None:
+        """initial: the whole flat vector, or just this shard's slice of it."""
         layout = shard.layout
-        if initial.size != layout.total:
-            raise errors.ConfigError(f"initial parameters have {initial.size} values, layout {layout.total}")
         first, last = layout.bounds(shard.index)
+        if initial.size not in (layout.total, last - first):
+            raise errors.ConfigError(f"initial parameters have {initial.size} values; shard {shard.index} holds "
+                                     f"{last - first} of the layout's {layout.total}")
         self.shard = shard
-        self.params = np.array(initial[first:last], dtype=np.float32)
+        self.params = np.array(initial[first:last] if initial.size == layout.total else initial, dtype=np.float32)
         self.optimizer = make_optimizer(optimizer, self.params.size, learning_rate=learning_rate)
         self.pushes = pushes
         self.max_gradient_norm = max_gradient_norm

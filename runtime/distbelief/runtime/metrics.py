@@ -13,10 +13,13 @@ from collections import deque
 from typing import Callable
 
 import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from distbelief.runtime import contract
 from distbelief.runtime.contract import Metric as M
 from distbelief.runtime.httpserver import BoundedHTTPServer, Response, Route
+from distbelief.runtime.traffic import PROCESS_TRAFFIC, Traffic
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +149,20 @@ class WorkerMetrics:
         self.bytes_in = prom.Counter("distbelief_worker_bytes_in", "Bytes received", registry=registry)
         self.bytes_out = prom.Counter("distbelief_worker_bytes_out", "Bytes sent", registry=registry)
         self.retries = prom.Counter("distbelief_worker_retries", "Requests repeated after a shard did not answer", registry=registry)
+
+
+class TrafficCollector(Collector):
+    """The process's transport traffic (traffic.PROCESS_TRAFFIC), read at each scrape: what
+    the pod moved, whichever of its roles moved it."""
+
+    def __init__(self, traffic: Traffic = PROCESS_TRAFFIC) -> None:
+        self.traffic = traffic
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield CounterMetricFamily(M.TRANSPORT_BYTES_IN, "Bytes this process received over the job's transport",
+                                  value=self.traffic.bytes_in)
+        yield CounterMetricFamily(M.TRANSPORT_BYTES_OUT, "Bytes this process sent over the job's transport",
+                                  value=self.traffic.bytes_out)
 
 
 class MetricsServer:

@@ -15,7 +15,9 @@ n_classes) and returning an object with those members.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping, Protocol, Sequence
+import os
+import zipfile
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -23,6 +25,7 @@ from distbelief.runtime import errors
 
 Batch = tuple[np.ndarray, np.ndarray]
 EVAL_CHUNK = 4096
+INIT_CHUNK = 1 << 22  # initial weights are drawn this many at a time
 
 
 class Model(Protocol):
@@ -38,6 +41,24 @@ class Model(Protocol):
 
 def num_params(model: Model) -> int:
     return sum(int(np.prod(shape)) for _, shape in model.shapes)
+
+
+def initial_slice(model: Model, seed: int, start: int, stop: int) -> np.ndarray:
+    """Values [start, stop) of the model's initial parameters (a shard's slice)."""
+    init_slice = getattr(model, "init_slice", None)
+    if init_slice is not None:
+        return init_slice(seed, start, stop)
+    return np.array(model.init_params(seed)[start:stop])  # user models: made whole, then cut
+
+
+def save_params(path: str, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+    """Write named tensors to an .npz file (np.load reads it), one at a time as they come,
+    then move it into place: a reader never sees half a file."""
+    with zipfile.ZipFile(path + ".tmp", "w", allowZip64=True) as archive:
+        for name, array in tensors:
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(array))
+    os.replace(path + ".tmp", path)
 
 
 def split_params(model: Model, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -70,16 +91,30 @@ class Mlp:
         return list(zip(views[0::2], views[1::2]))
 
     def init_params(self, seed: int) -> np.ndarray:
+        return self.init_slice(seed, 0, num_params(self))
+
+    def init_slice(self, seed: int, start: int, stop: int) -> np.ndarray:
+        """Values [start, stop) of init_params(seed), made without holding the rest: a shard
+        of a model larger than its memory initialises only its own slice. Weights are He
+        (relu) or Glorot-style (tanh) normals drawn from one stream in layer order, biases 0."""
+        out = np.zeros(stop - start, dtype=np.float32)
+        if self.depth == 1:
+            return out  # softmax regression: zero is the natural start of a convex problem
         rng = np.random.default_rng(seed)
-        flat = np.zeros(num_params(self), dtype=np.float32)
-        layers = self._layers(flat)
-        if len(layers) == 1:
-            return flat  # softmax regression: zero is the natural start of a convex problem
         gain = 2.0 if self.activation == "relu" else 1.0
-        for weight, _ in layers:
-            weight[...] = rng.standard_normal(weight.shape, dtype=np.float32)
-            weight *= np.float32(np.sqrt(gain / weight.shape[0]))
-        return flat
+        offset = 0
+        for (_, (fan_in, fan_out)), (_, bias) in zip(self.shapes[0::2], self.shapes[1::2]):
+            if offset >= stop:
+                break  # the stream's later draws are other layers'
+            scale = np.float32(np.sqrt(gain / fan_in))
+            for first in range(offset, offset + fan_in * fan_out, INIT_CHUNK):
+                last = min(first + INIT_CHUNK, offset + fan_in * fan_out)
+                values = rng.standard_normal(last - first, dtype=np.float32)  # drawn even if unused: same stream
+                low, high = max(first, start), min(last, stop)
+                if low < high:
+                    out[low - start:high - start] = values[low - first:high - first] * scale
+            offset += fan_in * fan_out + bias[0]
+        return out
 
     @property
     def depth(self) -> int:
@@ -133,7 +168,7 @@ class Mlp:
             return 0.0
         for (weight, _), (grad_w, _) in zip(layers, grads):
             grad_w += self.l2 * weight
-        return self._l2_penalty(layers)
+        return self.l2_penalty(layers)
 
     def _logits(self, layers, x: np.ndarray) -> np.ndarray:
         return self.forward_layers(layers, x)[-1]
@@ -166,9 +201,9 @@ class Mlp:
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         logits = self._logits(self._layers(params), x)
         loss = softmax_cross_entropy_inplace(logits, y)
-        return loss + self._l2_penalty(self._layers(params)) if self.l2 else loss
+        return loss + self.l2_penalty(self._layers(params)) if self.l2 else loss
 
-    def _l2_penalty(self, layers: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    def l2_penalty(self, layers: list[tuple[np.ndarray, np.ndarray]]) -> float:
         """l2/2 times the sum of the squared weights (biases are not regularised)."""
         return 0.5 * float(self.l2) * sum(float(np.vdot(weight, weight)) for weight, _ in layers)
 

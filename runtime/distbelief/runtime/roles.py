@@ -17,11 +17,12 @@ import threading
 import prometheus_client as prom
 
 from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models
-from distbelief.runtime.chief import Chief, StoppingRules
+from distbelief.runtime.chief import Chief, Scorer, StoppingRules, WholeModel
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
+from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics
 from distbelief.runtime.pipeline import stages
+from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.shard import Shard, ShardSettings
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
         warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger, security=access.server)
-    registry = prom.CollectorRegistry()
+    registry = _registry()
     server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
     algorithm.attach(server, job)
     server.restore()
@@ -113,7 +114,8 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     if index == 0:
         context = algorithms.ChiefContext(
             job=job, shard=server, registry=registry, server_security=access.server,
-            group=lambda: ShardGroup(job.config.shard_addresses(), job.layout, security=access.client),
+            group=lambda shards=None, stop=None: ShardGroup(job.config.shard_addresses(), job.layout,
+                                                            security=access.client, shards=shards, stop=stop),
             coordinator_bind=f"tcp://{listen}:{coordinator_port}")
         helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm)))
         beside = algorithm.beside_chief(context)
@@ -134,12 +136,16 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
 def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, algorithm: algorithms.Algorithm) -> Chief:
     job, server, group = ctx.job, ctx.shard, ctx.group()
     training = job.spec["training"]
-    chief = Chief(group=group, model=job.model, dataset=job.dataset,
-                  rules=StoppingRules.from_spec(training), eval_every=float(training["evalEverySeconds"]),
-                  max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
-                  start_time=server.start_time, metrics=ChiefMetrics(ctx.registry),
-                  training=server.training_figures,
-                  optimiser_state=algorithm.optimiser_state(server), held_out=algorithm.held_out(job, group))
+    max_eval = int(job.spec["data"]["maxEvalExamples"])
+    if job.plan is None:
+        scorer: Scorer = WholeModel(group, job.model, job.dataset, max_eval, held_out=algorithm.held_out(job, group))
+    else:
+        scorer = StagedModel(job.plan, [ctx.group(job.stage_shards(k), group.stop) for k in range(len(job.plan.stages))],
+                             job.dataset, max_eval)
+    chief = Chief(group=group, scorer=scorer, rules=StoppingRules.from_spec(training),
+                  eval_every=float(training["evalEverySeconds"]), output_dir=output_dir,
+                  start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
+                  optimiser_state=algorithm.optimiser_state(server))
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()
@@ -150,7 +156,7 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     stop = _stop_on_termination()
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_WORKER, job)
-    registry = prom.CollectorRegistry()
+    registry = _registry()
     stage = stage_access(job, access, listen)
     shards = job.stage_shards(stage.partition) if stage.partition > 0 else None
     group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop, security=access.client, shards=shards)
@@ -186,6 +192,13 @@ def stage_access(job: Job, access: Access, listen: str,
                                  "the tcp://host:port its group reaches it at")
     return algorithms.StageAccess(partition=partition, bind=f"tcp://{listen}:{port}" if port.isdigit() else None,
                                   address=address or None, server=access.stage_server, client=access.stage_client)
+
+
+def _registry() -> prom.CollectorRegistry:
+    """A role's metrics registry; it reports the process's traffic from the start."""
+    registry = prom.CollectorRegistry()
+    registry.register(TrafficCollector())
+    return registry
 
 
 def _stop_on_termination() -> threading.Event:

@@ -8,6 +8,8 @@
     exchange()    one request to several links at once, the replies collected under one
                   RetryPolicy (attempt timeout, resend on disconnect, give up)
 
+Every socket counts the bytes it sends and receives in traffic.PROCESS_TRAFFIC.
+
 ZeroMQ's errors are translated here into distbelief.runtime.errors and nowhere else;
 no other module of the runtime imports zmq (keys.py registers the ZAP handler for it).
 Frames are memoryviews (or bytes) on both sides; parameter payloads are received
@@ -28,6 +30,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from distbelief.runtime import errors, keys
+from distbelief.runtime.traffic import PROCESS_TRAFFIC
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,7 @@ class ZmqServer:
     def receive(self) -> Incoming | None:
         """The next request, or None when it must be dropped (more frames than any op has)."""
         frames = self._socket.recv_multipart(copy=False)
+        PROCESS_TRAFFIC.received(sum(len(f) for f in frames[1:]))
         if len(frames) - 1 > self.max_frames:
             return None
         user = frames[-1].get("User-Id") if self._admission is not None else None
@@ -130,6 +134,7 @@ class ZmqServer:
         except zmq.ZMQError as exc:
             log.warning("event=reply_failed server=%r error=%r", self.who, str(exc))
             return False
+        PROCESS_TRAFFIC.sent(frames_nbytes(frames))
         return True
 
     def close(self) -> None:
@@ -195,12 +200,13 @@ class ZmqLink:
             self._socket.send_multipart(list(frames), copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
             return False  # the queue to this peer is full: the attempt's timeout sends again
+        PROCESS_TRAFFIC.sent(frames_nbytes(frames))
         return True
 
     def receive(self, sink: Sink | None = None) -> Received:
         header = self._socket.recv(copy=False).buffer
         frames: list[memoryview] = []
-        into_sink = 0
+        into_sink = dropped = 0
         index = 0
         while self._socket.getsockopt(zmq.RCVMORE):
             target = sink(header, index) if sink is not None and index < MAX_REPLY_FRAMES else None
@@ -209,9 +215,11 @@ class ZmqLink:
             elif index < MAX_REPLY_FRAMES:
                 frames.append(self._socket.recv(copy=False).buffer)
             else:
-                self._socket.recv(copy=False)  # beyond any op's reply: dropped
+                dropped += len(self._socket.recv(copy=False))  # beyond any op's reply: dropped
             index += 1
-        return Received(header=header, frames=frames, into_sink=into_sink)
+        received = Received(header=header, frames=frames, into_sink=into_sink)
+        PROCESS_TRAFFIC.received(received.nbytes + dropped)
+        return received
 
     def reconnect(self) -> None:
         """A fresh socket: replies to earlier requests and copies still queued are dropped."""
