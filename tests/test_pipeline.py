@@ -253,6 +253,7 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
             worker.run()
         except errors.Stopped:  # stopped while waiting for the reply to its last push
             pass
+        wait_for(lambda: [s.step for s in whole.shards] == [steps, steps])  # that push reached both
         expected = np.concatenate([whole.params(i) for i in range(2)])
     finally:
         whole.stop()
@@ -261,7 +262,7 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
     threads = [run_in_thread(p) for p in pods]
     for t in threads:
         t.join(timeout=120)
-    assert c.steps() == [steps, steps]
+    wait_for(lambda: c.steps() == [steps, steps])  # the last step's APPLY_HELD reached both shards
     np.testing.assert_allclose(c.params(), expected, rtol=1e-3, atol=1e-5)
     accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)[1]
     assert abs(accuracy - evaluate(c.model, expected, c.dataset.x_test, c.dataset.y_test)[1]) <= 0.01
