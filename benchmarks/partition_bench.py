@@ -2,7 +2,7 @@
 """Model-parallel replicas: what each pod holds and moves, the pipeline's cost, and the
 largest model that trains under a per-pod memory limit.
 
-    python benchmarks/partition_bench.py [--runs 3] [--what pods|limit|all] [--json out.json]
+    python benchmarks/partition_bench.py [--runs 3] [--what pods|accuracy|limit|all] [--json out.json]
 
 Figures (merged into --json under "partitions"):
 
@@ -14,6 +14,9 @@ Figures (merged into --json under "partitions"):
   updates_per_s.N{1,2,4} the job's steady global steps per second (history.jsonl, after a
                          warm-up), beside single_process: the same model, batch and
                          optimizer in one plain process on one thread
+  accuracy.N{1,2}        held-out accuracy at the end of examples/digits-partitioned.yaml
+                         (mlp 64-32, 2 shards, 3 replicas, 8000 steps) as shipped
+                         (partitions: 2) and with partitions: 1
   limit                  under resources.limits.memory 2Gi for every pod, the widest
                          1000-W-W-W-W-10 MLP (W from WIDTHS) whose job completes MAX_STEPS
                          steps, unpartitioned and with 4 partitions over 4 shards, and the
@@ -107,6 +110,22 @@ def _median_pods(runs: list[dict]) -> dict:
                    for key in ("peakRssBytes", "bytesPerStep")} for name in names}
 
 
+def measure_accuracy(runs: int, failures: list[dict]) -> dict:
+    """The partitioned digits example's final held-out accuracy, and the same job unpartitioned."""
+    def one(partitions: int):
+        def measure(_: int) -> float:
+            doc = yaml.safe_load((HERE.parent / "examples" / "digits-partitioned.yaml").read_text())
+            doc["spec"]["model"]["partitions"] = partitions
+            with tempfile.TemporaryDirectory() as tmp:
+                code, summary, _ = run(doc, Path(tmp))
+            if code != 0:
+                raise RunFailed(f"digits, partitions={partitions}: {summary.get('reason')}", code)
+            return summary["accuracy"]
+        return measure
+    values = interleaved(runs, {f"N{n}": one(n) for n in (1, 2)}, failures, what="digits accuracy ")
+    return {name: summarize(v) for name, v in values.items()}
+
+
 def measure_limit(failures: list[dict]) -> dict:
     """The widest model each way trains under LIMIT, and the first that does not."""
     found: dict = {}
@@ -134,13 +153,15 @@ def measure_limit(failures: list[dict]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--what", choices=["pods", "limit", "all"], default="all")
+    p.add_argument("--what", choices=["pods", "accuracy", "limit", "all"], default="all")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     failures: list[dict] = []
     results: dict = {}
     if args.what in ("pods", "all"):
         results.update(measure_pods(args.runs, failures))
+    if args.what in ("accuracy", "all"):
+        results["accuracy"] = measure_accuracy(args.runs, failures)
     if args.what in ("limit", "all"):
         results["limit"] = measure_limit(failures)
     print(json.dumps(results, indent=2))
