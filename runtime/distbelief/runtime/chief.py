@@ -65,9 +65,10 @@ class Chief:
                  eval_every: float, max_eval_examples: int, output_dir: str, start_time: float,
                  metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
                  optimiser_state: Callable[[], dict | None] = lambda: None,
-                 held_out: Callable[[], tuple[models.Model, np.ndarray]] | None = None) -> None:
+                 held_out: Callable[[], tuple[models.Model, np.ndarray]] | None = None, copies: bool = False) -> None:
         """held_out: the model to score and its held-out inputs, when they are not the data's x
-        (a model with embeddings scores its MLP on inputs built from the shards' rows)."""
+        (a model with embeddings scores its MLP on inputs built from the shards' rows); copies:
+        the shards have backups, whose state each evaluation also reports."""
         self.group, self.model, self.rules = group, model, rules
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
@@ -77,6 +78,7 @@ class Chief:
         self.y_test = dataset.y_test[:max_eval_examples]
         self.held_out = held_out or (lambda: (model, self.x_test))
         self.two_classes = dataset.n_classes == 2
+        self.copies = copies
         self.params = np.empty(group.layout.total, dtype=np.float32)
         self.failure: BaseException | None = None
         self.on_failure: Callable[[], None] = lambda: None
@@ -127,6 +129,8 @@ class Chief:
         auc = models.held_out_auc(model, self.params, x, self.y_test) if self.two_classes else None
         elapsed = time.time() - self.start_time
         self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
+        if self.copies:
+            self._record_copies()
         verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed,
                                      converged=self._converged())
         if verdict is None:
@@ -146,6 +150,13 @@ class Chief:
         with open(os.path.join(self.output_dir, contract.HISTORY_FILE), "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         log.info("event=evaluated step=%d loss=%.4f accuracy=%.4f", step, loss, accuracy)
+
+    def _record_copies(self) -> None:
+        """Each shard's copies in sync, its primary's rank and its failovers, as its primary says."""
+        for shard, stats in enumerate(self.group.stats()):
+            self.metrics.shard_copies.labels(shard=str(shard)).set(stats.get("copies", 0))
+            self.metrics.shard_primary.labels(shard=str(shard)).set(stats.get("copy", 0))
+            self.metrics.shard_failovers.labels(shard=str(shard)).set(stats.get("failovers", 0))
 
     def _finish(self, reason: str, outcome: str, *, step: int, loss: float, accuracy: float, elapsed: float,
                 auc: float | None) -> None:

@@ -13,17 +13,20 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 
 import prometheus_client as prom
 
-from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models
+from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models, replication
 from distbelief.runtime.chief import Chief, StoppingRules
-from distbelief.runtime.client import ShardGroup
+from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, WorkerMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
 
 log = logging.getLogger(__name__)
+
+FAILOVER_ATTEMPT_SECONDS = 2.0  # with backups: how long a replica waits for a copy before trying the next
 
 
 class Job:
@@ -78,7 +81,8 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_PS, job)
     algorithm = algorithms.of(job)
-    index = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
+    ordinal = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
+    index, rank = job.config.copy_of(ordinal)
     training, checkpointing = job.spec["training"], job.spec["parameterServers"]["checkpoint"]
     settings = ShardSettings(
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
@@ -87,13 +91,15 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     registry = prom.CollectorRegistry()
     server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
     algorithm.attach(server, job)
+    if job.config.copies > 1:
+        replication.Copies(server, rank=rank, addresses=job.config.copy_addresses()[index], security=access.client)
     server.restore()
     metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     helpers: list[tuple[str, algorithms.Helper]] = []
-    if index == 0:
+    if ordinal == 0:  # the chief runs beside the first copy of shard 0
         context = algorithms.ChiefContext(
             job=job, shard=server, registry=registry, server_security=access.server,
-            group=lambda: ShardGroup(job.config.shard_addresses(), job.layout, security=access.client),
+            group=lambda: shard_group(job, security=access.client),
             coordinator_bind=f"tcp://{listen}:{coordinator_port}")
         helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm)))
         beside = algorithm.beside_chief(context)
@@ -119,7 +125,8 @@ def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, algorithm: algor
                   max_eval_examples=int(job.spec["data"]["maxEvalExamples"]), output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry),
                   training=server.training_figures,
-                  optimiser_state=algorithm.optimiser_state(server), held_out=algorithm.held_out(job, group))
+                  optimiser_state=algorithm.optimiser_state(server), held_out=algorithm.held_out(job, group),
+                  copies=job.config.copies > 1)
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()
@@ -131,7 +138,7 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_WORKER, job)
     registry = prom.CollectorRegistry()
-    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop, security=access.client)
+    group = shard_group(job, stop=stop, security=access.client)
     worker = algorithms.of(job).replica(algorithms.ReplicaContext(
         job=job, group=group, metrics=WorkerMetrics(registry), client_security=access.client, stop=stop))
     metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
@@ -142,8 +149,18 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     finally:
         group.close()
         metrics.stop()
-    log.info("event=worker_exit worker=%08x steps=%d reason=%s", group.worker_id, worker.steps, ended)
+    log.info("event=worker_exit worker=%08x steps=%d pushes_acknowledged=%d reason=%s", group.worker_id,
+             worker.steps, getattr(worker, "acknowledged", 0), ended)
     return 0
+
+
+def shard_group(job: Job, **options: Any) -> ShardGroup:
+    """A client of every shard of the job; of every copy, when the shards have backups (with a
+    shorter attempt, so that a silent primary sends the request on to a backup within seconds)."""
+    if job.config.copies == 1:
+        return ShardGroup(job.config.shard_addresses(), job.layout, **options)
+    return ShardGroup(job.config.copy_addresses(), job.layout, timeouts=Timeouts(request=FAILOVER_ATTEMPT_SECONDS),
+                      **options)
 
 
 def _stop_on_termination() -> threading.Event:

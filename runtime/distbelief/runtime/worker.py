@@ -56,6 +56,7 @@ class Worker:
         self.stop_requested = stop or threading.Event()
         self.joined = threading.Event()
         self.steps = 0
+        self.acknowledged = 0  # pushes every shard said it applied
         self._counted = (0, 0, 0)
         self._non_finite = 0  # pushes in a row behind a non-finite loss
 
@@ -148,6 +149,9 @@ class Worker:
             self.accumulated[...] = 0
         if any(r.done for r in replies):
             return True
+        if not any(r.stale for r in replies):
+            self.acknowledged += 1
+            self.metrics.acknowledged.inc()
         for pulled, reply in zip(self.pulled_steps, replies):
             if reply.stale:
                 self.metrics.stale.inc()
