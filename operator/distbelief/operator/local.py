@@ -124,7 +124,8 @@ class LocalRun:
                 signal.signal(sig, handler)
         restarts = {pod.name: pod.restarts for pod in self.pods}
         summary = report.write(self.output, self.chief_dir, job=self.name, phase=phase, reason=reason,
-                               started=started, restarts=restarts, staleness=self.status.get("staleness"))
+                               started=started, restarts=restarts, staleness=self.status.get("staleness"),
+                               shards=self.status.get("shards"))
         report.print_summary(summary, self.output)
         return _exit_code(phase)
 

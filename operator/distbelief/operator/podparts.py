@@ -61,8 +61,9 @@ def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
     return meta
 
 
-def pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifest:
-    return {
+def pod_template(ctx: RenderContext, role: str, container: Manifest, *,
+                 affinity: Manifest | None = None) -> Manifest:
+    template: Manifest = {
         "metadata": {
             "labels": labels(ctx.config.name, role),
             "annotations": {CONFIG_HASH_ANNOTATION: ctx.config_hash},
@@ -81,6 +82,21 @@ def pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifest
             ],
         },
     }
+    if affinity:
+        template["spec"]["affinity"] = affinity
+    return template
+
+
+def spread_copies(ctx: RenderContext) -> Manifest | None:
+    """With backups, the shard pods prefer distinct nodes, so that one node's loss takes at most
+    one copy of a shard where the cluster has the room (preferred: a small cluster still runs
+    the job). The pods of one StatefulSet share their labels, so all shard pods spread."""
+    if ctx.config.copies == 1:
+        return None
+    term = {"labelSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_PS)},
+            "topologyKey": "kubernetes.io/hostname"}
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}
 
 
 def container(ctx: RenderContext, role: str, *, args: list[str],

@@ -76,7 +76,8 @@ def read_history(chief_dir: str) -> list[dict[str, Any]]:
 
 
 def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, started: float,
-          restarts: Mapping[str, int], staleness: Mapping[str, float] | None = None) -> dict[str, Any]:
+          restarts: Mapping[str, int], staleness: Mapping[str, float] | None = None,
+          shards: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """report.json, training.png and params.npz in output; returns the report. Its figures
     are this run's (since `started`): never an earlier run's, when this one evaluated nothing."""
     result = read_result(chief_dir) or {}
@@ -99,6 +100,8 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, sta
         "evaluations": len(ours),
         "staleness": dict(staleness) if staleness else None,
     }
+    if shards:
+        summary["shards"] = dict(shards)  # with backups: each shard's copies, primary and failovers
     auc = result.get("auc", last.get("auc"))
     if auc is not None:
         summary["auc"] = auc  # two-class jobs

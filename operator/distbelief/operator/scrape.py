@@ -44,6 +44,8 @@ class Figures:
     replica_examples: int | None = None     # a replica's: the examples it trained on
     staleness_max: int | None = None        # the largest staleness of an update shard 0 applied
     staleness_p50: float | None = None      # the median's bucket bound, from shard 0's histogram
+    # with backups, each shard by index: {"copies": in sync, "primary": its copy rank, "failovers": n}
+    copies: dict[int, dict[str, int]] | None = None
 
     @property
     def reachable(self) -> bool:
@@ -54,10 +56,13 @@ def parse(text: str) -> Figures:
     values: dict[str, float] = {}
     finished: tuple[str, str] | None = None
     staleness: list[tuple[float, float]] = []  # (bucket bound, updates at most that stale)
+    copies: dict[int, dict[str, int]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == M.JOB_FINISHED and sample.value == 1:
                 finished = (sample.labels.get("reason", ""), sample.labels.get("outcome", ""))
+            elif sample.name in _COPY_FIGURES and sample.labels.get("shard", "").isdigit():
+                copies.setdefault(int(sample.labels["shard"]), {})[_COPY_FIGURES[sample.name]] = int(sample.value)
             elif sample.name == M.STALENESS + "_bucket":
                 staleness.append((float(sample.labels["le"]), sample.value))
             else:
@@ -84,7 +89,11 @@ def parse(text: str) -> Figures:
         finished_outcome=finished[1] if finished else None,
         replica_steps=integer(M.WORKER_STEPS + "_total"),
         replica_examples=integer(M.WORKER_EXAMPLES + "_total"),
+        copies=copies or None,
     )
+
+
+_COPY_FIGURES = {M.SHARD_COPIES: "copies", M.SHARD_PRIMARY: "primary", M.SHARD_FAILOVERS: "failovers"}
 
 
 def _median_bound(buckets: list[tuple[float, float]]) -> float | None:

@@ -149,8 +149,9 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     finally:
         group.close()
         metrics.stop()
-    log.info("event=worker_exit worker=%08x steps=%d pushes_acknowledged=%d reason=%s", group.worker_id,
-             worker.steps, getattr(worker, "acknowledged", 0), ended)
+    acknowledged = ",".join(str(n) for n in getattr(worker, "acknowledged", []))  # by shard
+    log.info("event=worker_exit worker=%08x steps=%d pushes_acknowledged=%s reason=%s", group.worker_id,
+             worker.steps, acknowledged or "-", ended)
     return 0
 
 
