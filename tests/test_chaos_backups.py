@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from distbelief.operator import local, report, spec
 from distbelief.runtime import checkpoint, contract
 
-from conftest import load_example
+from conftest import load_example, run_under_fire
 
 pytestmark = pytest.mark.slow
 
@@ -127,17 +127,9 @@ def final_steps(output: Path, run: local.LocalRun) -> list[int]:
 
 def test_sigkills_of_shard_copies_lose_no_acknowledged_update(tmp_path: Path) -> None:
     output = tmp_path / "chaos"
-    run = local.LocalRun(spec.validate_job(chaos_job()), str(output))
-    codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)), daemon=True)
     started = time.monotonic()
-    thread.start()
-    try:
-        kills = kill_copies(run, thread, random.Random(SEED))
-        thread.join(timeout=600)
-    finally:
-        run.interrupt()
-        thread.join(timeout=60)
+    run, codes, kills = run_under_fire(chaos_job(), output,
+                                       lambda run, thread: kill_copies(run, thread, random.Random(SEED)))
     summary = json.loads((output / report.REPORT_FILE).read_text())
     history = report.read_history(str(output / "volumes" / run.shards[0].name / contract.CHECKPOINT_VOLUME))
     measured = {"kills": kills, "wallSeconds": round(time.monotonic() - started, 1), "shards": summary.get("shards"),
