@@ -22,6 +22,7 @@ from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
 from distbelief.runtime.protocol import Header, Status
 from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.sparse import RowClient, SparseRows
 
 LAYOUT = Layout.of([("w", (6, 5)), ("b", (5,))], shards=1)
 INITIAL = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
@@ -44,8 +45,8 @@ def _until(condition: Callable[[], bool], what: str, seconds: float = 20.0) -> N
 class Copies:
     """Copies of shard 0 serving in threads, each at its fixed loopback address."""
 
-    def __init__(self, folder: Path, count: int = 2) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, count: int = 2, attach: Callable[[Shard], None] = lambda shard: None) -> None:
+        self.folder, self.attach = folder, attach
         self.addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(count)]
         self.shards: list[Shard | None] = [None] * count
         self.threads: list[threading.Thread | None] = [None] * count
@@ -55,6 +56,7 @@ class Copies:
                                  checkpoint_dir=folder or str(self.folder / f"copy-{rank}"))
         shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
         shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1))
+        self.attach(shard)
         replication.Copies(shard, rank=rank, addresses=self.addresses, security=None)
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
@@ -224,3 +226,30 @@ def test_copies_starting_together_elect_the_one_with_the_newest_state(tmp_path: 
     _until(lambda: copies.in_sync(1, 1), "copy 1, which has step 3, leads")
     assert copies.copy(0).step == 3
     copies.stop()
+
+
+def test_sparse_rows_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> None:
+    """Replication is below the plugins: a sparse push reaches the backup as a dense one does."""
+    def rows(shard: Shard) -> None:
+        shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5))
+
+    copies = Copies(tmp_path, attach=rows)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    client = RowClient(copies.group(), dim=4)
+    keys = np.arange(0, 4000, 7, dtype=np.int64)
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+    table = {rank: copies.copy(rank).plugin(SparseRows).checkpoint_state()[0] for rank in (0, 1)}
+    assert table[0].keys() == table[1].keys()
+    for name in table[0]:
+        np.testing.assert_array_equal(table[0][name], table[1][name], err_msg=name)
+    before, _ = client.pull(keys)
+    copies.kill(0)
+    after, _ = client.pull(keys)  # from copy 1, now the primary
+    assert copies.copy(1).copies.role == PRIMARY
+    np.testing.assert_array_equal(after, before)
+    copies.stop()
+

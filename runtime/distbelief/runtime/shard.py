@@ -205,6 +205,8 @@ class Shard:
             if header.op in self.raw_ops:
                 return self.raw_ops[header.op](header, incoming)
             message = protocol.parse_request(incoming.frames, header)
+        except errors.NotPrimary as exc:  # a backup: not a bad message, the client tries the next copy
+            return protocol.error_frames(header, protocol.ErrorCode.NOT_PRIMARY, str(exc), step=self.step)
         except errors.ProtocolError as exc:
             self._reject(str(exc))
             return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
