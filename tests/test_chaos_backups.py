@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 SEED = 19
 KILLS = 10
-MAX_STEPS = 12000
-KILL_UNTIL_STEP = 9000    # the kills must all land before this step (the run ends at MAX_STEPS)
-PAUSE = (0.3, 1.2)        # seconds between a shard's copies being in sync and the next kill
+MAX_STEPS = 24000
+KILL_UNTIL_STEP = 21000   # the kills must all land before this step (the run ends at MAX_STEPS)
+PAUSE = (0.2, 0.8)        # seconds between a shard's copies being in sync and the next kill
 PRIMARY, BACKUP = 2, 1    # distbelief_copy_role
 
 
@@ -81,8 +81,9 @@ def _ordinal(pod: local.LocalPod) -> int:
 
 
 def kill_copies(run: local.LocalRun, thread: threading.Thread, rng: random.Random) -> list[dict[str, Any]]:
-    """SIGKILL KILLS shard pods, each chosen at random among the copies of a shard whose two
-    copies are in sync (so each kill leaves one copy with every acknowledged update)."""
+    """SIGKILL KILLS shard pods: each time a shard at random, once its two copies are in sync
+    (so each kill leaves one copy with every acknowledged update), and the copy of it killed
+    least so far, or one at random (a pod's restart back-off doubles with each crash)."""
     kills: list[dict[str, Any]] = []
     started = time.monotonic()
     shards = run_config(run).shards
@@ -92,7 +93,8 @@ def kill_copies(run: local.LocalRun, thread: threading.Thread, rng: random.Rando
         seen = shard_in_sync(run, shard)
         if seen is None:
             continue
-        name = rng.choice(sorted(seen))
+        fewest = min(sum(k["pod"] == name for k in kills) for name in seen)
+        name = rng.choice(sorted(n for n in seen if sum(k["pod"] == n for k in kills) == fewest))
         step = max(f["step"] for f in seen.values())
         assert step < KILL_UNTIL_STEP, f"the run reached step {step} after {len(kills)} kills: raise MAX_STEPS"
         pod = next(p for p in run.shards if p.name == name)

@@ -181,7 +181,7 @@ def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, t
     for seq in range(1, 4):
         _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
     pair.kill(1)
-    for seq in range(4, 9):  # the primary drops its silent backup and goes on alone
+    for seq in range(4, 9):  # the primary drops its backup, which is gone, and goes on alone
         _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
     primary = pair.copy(0)
     assert primary.step == 8 and primary.copies.chain == {}

@@ -116,6 +116,9 @@ class Copies:
     def replicate(self, incoming: transport.Incoming) -> None:
         """Forward a command just applied to every backup; return once each acked or was dropped.
         NotPrimary if a backup knows a newer primary: the client must not take this reply."""
+        for rank, link in list(self.chain.items()):
+            if link.broke():  # since the last forward: the copy died (or will catch up again)
+                self._drop(rank, "disconnected")
         if self.role != PRIMARY or not self.chain:
             return
         self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -124,7 +127,6 @@ class Copies:
         envelope = json.dumps({"view": self.view, "user": incoming.user, "peer": incoming.peer.hex()}).encode()
         frames = [head, envelope, *incoming.frames]
         for link in self.chain.values():
-            link.broke()
             link.send(frames)
         self._collect_acks(dict(self.chain))
 
