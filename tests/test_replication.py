@@ -253,3 +253,17 @@ def test_sparse_rows_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> 
     np.testing.assert_array_equal(after, before)
     copies.stop()
 
+
+
+def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies) -> None:
+    backup = pair.copy(1)
+    link = transport.default().link(pair.addresses[1], None)
+    head = Header(op=replication.REPLICATE.code, shard=0, layout=LAYOUT.hash, seq=1).pack()
+    push = Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=1, count=LAYOUT.total).pack()
+    for envelope in (b"not json", b'{"view": "2", "peer": "00"}', b'{"view": 2, "peer": "zz", "user": null}'):
+        link.send([head, envelope, push, UPDATE, np.ones(LAYOUT.total, np.float32).tobytes()])
+        assert transport.default().wait([link], 10), "no answer"
+        answer = protocol.unpack_header(link.receive().header)
+        assert answer.status == Status.ERROR and answer.error == protocol.ErrorCode.MALFORMED
+    assert backup.step == 0 and backup.copies.role == BACKUP
+    link.close()

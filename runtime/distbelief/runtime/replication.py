@@ -240,11 +240,13 @@ class Copies:
         header = protocol.unpack_header(received.header)
         if header.seq != self._seq:
             return False
-        ok = header.status == protocol.Status.OK and received.frames
-        answer = JsonObject.unpack(received.frames[0]).value if ok else {}
+        try:
+            answer = _fields(received.frames[0]) if header.status == protocol.Status.OK else {}
+        except (errors.ProtocolError, IndexError):
+            answer = {}  # garbled: dropped below, as a refusal
         if answer.get("applied") and header.step == self.shard.step:
             return True
-        if int(answer.get("view", 0)) > self.view:
+        if answer.get("view", 0) > self.view:
             self._become_syncing(f"copy {rank} is in newer view {answer['view']}")
             raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is no longer the primary")
         self._drop(rank, "refused" if not answer.get("applied") else f"diverged: step {header.step}")
@@ -263,7 +265,7 @@ class Copies:
         if self.role != PRIMARY:
             raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is {self.role}, not the primary")
         message = protocol.parse_request(incoming.frames, header)
-        rank = int(message.meta.value.get("rank", -1))
+        rank = _checked(message.meta.value).get("rank", -1)
         if not 0 <= rank < self.count or rank == self.rank:
             raise errors.ProtocolError(f"JOIN from copy {rank} of a shard with {self.count} copies")
         state = {"view": self.view, "failovers": self.failovers, "commands": self.shard.last_commands.export()}
@@ -282,8 +284,10 @@ class Copies:
     def _replicate(self, header: Header, incoming: transport.Incoming) -> list:
         if len(incoming.frames) < 3:
             raise errors.ProtocolError("REPLICATE carries its envelope and a request")
-        envelope = json.loads(protocol.small_payload(incoming.frames[1]))
-        view = int(envelope["view"])
+        envelope = _fields(incoming.frames[1])
+        view = envelope.get("view", -1)
+        if not isinstance(envelope.get("peer"), str) or not isinstance(envelope.get("user"), str | None) or view < 0:
+            raise errors.ProtocolError("REPLICATE's envelope names no view or sender")
         if self.role != BACKUP or not (view == self.view or (view > self.view and view % self.count ==
                                                               self.view % self.count)):
             return self._replicated(header, applied=False)
@@ -291,7 +295,11 @@ class Copies:
         inner = protocol.unpack_header(incoming.frames[2])
         if inner.op in self.shard.raw_ops:
             raise errors.ProtocolError(f"REPLICATE of {protocol.spec_of(inner.op).name}: only client ops are")
-        sender = transport.Incoming(peer=bytes.fromhex(envelope["peer"]), user=envelope["user"],
+        try:
+            peer = bytes.fromhex(envelope["peer"])
+        except ValueError as exc:
+            raise errors.ProtocolError(f"REPLICATE's sender is not hex: {exc}") from exc
+        sender = transport.Incoming(peer=peer, user=envelope.get("user"),
                                     frames=incoming.frames[2:])
         self._forwarded = True
         try:
@@ -355,6 +363,17 @@ class Copies:
         metrics.copy_view.set(self.view)
         metrics.copies_in_sync.set(1 + len(self.chain) if self.role == PRIMARY else 0)
         metrics.failovers.set(self.failovers)
+
+
+def _fields(frame: bytes | memoryview) -> dict:
+    """A copy's small JSON payload, checked (ProtocolError otherwise)."""
+    return _checked(JsonObject.unpack(frame).value)
+
+
+def _checked(value: dict) -> dict:
+    if not all(isinstance(v, int) for k, v in value.items() if k in ("view", "rank")):
+        raise errors.ProtocolError(f"a copy's payload with a non-integer view or rank: {str(value)[:200]}")
+    return value
 
 
 def _next_view(after: int, rank: int, copies: int) -> int:
