@@ -11,7 +11,7 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.operator import spec
+from distbelief.operator import local, spec
 from distbelief.runtime import keys
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
@@ -95,3 +95,24 @@ def job_keys() -> keys.JobKeys:
 def encrypted(request: pytest.FixtureRequest) -> bool:
     """Both transports of a secured job: CurveZMQ, and PLAIN (spec.parameterServers.encryption false)."""
     return request.param
+KillRecord = dict[str, Any]
+
+
+def run_under_fire(doc: dict[str, Any], output: Path,
+                   killer: Callable[[local.LocalRun, threading.Thread], list[KillRecord]],
+                   ) -> tuple[local.LocalRun, list[int], list[KillRecord]]:
+    """Run a job in local mode (in a thread) while killer(run, thread) SIGKILLs its pods; wait
+    for the job's end. Returns the run, its exit code (in a list, empty if it never
+    ended) and what the killer recorded."""
+    run = local.LocalRun(spec.validate_job(doc), str(output))
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)), daemon=True)
+    thread.start()
+    try:
+        kills = killer(run, thread)
+        thread.join(timeout=600)
+    finally:
+        run.interrupt()
+        thread.join(timeout=60)
+    return run, codes, kills
+

@@ -21,7 +21,7 @@ import pytest
 from distbelief.operator import local, report, scrape, spec
 from distbelief.runtime import checkpoint, contract
 
-from conftest import load_example
+from conftest import load_example, run_under_fire
 
 pytestmark = pytest.mark.slow
 
@@ -43,14 +43,6 @@ def chaos_job() -> dict[str, Any]:
     doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = CHECKPOINT_EVERY
     doc["spec"]["runPolicy"]["backoffLimit"] = 10
     return doc
-
-
-def start(doc: dict[str, Any], output: Path) -> tuple[local.LocalRun, threading.Thread, list[int]]:
-    run = local.LocalRun(spec.validate_job(doc), str(output))
-    codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)), daemon=True)
-    thread.start()
-    return run, thread, codes
 
 
 def figures(pod: local.LocalPod) -> scrape.Figures:
@@ -105,19 +97,13 @@ def checkpoint_steps(log_path: Path) -> list[int]:
 
 def test_random_sigkills_of_shards_and_replicas_lose_nothing_but_the_last_interval(tmp_path: Path) -> None:
     # The clean run of the same job: the accuracy the chaos run must match.
-    clean, clean_thread, clean_codes = start(chaos_job(), tmp_path / "clean")
-    clean_thread.join(timeout=600)
+    _, clean_codes, _ = run_under_fire(chaos_job(), tmp_path / "clean", lambda run, thread: [])
     assert clean_codes == [0]
     clean_summary = json.loads((tmp_path / "clean" / report.REPORT_FILE).read_text())
 
     output = tmp_path / "chaos"
-    run, thread, codes = start(chaos_job(), output)
-    try:
-        kills = kill_at_random(run, thread, random.Random(SEED))
-        thread.join(timeout=600)
-    finally:
-        run.interrupt()
-        thread.join(timeout=60)
+    run, codes, kills = run_under_fire(chaos_job(), output,
+                                       lambda run, thread: kill_at_random(run, thread, random.Random(SEED)))
     summary = json.loads((output / report.REPORT_FILE).read_text())
 
     # The job completed, despite every kill, and all of them landed.

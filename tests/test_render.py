@@ -609,3 +609,22 @@ def test_a_partitioned_job_s_rendezvous_and_stages_admit_only_its_replica_pods()
     opened = {p["containerPort"] for o in objs if o["kind"] in ("StatefulSet", "Deployment")
               for c in o["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
     assert opened == admitted
+def test_backups_give_each_shard_copy_its_own_pod_and_spread_them_over_nodes() -> None:
+    doc = example("digits-mlp.yaml")
+    doc["spec"]["parameterServers"]["backups"] = 1
+    job = spec.validate_job(doc)
+    objs = children(job)
+    sts = objs["StatefulSet"]
+    assert sts["spec"]["replicas"] == 4  # 2 shards x 2 copies, one volume claim each
+    (term,) = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {"labelSelector": {"matchLabels": contract.selector_labels("digits", "ps")},
+                                       "topologyKey": "kubernetes.io/hostname"}
+    for obj in objs.values():
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+    config = spec.job_config(job)
+    assert [config.copy_of(o) for o in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert config.copy_addresses({})[1] == ["tcp://digits-ps-1.digits-ps.default.svc:7070",
+                                            "tcp://digits-ps-3.digits-ps.default.svc:7070"]
+    plain = children(job_of())["StatefulSet"]
+    assert plain["spec"]["replicas"] == 2 and "affinity" not in plain["spec"]["template"]["spec"]

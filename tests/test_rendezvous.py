@@ -9,7 +9,7 @@ import pytest
 
 from distbelief.runtime import errors, protocol, transport
 from distbelief.runtime.pipeline import rendezvous
-from distbelief.runtime.pipeline.ops import JOIN
+from distbelief.runtime.pipeline.ops import JOIN_GROUP
 from distbelief.runtime.pipeline.rendezvous import Groups, Rendezvous, RendezvousLink
 from distbelief.runtime.protocol import Header, Status
 
@@ -87,7 +87,7 @@ def test_pods_form_a_group_over_the_wire(live) -> None:
 def test_a_malformed_join_gets_no_group_and_the_rendezvous_keeps_serving(live, value) -> None:
     tp = transport.default()
     link = tp.link(live.endpoint, None, watch=False)
-    header = Header(op=JOIN.code, shard=0, layout=42, seq=1)
+    header = Header(op=JOIN_GROUP.code, shard=0, layout=42, seq=1)
     link.send([header.pack(), protocol.JsonObject(value).pack()])
     assert not tp.wait([link], 0.5)  # dropped: nothing a pod could mistake for a group
     link.close()
@@ -99,7 +99,7 @@ def test_a_join_for_another_layout_is_dropped(live) -> None:
     tp = transport.default()
     link = tp.link(live.endpoint, None, watch=False)
     for seq, layout, address in ((1, 7, "other-model"), (2, 42, "this-model")):
-        header = Header(op=JOIN.code, shard=0, layout=layout, seq=seq)
+        header = Header(op=JOIN_GROUP.code, shard=0, layout=layout, seq=seq)
         link.send([header.pack(), protocol.JsonObject({"address": address, "partition": 0}).pack()])
     assert tp.wait([link], 5.0)
     assert protocol.unpack_header(link.receive().header).seq == 2

@@ -17,8 +17,9 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import dense, errors, keys
+from distbelief.runtime import dense, errors, keys, protocol, replication
 from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.copywatch import COPY_STATUS
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
@@ -183,4 +184,30 @@ def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: key
     finally:
         greedy.close()
         group.close()
+        live.stop()
+
+
+@pytest.mark.parametrize("op", [replication.REPLICATE, replication.JOIN, COPY_STATUS], ids=lambda op: op.name)
+def test_only_the_chief_s_key_reaches_a_shard_copy_s_own_ops(tmp_path: Path, job_keys: keys.JobKeys,
+                                                             encrypted: bool, op: protocol.OpSpec) -> None:
+    """Copies forward requests under their first sender's identity and hand over their whole
+    state: a replica's key may do neither (the shards, which hold the chief's key, may)."""
+    def with_copies(shard: Shard) -> None:
+        replication.Copies(shard, rank=0, addresses=[shard.settings.bind, "tcp://127.0.0.1:9"], security=None)
+
+    live = start_shards(tmp_path, Layout.of([("w", (6, 4))], shards=1), np.zeros(24, np.float32),
+                        attach=with_copies, security=job_keys.server_security(encrypted=encrypted))
+    replica = ShardGroup(live.addresses, live.layout, timeouts=TIMEOUTS,
+                         security=job_keys.client_options(role=keys.REPLICA, encrypted=encrypted))
+    chief = ShardGroup(live.addresses, live.layout, timeouts=TIMEOUTS,
+                       security=job_keys.client_options(role=keys.CHIEF, encrypted=encrypted))
+    try:
+        with pytest.raises(errors.ShardRefused, match=f"{op.name} is the chief's to send"):
+            replica.request(op)
+        if op is COPY_STATUS:
+            (reply,) = chief.request(op)
+            assert reply.meta.value["role"] == "syncing"
+    finally:
+        replica.close()
+        chief.close()
         live.stop()

@@ -377,6 +377,14 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("api-version-missing", _del("apiVersion"), "apiVersion", "required"),
     ("kind", _set("kind", "Job"), "kind", f"must be {contract.KIND}"),
     ("status-phase", _set("status.phase", "Done"), "status.phase", "one of"),
+    ("backups-too-many", _set("spec.parameterServers.backups", 3), "spec.parameterServers.backups",
+     "must be <= 2 (got 3)"),
+    ("backups-sandblaster", lambda doc: (put(doc, "spec.parameterServers.backups", 1),
+                                         put(doc, "spec.training.algorithm", "sandblaster")),
+     "spec.parameterServers.backups", "not available with spec.training.algorithm: sandblaster"),
+    ("backups-expiring-rows", lambda doc: (put(doc, "spec.parameterServers.backups", 1),
+                                           put(doc, "spec.model.embeddings", {"dim": 4, "expireAfterSeconds": 60})),
+     "spec.parameterServers.backups", "not available with spec.model.embeddings.expireAfterSeconds"),
 ]
 
 
@@ -431,7 +439,7 @@ def test_the_validate_command_accepts_the_good_fixture(
 # schema prunes rather than refuses; metadata and identity checks; cross-field and
 # data-source rules) are caught by `distbelief validate` and the operator only.
 SCHEMA_REFUSES = {
-    "batch-too-big", "batch-zero", "batch-bool", "batch-fraction", "lr-string",
+    "batch-too-big", "backups-too-many", "batch-zero", "batch-bool", "batch-fraction", "lr-string",
     "lr-exclusive-minimum", "optimizer-enum", "algorithm-enum", "source-required",
     "spec-required", "source-pattern", "test-fraction-max", "duration-pattern",
     "max-required", "entrypoint-pattern", "model-type-enum", "hidden-layer-minimum",

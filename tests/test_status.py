@@ -196,3 +196,25 @@ def test_a_replica_that_exited_on_a_non_finite_loss_fails_the_job_on_a_cluster()
                                       "at global step 17"
     failed = compute_status(job(), Observed(shards_ready=2, workers_ready=2, **seen), NOW)
     assert condition(failed, "Failed")["reason"] == "NonFiniteLoss"
+
+
+def test_each_shards_copies_come_from_the_chief_and_fit_the_crd() -> None:
+    """With backups the chief reports each shard's copies in sync, its primary's copy rank and
+    its failovers; the status names the primary's pod (copy r of shard i is pod r x shards + i)."""
+    registry = prom.CollectorRegistry()
+    chief = ChiefMetrics(registry)
+    ShardMetrics(registry, 0).global_step.set(7)
+    for shard, (copies, primary, failovers) in enumerate([(2, 1, 3), (1, 0, 0)]):
+        chief.shard_copies.labels(shard=str(shard)).set(copies)
+        chief.shard_primary.labels(shard=str(shard)).set(primary)
+        chief.shard_failovers.labels(shard=str(shard)).set(failovers)
+    figures = scrape.parse(prom.generate_latest(registry).decode())
+    status = compute_status(job(), Observed(shards_ready=4, workers_ready=3, figures=figures), NOW)
+    assert status["shards"] == {"0": {"copies": 2, "primary": "digits-ps-2", "failovers": 3},
+                                "1": {"copies": 1, "primary": "digits-ps-1", "failovers": 0}}
+    spec.validate_job(job(**status))  # the CRD's status schema keeps the field
+    silent = compute_status(job(**status), Observed(shards_ready=4, workers_ready=3), LATER)
+    assert silent["shards"] == status["shards"]
+    without = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=scrape.Figures(global_step=7)),
+                             NOW)
+    assert "shards" not in without

@@ -95,7 +95,9 @@ def _parser() -> argparse.ArgumentParser:
 
     ps = add_parser("ps", help="run one parameter shard (what the shard containers run)")
     ps.add_argument("--config", default=contract.CONFIG_PATH)
-    ps.add_argument("--shard", type=int, default=None, help=f"default: the ordinal in ${contract.ENV_POD_NAME}")
+    ps.add_argument("--shard", type=int, default=None,
+                    help=f"the pod's ordinal: shard N %% shards, copy N // shards (with backups); "
+                         f"default: the ordinal in ${contract.ENV_POD_NAME}")
     ps.add_argument("--port", type=int, default=None, help="default: spec.parameterServers.port")
     ps.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
     ps.add_argument("--coordinator-port", type=int, default=contract.COORDINATOR_PORT,

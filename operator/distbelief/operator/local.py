@@ -128,7 +128,7 @@ class LocalRun:
                     signal.signal(sig, handler)
         summary = report.write(self.output, self.chief_dir, job=self.name, phase=phase, reason=reason,
                                started=started, pods={pod.name: pod.figures() for pod in self.pods},
-                               staleness=self.status.get("staleness"))
+                               staleness=self.status.get("staleness"), shards=self.status.get("shards"))
         report.print_summary(summary, self.output)
         return _exit_code(phase)
 

@@ -65,8 +65,8 @@ def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
 
 
 def pod_template(ctx: RenderContext, role: str, container: Manifest,
-                 extra_labels: Mapping[str, str] | None = None) -> Manifest:
-    return {
+                 extra_labels: Mapping[str, str] | None = None, *, affinity: Manifest | None = None) -> Manifest:
+    template: Manifest = {
         "metadata": {
             "labels": {**labels(ctx.config.name, role), **(extra_labels or {})},
             "annotations": {CONFIG_HASH_ANNOTATION: ctx.config_hash},
@@ -85,6 +85,21 @@ def pod_template(ctx: RenderContext, role: str, container: Manifest,
             ],
         },
     }
+    if affinity:
+        template["spec"]["affinity"] = affinity
+    return template
+
+
+def spread_copies(ctx: RenderContext) -> Manifest | None:
+    """With backups, the shard pods prefer distinct nodes, so that one node's loss takes at most
+    one copy of a shard where the cluster has the room (preferred: a small cluster still runs
+    the job). The pods of one StatefulSet share their labels, so all shard pods spread."""
+    if ctx.config.copies == 1:
+        return None
+    term = {"labelSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_PS)},
+            "topologyKey": "kubernetes.io/hostname"}
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}
 
 
 def container(ctx: RenderContext, role: str, *, args: list[str],

@@ -6,10 +6,11 @@ applies what these return, ``distbelief render`` prints it and local mode runs t
 containers' commands, so there is exactly one renderer.
 
 Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless Service
-and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard), Deployment
-``<job>-worker`` (the model replicas; with spec.model.partitions N > 1, one Deployment
-``<job>-worker-p<k>`` per partition instead, each with spec.workers.replicas pods, so
-that a replica is one pod of each) and, when the spec asks, a HorizontalPodAutoscaler
+and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard copy: pod o is
+copy o // shards of shard o % shards), Deployment ``<job>-worker`` (the model replicas;
+with spec.model.partitions N > 1, one Deployment ``<job>-worker-p<k>`` per partition
+instead, each with spec.workers.replicas pods, so that a replica is one pod of each) and,
+when the spec asks, a HorizontalPodAutoscaler
 ``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource, and,
 unless the spec turns it off, the NetworkPolicy ``<job>-ps`` around all the job's pods.
 
@@ -100,7 +101,7 @@ class RenderContext:
         """0 while suspended, and once finished unless cleanPodPolicy keeps the shards."""
         keep_shards = self.spec.get("runPolicy", {}).get("cleanPodPolicy") == "None"
         stopped = self.suspended or (self.finished and not keep_shards)
-        return 0 if stopped else self.config.shards
+        return 0 if stopped else self.config.shards * self.config.copies
 
     @property
     def worker_replicas(self) -> int:
@@ -214,7 +215,8 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
                                                                  contract.ROLE_PS)},
             "persistentVolumeClaimRetentionPolicy": {
                 "whenDeleted": storage["retention"], "whenScaled": "Retain"},
-            "template": podparts.pod_template(ctx, contract.ROLE_PS, container),
+            "template": podparts.pod_template(ctx, contract.ROLE_PS, container,
+                                              affinity=podparts.spread_copies(ctx)),
             "volumeClaimTemplates": [podparts.checkpoint_claim(ctx, storage)],
         },
     }

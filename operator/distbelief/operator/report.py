@@ -76,7 +76,8 @@ def read_history(chief_dir: str) -> list[dict[str, Any]]:
 
 
 def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, started: float,
-          pods: Mapping[str, Mapping[str, Any]], staleness: Mapping[str, float] | None = None) -> dict[str, Any]:
+          pods: Mapping[str, Mapping[str, Any]], staleness: Mapping[str, float] | None = None,
+          shards: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """report.json, training.png and params.npz in output; returns the report. Its figures
     are this run's (since `started`): never an earlier run's, when this one evaluated nothing.
     pods: each pod's figures (LocalPod.figures), restarts among them."""
@@ -101,6 +102,8 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, sta
         "staleness": dict(staleness) if staleness else None,
         "pods": {name: dict(pod) for name, pod in pods.items()},
     }
+    if shards:
+        summary["shards"] = dict(shards)  # with backups: each shard's copies, primary and failovers
     auc = result.get("auc", last.get("auc"))
     if auc is not None:
         summary["auc"] = auc  # two-class jobs

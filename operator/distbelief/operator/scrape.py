@@ -46,6 +46,8 @@ class Figures:
     staleness_p50: float | None = None      # the median's bucket bound, from shard 0's histogram
     bytes_in: int | None = None             # what the pod's process received over the job's transport
     bytes_out: int | None = None            # ... and sent
+    # with backups, each shard by index: {"copies": in sync, "primary": its copy rank, "failovers": n}
+    copies: dict[int, dict[str, int]] | None = None
 
     @property
     def reachable(self) -> bool:
@@ -56,10 +58,13 @@ def parse(text: str) -> Figures:
     values: dict[str, float] = {}
     finished: tuple[str, str] | None = None
     staleness: list[tuple[float, float]] = []  # (bucket bound, updates at most that stale)
+    copies: dict[int, dict[str, int]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == M.JOB_FINISHED and sample.value == 1:
                 finished = (sample.labels.get("reason", ""), sample.labels.get("outcome", ""))
+            elif sample.name in _COPY_FIGURES and sample.labels.get("shard", "").isdigit():
+                copies.setdefault(int(sample.labels["shard"]), {})[_COPY_FIGURES[sample.name]] = int(sample.value)
             elif sample.name == M.STALENESS + "_bucket":
                 staleness.append((float(sample.labels["le"]), sample.value))
             else:
@@ -88,7 +93,11 @@ def parse(text: str) -> Figures:
         replica_examples=integer(M.WORKER_EXAMPLES + "_total"),
         bytes_in=integer(M.TRANSPORT_BYTES_IN + "_total"),
         bytes_out=integer(M.TRANSPORT_BYTES_OUT + "_total"),
+        copies=copies or None,
     )
+
+
+_COPY_FIGURES = {M.SHARD_COPIES: "copies", M.SHARD_PRIMARY: "primary", M.SHARD_FAILOVERS: "failovers"}
 
 
 def _median_bound(buckets: list[tuple[float, float]]) -> float | None:

@@ -128,6 +128,7 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     _check_data(job, problems)
     _check_training(job, problems)
     _check_autoscaling(job, problems)
+    _check_backups(job, problems)
     if problems.lines:
         raise SpecError(problems.lines)
     return job
@@ -288,3 +289,21 @@ def _check_autoscaling(job: Mapping[str, Any], problems: Problems) -> None:
     low, high = autoscaling.get("minReplicas"), autoscaling.get("maxReplicas")
     if isinstance(low, int) and isinstance(high, int) and low > high:
         problems.add(f"{path}.minReplicas", f"must be <= maxReplicas (got {low} > {high})")
+
+
+def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
+    """What shard copies cannot cover yet: copies replay the same commands, so every state
+    change must be one (Sandblaster's rollbacks read each copy's own checkpoints, row expiry
+    reads each copy's clock, and model partitions commit stages apart)."""
+    path = "spec.parameterServers.backups"
+    backups = _get(job, "spec", "parameterServers", "backups")
+    if not isinstance(backups, int) or backups == 0 or problems.at(path):
+        return
+    if _get(job, "spec", "training", "algorithm") == "sandblaster":
+        problems.add(path, "not available with spec.training.algorithm: sandblaster (its rollbacks restore each "
+                     "copy's own checkpoints); use 0, or downpour")
+    if (_get(job, "spec", "model", "partitions") or 1) > 1:
+        problems.add(path, "not available with spec.model.partitions > 1 yet; use 0, or one partition")
+    if _get(job, "spec", "model", "embeddings", "expireAfterSeconds"):
+        problems.add(path, "not available with spec.model.embeddings.expireAfterSeconds (each copy would expire "
+                     "rows by its own clock); use 0, or leave rows unexpired")

@@ -97,6 +97,9 @@ def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.dat
         "startTime": previous.get("startTime") or timestamp(now),
     }
     status.update(_training_figures(previous, observed.figures))
+    shards = _shard_copies(meta["name"], spec, observed.figures) or previous.get("shards")
+    if shards:
+        status["shards"] = shards
     if phase in TERMINAL:
         status["completionTime"] = previous.get("completionTime") or timestamp(now)
     status["conditions"] = _conditions(previous.get("conditions", []), phase, reason, message, observed, now)
@@ -162,6 +165,16 @@ def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str
     if figures.staleness_max is not None and figures.staleness_p50 is not None:
         fresh["staleness"] = {"max": figures.staleness_max, "p50": figures.staleness_p50}
     return {**keep, **fresh}
+
+
+def _shard_copies(job: str, spec: Mapping[str, Any], figures: Figures) -> dict[str, Any] | None:
+    """With backups: each shard's copies in sync, its primary's pod and its failovers."""
+    if not figures.copies:
+        return None
+    shards, names = int(spec["parameterServers"]["shards"]), contract.JobNames(job)
+    return {str(shard): {"copies": seen.get("copies", 0), "failovers": seen.get("failovers", 0),
+                         "primary": names.shard_pod(seen.get("primary", 0) * shards + shard)}
+            for shard, seen in sorted(figures.copies.items())}
 
 
 def _conditions(previous: list[Mapping[str, Any]], phase: str, reason: str, message: str, observed: Observed,

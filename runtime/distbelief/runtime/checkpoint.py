@@ -54,26 +54,32 @@ def _temporary_name(step: int) -> str:
     return f".{file_name(step)}{TEMPORARY}"
 
 
-def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
-    """Write ckpt atomically into folder and prune all but the newest `keep`."""
-    path = os.path.join(folder, file_name(ckpt.step))
-    tmp = os.path.join(folder, _temporary_name(ckpt.step))
+def encode(ckpt: Checkpoint) -> list[bytes | memoryview]:
+    """ckpt in the file format, as consecutive parts (the arrays are not copied)."""
     body = {
         "step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
         "arrays": [[name, int(a.size)] for name, a in ckpt.arrays.items()],
     }
+    arrays = [memoryview(_as_f32(array)) for array in ckpt.arrays.values()]
     digest = hashlib.sha256(json.dumps(body).encode())
-    for array in ckpt.arrays.values():
-        digest.update(memoryview(_as_f32(array)))
+    for array in arrays:
+        digest.update(array)
     header = json.dumps({**body, "sha256": digest.hexdigest()}).encode()
+    return [MAGIC + LENGTH.pack(len(header)) + header, *arrays]
+
+
+def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
+    """Write ckpt atomically into folder and prune all but the newest `keep`."""
+    path = os.path.join(folder, file_name(ckpt.step))
+    tmp = os.path.join(folder, _temporary_name(ckpt.step))
+    parts = encode(ckpt)
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise errors.CheckpointError(f"cannot write checkpoint {path}: {folder} is not a folder")
     try:
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "wb") as f:
-            f.write(MAGIC + LENGTH.pack(len(header)) + header)
-            for array in ckpt.arrays.values():
-                f.write(memoryview(_as_f32(array)))
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -92,27 +98,33 @@ def load(path: str) -> Checkpoint:
             blob = f.read()
     except OSError as exc:
         raise errors.CorruptCheckpoint(f"{path}: unreadable: {exc}") from exc
-    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + LENGTH.size:
-        raise errors.CorruptCheckpoint(f"{path}: not a checkpoint (bad magic)")
+    return decode(blob, path)
+
+
+def decode(blob: bytes | memoryview, source: str) -> Checkpoint:
+    """A checkpoint from the bytes encode() made, verified; source names them in errors."""
+    blob = memoryview(blob)
+    if bytes(blob[:len(MAGIC)]) != MAGIC or len(blob) < len(MAGIC) + LENGTH.size:
+        raise errors.CorruptCheckpoint(f"{source}: not a checkpoint (bad magic)")
     (length,) = LENGTH.unpack_from(blob, len(MAGIC))
     start = len(MAGIC) + LENGTH.size
     if length > MAX_HEADER_BYTES or start + length > len(blob):
-        raise errors.CorruptCheckpoint(f"{path}: truncated header")
+        raise errors.CorruptCheckpoint(f"{source}: truncated header")
     try:
-        header = json.loads(blob[start:start + length])
+        header = json.loads(bytes(blob[start:start + length]))
         body = {k: v for k, v in header.items() if k != "sha256"}
         names_and_sizes = [(str(n), int(s)) for n, s in header["arrays"]]
         step, layout, shard = int(header["step"]), int(header["layout"]), int(header["shard"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise errors.CorruptCheckpoint(f"{path}: unreadable header: {exc}") from exc
-    payload = memoryview(blob)[start + length:]
+        raise errors.CorruptCheckpoint(f"{source}: unreadable header: {exc}") from exc
+    payload = blob[start + length:]
     expected = sum(size for _, size in names_and_sizes) * DTYPE.itemsize
     if len(payload) != expected:
-        raise errors.CorruptCheckpoint(f"{path}: {len(payload)} bytes of data, header declares {expected}")
+        raise errors.CorruptCheckpoint(f"{source}: {len(payload)} bytes of data, header declares {expected}")
     digest = hashlib.sha256(json.dumps(body).encode())
     digest.update(payload)
     if digest.hexdigest() != header.get("sha256"):
-        raise errors.CorruptCheckpoint(f"{path}: checksum mismatch")
+        raise errors.CorruptCheckpoint(f"{source}: checksum mismatch")
     arrays, offset = {}, 0
     for name, size in names_and_sizes:
         arrays[name] = np.frombuffer(payload, dtype=DTYPE, count=size, offset=offset).copy()

@@ -118,8 +118,10 @@ class WholeModel:
 class Chief:
     def __init__(self, *, group: ShardGroup, scorer: Scorer, rules: StoppingRules, eval_every: float,
                  output_dir: str, start_time: float, metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
-                 optimiser_state: Callable[[], dict | None] = lambda: None) -> None:
+                 optimiser_state: Callable[[], dict | None] = lambda: None, copies: bool = False) -> None:
+        """copies: the shards have backups, whose state each evaluation also reports."""
         self.group, self.scorer, self.rules = group, scorer, rules
+        self.copies = copies
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
         self.training = training  # shard 0's training figures (examples, examples/s, train loss, replicas)
@@ -171,6 +173,8 @@ class Chief:
         step, loss, accuracy, auc = score.step, score.loss, score.accuracy, score.auc
         elapsed = time.time() - self.start_time
         self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
+        if self.copies:
+            self._record_copies()
         verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed,
                                      converged=self._converged())
         if verdict is None:
@@ -190,6 +194,13 @@ class Chief:
         with open(os.path.join(self.output_dir, contract.HISTORY_FILE), "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         log.info("event=evaluated step=%d loss=%.4f accuracy=%.4f", step, loss, accuracy)
+
+    def _record_copies(self) -> None:
+        """Each shard's copies in sync, its primary's rank and its failovers, as its primary says."""
+        for shard, stats in enumerate(self.group.stats()):
+            self.metrics.shard_copies.labels(shard=str(shard)).set(stats.get("copies", 0))
+            self.metrics.shard_primary.labels(shard=str(shard)).set(stats.get("copy", 0))
+            self.metrics.shard_failovers.labels(shard=str(shard)).set(stats.get("failovers", 0))
 
     def _finish(self, reason: str, outcome: str, *, step: int, loss: float, accuracy: float, elapsed: float,
                 auc: float | None) -> None:

@@ -9,7 +9,8 @@ The sockets, timeouts and resends are the transport's (transport.exchange under 
 RetryPolicy); this module builds the frames of each op and reads the replies, turning
 error replies into errors by their code: LayoutMismatch for another layout, ShardRefused
 for the rest. A shard acts on a resent command once (the shard core keeps each peer's
-last command and its reply).
+last command and its reply). A shard with backups is given as its copies' addresses: its
+link moves to the next copy when one breaks, stays silent or answers NOT_PRIMARY.
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ class ShardGroup:
     """The shards of one job, as seen by one replica (or by the chief): all of them, or
     (a partition of a model-parallel replica) the consecutive ones holding its stage."""
 
-    def __init__(self, addresses: Sequence[str], layout: Layout, *, worker_id: int | None = None,
+    def __init__(self, addresses: Sequence[str | Sequence[str]], layout: Layout, *, worker_id: int | None = None,
                  timeouts: Timeouts = Timeouts(), transport_: transport.Transport | None = None,
                  security: dict | None = None, stop: threading.Event | None = None,
                  shards: Sequence[int] | None = None) -> None:
-        """addresses: every shard's; shards: the ones this group talks to (default all);
+        """addresses: each shard's, or each shard's copies' (primary first, then its backups);
+        shards: the ones this group talks to (default all);
         security: the job keys' client socket options (keys.JobKeys.client_options)."""
         if len(addresses) != layout.shards:
             raise errors.ConfigError(f"{len(addresses)} shard addresses for {layout.shards} shards")
@@ -131,12 +133,16 @@ class ShardGroup:
         metas = list(meta) if isinstance(meta, Sequence) else [meta] * len(shards)
         requests = [[h.pack(), *self._body(i, metas[i], array)] for i, h in enumerate(headers)]
         exchange = transport.Exchange(self._links, requests, self.policy,
-                                      names=[f"shard {self.indices[i]} at {a}" for i, a in enumerate(self.addresses)])
+                                      names=[f"shard {self.indices[i]} at {link.address}"
+                                             for i, link in enumerate(self._links)])
         replies: dict[int, Reply] = {}
 
-        def accept(i: int, received: transport.Received) -> bool:
+        def accept(i: int, received: transport.Received) -> bool | str:
             self.bytes_in += received.nbytes
-            reply = self._read(i, op, headers[i], received, receive_into)
+            try:
+                reply = self._read(i, op, headers[i], received, receive_into)
+            except errors.NotPrimary:
+                return transport.REDIRECT  # a backup: on to the shard's next copy
             if reply is not None:
                 replies[i] = reply
             return reply is not None
@@ -183,9 +189,11 @@ class ShardGroup:
         header = protocol.unpack_header(received.header)
         if header.seq != request.seq or header.shard != request.shard:
             return None
-        address, shard = self.addresses[position], request.shard
+        address, shard = self._links[position].address, request.shard
         if header.status == Status.ERROR:
             text = protocol.decode_text(received.frames[0]) if received.frames else ""
+            if header.error == ErrorCode.NOT_PRIMARY:
+                raise errors.NotPrimary(text)
             if header.error == ErrorCode.LAYOUT:
                 raise errors.LayoutMismatch(f"shard {shard} at {address} refused us: {text}")
             raise errors.ShardRefused(f"shard {shard} at {address} refused {op.name}: {text}")

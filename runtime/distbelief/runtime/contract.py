@@ -46,6 +46,10 @@ class Metric:
     WORKER_EXAMPLES = "distbelief_worker_examples"
     TRANSPORT_BYTES_IN = "distbelief_transport_bytes_in"    # every socket of the pod's process
     TRANSPORT_BYTES_OUT = "distbelief_transport_bytes_out"
+    WORKER_PUSHES_ACKNOWLEDGED = "distbelief_worker_pushes_acknowledged"
+    SHARD_COPIES = "distbelief_shard_copies"
+    SHARD_PRIMARY = "distbelief_shard_primary_copy"
+    SHARD_FAILOVERS = "distbelief_shard_failovers"
 
 # Ports inside every pod. The shard port comes from the spec; these are fixed.
 METRICS_PORT = 9100
@@ -149,8 +153,9 @@ class JobNames:
         """The Deployment of one partition's pods in a job with spec.model.partitions > 1."""
         return f"{self.worker}-p{partition}"
 
-    def shard_pod(self, index: int) -> str:
-        return f"{self.ps}-{index}"
+    def shard_pod(self, ordinal: int) -> str:
+        """The StatefulSet's pod `ordinal`: shard ordinal % shards, copy ordinal // shards."""
+        return f"{self.ps}-{ordinal}"
 
     def shard_address(self, index: int, namespace: str, port: int) -> str:
         return f"tcp://{self.shard_pod(index)}.{self.ps}.{namespace}.svc:{port}"
@@ -180,20 +185,36 @@ class JobConfig:
     def shard_port(self) -> int:
         return int(self.spec["parameterServers"]["port"])
 
+    @property
+    def copies(self) -> int:
+        """Copies of each shard: the primary and spec.parameterServers.backups backups."""
+        return 1 + int(self.spec["parameterServers"].get("backups", 0))
+
+    def copy_of(self, ordinal: int) -> tuple[int, int]:
+        """(shard, copy rank) of the shards' StatefulSet pod `ordinal`."""
+        return ordinal % self.shards, ordinal // self.shards
+
     def shard_addresses(self, environ: Mapping[str, str] = os.environ) -> list[str]:
-        """Where the shards listen: PS_ADDRESSES if set, else the headless Service's DNS."""
+        """Where the shards listen (their first copies): PS_ADDRESSES if set, else the
+        headless Service's DNS."""
+        return self._pod_addresses(environ)[:self.shards]
+
+    def copy_addresses(self, environ: Mapping[str, str] = os.environ) -> list[list[str]]:
+        """Every copy's address, by shard, then by copy rank."""
+        every = self._pod_addresses(environ)
+        return [every[shard::self.shards] for shard in range(self.shards)]
+
+    def _pod_addresses(self, environ: Mapping[str, str]) -> list[str]:
+        pods = self.shards * self.copies
         override = environ.get(ENV_PS_ADDRESSES, "").strip()
         if override:
             addresses = [a.strip() for a in override.split(",") if a.strip()]
-            if len(addresses) != self.shards:
-                raise ValueError(
-                    f"{ENV_PS_ADDRESSES} lists {len(addresses)} addresses, "
-                    f"but the job has {self.shards} shards"
-                )
+            if len(addresses) != pods:
+                copies = f" of {self.copies} copies each" if self.copies > 1 else ""
+                raise ValueError(f"{ENV_PS_ADDRESSES} lists {len(addresses)} addresses, "
+                                 f"but the job has {self.shards} shards{copies}")
             return addresses
-        return [
-            self.names.shard_address(i, self.namespace, self.shard_port) for i in range(self.shards)
-        ]
+        return [self.names.shard_address(i, self.namespace, self.shard_port) for i in range(pods)]
 
     @property
     def sandblaster(self) -> bool:

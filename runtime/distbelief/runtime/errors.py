@@ -7,7 +7,8 @@
     │   ├── NotServed        an op the shard's algorithm does not serve
     │   ├── Refused          well formed, but not applied (a non-finite gradient)
     │   ├── Forbidden        a privileged op from a peer without the chief's key
-    │   └── StateConflict    what the shard's state cannot take (a rollback it cannot do)
+    │   ├── StateConflict    what the shard's state cannot take (a rollback it cannot do)
+    │   └── NotPrimary       a shard copy that does not serve clients now (a backup)
     ├── ShardUnavailable     a shard that did not answer in time
     ├── ShardRefused         a shard that answered with an error
     ├── Stopped              the role was asked to stop while it waited
@@ -54,6 +55,10 @@ class Forbidden(ProtocolError):
 
 class StateConflict(ProtocolError):
     pass
+
+
+class NotPrimary(ProtocolError):
+    """This copy of a shard is a backup (or catching up): ask the shard's next copy."""
 
 
 class ShardUnavailable(RuntimeFailure):

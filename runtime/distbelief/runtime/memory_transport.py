@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from distbelief.runtime import errors, keys
+from distbelief.runtime.failover import Copies
 from distbelief.runtime.transport import MAX_REPLY_FRAMES, Frame, Incoming, Received, Sink
 
 
@@ -36,7 +37,8 @@ class MemoryTransport:
             server = self._servers[address] = MemoryServer(self, address, max_frame=max_frame, max_frames=max_frames)
         return server
 
-    def link(self, address: str, options: dict | None = None, *, watch: bool = True) -> "MemoryLink":
+    def link(self, address: str | Sequence[str], options: dict | None = None, *,
+             watch: bool = True) -> "MemoryLink":
         with self._changed:
             self._next_peer += 1
             peer = self._next_peer.to_bytes(4, "big")
@@ -94,9 +96,13 @@ class MemoryServer:
 
 
 class MemoryLink:
-    def __init__(self, transport: MemoryTransport, address: str, peer: bytes) -> None:
-        self.transport, self.address, self.peer = transport, address, peer
+    def __init__(self, transport: MemoryTransport, address: str | Sequence[str], peer: bytes) -> None:
+        self.transport, self.copies, self.peer = transport, Copies(address), peer
         self.inbox: collections.deque[list[memoryview]] = collections.deque()
+
+    @property
+    def address(self) -> str:
+        return self.copies.address
 
     def readable(self, ready: dict) -> bool:
         return self in ready
@@ -128,6 +134,7 @@ class MemoryLink:
     def reconnect(self) -> None:
         with self.transport._changed:
             self.inbox.clear()
+        self.copies.next()
 
     def close(self) -> None:
         with self.transport._changed:

@@ -52,6 +52,10 @@ class ShardMetrics:
         self.checkpoint_step = gauge(M.CHECKPOINT_STEP, "Step of the newest checkpoint")
         self.checkpoint_time = gauge(M.CHECKPOINT_TIME, "When the newest checkpoint was written")
         self.done = gauge("distbelief_job_done", "1 once the job has finished")
+        self.copy_role = gauge("distbelief_copy_role", "This shard copy's role: 0 catching up, 1 backup, 2 primary")
+        self.copy_view = gauge("distbelief_copy_view", "The view this shard copy is in (its residue: the primary's rank)")
+        self.copies_in_sync = gauge("distbelief_copies_in_sync", "On a primary: copies every update reaches, itself included")
+        self.failovers = gauge("distbelief_copy_failovers", "Times a backup of this shard took over from its primary")
         self.staleness = prom.Histogram(
             M.STALENESS, "Updates applied between a replica's pull and its push",
             list(labels), buckets=STALENESS_BUCKETS, registry=registry).labels(**labels)
@@ -101,6 +105,12 @@ class ChiefMetrics:
         self.evaluated_step = prom.Gauge("distbelief_evaluated_step", "Global step of the last evaluation", registry=registry)
         self.finished = prom.Gauge(M.JOB_FINISHED, "1 once the chief has ended the job",
                                    ["reason", "outcome"], registry=registry)
+        # each shard's copies as its primary reports them (jobs with backups only)
+        self.shard_copies = prom.Gauge(M.SHARD_COPIES, "Copies of the shard in sync, primary included", ["shard"],
+                                       registry=registry)
+        self.shard_primary = prom.Gauge(M.SHARD_PRIMARY, "Copy rank of the shard's primary", ["shard"], registry=registry)
+        self.shard_failovers = prom.Gauge(M.SHARD_FAILOVERS, "Times a backup of the shard took over", ["shard"],
+                                          registry=registry)
 
 
 class CoordinatorMetrics:
@@ -149,6 +159,8 @@ class WorkerMetrics:
         self.bytes_in = prom.Counter("distbelief_worker_bytes_in", "Bytes received", registry=registry)
         self.bytes_out = prom.Counter("distbelief_worker_bytes_out", "Bytes sent", registry=registry)
         self.retries = prom.Counter("distbelief_worker_retries", "Requests repeated after a shard did not answer", registry=registry)
+        self.acknowledged = prom.Counter(M.WORKER_PUSHES_ACKNOWLEDGED, "Pushes a shard acknowledged as applied",
+                                         ["shard"], registry=registry)
 
 
 class TrafficCollector(Collector):

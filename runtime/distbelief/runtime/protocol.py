@@ -62,6 +62,7 @@ class ErrorCode(enum.IntEnum):
     REFUSED = 5      # well formed, but not applied (a non-finite gradient)
     FORBIDDEN = 6    # a privileged op from a peer without the chief's key
     STATE = 7        # the shard's state cannot take it (a rollback to an iteration it lacks)
+    NOT_PRIMARY = 8  # a shard copy that serves no clients now: ask the shard's next copy
 
 
 # -- payloads ------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ _CODES: tuple[tuple[type, ErrorCode], ...] = (
     (errors.LayoutMismatch, ErrorCode.LAYOUT), (errors.WrongShard, ErrorCode.WRONG_SHARD),
     (errors.NotServed, ErrorCode.NOT_SERVED), (errors.Refused, ErrorCode.REFUSED),
     (errors.Forbidden, ErrorCode.FORBIDDEN),
-    (errors.StateConflict, ErrorCode.STATE))
+    (errors.StateConflict, ErrorCode.STATE), (errors.NotPrimary, ErrorCode.NOT_PRIMARY))
 
 
 def error_code(exc: errors.ProtocolError) -> ErrorCode:

@@ -13,12 +13,13 @@ import logging
 import os
 import signal
 import threading
+from typing import Any
 
 import prometheus_client as prom
 
-from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models
+from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models, replication
 from distbelief.runtime.chief import Chief, Scorer, StoppingRules, WholeModel
-from distbelief.runtime.client import ShardGroup
+from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics
 from distbelief.runtime.pipeline import stages
@@ -26,6 +27,8 @@ from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.shard import Shard, ShardSettings
 
 log = logging.getLogger(__name__)
+
+FAILOVER_ATTEMPT_SECONDS = 2.0  # with backups: how long a replica waits for a copy before trying the next
 
 
 def model_layout(model: models.Model, config: contract.JobConfig) -> tuple[stages.Plan | None, Layout]:
@@ -99,7 +102,8 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_PS, job)
     algorithm = algorithms.of(job)
-    index = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
+    ordinal = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
+    index, rank = job.config.copy_of(ordinal)
     training, checkpointing = job.spec["training"], job.spec["parameterServers"]["checkpoint"]
     settings = ShardSettings(
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
@@ -108,14 +112,15 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     registry = _registry()
     server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
     algorithm.attach(server, job)
+    if job.config.copies > 1:
+        replication.Copies(server, rank=rank, addresses=job.config.copy_addresses()[index], security=access.client)
     server.restore()
     metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     helpers: list[tuple[str, algorithms.Helper]] = []
-    if index == 0:
+    if ordinal == 0:  # the chief runs beside the first copy of shard 0
         context = algorithms.ChiefContext(
             job=job, shard=server, registry=registry, server_security=access.server,
-            group=lambda shards=None, stop=None: ShardGroup(job.config.shard_addresses(), job.layout,
-                                                            security=access.client, shards=shards, stop=stop),
+            group=lambda shards=None, stop=None: shard_group(job, security=access.client, shards=shards, stop=stop),
             coordinator_bind=f"tcp://{listen}:{coordinator_port}")
         helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm)))
         beside = algorithm.beside_chief(context)
@@ -145,7 +150,7 @@ def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, algorithm: algor
     chief = Chief(group=group, scorer=scorer, rules=StoppingRules.from_spec(training),
                   eval_every=float(training["evalEverySeconds"]), output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
-                  optimiser_state=algorithm.optimiser_state(server))
+                  optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1)
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()
@@ -159,7 +164,7 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     registry = _registry()
     stage = stage_access(job, access, listen)
     shards = job.stage_shards(stage.partition) if stage.partition > 0 else None
-    group = ShardGroup(job.config.shard_addresses(), job.layout, stop=stop, security=access.client, shards=shards)
+    group = shard_group(job, stop=stop, security=access.client, shards=shards)
     worker = algorithms.of(job).replica(algorithms.ReplicaContext(
         job=job, group=group, metrics=WorkerMetrics(registry), client_security=access.client, stop=stop,
         stage=stage))
@@ -171,7 +176,9 @@ def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: st
     finally:
         group.close()
         metrics.stop()
-    log.info("event=worker_exit worker=%08x steps=%d reason=%s", group.worker_id, worker.steps, ended)
+    acknowledged = ",".join(str(n) for n in getattr(worker, "acknowledged", []))  # by shard
+    log.info("event=worker_exit worker=%08x steps=%d pushes_acknowledged=%s reason=%s", group.worker_id,
+             worker.steps, acknowledged or "-", ended)
     return 0
 
 
@@ -199,6 +206,15 @@ def _registry() -> prom.CollectorRegistry:
     registry = prom.CollectorRegistry()
     registry.register(TrafficCollector())
     return registry
+
+
+def shard_group(job: Job, **options: Any) -> ShardGroup:
+    """A client of every shard of the job; of every copy, when the shards have backups (with a
+    shorter attempt, so that a silent primary sends the request on to a backup within seconds)."""
+    if job.config.copies == 1:
+        return ShardGroup(job.config.shard_addresses(), job.layout, **options)
+    return ShardGroup(job.config.copy_addresses(), job.layout, timeouts=Timeouts(request=FAILOVER_ATTEMPT_SECONDS),
+                      **options)
 
 
 def _stop_on_termination() -> threading.Event:

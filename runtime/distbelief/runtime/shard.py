@@ -15,6 +15,9 @@ optimizer (dense.py), Sandblaster's vectors, and whatever an algorithm adds. The
 
 Plugins (plugin.py) see the core through its members: index, layout, step, finished,
 metrics, settings.checkpoint_dir, applied(), count_examples(), checkpoint_now(), load().
+
+With backups (replication.py), only the primary copy serves clients, and every command it
+applies reaches its backups before the reply leaves; the copies' own ops are raw_ops.
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors, keys, protocol, transport
+from distbelief.runtime import checkpoint, errors, keys, protocol, replication, transport
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import RateWindow, ShardMetrics
 from distbelief.runtime.plugin import Answer, Handler, ShardPlugin
 from distbelief.runtime.protocol import Header, Message, Status
+from distbelief.runtime.resends import REMEMBERED_PEERS, LastCommands
+from distbelief.runtime.saves import CheckpointSchedule
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,6 @@ POLL_SECONDS = 0.1
 WARMSTART_LEASE_SECONDS = 10.0
 RATE_WINDOW_SECONDS = 5.0
 LOSS_EMA = 0.05
-REMEMBERED_PEERS = 4096  # peers (replicas, the coordinator) whose last command a shard remembers
 
 
 @dataclasses.dataclass
@@ -72,20 +75,20 @@ class Shard:
         self.examples_total = 0
         self.plugins: list[ShardPlugin] = []
         self._transport = transport_ or transport.default()
-        self._stop = stop or threading.Event()
+        self.stopping = stop or threading.Event()
         self._handlers: dict[int, Handler] = {protocol.HELLO.code: self._hello, protocol.STATS.code: self._stats,
                                               protocol.DONE.code: self._done}
         self._repeats: dict[int, Handler] = {}
+        self.raw_ops: dict[int, Callable[[Header, transport.Incoming], list]] = {}  # ops reading their own frames
+        self.copies: replication.Copies = replication.SingleCopy()
         self._warm_owner: tuple[tuple, float] | None = None
         self._peer: tuple = ()  # who sent the request being handled: (ZAP user, routing id)
         self._rate = RateWindow(RATE_WINDOW_SECONDS)
         self._staleness_max = 0
-        self._last_command: OrderedDict[tuple, tuple[int, int, list | None]] = OrderedDict()
-        self._last_checkpoint = (time.monotonic(), -1)
+        self.last_commands = LastCommands()
+        self.saves = CheckpointSchedule(self)
         self._train_loss: float | None = None
         self._pushed_at: dict[tuple, float] = {}  # peer -> when it last pushed (replicas at work)
-        self._saved_finished = False
-        self._checkpoint_failures = 0  # in a row; reset by the next checkpoint that lands
 
     # -- plugins ---------------------------------------------------------------------------
 
@@ -114,10 +117,8 @@ class Shard:
             log.info("event=fresh_start shard=%d", self.index)
             return
         self.load(ckpt)
+        self.take_meta(ckpt.meta)
         self.restarts = int(ckpt.meta.get("restarts", 0)) + 1
-        self.start_time = float(ckpt.meta.get("startTime", self.start_time))
-        self.finished = ckpt.meta.get("finished")
-        self.examples_total = int(ckpt.meta.get("examples", 0))
         log.info("event=restored shard=%d step=%d restarts=%d finished=%s",
                  self.index, self.step, self.restarts, bool(self.finished))
 
@@ -126,12 +127,17 @@ class Shard:
         for plugin in self.plugins:
             plugin.restore(ckpt)
         self.step = ckpt.step
-        self._last_checkpoint = (time.monotonic(), self.step)
-        self.metrics.checkpoint_step.set(self.step)
+        self.saves.taken(self.step)
         self.metrics.global_step.set(self.step)
 
+    def take_meta(self, meta: dict) -> None:
+        """The core's figures saved beside a state: start time, examples, the job's end."""
+        self.start_time = float(meta.get("startTime", self.start_time))
+        self.finished = meta.get("finished")
+        self.examples_total = int(meta.get("examples", 0))
+
     def stop(self) -> None:
-        self._stop.set()
+        self.stopping.set()
 
     def serve(self) -> None:
         """Answer requests until the job is done and the linger has passed, or stop()."""
@@ -140,18 +146,20 @@ class Shard:
         self.metrics.global_step.set(self.step)
         self.ready.set()
         try:
-            while not self._stop.is_set() and not self._lingered():
+            while not self.stopping.is_set() and not self._lingered():
                 if server.poll(POLL_SECONDS):
                     self._handle(server)
-                self._maybe_checkpoint()
+                self.copies.tick()
+                self.saves.maybe()
         finally:
             server.close()
+            self.copies.close()
             self.checkpoint_now()
 
     def _bind(self) -> transport.Server:
         longest = max([0, *(p.array_values() for p in self.plugins)])
         server = self._transport.server(self.settings.bind, who=f"shard {self.index}",
-                                        max_frame=protocol.max_frame_bytes(longest), max_frames=3,
+                                        max_frame=protocol.max_frame_bytes(longest), max_frames=3 + self.copies.extra_frames,
                                         security=self.settings.security)
         self.endpoint = server.endpoint
         log.info("event=listening shard=%d address=%s step=%d auth=%s", self.index, self.endpoint, self.step,
@@ -185,26 +193,34 @@ class Shard:
             self._reject(f"dropped a message: {exc}")
             return
         started = time.perf_counter()
-        reply = self._answer(header, incoming)
+        reply = self.answer(header, incoming)
         self._send(server, incoming.peer, reply)
         self.metrics.request_seconds(protocol.spec_of(header.op).name).observe(time.perf_counter() - started)
 
-    def _answer(self, header: Header, incoming: transport.Incoming) -> list:
+    def answer(self, header: Header, incoming: transport.Incoming) -> list:
+        """The reply to one request from incoming.peer (a backup also answers the requests its
+        primary forwards, as if their first sender had sent them)."""
         try:
             self._check(header, incoming.user)
+            if header.op in self.raw_ops:
+                return self.raw_ops[header.op](header, incoming)
             message = protocol.parse_request(incoming.frames, header)
+        except errors.NotPrimary as exc:  # a backup: not a bad message, the client tries the next copy
+            return protocol.error_frames(header, protocol.ErrorCode.NOT_PRIMARY, str(exc), step=self.step)
         except errors.ProtocolError as exc:
             self._reject(str(exc))
             return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
         peer = self._peer = (incoming.user, incoming.peer)
-        reply = self._repeated(peer, message)
-        if reply is None:
-            try:
+        try:
+            reply = self._repeated(peer, message)
+            if reply is None:
                 reply = self._dispatch(message, self._handlers[header.op])
-            except errors.ProtocolError as exc:
-                self._reject(str(exc))
-                return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
-            self._remember(peer, message, reply)
+                if message.spec.command:
+                    self.copies.replicate(incoming)  # the reply waits until every copy applied it
+                self._remember(peer, message, reply)
+        except errors.ProtocolError as exc:
+            self._reject(str(exc))
+            return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
         return reply
 
     def _dispatch(self, message: Message, handler: Handler) -> list:
@@ -222,8 +238,10 @@ class Shard:
                 f"layout mismatch: peer has {header.layout:016x}, shard {self.index} has "
                 f"{self.layout.hash:016x} (another model or shard count)")
         spec = protocol.spec_of(header.op)
-        if header.op not in self._handlers:
+        if header.op not in self._handlers and header.op not in self.raw_ops:
             raise errors.NotServed(f"op {spec.name} is not served by this job's algorithm")
+        if header.op not in self.raw_ops:
+            self.copies.check_serving(spec)
         security = self.settings.security
         if spec.privileged and security is not None and not security.is_chief(user):
             raise errors.Forbidden(f"op {spec.name} is the chief's to send; refused from another key")
@@ -233,7 +251,11 @@ class Shard:
         header = message.header
         if not message.spec.command:
             return None
-        seq, op, reply = self._last_command.get(peer, (None, None, None))
+        seq, op, reply = self.last_commands.get(peer)
+        if seq is not None and 0 < (seq - header.seq) & 0xFFFFFFFF < 1 << 31:
+            # A copy of an earlier command that lingered on the way (a resend on another
+            # connection): its peer has moved on, and it was applied when it first came.
+            raise errors.Refused(f"command {header.seq} is older than this peer's last ({seq}): not applied again")
         if (seq, op) != (header.seq, header.op):
             return None
         log.info("event=command_repeated shard=%d worker=%08x op=%s action=first_reply_again",
@@ -245,10 +267,7 @@ class Shard:
             return
         # A reply holding a parameter copy is not kept; a repeat gets a fresh one instead.
         kept = None if message.header.op in self._repeats and self.finished is None else reply
-        self._last_command[peer] = (message.header.seq, message.header.op, kept)
-        self._last_command.move_to_end(peer)
-        if len(self._last_command) > REMEMBERED_PEERS:
-            self._last_command.popitem(last=False)  # the peer heard from least recently
+        self.last_commands.remember(peer, message.header.seq, message.header.op, kept)
 
     def _reject(self, reason: str) -> None:
         self.metrics.rejected.inc()
@@ -279,7 +298,8 @@ class Shard:
 
     def _stats(self, message: Message) -> Answer:
         stats = {"shard": self.index, "step": self.step, "restarts": self.restarts, "startTime": self.start_time,
-                 "finished": self.finished, "trainLoss": self._train_loss}
+                 "finished": self.finished, "trainLoss": self._train_loss,
+                 **self.copies.stats()}
         return Answer(meta=protocol.JsonObject(stats))
 
     def _done(self, message: Message) -> Answer:
@@ -334,15 +354,12 @@ class Shard:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _maybe_checkpoint(self) -> None:
-        when, step = self._last_checkpoint
-        if step != self.step and time.monotonic() - when >= self.settings.checkpoint_every:
-            self.checkpoint_now()
-
     def checkpoint_now(self) -> None:
         """Write a checkpoint of the current state if it differs from the last one."""
-        if self._last_checkpoint[1] == self.step and not self._finished_unsaved():
-            return
+        self.saves.now()
+
+    def snapshot(self) -> checkpoint.Checkpoint:
+        """The whole state, as a checkpoint holds it (the arrays are the live ones, not copies)."""
         meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
                 "examples": self.examples_total}
         arrays: dict[str, np.ndarray] = {}
@@ -350,44 +367,5 @@ class Shard:
             plugin_arrays, plugin_meta = plugin.checkpoint_state()
             arrays.update(plugin_arrays)
             meta.update(plugin_meta)
-        if not all(np.isfinite(array).all() for array in arrays.values()):
-            self._recover_from_non_finite_state()
-            return
-        ckpt = checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index,
-                                     arrays=arrays, meta=meta)
-        try:
-            path = checkpoint.save(self.settings.checkpoint_dir, ckpt, keep=self.settings.checkpoint_keep)
-        except errors.CheckpointError as exc:
-            # Training goes on from memory; the previous checkpoints are untouched, and the
-            # next interval tries again (a full or unwritable folder may come back).
-            self._checkpoint_failures += 1
-            log.error("event=checkpoint_failed shard=%d step=%d folder=%s failures=%d error=%r", self.index,
-                      self.step, self.settings.checkpoint_dir, self._checkpoint_failures, str(exc))
-            self._last_checkpoint = (time.monotonic(), self._last_checkpoint[1])
-            return
-        if self._checkpoint_failures:
-            log.info("event=checkpoint_resumed shard=%d step=%d after_failures=%d", self.index, self.step,
-                     self._checkpoint_failures)
-            self._checkpoint_failures = 0
-        self._last_checkpoint = (time.monotonic(), self.step)
-        self._saved_finished = self.finished is not None
-        self.metrics.checkpoint_step.set(self.step)
-        self.metrics.checkpoint_time.set(time.time())
-        log.info("event=checkpoint shard=%d step=%d path=%s", self.index, self.step, os.path.basename(path))
-
-    def _recover_from_non_finite_state(self) -> None:
-        """A non-finite value got into the state (an update overflowed): it must never reach a
-        checkpoint, where it would push out the good ones. Go back to the newest checkpoint,
-        all of which were finite when written; without one, stop and be restarted afresh."""
-        self.metrics.non_finite.inc()
-        ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index)
-        if ckpt is None:
-            raise errors.RuntimeFailure(f"shard {self.index}: its state holds non-finite values and no checkpoint "
-                                        "to go back to")
-        log.error("event=non_finite_state shard=%d step=%d action=restored_checkpoint checkpoint_step=%d",
-                  self.index, self.step, ckpt.step)
-        self.load(ckpt)
-
-    def _finished_unsaved(self) -> bool:
-        return self.finished is not None and not self._saved_finished
-
+        return checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index, arrays=arrays,
+                                     meta=meta)

@@ -4,7 +4,8 @@
                   the roles; memory_transport.MemoryTransport, an in-process twin for unit tests
     Server        a bound ROUTER: admission of the job's keys, message size and queue
                   bounds; receive() -> Incoming (the peer, its authenticated user, frames)
-    Link          one DEALER to one address, made anew after a silence or a disconnect
+    Link          one DEALER to one shard, made anew after a silence or a disconnect (to
+                  the shard's next copy in turn, when it has backups)
     exchange()    one request to several links at once, the replies collected under one
                   RetryPolicy (attempt timeout, resend on disconnect, give up)
 
@@ -31,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from distbelief.runtime import errors, keys
 from distbelief.runtime.traffic import PROCESS_TRAFFIC
+from distbelief.runtime.failover import Copies
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,10 @@ SEND_HWM = 64             # replies queued for one peer before further ones are 
 # must still get in.
 FRAME_OVERHEAD = 64
 RECEIVE_HWM = 256         # requests queued from one peer before it is pushed back
+HEARTBEAT_MS = 1000       # a link to a shard's copies pings each; 3 missed pongs count as a disconnect
+# What accept() returns for a reply that sends the request elsewhere (a shard copy that is
+# not the primary): it goes again at once, on a fresh connection to the next copy.
+REDIRECT = "redirect"
 
 Frame = bytes | memoryview
 # (header frame, index of a frame after it) -> the array that frame goes into, or None
@@ -145,17 +151,27 @@ class ZmqServer:
 
 
 class ZmqLink:
-    """One DEALER socket to one address. With watch, a monitor reports broken connections;
-    it is read by broke(), or its queue fills and stalls the context's I/O thread.
+    """One DEALER socket to one address (or to one of a shard's copies in turn). With watch,
+    a monitor reports broken connections; it is read by broke(), or its queue fills and
+    stalls the context's I/O thread.
 
     Every connection of a link carries one random routing id: the server names the peer by
     it (Incoming.peer), so a resend on a fresh connection is still the same peer's, and no
-    other peer, key holder or not, can pass for it without guessing 128 bits."""
+    other peer, key holder or not, can pass for it without guessing 128 bits. A link to a
+    shard's copies keeps one connection to each (heartbeats notice a dead node) and moves
+    between them: a second connection with the same id would take over the first, and
+    ZeroMQ renames it, so its queued requests would count as another peer's."""
 
-    def __init__(self, context: zmq.Context, address: str, options: dict | None, *, watch: bool) -> None:
-        self.context, self.address, self.options, self.watch = context, address, options, watch
+    def __init__(self, context: zmq.Context, address: str | Sequence[str], options: dict | None, *,
+                 watch: bool) -> None:
+        self.context, self.copies, self.options, self.watch = context, Copies(address), options, watch
         self.routing_id = os.urandom(16)
+        self._idle: dict[str, tuple[zmq.Socket, zmq.Socket | None, bool]] = {}  # the other copies' connections
         self._socket, self._monitor = self._connect()
+
+    @property
+    def address(self) -> str:
+        return self.copies.address
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         socket, monitor = self.context.socket(zmq.DEALER), None
@@ -164,6 +180,9 @@ class ZmqLink:
             socket.setsockopt(zmq.ROUTING_ID, self.routing_id)
             for option, value in (self.options or {}).items():
                 socket.setsockopt(option, value)
+            if len(self.copies.addresses) > 1:
+                socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+                socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
             if self.watch:
                 monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             socket.connect(self.address)
@@ -222,17 +241,26 @@ class ZmqLink:
         return received
 
     def reconnect(self) -> None:
-        """A fresh socket: replies to earlier requests and copies still queued are dropped."""
-        self.close()
-        self._socket, self._monitor = self._connect()
+        """A fresh socket: replies to earlier requests and copies still queued are dropped. A link
+        to copies moves to the next copy's connection instead."""
+        if len(self.copies.addresses) == 1:
+            self.close()
+            self._socket, self._monitor = self._connect()
+            return
+        self._idle[self.address] = (self._socket, self._monitor, self._handshaken)
+        self.copies.next()
+        idle = self._idle.pop(self.address, None)
+        self._socket, self._monitor, self._handshaken = idle or (*self._connect(), False)
 
     def close(self) -> None:
-        if self._socket.closed:
-            return
-        if self._monitor is not None:
-            self._socket.disable_monitor()
-            self._monitor.close(linger=0)
-        self._socket.close(linger=0)
+        for socket, monitor, _ in [(self._socket, self._monitor, False), *self._idle.values()]:
+            if socket.closed:
+                continue
+            if monitor is not None:
+                socket.disable_monitor()
+                monitor.close(linger=0)
+            socket.close(linger=0)
+        self._idle.clear()
 
 
 class ZmqTransport:
@@ -246,7 +274,7 @@ class ZmqTransport:
         return ZmqServer(self.context, address, who=who, max_frame=max_frame, max_frames=max_frames,
                          security=security)
 
-    def link(self, address: str, options: dict | None, *, watch: bool = True) -> ZmqLink:
+    def link(self, address: str | Sequence[str], options: dict | None, *, watch: bool = True) -> ZmqLink:
         return ZmqLink(self.context, address, options, watch=watch)
 
     def wait(self, links: Sequence[ZmqLink], seconds: float) -> dict:
@@ -292,7 +320,7 @@ class Transport(Protocol):
     def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
                security: keys.ServerSecurity | None) -> Server: ...
 
-    def link(self, address: str, options: dict | None, *, watch: bool = True) -> Link: ...
+    def link(self, address: str | Sequence[str], options: dict | None, *, watch: bool = True) -> Link: ...
 
     def wait(self, links: Sequence[Link], seconds: float) -> dict: ...
 
@@ -316,11 +344,11 @@ class Exchange:
     resends: int = 0
 
 
-def exchange(transport: Transport, ex: Exchange, *, accept: Callable[[int, Received], bool],
+def exchange(transport: Transport, ex: Exchange, *, accept: Callable[[int, Received], bool | str],
              stop: threading.Event, sink: Callable[[int], Sink | None] = lambda i: None) -> None:
     """Send requests[i] to links[i] for every i, then wait until accept(i, reply) has said
     True for each. A reply accept() turns down (a stale answer to an earlier attempt) is
-    skipped. A link that breaks gets the request again at once (once per attempt); one
+    skipped; one it answers REDIRECT sends the request to the link's next copy. A link that breaks gets the request again at once (once per attempt); one
     silent for policy.attempt gets it again on a fresh connection; one silent for
     policy.give_up raises ShardUnavailable. A set stop raises Stopped."""
     pending = set(range(len(ex.links)))
@@ -337,7 +365,10 @@ def exchange(transport: Transport, ex: Exchange, *, accept: Callable[[int, Recei
         ready = transport.wait([ex.links[i] for i in pending], timeout)
         for i in list(pending):
             link = ex.links[i]
-            if link.readable(ready) and accept(i, _receive(link, sink(i))):
+            verdict = accept(i, _receive(link, sink(i))) if link.readable(ready) else False
+            if verdict == REDIRECT:
+                _resend(ex, i)
+            elif verdict:
                 pending.discard(i)  # a reply that beat a disconnect counts
             elif ex.policy.resend_on_disconnect and link.broke(ready) and i not in resent:
                 resent.add(i)

@@ -56,6 +56,7 @@ class Worker:
         self.stop_requested = stop or threading.Event()
         self.joined = threading.Event()
         self.steps = 0
+        self.acknowledged = [0] * group.layout.shards  # pushes each shard said it applied
         self._counted = (0, 0, 0)
         self._non_finite = 0  # pushes in a row behind a non-finite loss
 
@@ -146,13 +147,15 @@ class Worker:
         self._count_traffic()
         if self._step_grad is not None:
             self.accumulated[...] = 0
-        if any(r.done for r in replies):
-            return True
-        for pulled, reply in zip(self.pulled_steps, replies):
+        for shard, (pulled, reply) in enumerate(zip(self.pulled_steps, replies)):
             if reply.stale:
                 self.metrics.stale.inc()
-            else:
+            elif not reply.done:  # applied: a shard that finished answers DONE instead
+                self.acknowledged[shard] += 1
+                self.metrics.acknowledged.labels(shard=str(shard)).inc()
                 self.metrics.staleness.observe(max(0, reply.header.step - 1 - pulled))
+        if any(r.done for r in replies):
+            return True
         if fetch:
             self.pulled_steps = [r.header.step for r in replies]
         elif any(r.stale for r in replies):

@@ -13,7 +13,7 @@ Between a partition pod and the shards of its stage, and partition 0 and every s
 
 Between a partition pod and the rendezvous beside shard 0:
 
-    JOIN      "I am partition k, serving at this address; put me in a group", asked again
+    JOIN_GROUP  "I am partition k, serving at this address; put me in a group", asked again
               as a heartbeat while in one -> the group, or WAIT
 """
 
@@ -85,8 +85,8 @@ class ApplyHeld(protocol.Payload):
             raise errors.ProtocolError("loss is not a finite number")
 
 
-FORWARD = protocol.define(OpSpec(30, "FORWARD", request=Forward, reply=Backward, request_array=True,
+FORWARD = protocol.define(OpSpec(40, "FORWARD", request=Forward, reply=Backward, request_array=True,
                                  reply_array=True))
-HOLD = protocol.define(OpSpec(31, "HOLD", request=Held, request_array=True, command=True))
-APPLY_HELD = protocol.define(OpSpec(32, "APPLY_HELD", request=ApplyHeld, command=True))
-JOIN = protocol.define(OpSpec(33, "JOIN", request=protocol.JsonObject, reply=protocol.JsonObject))
+HOLD = protocol.define(OpSpec(41, "HOLD", request=Held, request_array=True, command=True))
+APPLY_HELD = protocol.define(OpSpec(42, "APPLY_HELD", request=ApplyHeld, command=True))
+JOIN_GROUP = protocol.define(OpSpec(43, "JOIN_GROUP", request=protocol.JsonObject, reply=protocol.JsonObject))

@@ -1,12 +1,12 @@
 """Beside shard 0: replica groups formed from anonymous partition pods.
 
 Each partition's pods come from their own Deployment, so no pod knows its group's other
-pods in advance. A pod asks JOIN with its partition and the address its stage serves on;
+pods in advance. A pod asks JOIN_GROUP with its partition and the address its stage serves on;
 once every partition has a pod waiting, the oldest waiting pod of each forms a group, and
-each is told its group's id and its neighbours' addresses. A member asks JOIN again with
+each is told its group's id and its neighbours' addresses. A member asks JOIN_GROUP again with
 its group's id at least every HEARTBEAT_SECONDS, as a heartbeat.
 
-A group dissolves when one of its members asks JOIN without the group (its step failed:
+A group dissolves when one of its members asks JOIN_GROUP without the group (its step failed:
 a neighbour died or refused), or stays silent for GROUP_LEASE_SECONDS (it died where no
 neighbour could notice). The others hear so at their next heartbeat, and wait again.
 Group ids are random, so a pod of a group from before a restart of shard 0 cannot pass
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from distbelief.runtime import errors, keys, protocol, transport
-from distbelief.runtime.pipeline.ops import JOIN
+from distbelief.runtime.pipeline.ops import JOIN_GROUP
 from distbelief.runtime.protocol import Header, Status
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Groups:
         self._rng = rng or random.Random()
 
     def join(self, address: str, partition: int, group: int, now: float) -> dict[str, Any] | None:
-        """A pod's JOIN: its group's view, or None while it waits."""
+        """A pod's JOIN_GROUP: its group's view, or None while it waits."""
         self.expire(now)
         current = self.member_of.get(address)
         if current is not None and (current.id == group or (group == 0 and not current.told[partition])):
@@ -114,7 +114,7 @@ class Groups:
 
 
 class Rendezvous:
-    """The JOIN server beside shard 0 (a thread), on the coordinator port."""
+    """The JOIN_GROUP server beside shard 0 (a thread), on the coordinator port."""
 
     def __init__(self, bind: str, partitions: int, layout: int, *, security: keys.ServerSecurity | None,
                  finished: Callable[[], bool], transport_: transport.Transport | None = None) -> None:
@@ -153,8 +153,8 @@ class Rendezvous:
             if incoming is None or not incoming.frames:
                 raise errors.ProtocolError("an empty message or one with too many frames")
             request = protocol.parse_request(incoming.frames)
-            if request.spec is not JOIN or request.header.layout != self.layout:
-                raise errors.ProtocolError("expected a JOIN for this job's layout")
+            if request.spec is not JOIN_GROUP or request.header.layout != self.layout:
+                raise errors.ProtocolError("expected a JOIN_GROUP for this job's layout")
             address, partition, group = self._fields(request.meta.value)
         except errors.ProtocolError as exc:
             log.warning("event=rejected role=rendezvous reason=%r", str(exc))
@@ -168,11 +168,11 @@ class Rendezvous:
     def _fields(self, value: dict) -> tuple[str, int, int]:
         address, partition, group = value.get("address"), value.get("partition"), value.get("group", 0)
         if not isinstance(address, str) or not 0 < len(address) <= MAX_ADDRESS:
-            raise errors.ProtocolError(f"JOIN needs an address of 1..{MAX_ADDRESS} characters")
+            raise errors.ProtocolError(f"JOIN_GROUP needs an address of 1..{MAX_ADDRESS} characters")
         if not isinstance(partition, int) or not 0 <= partition < self.groups.partitions:
-            raise errors.ProtocolError(f"JOIN's partition must be within 0..{self.groups.partitions - 1}")
+            raise errors.ProtocolError(f"JOIN_GROUP's partition must be within 0..{self.groups.partitions - 1}")
         if not isinstance(group, int) or not 0 <= group < 2**63:
-            raise errors.ProtocolError("JOIN's group must be a group id or 0")
+            raise errors.ProtocolError("JOIN_GROUP's group must be a group id or 0")
         return address, partition, group
 
     def _reply(self, peer: bytes, header: Header, status: int, view: dict | None = None) -> None:
@@ -193,9 +193,9 @@ class RendezvousLink:
         self._seq = 0
 
     def ask(self, group: int = 0) -> tuple[int, dict | None]:
-        """One JOIN (with group: a heartbeat): (status, the group's view or None)."""
+        """One JOIN_GROUP (with group: a heartbeat): (status, the group's view or None)."""
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        header = Header(op=JOIN.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id)
+        header = Header(op=JOIN_GROUP.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id)
         request = protocol.JsonObject({"address": self.me, "partition": self.partition, "group": group})
         answers: list[tuple[int, dict | None]] = []
 

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Shard copies (spec.parameterServers.backups): what replication costs, and how fast a
+backup takes over.
+
+    python benchmarks/backups_bench.py [--runs 3] [--kills 5] [--json out.json]
+
+Figures, merged into --json under "backups" (each a median with min and max):
+
+  updates_per_s.{backups_0, backups_1}
+      Global updates per second of the compute-bound job of e2e_bench.py (784-512-512-10
+      MLP, batch 128, 2 shards, 2 replicas, every step) with 0 and 1 backup per shard:
+      the step rate between the chief's first evaluation after the warm-up and its last.
+      Runs alternate between the two settings. ratio_1_over_0 is the median of each pair.
+  failover_s
+      Seconds from a SIGKILL of shard 1's primary to the first push a replica is told
+      shard 1 applied after it (its backup, now primary, applied it): the digits example
+      with backups: 1, in local mode; --kills kills in one run, each once both copies of
+      shard 1 are in sync again. Polled every POLL_S.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(HERE), str(REPO / "operator"), str(REPO / "runtime")]
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from distbelief.operator import local, spec  # noqa: E402
+from distbelief.runtime import contract  # noqa: E402
+
+import e2e_bench  # noqa: E402
+from figures import interleaved, save, summarize  # noqa: E402
+
+POLL_S = 0.01
+PRIMARY = 2  # distbelief_copy_role
+WATCHED_SHARD = 1  # shard 0's first copy runs the chief; shard 1's kills leave it alone
+
+
+def updates_rate(backups: int) -> float:
+    workload = e2e_bench.WORKLOADS["compute_bound"]
+    job = e2e_bench.workload_job("compute_bound", workload)
+    job["spec"]["parameterServers"]["backups"] = backups
+    history = e2e_bench.run_job(job)[1]
+    warm = [h for h in history if h["elapsed"] >= workload.warmup_s]
+    first, last = warm[0], warm[-1]
+    return (last["step"] - first["step"]) / (last["time"] - first["time"])
+
+
+def metrics(pod: local.LocalPod) -> dict[tuple[str, str], float]:
+    """(name, shard label) -> value of a pod's samples; {} while it does not answer."""
+    try:
+        with urllib.request.urlopen(pod.metrics_url, timeout=1) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    return {(s.name, s.labels.get("shard", "")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def acknowledged(run: local.LocalRun) -> float:
+    name = contract.Metric.WORKER_PUSHES_ACKNOWLEDGED + "_total"
+    return sum(metrics(pod).get((name, str(WATCHED_SHARD)), 0.0) for pod in run.workers)
+
+
+def watched_copies(run: local.LocalRun) -> list[local.LocalPod]:
+    config = spec.job_config(run.job)
+    return [pod for pod in run.shards
+            if config.copy_of(contract.shard_index_from_pod_name(pod.name))[0] == WATCHED_SHARD]
+
+
+def primary_in_sync(copies: list[local.LocalPod]) -> local.LocalPod | None:
+    """The primary of the watched shard, once its backup is in sync with it."""
+    for pod in copies:
+        seen = metrics(pod)
+        if seen.get(("distbelief_copy_role", str(WATCHED_SHARD))) == PRIMARY and \
+                seen.get(("distbelief_copies_in_sync", str(WATCHED_SHARD))) == len(copies):
+            return pod
+    return None
+
+
+def one_failover(run: local.LocalRun) -> float:
+    copies = watched_copies(run)
+    while (primary := primary_in_sync(copies)) is None:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    before = acknowledged(run)
+    killed = time.monotonic()
+    primary.process.send_signal(signal.SIGKILL)
+    survivor = next(pod for pod in copies if pod is not primary)
+    while True:
+        promoted = metrics(survivor).get(("distbelief_copy_role", str(WATCHED_SHARD))) == PRIMARY
+        if promoted and acknowledged(run) > before:
+            return time.monotonic() - killed
+        time.sleep(POLL_S)
+
+
+def failover_times(kills: int) -> list[float]:
+    doc = copy.deepcopy(e2e_bench.example("digits-mlp.yaml"))
+    doc["spec"]["parameterServers"]["backups"] = 1
+    doc["spec"]["training"]["maxSteps"] = 10_000_000
+    doc["spec"]["runPolicy"]["backoffLimit"] = kills + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        run = local.LocalRun(spec.validate_job(doc), tmp)
+        thread = threading.Thread(target=lambda: run.run(progress=False), daemon=True)
+        thread.start()
+        try:
+            return [one_failover(run) for _ in range(kills)]
+        finally:
+            run.interrupt()
+            thread.join(timeout=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    failures: list[dict] = []
+    rates = interleaved(args.runs, {"backups_0": lambda run: updates_rate(0),
+                                    "backups_1": lambda run: updates_rate(1)}, failures, what="updates/s ")
+    ratios = [b / a for a, b in zip(rates["backups_0"], rates["backups_1"]) if a and b]
+    times = failover_times(args.kills)
+    results = {"backups": {
+        "updates_per_s": {name: summarize(values) for name, values in rates.items()},
+        "ratio_1_over_0": summarize(ratios),
+        "failover_s": summarize(times),
+        "definition": "compute_bound job of e2e_bench.py (2 shards, 2 replicas) with 0 and 1 backup per shard; "
+                      "failover: SIGKILL of shard 1's primary to the first push a replica is told shard 1 applied "
+                      "after it, digits example with backups: 1, local mode",
+        "failures": failures,
+    }}
+    print(json.dumps(results, indent=2))
+    save(results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,269 @@
+"""Copies of one shard on loopback (spec.parameterServers.backups): an update is acknowledged
+only once every copy applied it, a resend after a failover is applied once, and a copy that
+comes back catches up from the primary and rejoins as its backup."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import prometheus_client as prom
+import pytest
+
+from distbelief.runtime import dense, errors, protocol, replication, transport
+from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.copywatch import BACKUP, PRIMARY
+from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.layout import Layout
+from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.sparse import RowClient, SparseRows
+
+LAYOUT = Layout.of([("w", (6, 5)), ("b", (5,))], shards=1)
+INITIAL = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
+UPDATE = dense.Update(examples=4, loss=1.0).pack()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _until(condition: Callable[[], bool], what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+class Copies:
+    """Copies of shard 0 serving in threads, each at its fixed loopback address."""
+
+    def __init__(self, folder: Path, count: int = 2, attach: Callable[[Shard], None] = lambda shard: None) -> None:
+        self.folder, self.attach = folder, attach
+        self.addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(count)]
+        self.shards: list[Shard | None] = [None] * count
+        self.threads: list[threading.Thread | None] = [None] * count
+
+    def start(self, rank: int, *, folder: str | None = None) -> Shard:
+        settings = ShardSettings(shard=0, bind=self.addresses[rank], checkpoint_every=3600,
+                                 checkpoint_dir=folder or str(self.folder / f"copy-{rank}"))
+        shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
+        shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1))
+        self.attach(shard)
+        replication.Copies(shard, rank=rank, addresses=self.addresses, security=None)
+        shard.restore()
+        thread = threading.Thread(target=shard.serve, daemon=True)
+        thread.start()
+        assert shard.ready.wait(10)
+        self.shards[rank], self.threads[rank] = shard, thread
+        return shard
+
+    def kill(self, rank: int) -> None:
+        """End a copy's serving loop and wait until its port is free again."""
+        shard, thread = self.shards[rank], self.threads[rank]
+        assert shard is not None and thread is not None
+        shard.stop()
+        thread.join(timeout=10)
+        self.shards[rank] = None
+
+    def stop(self) -> None:
+        for rank, shard in enumerate(self.shards):
+            if shard is not None:
+                self.kill(rank)
+
+    def copy(self, rank: int) -> Shard:
+        shard = self.shards[rank]
+        assert shard is not None
+        return shard
+
+    def in_sync(self, primary: int, backups: int) -> bool:
+        shard = self.shards[primary]
+        return shard is not None and shard.copies.role == PRIMARY and len(shard.copies.chain) == backups
+
+    def group(self) -> ShardGroup:
+        return ShardGroup([self.addresses], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=30.0))
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    copies = Copies(tmp_path)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    yield copies
+    copies.stop()
+
+
+def _params(shard: Shard) -> np.ndarray:
+    return shard.plugin(DenseSlice).params
+
+
+def _push(link: transport.Link, seq: int, grad: np.ndarray) -> Header:
+    """One push from a fixed peer (one routing id), sent on to the next copy on a refusal or
+    a silence, as a replica's link does; the header of the reply that took it."""
+    request = [Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=seq, worker=7, count=grad.size).pack(),
+               UPDATE, grad.tobytes()]
+    taken: list[Header] = []
+
+    def accept(_: int, received: transport.Received) -> bool | str:
+        header = protocol.unpack_header(received.header)
+        if header.seq != seq:
+            return False  # the answer to an earlier copy of an earlier push
+        if header.status == Status.ERROR and header.error == protocol.ErrorCode.NOT_PRIMARY:
+            return transport.REDIRECT
+        taken.append(header)
+        return True
+
+    policy = transport.RetryPolicy(attempt=1.0, give_up=30.0)
+    transport.exchange(transport.default(), transport.Exchange([link], [request], policy, ["shard 0"]),
+                       accept=accept, stop=threading.Event())
+    return taken[0]
+
+
+def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -> None:
+    primary, backup = pair.copy(0), pair.copy(1)
+    held, release = threading.Event(), threading.Event()
+    forwarded = backup.raw_ops[replication.REPLICATE.code]
+
+    def slow_backup(header: Header, incoming: transport.Incoming) -> list:
+        held.set()
+        release.wait(10)
+        return forwarded(header, incoming)
+
+    backup.raw_ops[replication.REPLICATE.code] = slow_backup
+    group = pair.group()
+    replies: list = []
+    pushing = threading.Thread(target=lambda: replies.append(
+        group.push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
+    pushing.start()
+    assert held.wait(10), "the primary did not forward the push"
+    assert primary.step == 1 and backup.step == 0
+    pushing.join(timeout=0.5)
+    assert not replies, "the push was acknowledged before the backup applied it"
+    release.set()
+    pushing.join(timeout=10)
+    assert [r.step for r in replies[0]] == [1]
+    assert backup.step == 1
+    np.testing.assert_array_equal(_params(backup), _params(primary))
+    for _ in range(5):  # and every later push: each acknowledged update is on both copies
+        group.push(np.full(LAYOUT.total, 0.5, np.float32), steps=[0], examples=4, loss=1.0)
+        assert backup.step == primary.step
+        np.testing.assert_array_equal(_params(backup), _params(primary))
+    group.close()
+
+
+def test_a_push_resent_to_the_new_primary_is_answered_but_not_applied_again(pair: Copies) -> None:
+    link = transport.default().link(pair.addresses, None)
+    grad = np.full(LAYOUT.total, 0.25, np.float32)
+    first = _push(link, seq=41, grad=grad)
+    assert first.step == 1
+    after_first = _params(pair.copy(1)).copy()
+    pair.kill(0)  # the reply was lost with the primary: the replica sends the push again
+    again = _push(link, seq=41, grad=grad)
+    backup = pair.copy(1)
+    assert backup.copies.role == PRIMARY and backup.copies.failovers == 1
+    assert again.step == 1 and backup.step == 1
+    np.testing.assert_array_equal(_params(backup), after_first)
+    assert _push(link, seq=42, grad=grad).step == 2  # a new push is applied
+    link.close()
+
+
+def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, tmp_path: Path) -> None:
+    link = transport.default().link(pair.addresses, None)
+    rng = np.random.default_rng(3)
+    for seq in range(1, 4):
+        _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
+    pair.kill(1)
+    for seq in range(4, 9):  # the primary drops its backup, which is gone, and goes on alone
+        _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
+    primary = pair.copy(0)
+    assert primary.step == 8 and primary.copies.chain == {}
+    returned = pair.start(1, folder=str(tmp_path / "empty"))  # a new node: nothing on disk
+    _until(lambda: pair.in_sync(0, 1), "the returned copy rejoins")
+    assert returned.copies.role == BACKUP and returned.step == 8
+    np.testing.assert_array_equal(_params(returned), _params(primary))
+    last = rng.standard_normal(LAYOUT.total).astype(np.float32)
+    assert _push(link, seq=9, grad=last).step == 9
+    np.testing.assert_array_equal(_params(returned), _params(primary))
+    after = _params(primary).copy()
+    pair.kill(0)  # the returned copy also knows what each peer sent last
+    assert _push(link, seq=9, grad=last).step == 9
+    assert returned.copies.role == PRIMARY and returned.step == 9
+    np.testing.assert_array_equal(_params(returned), after)
+    link.close()
+
+
+def test_a_copy_that_is_not_the_primary_refuses_clients(pair: Copies) -> None:
+    group = ShardGroup([pair.addresses[1]], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=5.0))
+    with pytest.raises(errors.ShardUnavailable):  # refused every time, then given up
+        group.pull(np.empty(LAYOUT.total, np.float32))
+    assert pair.copy(1).copies.role == BACKUP  # its primary answers: no takeover
+    group.close()
+
+
+def test_copies_starting_together_elect_the_one_with_the_newest_state(tmp_path: Path) -> None:
+    copies = Copies(tmp_path)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads")
+    group = copies.group()
+    for _ in range(3):
+        group.push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
+    group.close()
+    copies.kill(0)
+    copies.kill(1)  # both checkpoint at step 3; now copy 0 loses its checkpoints
+    for path in (tmp_path / "copy-0").iterdir():
+        path.unlink()
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(1, 1), "copy 1, which has step 3, leads")
+    assert copies.copy(0).step == 3
+    copies.stop()
+
+
+def test_sparse_rows_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> None:
+    """Replication is below the plugins: a sparse push reaches the backup as a dense one does."""
+    def rows(shard: Shard) -> None:
+        shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5))
+
+    copies = Copies(tmp_path, attach=rows)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    client = RowClient(copies.group(), dim=4)
+    keys = np.arange(0, 4000, 7, dtype=np.int64)
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+    table = {rank: copies.copy(rank).plugin(SparseRows).checkpoint_state()[0] for rank in (0, 1)}
+    assert table[0].keys() == table[1].keys()
+    for name in table[0]:
+        np.testing.assert_array_equal(table[0][name], table[1][name], err_msg=name)
+    before, _ = client.pull(keys)
+    copies.kill(0)
+    after, _ = client.pull(keys)  # from copy 1, now the primary
+    assert copies.copy(1).copies.role == PRIMARY
+    np.testing.assert_array_equal(after, before)
+    copies.stop()
+
+
+
+def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies) -> None:
+    backup = pair.copy(1)
+    link = transport.default().link(pair.addresses[1], None)
+    head = Header(op=replication.REPLICATE.code, shard=0, layout=LAYOUT.hash, seq=1).pack()
+    push = Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=1, count=LAYOUT.total).pack()
+    for envelope in (b"not json", b'{"view": "2", "peer": "00"}', b'{"view": 2, "peer": "zz", "user": null}'):
+        link.send([head, envelope, push, UPDATE, np.ones(LAYOUT.total, np.float32).tobytes()])
+        assert transport.default().wait([link], 10), "no answer"
+        answer = protocol.unpack_header(link.receive().header)
+        assert answer.status == Status.ERROR and answer.error == protocol.ErrorCode.MALFORMED
+    assert backup.step == 0 and backup.copies.role == BACKUP
+    link.close()
