@@ -213,6 +213,8 @@ def test_a_secured_server_without_client_credentials_is_refused(tmp_path: Path, 
 
 
 class _Job:
+    plan = None  # not a partitioned model
+
     def __init__(self, **parameter_servers: object) -> None:
         self.spec = {"parameterServers": parameter_servers}
 
