@@ -150,7 +150,7 @@ def open_reply(session: Session, prefix: Frame, sealed: Sequence[Frame],
     for index, frame in enumerate(sealed[1:]):
         target = sink(header, index) if sink is not None else None
         exact = target is not None and target.nbytes == len(frame) - TAG_BYTES
-        into = memoryview(target.reshape(-1).view(np.uint8)) if exact else None
+        into = memoryview(target).cast("B") if exact else None  # an array not in one piece: TypeError
         plain = session.open(TO_CLIENT, prefix, counter, index + 1, count, frame, into=into)
         if target is None:
             frames.append(memoryview(plain))
