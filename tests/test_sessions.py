@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from distbelief.runtime import dense, errors, keys, sessions
+from distbelief.runtime import dense, errors, keys, sessions, transport
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import Header
@@ -255,3 +255,17 @@ def test_a_link_asks_for_a_fresh_key_once_a_session_has_carried_its_share(
         np.testing.assert_array_equal(out, INITIAL)
     finally:
         group.close()
+
+
+def test_a_bulk_port_in_use_is_one_clear_error(job_keys: keys.JobKeys) -> None:
+    context = zmq.Context()  # its own ZAP handler, started and stopped here
+    taken = context.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(errors.ConfigError, match=f"shard 0 cannot listen for bulk messages on .*:{port}"):
+            transport.ZmqTransport(context).server("tcp://127.0.0.1:*", who="shard 0", max_frame=1024,
+                                                   max_frames=3, security=job_keys.server_security(),
+                                                   bulk=f"tcp://127.0.0.1:{port}")
+    finally:
+        taken.close(linger=0)
+        context.term()
