@@ -12,6 +12,7 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.operator import spec
+from distbelief.runtime import keys
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
@@ -83,3 +84,14 @@ def two_shards(tmp_path: Path) -> Iterator[LiveShards]:
     live = start_shards(tmp_path, layout, initial, learning_rate=0.5, optimizer="adagrad", checkpoint_every=3600)
     yield live
     live.stop()
+
+
+@pytest.fixture
+def job_keys() -> keys.JobKeys:
+    return keys.JobKeys.generate()
+
+
+@pytest.fixture(params=[True, False], ids=["encrypted", "unencrypted"])
+def encrypted(request: pytest.FixtureRequest) -> bool:
+    """Both transports of a secured job: CurveZMQ, and PLAIN (spec.parameterServers.encryption false)."""
+    return request.param

@@ -61,6 +61,20 @@ def test_render_prints_the_children_as_yaml() -> None:
     assert operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ops"}
 
 
+def test_render_shows_a_worker_deployment_per_partition() -> None:
+    done = distbelief("render", str(EXAMPLES / "digits-partitioned.yaml"))
+    assert done.returncode == 0, done.stderr
+    docs = list(yaml.safe_load_all(done.stdout))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "StatefulSet", "Deployment", "Deployment",
+                                         "NetworkPolicy"]
+    for partition, deployment in enumerate(docs[3:5]):
+        assert deployment["metadata"]["name"] == f"digits-partitioned-worker-p{partition}"
+        assert deployment["spec"]["replicas"] == 3
+        env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["DISTBELIEF_PARTITION"] == str(partition)
+        assert env["DISTBELIEF_STAGE_ADDRESS"] == "tcp://$(POD_IP):7172"
+
+
 def test_a_missing_config_file_is_one_clear_line(tmp_path: Path) -> None:
     done = distbelief("ps", "--config", str(tmp_path / "nope.json"), "--shard", "0")
     assert done.returncode == 2

@@ -214,7 +214,8 @@ def expected(frames: list[bytes]) -> tuple[str, np.ndarray | None]:
     if len(head) != HEADER.size:
         return DROP, None
     magic, version, op, status, error, shard, _, _, layout, _, count = HEADER.unpack(head)
-    if magic != b"DB" or version != VERSION or op not in protocol.OPS or status not in (0, 1, 2, 3) or error > 6:
+    if magic != b"DB" or version != VERSION or op not in protocol.OPS or status not in (0, 1, 2, 3) \
+            or error > max(protocol.ErrorCode):
         return DROP, None
     if shard != 0 or layout != LAYOUT.hash or op not in (HELLO, PULL, PUSH, PUSH_PULL, STATS, DONE):
         return ERROR, None  # Sandblaster's ops are not a Downpour shard's

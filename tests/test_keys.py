@@ -108,16 +108,6 @@ def test_a_replica_copy_cannot_act_as_the_chief(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def job_keys() -> keys.JobKeys:
-    return keys.JobKeys.generate()
-
-
-@pytest.fixture(params=[True, False], ids=["encrypted", "unencrypted"])
-def encrypted(request: pytest.FixtureRequest) -> bool:
-    return request.param
-
-
-@pytest.fixture
 def secured_shards(tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool) -> Iterator[LiveShards]:
     layout = Layout.of([("w", (10, 7)), ("b", (7,))], shards=2)
     initial = np.arange(layout.total, dtype=np.float32) / 100
@@ -216,10 +206,9 @@ def test_a_secured_server_without_client_credentials_is_refused(tmp_path: Path, 
 
 
 class _Job:
-    plan = None  # not a partitioned model
-
     def __init__(self, **parameter_servers: object) -> None:
         self.spec = {"parameterServers": parameter_servers}
+        self.plan = None  # not partitioned
 
 
 def test_roles_without_keys_run_unauthenticated_and_say_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -85,6 +85,18 @@ def test_fetch_and_push_every_n_steps_still_converge(tmp_path: Path) -> None:
     assert code == 0 and summary["accuracy"] >= 0.95
 
 
+def test_the_partitioned_example_trains_with_a_pod_per_partition_of_each_replica(tmp_path: Path) -> None:
+    doc = load_example("digits-partitioned.yaml")
+    doc["spec"]["training"].update(maxSteps=4000, targetAccuracy=0.95)
+    code, summary = run_job(doc, tmp_path)
+    assert code == 0 and summary["accuracy"] >= 0.95, summary
+    workers = sorted(pod for pod in summary["restartsByPod"] if "-worker-" in pod)
+    assert workers == [f"digits-partitioned-worker-p{k}-{i}" for k in (0, 1) for i in range(3)]
+    for pod in workers:  # every pod computed its own stage in a group
+        partition = pod.split("-p")[-1].split("-")[0]
+        assert f"event=group_joined partition={partition} " in (tmp_path / "logs" / f"{pod}.log").read_text()
+
+
 def test_an_unencrypted_job_trains_with_its_keys_checked_and_says_so(tmp_path: Path) -> None:
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["parameterServers"]["encryption"] = False

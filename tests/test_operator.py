@@ -158,6 +158,11 @@ def phase_is(phase: str) -> Callable[[Any], bool]:
     return lambda job: job is not None and (job.get("status") or {}).get("phase") == phase
 
 
+def condition_holds(kind: str) -> Callable[[Any], bool]:
+    return lambda job: any(c["type"] == kind and c["status"] == "True"
+                           for c in ((job or {}).get("status") or {}).get("conditions", []))
+
+
 def kubelet_ready(kube: KubeEmulator, job: str, shards: int, workers: int) -> None:
     kube.patch_status("apps/v1/statefulsets", f"{job}-ps", {"replicas": shards, "readyReplicas": shards})
     kube.patch_status("apps/v1/deployments", f"{job}-worker", {"replicas": workers, "readyReplicas": workers})
@@ -325,15 +330,48 @@ def test_spec_updates_roll_out_and_a_reshard_is_refused(cluster: tuple[KubeEmula
     wait(kube, "apps/v1/deployments", "update-worker", image_is)
     patch_job(kube, "update", {"spec": {"parameterServers": {"shards": 3}}})
 
-    def locked(job: Any) -> bool:
-        return any(c["type"] == "ShardCountLocked" and c["status"] == "True"
-                   for c in (job.get("status") or {}).get("conditions", []))
-
-    job = wait(kube, JOBS, "update", locked)
+    job = wait(kube, JOBS, "update", condition_holds("ShardCountLocked"))
     message = next(c["message"] for c in job["status"]["conditions"] if c["type"] == "ShardCountLocked")
     assert "from 2 to 3" in message
     assert kube.get("apps/v1/statefulsets", "update-ps")["spec"]["replicas"] == 2
     assert any(e["reason"] == "ShardCountLocked" and e["type"] == "Warning" for e in events_of(kube, "update"))
+
+
+def test_a_partitioned_job_scales_every_partition_and_keeps_its_partition_count(
+        cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:
+    kube, _, _ = cluster
+    doc = copy.deepcopy(load_example("digits-partitioned.yaml"))
+    doc["metadata"]["name"] = "parts"
+    apply(kube, doc)
+    partitions = ["parts-worker-p0", "parts-worker-p1"]
+    for name in partitions:
+        deployment = wait(kube, "apps/v1/deployments", name)
+        assert deployment["spec"]["replicas"] == 3
+        assert deployment["spec"]["selector"]["matchLabels"]["distbelief.io/partition"] == name[-1]
+    assert kube.get("apps/v1/deployments", "parts-worker") is None
+    assert wait(kube, JOBS, "parts", lambda j: j and "distbelief.io/partitions" in j["metadata"].get(
+        "annotations", {}))["metadata"]["annotations"]["distbelief.io/partitions"] == "2"
+    # A replica is one pod of each partition: the status counts the partition with the fewest.
+    kube.patch_status("apps/v1/statefulsets", "parts-ps", {"replicas": 2, "readyReplicas": 2})
+    kube.patch_status("apps/v1/deployments", "parts-worker-p0", {"replicas": 3, "readyReplicas": 3})
+    kube.patch_status("apps/v1/deployments", "parts-worker-p1", {"replicas": 3, "readyReplicas": 1})
+    job = wait(kube, JOBS, "parts", phase_is("Running"))
+    assert job["status"]["workers"] == {"replicas": 3, "ready": 1}
+    if HAVE_KUBECTL:
+        done = user(kube, "scale", "dbj/parts", "--replicas=5")
+        assert done.returncode == 0, done.stderr
+    else:
+        kube.patch(JOBS, "parts", {"spec": {"replicas": 5}}, subresource="scale")
+    for name in partitions:
+        wait(kube, "apps/v1/deployments", name, lambda d: d and d["spec"]["replicas"] == 5)
+    patch_job(kube, "parts", {"spec": {"model": {"partitions": 1}}})
+
+    job = wait(kube, JOBS, "parts", condition_holds("PartitionCountLocked"))
+    message = next(c["message"] for c in job["status"]["conditions"] if c["type"] == "PartitionCountLocked")
+    assert message.startswith("spec.model.partitions changed from 2 to 1: repartitioning a job is not supported")
+    assert "PartitionCountLocked" in event_reasons(kube, "parts", {"PartitionCountLocked"})
+    assert kube.get("apps/v1/deployments", "parts-worker") is None
+    assert all(kube.get("apps/v1/deployments", name)["spec"]["replicas"] == 5 for name in partitions)
 
 
 def test_suspend_scales_to_zero_and_resume_comes_back(cluster: tuple[KubeEmulator, Chiefs, Operator]) -> None:

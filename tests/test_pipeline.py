@@ -13,7 +13,7 @@ import prometheus_client as prom
 import pytest
 
 from conftest import LiveShards, start_shards
-from distbelief.runtime import data, errors, protocol, transport
+from distbelief.runtime import contract, data, errors, protocol, roles, transport
 from distbelief.runtime.chief import WholeModel
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
@@ -253,6 +253,7 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
             worker.run()
         except errors.Stopped:  # stopped while waiting for the reply to its last push
             pass
+        wait_for(lambda: [s.step for s in whole.shards] == [steps, steps])  # that push reached both
         expected = np.concatenate([whole.params(i) for i in range(2)])
     finally:
         whole.stop()
@@ -261,7 +262,7 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
     threads = [run_in_thread(p) for p in pods]
     for t in threads:
         t.join(timeout=120)
-    assert c.steps() == [steps, steps]
+    wait_for(lambda: c.steps() == [steps, steps])  # the last step's APPLY_HELD reached both shards
     np.testing.assert_allclose(c.params(), expected, rtol=1e-3, atol=1e-5)
     accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)[1]
     assert abs(accuracy - evaluate(c.model, expected, c.dataset.x_test, c.dataset.y_test)[1]) <= 0.01
@@ -290,3 +291,34 @@ def test_the_chief_scores_a_partitioned_model_stage_by_stage_as_the_whole(tmp_pa
             np.testing.assert_array_equal(a[name], b[name])
     staged.close()
     whole.close()
+
+
+def partitioned_job(partitions: int = 2):
+    config = contract.JobConfig(name="p", namespace="default", spec={
+        "model": {"type": "mlp", "hiddenLayers": [32, 16], "partitions": partitions},
+        "data": {"source": "builtin:digits", "testFraction": 0.2},
+        "parameterServers": {"shards": 2, "port": 7070}})
+    return roles.Job(config)
+
+
+def test_a_partition_pod_reads_its_partition_and_stage_address_from_its_environment() -> None:
+    job = partitioned_job()
+    env = {contract.ENV_PARTITION: "1", contract.ENV_STAGE_ADDRESS: "tcp://10.0.0.7:7172"}
+    stage = roles.stage_access(job, roles.Access(), "0.0.0.0", env)
+    assert (stage.partition, stage.bind, stage.address) == (1, "tcp://0.0.0.0:7172", "tcp://10.0.0.7:7172")
+    assert job.stage_shards(0) == [0] and job.stage_shards(1) == [1]
+    first = roles.stage_access(job, roles.Access(), "0.0.0.0", {contract.ENV_PARTITION: "0"})
+    assert first.partition == 0 and first.bind is None
+
+
+@pytest.mark.parametrize("env,problem", [({}, "DISTBELIEF_PARTITION=''"),
+                                         ({contract.ENV_PARTITION: "2"}, "0..1"),
+                                         ({contract.ENV_PARTITION: "1"}, "DISTBELIEF_STAGE_ADDRESS")])
+def test_a_partition_pod_without_a_usable_environment_stops_with_a_config_error(env, problem) -> None:
+    with pytest.raises(errors.ConfigError, match=problem):
+        roles.stage_access(partitioned_job(), roles.Access(), "0.0.0.0", env)
+
+
+def test_a_job_with_fewer_shards_than_partitions_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="at least spec.model.partitions"):
+        partitioned_job(partitions=3)

@@ -504,3 +504,121 @@ def test_a_data_volume_is_validated(data: dict, fragment: str) -> None:
     with pytest.raises(spec.SpecError) as caught:
         spec.validate_job(doc)
     assert [line for line in caught.value.errors if fragment in line], caught.value.errors
+
+
+# ------------------------------------------------------------- partitioned replicas
+
+
+def partitioned(variant: str = "as-is", **spec_changes: Any) -> dict[str, Any]:
+    doc = example("digits-partitioned.yaml")
+    VARIANTS[variant](doc)
+    doc["spec"]["workers"].update(spec_changes)
+    return spec.validate_job(doc)
+
+
+def workers_of(job: dict[str, Any], **options: Any) -> list[dict[str, Any]]:
+    return [o for o in render.render_children(job, image=IMAGE, **options) if o["kind"] == "Deployment"]
+
+
+def env_of(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c["env"]
+
+
+def test_a_partitioned_job_has_one_worker_deployment_per_partition_with_every_replica() -> None:
+    job = partitioned(variant="stored")
+    objs = render.render_children(job, image=IMAGE)
+    names = contract.JobNames("digits-partitioned")
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "StatefulSet", "Deployment", "Deployment",
+                                         "NetworkPolicy"]
+    workers = [o for o in objs if o["kind"] == "Deployment"]
+    assert [w["metadata"]["name"] for w in workers] == [names.worker_partition(0), names.worker_partition(1)] \
+        == ["digits-partitioned-worker-p0", "digits-partitioned-worker-p1"]
+    assert render.worker_deployment_names(spec.job_config(job)) == [w["metadata"]["name"] for w in workers]
+    for k, worker in enumerate(workers):
+        assert worker["spec"]["replicas"] == job["spec"]["workers"]["replicas"] == 3
+        selector = worker["spec"]["selector"]["matchLabels"]
+        assert selector == {**contract.selector_labels("digits-partitioned", contract.ROLE_WORKER),
+                            podparts.PARTITION_LABEL: str(k)}
+        assert selector.items() <= worker["spec"]["template"]["metadata"]["labels"].items()
+        assert worker["metadata"]["labels"][podparts.PARTITION_LABEL] == str(k)
+        assert worker["metadata"]["ownerReferences"][0]["uid"] == "6f1c-uid"
+        kubernetes_validate.validate(worker, K8S_VERSION, strict=True)
+    # The selectors do not overlap: no pod of one partition matches the other's Deployment.
+    p0, p1 = (w["spec"]["template"]["metadata"]["labels"] for w in workers)
+    assert not workers[1]["spec"]["selector"]["matchLabels"].items() <= p0.items()
+    assert not workers[0]["spec"]["selector"]["matchLabels"].items() <= p1.items()
+    # The scale subresource's selector (status.selector) still takes every partition's pods.
+    assert all(contract.selector_labels("digits-partitioned", contract.ROLE_WORKER).items() <= labels.items()
+               for labels in (p0, p1))
+
+
+def test_each_partition_s_pods_know_their_partition_and_where_their_stage_serves() -> None:
+    for k, worker in enumerate(workers_of(partitioned())):
+        env = env_of(worker)
+        names = [e["name"] for e in env]
+        by_name = {e["name"]: e for e in env}
+        assert by_name[contract.ENV_PARTITION] == {"name": contract.ENV_PARTITION, "value": str(k)}
+        assert by_name[contract.ENV_POD_IP]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert by_name[contract.ENV_STAGE_ADDRESS]["value"] == f"tcp://$(POD_IP):{contract.STAGE_PORT}"
+        # Kubernetes expands $(POD_IP) only from variables defined before it.
+        assert names.index(contract.ENV_POD_IP) < names.index(contract.ENV_STAGE_ADDRESS)
+        (c,) = worker["spec"]["template"]["spec"]["containers"]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+            contract.METRICS_PORT_NAME: contract.METRICS_PORT, contract.STAGE_PORT_NAME: contract.STAGE_PORT}
+        assert c["args"] == ["--config", contract.CONFIG_PATH, "--keys-dir", contract.KEYS_DIR]
+
+
+def test_an_unpartitioned_job_s_replicas_get_no_partition_stage_or_label() -> None:
+    (worker,) = workers_of(job_of())
+    assert worker["metadata"]["name"] == "digits-worker"
+    assert not {contract.ENV_PARTITION, contract.ENV_POD_IP, contract.ENV_STAGE_ADDRESS} & \
+        {e["name"] for e in env_of(worker)}
+    assert podparts.PARTITION_LABEL not in worker["spec"]["template"]["metadata"]["labels"]
+    assert render.worker_deployment_names(spec.job_config(job_of())) == ["digits-worker"]
+
+
+def test_partitioned_workers_mount_the_stage_keys_and_others_do_not() -> None:
+    def items(worker: dict[str, Any]) -> list[str]:
+        volume = {v["name"]: v for v in worker["spec"]["template"]["spec"]["volumes"]}[contract.KEYS_VOLUME]
+        return [i["key"] for i in volume["secret"]["items"]]
+
+    for worker in workers_of(partitioned()):
+        assert items(worker) == [*keys.CLIENT_FILES, keys.STAGE_PUBLIC, keys.STAGE_SECRET]
+        assert keys.SERVER_SECRET not in items(worker) and keys.CHIEF_SECRET not in items(worker)
+    (plain,) = workers_of(job_of())
+    assert items(plain) == list(keys.CLIENT_FILES)
+
+
+def test_every_partition_follows_scaling_suspending_and_the_end_of_the_job() -> None:
+    assert [w["spec"]["replicas"] for w in workers_of(partitioned(replicas=5))] == [5, 5]
+    assert [w["spec"]["replicas"] for w in workers_of(partitioned("suspended"))] == [0, 0]
+    assert [w["spec"]["replicas"] for w in workers_of(partitioned(), finished=True)] == [0, 0]
+    hpa = children(partitioned("autoscaled"))["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "digits-partitioned"  # the job: all partitions at once
+    hashes = {w["spec"]["template"]["metadata"]["annotations"][podparts.CONFIG_HASH_ANNOTATION]
+              for w in workers_of(partitioned())}
+    assert len(hashes) == 1
+
+
+def test_a_partitioned_job_s_rendezvous_and_stages_admit_only_its_replica_pods() -> None:
+    job = partitioned()
+    objs = render.render_children(job, image=IMAGE, operator_namespace="ops")
+    service = next(o for o in objs if o["kind"] == "Service")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}[contract.COORDINATOR_PORT_NAME] == \
+        contract.COORDINATOR_PORT
+    policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    job_rule, operator_rule, stage_rule = policy["spec"]["ingress"]
+    assert job_rule["ports"] == [{"protocol": "TCP", "port": job["spec"]["parameterServers"]["port"]},
+                                 {"protocol": "TCP", "port": contract.BULK_PORT}]
+    assert operator_rule["ports"] == [{"protocol": "TCP", "port": contract.METRICS_PORT}]
+    (peers,) = stage_rule["from"]
+    assert peers == {"podSelector": {"matchLabels": contract.selector_labels("digits-partitioned",
+                                                                             contract.ROLE_WORKER)}}
+    assert stage_rule["ports"] == [{"protocol": "TCP", "port": contract.COORDINATOR_PORT},
+                                   {"protocol": "TCP", "port": contract.STAGE_PORT}]
+    admitted = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    opened = {p["containerPort"] for o in objs if o["kind"] in ("StatefulSet", "Deployment")
+              for c in o["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    assert opened == admitted

@@ -32,16 +32,6 @@ LAYOUT = Layout.of([("w", (6, 4))], shards=2)
 TIMEOUTS = Timeouts(request=2.0, unavailable=5.0)
 
 
-@pytest.fixture(params=[True, False], ids=["curve", "plain"])
-def encrypted(request: pytest.FixtureRequest) -> bool:
-    return request.param
-
-
-@pytest.fixture
-def job_keys() -> keys.JobKeys:
-    return keys.JobKeys.generate()
-
-
 @pytest.fixture
 def shards(tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool) -> Iterator[LiveShards]:
     live = start_shards(tmp_path, LAYOUT, np.zeros(LAYOUT.total, np.float32), learning_rate=0.5,

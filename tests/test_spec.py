@@ -102,6 +102,18 @@ def test_good_fixture_validates() -> None:
     spec.validate_job(good())
 
 
+def test_partitions_are_unset_unless_written_and_read_as_one() -> None:
+    """No schema default: an unpartitioned job's resolved config, and so its config hash,
+    stays as it was before the field existed."""
+    job = spec.validate_job(good())
+    assert "partitions" not in job["spec"]["model"]
+    assert spec.job_config(job).partitions == 1
+    doc = good()
+    put(doc, "spec.model.partitions", 3)   # 3 layers (32, 16, output), 3 shards
+    put(doc, "spec.parameterServers.shards", 3)
+    assert spec.job_config(spec.validate_job(doc)).partitions == 3
+
+
 def test_minimal_manifest_gets_the_crd_defaults() -> None:
     job = spec.validate_job(MINIMAL)
     for path in ("spec.training.batchSize", "spec.training.algorithm",
@@ -250,6 +262,15 @@ def _del(path: str) -> Callable[[dict[str, Any]], None]:
     return lambda doc: drop(doc, path)
 
 
+def _partitioned(partitions: int, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    """spec.model.partitions set, and other fields (dotted paths, "_" for ".") with it."""
+    def mutate(doc: dict[str, Any]) -> None:
+        put(doc, "spec.model.partitions", partitions)
+        for path, value in fields.items():
+            put(doc, path.replace("_", "."), value)
+    return mutate
+
+
 BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("batch-too-big", _set("spec.training.batchSize", 100000), "spec.training.batchSize",
      "must be <= 65536 (got 100000)"),
@@ -337,6 +358,20 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "spec.workers.autoscaling.metrics", "at most 16 items"),
     ("shards-max", _set("spec.parameterServers.shards", 257), "spec.parameterServers.shards",
      "<= 256"),
+    ("partitions-zero", _set("spec.model.partitions", 0), "spec.model.partitions", ">= 1"),
+    ("partitions-max", _set("spec.model.partitions", 17), "spec.model.partitions", "<= 16"),
+    ("partitions-sandblaster", _partitioned(2, spec_training_algorithm="sandblaster"), "spec.model.partitions",
+     "partitions > 1 is not supported with sandblaster (got 2); use spec.training.algorithm: downpour"),
+    ("partitions-softmax", _partitioned(2, spec_model_type="softmax"), "spec.model.partitions",
+     'needs spec.model.type mlp (got "softmax"'),
+    ("partitions-entrypoint", lambda d: d["spec"].update(model={"entrypoint": "pkg.mod:build", "partitions": 2}),
+     "spec.model.partitions", "needs a built-in mlp: a user model (spec.model.entrypoint) cannot be cut"),
+    ("partitions-embeddings", _partitioned(2, spec_model_embeddings={"dim": 4}), "spec.model.partitions",
+     "not available with spec.model.embeddings"),
+    ("partitions-layers", _partitioned(4, spec_parameterServers_shards=4), "spec.model.partitions",
+     "4 partitions need at least 4 layers, and the mlp has 3"),
+    ("partitions-shards", _partitioned(3), "spec.model.partitions",
+     "3 partitions need at least 3 parameter shards, each partition its own (spec.parameterServers.shards is 2)"),
     ("api-version", _set("apiVersion", "distbelief.io/v1"), "apiVersion",
      "must be distbelief.io/v1alpha1"),
     ("api-version-missing", _del("apiVersion"), "apiVersion", "required"),
@@ -402,7 +437,8 @@ SCHEMA_REFUSES = {
     "max-required", "entrypoint-pattern", "model-type-enum", "hidden-layer-minimum",
     "hidden-layers-max-items", "image-empty", "retention-enum", "storage-size",
     "quantity-pattern", "quantity-float", "training-not-object", "suspend-int",
-    "metrics-max-items", "shards-max", "status-phase", "sandblaster-unit-zero",
+    "metrics-max-items", "shards-max", "status-phase", "sandblaster-unit-zero", "partitions-zero",
+    "partitions-max",
 }
 
 

@@ -107,6 +107,14 @@ def test_suspended_and_shard_lock_conditions() -> None:
     assert condition(suspended, "ShardCountLocked")["message"] == "shards changed from 2 to 3"
 
 
+def test_a_refused_partition_count_change_is_a_condition_of_its_own() -> None:
+    status = compute_status(job(), Observed(partition_lock_message="partitions changed from 2 to 3"), NOW)
+    locked = condition(status, "PartitionCountLocked")
+    assert (locked["status"], locked["reason"]) == ("True", "RepartitioningUnsupported")
+    assert locked["message"] == "partitions changed from 2 to 3"
+    assert "PartitionCountLocked" not in {c["type"] for c in compute_status(job(), Observed(), NOW)["conditions"]}
+
+
 def test_transition_times_move_only_when_a_condition_changes() -> None:
     running = compute_status(job(), Observed(shards_ready=2, workers_ready=1, children_created=True), NOW)
     again = compute_status(job(**running), Observed(shards_ready=2, workers_ready=2, children_created=True), LATER)

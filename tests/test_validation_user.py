@@ -126,6 +126,15 @@ def test_a_sandblaster_shard_counts_its_l_bfgs_history() -> None:
     assert f"each shard holds {4 + 2 * history} float32 arrays" in line
 
 
+def test_a_partitioned_replica_s_pods_are_sized_for_their_share_of_the_model() -> None:
+    job = spec.validate_job(load_example("digits-partitioned.yaml"))
+    job["spec"]["workers"]["resources"] = {"limits": {"memory": "1Mi"}}
+    (line,) = [w for w in sizing.memory_warnings(job["spec"], 1_000_000) if "workers" in w]
+    assert "at least 500,000 parameters (the model's 1,000,000 over 2 partitions)" in line and "(about 6 MiB)" in line
+    job["spec"]["workers"]["resources"] = {"limits": {"memory": "7Mi"}}  # enough for half, not for the whole
+    assert not [w for w in sizing.memory_warnings(job["spec"], 1_000_000) if "workers" in w]
+
+
 def test_run_and_predict_take_one_job_per_file(tmp_path: Path) -> None:
     path = tmp_path / "two.yaml"
     path.write_text(JOB_TEXT + "---\n" + JOB_TEXT.replace("name: digits", "name: digits-two"))

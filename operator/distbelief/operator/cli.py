@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--port", type=int, default=None, help="default: spec.parameterServers.port")
     ps.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
     ps.add_argument("--coordinator-port", type=int, default=contract.COORDINATOR_PORT,
-                    help="Sandblaster: where shard 0's coordinator takes replicas' requests")
+                    help="where shard 0 serves Sandblaster's coordinator, or a partitioned job's rendezvous")
     ps.add_argument("--bulk-port", type=int, default=contract.BULK_PORT,
                     help="encrypted jobs: where the AES-GCM sessions' messages come in")
     ps.add_argument("--listen", default="0.0.0.0", metavar="HOST", help="address to serve on")

@@ -7,14 +7,17 @@
                                                     delete the job when its TTL has passed
 
 The spec is the one source of truth: `kubectl scale` and the HPA both write
-spec.workers.replicas through the scale subresource, and reconcile() follows. The shard
-count is locked at creation (annotation distbelief.io/shards): a later change is refused
-with a condition, because moving parameters between shards is not supported.
+spec.workers.replicas through the scale subresource, and reconcile() follows, for every
+partition's Deployment alike. The shard and partition counts are locked at creation
+(annotations distbelief.io/shards and distbelief.io/partitions): a later change is
+refused with a condition, because moving parameters between shards is not supported and
+the parameters' placement on the shards follows the partitions.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import logging
 import os
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 
 RESOURCE = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 SHARDS_ANNOTATION = f"{contract.API_GROUP}/shards"
+PARTITIONS_ANNOTATION = f"{contract.API_GROUP}/partitions"
 # The uid of the keys Secret this operator created for the job: the job's record that the
 # Secret of that name is its own (the operator may create Secrets, never read them).
 KEYS_ANNOTATION = f"{contract.API_GROUP}/keys-secret-uid"
@@ -92,27 +96,53 @@ def _validated(body: Mapping[str, Any]) -> dict[str, Any]:
         raise kopf.PermanentError(f"invalid DistBeliefJob: {exc}") from exc
 
 
-def _locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """The job with its shard count as created, and the refusal message if the spec differs."""
-    locked = (job["metadata"].get("annotations") or {}).get(SHARDS_ANNOTATION)
-    wanted = int(job["spec"]["parameterServers"]["shards"])
-    if locked is None or int(locked) == wanted:
-        return job, None
-    job = copy.deepcopy(job)
-    job["spec"]["parameterServers"]["shards"] = int(locked)
-    return job, (f"spec.parameterServers.shards changed from {locked} to {wanted}: resharding a job is not "
-                 f"supported; the job keeps {locked} shards (set it back, or create a new job)")
+@dataclasses.dataclass(frozen=True)
+class Lock:
+    """A count fixed at the job's creation, kept in an annotation; a change is refused."""
+
+    condition: str       # the status condition and the Warning's reason while a change is refused
+    annotation: str
+    path: tuple[str, str]
+    refusal: str         # why the change cannot be followed
+
+    def wanted(self, job: Mapping[str, Any]) -> int:
+        return int(job["spec"][self.path[0]].get(self.path[1], 1))
+
+
+LOCKS = (
+    Lock("ShardCountLocked", SHARDS_ANNOTATION, ("parameterServers", "shards"), "resharding a job is not supported"),
+    Lock("PartitionCountLocked", PARTITIONS_ANNOTATION, ("model", "partitions"),
+         "repartitioning a job is not supported (the parameters' places on the shards follow the partitions)"),
+)
+
+
+def _locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The job with its shard and partition counts as created, and a refusal message by
+    condition for each count the spec changed."""
+    annotations = job["metadata"].get("annotations") or {}
+    refusals: dict[str, str] = {}
+    for lock in LOCKS:
+        locked, wanted = annotations.get(lock.annotation), lock.wanted(job)
+        if locked is None or int(locked) == wanted:
+            continue
+        job = copy.deepcopy(job)
+        job["spec"][lock.path[0]][lock.path[1]] = int(locked)
+        field = f"spec.{'.'.join(lock.path)}"
+        refusals[lock.condition] = (f"{field} changed from {locked} to {wanted}: {lock.refusal}; the job keeps "
+                                    f"{locked} {lock.path[1]} (set it back, or create a new job)")
+    return job, refusals
 
 
 @kopf.on.create(*RESOURCE)
 @kopf.on.resume(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
 def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None:
-    job, refusal = _locked_job(_validated(body))
-    if refusal:
-        kopf.warn(body, reason="ShardCountLocked", message=refusal)
-    elif SHARDS_ANNOTATION not in (body.metadata.annotations or {}):
-        patch.metadata.annotations[SHARDS_ANNOTATION] = str(job["spec"]["parameterServers"]["shards"])
+    job, refusals = _locked_job(_validated(body))
+    for lock in LOCKS:
+        if lock.condition in refusals:
+            kopf.warn(body, reason=lock.condition, message=refusals[lock.condition])
+        elif lock.annotation not in (body.metadata.annotations or {}):
+            patch.metadata.annotations[lock.annotation] = str(lock.wanted(job))
     parameters = sizing.parameter_count(job["spec"])
     for line in sizing.memory_warnings(job["spec"], parameters) if parameters else []:
         kopf.warn(body, reason="MemoryLimitLow", message=line)
@@ -178,10 +208,10 @@ def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool, new: b
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=min(1.0, STATUS_INTERVAL))
 def observe(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     kube = Kube()
-    job, refusal = _locked_job(_validated(body))
+    job, refusals = _locked_job(_validated(body))
     job["status"] = copy.deepcopy(dict(body.status or {}))
     now = datetime.datetime.now(datetime.timezone.utc)
-    status = compute_status(job, read_observed(kube, job, refusal), now)
+    status = compute_status(job, read_observed(kube, job, refusals), now)
     before = job["status"].get("phase")
     if status["phase"] in TERMINAL and before not in TERMINAL:
         _finish(kube, body, job, status)
@@ -197,22 +227,25 @@ def observe(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         patch.status.update(status)
 
 
-def read_observed(kube: Kube, job: Mapping[str, Any], refusal: str | None) -> Observed:
+def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str]) -> Observed:
     meta = job["metadata"]
     names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
     sts = kube.get("apps/v1", "StatefulSet", namespace, names.ps) or {}
-    deployment = kube.get("apps/v1", "Deployment", namespace, names.worker) or {}
+    deployments = [(kube.get("apps/v1", "Deployment", namespace, name) or {}).get("status") or {}
+                   for name in render.worker_deployment_names(job_spec.job_config(job))]
     pods = kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: meta["name"]})
     url = METRICS_URL.format(job=meta["name"], namespace=namespace, pod=names.shard_pod(0), service=names.ps,
                              port=contract.METRICS_PORT)
     return Observed(
         shards_ready=int((sts.get("status") or {}).get("readyReplicas", 0)),
-        workers=int((deployment.get("status") or {}).get("replicas", 0)),
-        workers_ready=int((deployment.get("status") or {}).get("readyReplicas", 0)),
+        # A replica is one pod of each partition: count the partition with the fewest.
+        workers=min(int(d.get("replicas", 0)) for d in deployments),
+        workers_ready=min(int(d.get("readyReplicas", 0)) for d in deployments),
         figures=scrape.read(url),
         **pod_failures(pods),
         children_created=bool(sts),
-        shard_lock_message=refusal,
+        shard_lock_message=refusals.get("ShardCountLocked"),
+        partition_lock_message=refusals.get("PartitionCountLocked"),
     )
 
 

@@ -2,7 +2,7 @@
 
 `distbelief run JOB.yaml` validates the job, renders exactly the children the operator
 would create, and then plays the kubelet's part: one local process per pod (one per
-shard of the StatefulSet, one per replica of the Deployment) running the container's
+shard of the StatefulSet, one per pod of each worker Deployment) running the container's
 command and environment, with loopback ports instead of cluster DNS, folders instead of
 volumes, and restart-on-crash with back-off. It shows live progress scraped from the
 chief's metrics, and leaves a report in the output folder:
@@ -29,13 +29,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from distbelief.operator import curves, outputdir, podusage, preflight, render, report, scrape, sizing, spec
 from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
 from distbelief.operator.status import CHIEF_ENDED, SUSPENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
-from distbelief.runtime.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +61,11 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
     checked = preflight.check(job)
     for line in sizing.memory_warnings(job["spec"], checked.parameters):
         sys.stderr.write(f"warning: {line}\n")
-    layout = Layout.of(checked.shapes, int(job["spec"]["parameterServers"]["shards"])).hash
     output = os.path.abspath(output or os.path.join("out", job["metadata"]["name"]))
     with outputdir.locked(output):
         if fresh:
             outputdir.clear(output)
-        found = outputdir.earlier(output, job, layout)
+        found = outputdir.earlier(output, job, checked.layout)
         announcement = found.announcement()
         if announcement:
             sys.stdout.write(announcement + "\n")
@@ -192,12 +190,19 @@ class LocalRun:
         invalid = next((pod for pod in self.pods if pod.poll() == contract.EXIT_INVALID_CONFIG), None)
         diverged = next((pod for pod in self.workers if pod.poll() == contract.EXIT_NON_FINITE_LOSS), None)
         return Observed(
-            shards_ready=sum(pod.running for pod in self.shards), workers=len(self.workers),
-            workers_ready=sum(pod.running for pod in self.workers), shard_restarts=restarts[worst.name],
+            shards_ready=sum(pod.running for pod in self.shards), workers=self._replicas(lambda pod: True),
+            workers_ready=self._replicas(lambda pod: pod.running), shard_restarts=restarts[worst.name],
             figures=figures, children_created=True,
             invalid_config=f"{invalid.name}: {invalid.last_error_line()}" if invalid else None,
             shard_failure=_shard_failure(worst) if crashed[worst.name] else None,
             non_finite_loss=f"{diverged.name}: {diverged.last_error_line()}" if diverged else None)
+
+    def _replicas(self, counted: Callable[[LocalPod], bool]) -> int:
+        """Model replicas whose pods all count: one pod of each partition's Deployment makes
+        one, so the Deployment with the fewest counted pods tells (as on a cluster)."""
+        workloads = {pod.workload for pod in self.workers}
+        return min((sum(counted(pod) for pod in self.workers if pod.workload == name) for name in workloads),
+                   default=0)
 
     def _ending(self, status: Mapping[str, Any]) -> tuple[str, str]:
         """(phase, reason) of a final status. The chief's own decision is let finish: the shards

@@ -1,7 +1,10 @@
-"""Local pods: the rendered StatefulSet's and Deployment's pods as processes on this machine.
+"""Local pods: the rendered StatefulSet's and Deployments' pods as processes on this machine.
 
 Each pod runs its container's command and environment, with loopback ports instead of
 cluster DNS and folders instead of volumes (ConfigMaps and Secrets written out as files).
+A partitioned job's worker pods serve their stages on a free loopback port each, and
+find the rendezvous beside shard 0 on its coordinator port, as Sandblaster's replicas
+find the coordinator.
 A pod gets SIGTERM when `distbelief run` dies, even by SIGKILL, so none outlives it. Its
 resources.limits.memory is held to as a cluster would (podusage.py).
 """
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "--metrics-port",
               contract.COORDINATOR_PORT_NAME: "--coordinator-port", contract.BULK_PORT_NAME: "--bulk-port"}
 SHARD_LINGER_SECONDS = 2.0
+LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -54,6 +58,7 @@ class LocalPod:
     env: dict[str, str]
     log_path: str
     ports: dict[str, int]
+    workload: str = ""   # the StatefulSet's or Deployment's name
     memory_limit: str | None = None   # the container's resources.limits.memory, as written
     process: subprocess.Popen | None = None
     restarts: int = 0
@@ -67,7 +72,7 @@ class LocalPod:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports[contract.METRICS_PORT_NAME]}/metrics"
+        return f"http://{LOOPBACK}:{self.ports[contract.METRICS_PORT_NAME]}/metrics"
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -178,25 +183,26 @@ class LocalNode:
 
 
 def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[LocalPod], list[LocalPod]]:
-    """The local pods of the rendered StatefulSet and Deployment, shards first."""
-    by_kind = {obj["kind"]: obj for obj in objects}
-    sts, deployment = by_kind["StatefulSet"], by_kind["Deployment"]
+    """The local pods of the rendered StatefulSet and Deployments (one per partition of a
+    partitioned job), shards first."""
+    sts = next(obj for obj in objects if obj["kind"] == "StatefulSet")
+    deployments = [obj for obj in objects if obj["kind"] == "Deployment"]
     shard_names = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
     shard_ports = {name: _free_ports(_container(sts)) for name in shard_names}
-    addresses = ",".join(f"tcp://127.0.0.1:{shard_ports[n][contract.SHARD_PORT_NAME]}" for n in shard_names)
+    addresses = ",".join(f"tcp://{LOOPBACK}:{shard_ports[n][contract.SHARD_PORT_NAME]}" for n in shard_names)
     env = {contract.ENV_PS_ADDRESSES: addresses}
     coordinator_port = shard_ports[shard_names[0]].get(contract.COORDINATOR_PORT_NAME) if shard_names else None
     if coordinator_port:
-        env[contract.ENV_COORDINATOR_ADDRESS] = f"tcp://127.0.0.1:{coordinator_port}"
+        env[contract.ENV_COORDINATOR_ADDRESS] = f"tcp://{LOOPBACK}:{coordinator_port}"
     node = LocalNode(output=output, namespace=sts["metadata"]["namespace"],
                      sources={o["metadata"]["name"]: o for o in objects if o["kind"] in ("ConfigMap", "Secret")},
                      env=env)
-    loopback = ["--listen", "127.0.0.1"]
+    loopback = ["--listen", LOOPBACK]
     shards = [_pod(node, sts, name, shard_ports[name], [*loopback, "--linger", str(SHARD_LINGER_SECONDS)])
               for name in shard_names]
-    worker_base = deployment["metadata"]["name"]
-    workers = [_pod(node, deployment, f"{worker_base}-{i}", _free_ports(_container(deployment)), loopback)
-               for i in range(deployment["spec"]["replicas"])]
+    workers = [_pod(node, deployment, f"{deployment['metadata']['name']}-{i}", _free_ports(_container(deployment)),
+                    loopback)
+               for deployment in deployments for i in range(deployment["spec"]["replicas"])]
     return shards, workers
 
 
@@ -214,9 +220,12 @@ def _pod(node: LocalNode, workload: Mapping[str, Any], name: str, ports: dict[st
             args += [flag, str(ports[port_name])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **node.env,
            **_container_env(container, pod_name=name, namespace=node.namespace)}
+    if contract.STAGE_PORT_NAME in ports:  # every local pod shares the one loopback address
+        env[contract.ENV_STAGE_ADDRESS] = f"tcp://{LOOPBACK}:{ports[contract.STAGE_PORT_NAME]}"
     return LocalPod(name=name, role=workload["metadata"]["labels"][contract.LABEL_ROLE],
                     argv=_local_command(container["command"]) + args + extra_args, env=env,
                     log_path=os.path.join(node.output, "logs", f"{name}.log"), ports=ports,
+                    workload=workload["metadata"]["name"],
                     memory_limit=(container.get("resources") or {}).get("limits", {}).get("memory"))
 
 
@@ -228,7 +237,7 @@ def _local_command(command: list[str]) -> list[str]:
 
 
 def _container_env(container: Mapping[str, Any], *, pod_name: str, namespace: str) -> dict[str, str]:
-    fields = {"metadata.name": pod_name, "metadata.namespace": namespace}
+    fields = {"metadata.name": pod_name, "metadata.namespace": namespace, "status.podIP": LOOPBACK}
     env = {}
     for item in container.get("env", []):
         if "value" in item:
@@ -288,6 +297,6 @@ def _free_ports(container: Mapping[str, Any]) -> dict[str, int]:
     ports = {}
     for port in container.get("ports", []):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((LOOPBACK, 0))
             ports[port["name"]] = s.getsockname()[1]
     return ports

@@ -31,6 +31,9 @@ DATA_VOLUME = "data"
 # (0440, group 10001), which is what lets the non-root roles read them.
 KEYS_MODE = 0o400
 DEFAULT_CPU_UTILIZATION = 80
+# A partitioned job's worker pods carry their partition's number (0..N-1) under this label,
+# so that the partitions' Deployments select disjoint pods.
+PARTITION_LABEL = f"{contract.API_GROUP}/partition"
 
 
 def labels(job: str, component: str) -> dict[str, str]:
@@ -61,10 +64,11 @@ def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
     return meta
 
 
-def pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifest:
+def pod_template(ctx: RenderContext, role: str, container: Manifest,
+                 extra_labels: Mapping[str, str] | None = None) -> Manifest:
     return {
         "metadata": {
-            "labels": labels(ctx.config.name, role),
+            "labels": {**labels(ctx.config.name, role), **(extra_labels or {})},
             "annotations": {CONFIG_HASH_ANNOTATION: ctx.config_hash},
         },
         "spec": {
@@ -85,8 +89,9 @@ def pod_template(ctx: RenderContext, role: str, container: Manifest) -> Manifest
 
 def container(ctx: RenderContext, role: str, *, args: list[str],
                ports: list[dict[str, Any]], mounts: list[dict[str, Any]] | None = None,
-               ) -> Manifest:
-    """The one container of a role's pods: ``distbelief <role> --config ... <args>``."""
+               env: list[dict[str, Any]] | None = None) -> Manifest:
+    """The one container of a role's pods: ``distbelief <role> --config ... <args>``; env
+    comes after the common variables (and may refer to them as $(NAME))."""
     container: Manifest = {
         "name": role,
         "image": ctx.image,
@@ -95,7 +100,8 @@ def container(ctx: RenderContext, role: str, *, args: list[str],
         "env": [{"name": contract.ENV_POD_NAME,
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items()),
-                *_thread_env(ctx.spec[_ROLE_SPEC[role]].get("resources"))],
+                *_thread_env(ctx.spec[_ROLE_SPEC[role]].get("resources")),
+                *(env or [])],
         "ports": ports,
         "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
         "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
@@ -132,11 +138,13 @@ def _data_mount(ctx: RenderContext) -> list[dict[str, Any]]:
 
 def keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
     """The job's keys: all of them for the shards (shard 0's chief is a client too),
-    never the server's secret for a replica. Not optional: a pod waits for the Secret
+    never the server's secret for a replica; a partitioned job's replica pods also get the
+    stages' keypair (each serves its stage). Not optional: a pod waits for the Secret
     rather than run unauthenticated."""
     secret: dict[str, Any] = {"secretName": ctx.names.keys_secret, "defaultMode": KEYS_MODE}
     if role == contract.ROLE_WORKER:
-        secret["items"] = [{"key": name, "path": name} for name in keys.CLIENT_FILES]
+        files = keys.CLIENT_FILES + (keys.STAGE_FILES if ctx.config.partitions > 1 else ())
+        secret["items"] = [{"key": name, "path": name} for name in files]
     return {"name": contract.KEYS_VOLUME, "secret": secret}
 
 
@@ -195,15 +203,28 @@ def metrics_port() -> dict[str, Any]:
 
 def ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
     """The shard port and metrics; with encryption the bulk port; under Sandblaster also the
-    coordinator's (shard 0 serves it)."""
+    coordinator's, and in a partitioned job the rendezvous's on the same port (shard 0
+    serves either)."""
     ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port, "protocol": "TCP"},
              metrics_port()]
     if ctx.config.spec["parameterServers"].get("encryption", True):
         ports.append({"name": contract.BULK_PORT_NAME, "containerPort": contract.BULK_PORT, "protocol": "TCP"})
-    if ctx.config.sandblaster:
+    if ctx.config.sandblaster or ctx.config.partitions > 1:
         ports.append({"name": contract.COORDINATOR_PORT_NAME, "containerPort": contract.COORDINATOR_PORT,
                       "protocol": "TCP"})
     return ports
+
+
+def stage_port() -> dict[str, Any]:
+    return {"name": contract.STAGE_PORT_NAME, "containerPort": contract.STAGE_PORT, "protocol": "TCP"}
+
+
+def stage_env(partition: int) -> list[dict[str, Any]]:
+    """A partitioned job's worker pod: its partition, and where its stage serves, as its
+    group's other pods reach it (the kubelet expands $(POD_IP), defined just before)."""
+    return [{"name": contract.ENV_PARTITION, "value": str(partition)},
+            {"name": contract.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": contract.ENV_STAGE_ADDRESS, "value": f"tcp://$({contract.ENV_POD_IP}):{contract.STAGE_PORT}"}]
 
 
 def checkpoint_claim(ctx: RenderContext, storage: Mapping[str, Any]) -> Manifest:

@@ -24,18 +24,21 @@ class Checked:
     classes: int
     parameters: int
     shapes: list[tuple[str, tuple[int, ...]]]
+    layout: int   # the hash of the parameters' layout over the shards, as every role derives it
 
 
 def check(job: Mapping[str, Any]) -> Checked:
     """Load the job's data and build its model as every role will; raises ConfigError."""
-    from distbelief.runtime import data, models
+    from distbelief.operator.spec import job_config
+    from distbelief.runtime import data, models, roles
 
     spec = job["spec"]
     dataset = data.load(spec["data"])
     model = models.build_model(spec["model"], dataset.n_features, dataset.n_classes)
     checked = Checked(examples=len(dataset.x_train) + len(dataset.x_test), features=dataset.n_features,
                       classes=dataset.n_classes, parameters=models.num_params(model),
-                      shapes=[(name, tuple(shape)) for name, shape in model.shapes])
+                      shapes=[(name, tuple(shape)) for name, shape in model.shapes],
+                      layout=roles.model_layout(model, job_config(job))[1].hash)
     log.info("event=preflight_passed job=%s examples=%d features=%d classes=%d parameters=%d",
              job["metadata"]["name"], checked.examples, checked.features, checked.classes, checked.parameters)
     return checked

@@ -7,7 +7,9 @@ containers' commands, so there is exactly one renderer.
 
 Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless Service
 and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard), Deployment
-``<job>-worker`` (the model replicas) and, when the spec asks, a HorizontalPodAutoscaler
+``<job>-worker`` (the model replicas; with spec.model.partitions N > 1, one Deployment
+``<job>-worker-p<k>`` per partition instead, each with spec.workers.replicas pods, so
+that a replica is one pod of each) and, when the spec asks, a HorizontalPodAutoscaler
 ``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource, and,
 unless the spec turns it off, the NetworkPolicy ``<job>-ps`` around all the job's pods.
 
@@ -117,7 +119,7 @@ def render_children(job: Mapping[str, Any], *, image: str, finished: bool = Fals
         render_config_map(ctx),
         render_ps_service(ctx),
         render_ps_statefulset(ctx),
-        render_worker_deployment(ctx),
+        *render_worker_deployments(ctx),
     ]
     children += [c for c in (render_worker_hpa(ctx), render_ps_network_policy(ctx)) if c is not None]
     log.debug("rendered job=%s children=%d hash=%s", ctx.config.name, len(children),
@@ -218,22 +220,45 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
     }
 
 
-def render_worker_deployment(ctx: RenderContext) -> Manifest:
-    """The replicas; spec.workers.replicas is kept even under autoscaling (the HPA
-    scales the DistBeliefJob, whose scale subresource writes that field)."""
+def worker_deployment_names(config: contract.JobConfig) -> list[str]:
+    """The replicas' Deployments: <job>-worker, or <job>-worker-p<k> for each partition."""
+    if config.partitions == 1:
+        return [config.names.worker]
+    return [config.names.worker_partition(k) for k in range(config.partitions)]
+
+
+def render_worker_deployments(ctx: RenderContext) -> list[Manifest]:
+    if ctx.config.partitions == 1:
+        return [render_worker_deployment(ctx)]
+    return [render_worker_deployment(ctx, partition) for partition in range(ctx.config.partitions)]
+
+
+def render_worker_deployment(ctx: RenderContext, partition: int | None = None) -> Manifest:
+    """The replicas, or one partition's pods of every replica; spec.workers.replicas is kept
+    even under autoscaling (the HPA scales the DistBeliefJob, whose scale subresource writes
+    that field, and every partition follows it)."""
+    ports, env, extra = [podparts.metrics_port()], [], {}
+    name = ctx.names.worker
+    if partition is not None:
+        ports.append(podparts.stage_port())
+        env = podparts.stage_env(partition)
+        extra = {podparts.PARTITION_LABEL: str(partition)}
+        name = ctx.names.worker_partition(partition)
     container = podparts.container(ctx, contract.ROLE_WORKER, args=["--keys-dir", contract.KEYS_DIR],
-                           ports=[podparts.metrics_port()])
+                                   ports=ports, env=env)
+    metadata = podparts.metadata(ctx, name, contract.ROLE_WORKER)
+    metadata["labels"].update(extra)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": podparts.metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
+        "metadata": metadata,
         "spec": {
             "replicas": ctx.worker_replicas,
-            "selector": {"matchLabels": contract.selector_labels(ctx.config.name,
-                                                                 contract.ROLE_WORKER)},
+            "selector": {"matchLabels": {**contract.selector_labels(ctx.config.name, contract.ROLE_WORKER),
+                                         **extra}},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
-            "template": podparts.pod_template(ctx, contract.ROLE_WORKER, container),
+            "template": podparts.pod_template(ctx, contract.ROLE_WORKER, container, extra),
         },
     }
 
@@ -241,9 +266,11 @@ def render_worker_deployment(ctx: RenderContext) -> Manifest:
 def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
     """Unless the spec turns it off: every pod of the job (shards, chief, coordinator,
     replicas) admits its ZeroMQ ports only from the job's own pods in its namespace, and
-    its metrics port only from the operator's pods in the operator's namespace. Every
-    other port of those pods, and every other peer, is refused. (Named <job>-ps, as when
-    it covered the shards alone, so an upgrade replaces it rather than adds one.)"""
+    its metrics port only from the operator's pods in the operator's namespace; in a
+    partitioned job, the rendezvous's and the stages' ports only from the job's replica
+    pods. Every other port of those pods, and every other peer, is refused. (Named
+    <job>-ps, as when it covered the shards alone, so an upgrade replaces it rather than
+    adds one.)"""
     if not ctx.spec["parameterServers"].get("networkPolicy", True):
         return None
     job = {contract.LABEL_JOB: ctx.config.name}
@@ -260,11 +287,26 @@ def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": job}}],
                  "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in podparts.ps_ports(ctx)
-                           if p["name"] != contract.METRICS_PORT_NAME]},
+                           if p["name"] not in (contract.METRICS_PORT_NAME, *_replica_only_ports(ctx))]},
                 {"from": [operator], "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]},
+                *_stage_ingress(ctx),
             ],
         },
     }
+
+
+def _replica_only_ports(ctx: RenderContext) -> tuple[str, ...]:
+    """Ports only the replicas' pods reach: a partitioned job's rendezvous beside shard 0."""
+    return (contract.COORDINATOR_PORT_NAME,) if ctx.config.partitions > 1 else ()
+
+
+def _stage_ingress(ctx: RenderContext) -> list[dict[str, Any]]:
+    """A partitioned job's replica pods reach the rendezvous and each other's stages."""
+    if ctx.config.partitions == 1:
+        return []
+    replicas = {"podSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_WORKER)}}
+    return [{"from": [replicas], "ports": [{"protocol": "TCP", "port": contract.COORDINATOR_PORT},
+                                           {"protocol": "TCP", "port": contract.STAGE_PORT}]}]
 
 
 def render_worker_hpa(ctx: RenderContext) -> Manifest | None:

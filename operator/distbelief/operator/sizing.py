@@ -42,8 +42,7 @@ def memory_warnings(spec: Mapping[str, Any], parameters: int) -> list[str]:
         "parameterServers": (math.ceil(parameters / shards) * shard_arrays * FLOAT_BYTES,
                              f"each shard holds {shard_arrays} float32 arrays of its "
                              f"{math.ceil(parameters / shards):,} parameters"),
-        "workers": (parameters * 3 * FLOAT_BYTES,
-                    f"each replica holds 3 float32 arrays of the model's {parameters:,} parameters"),
+        "workers": _replica_pod_need(parameters, int(spec["model"].get("partitions", 1))),
     }
     lines = []
     for role, (need, why) in needs.items():
@@ -52,6 +51,17 @@ def memory_warnings(spec: Mapping[str, Any], parameters: int) -> list[str]:
             lines.append(f"spec.{role}.resources.limits.memory: {limit} is likely too small: {why} "
                          f"(about {_gib(need)}) before any overhead")
     return lines
+
+
+def _replica_pod_need(parameters: int, partitions: int) -> tuple[int, str]:
+    """Bytes a replica's pod needs at least, and why. A partitioned replica's pod holds its
+    stage's parameters only: the heaviest stage has at least the average share."""
+    if partitions == 1:
+        return parameters * 3 * FLOAT_BYTES, \
+            f"each replica holds 3 float32 arrays of the model's {parameters:,} parameters"
+    share = math.ceil(parameters / partitions)
+    return share * 3 * FLOAT_BYTES, (f"the pod of a replica's heaviest stage holds 3 float32 arrays of at least "
+                                     f"{share:,} parameters (the model's {parameters:,} over {partitions} partitions)")
 
 
 def _shard_arrays(training: Mapping[str, Any]) -> int:

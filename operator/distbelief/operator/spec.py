@@ -124,6 +124,7 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     _check_identity(job, problems)
     _check_metadata(job.get("metadata"), problems)
     _check_model(doc, problems)
+    _check_partitions(job, problems)
     _check_data(job, problems)
     _check_training(job, problems)
     _check_autoscaling(job, problems)
@@ -211,6 +212,34 @@ def _check_model(raw: Mapping[str, Any], problems: Problems) -> None:
             and _get(raw, "spec", "training", "algorithm") == "sandblaster":
         problems.add("spec.model.embeddings", "needs spec.training.algorithm: downpour (Sandblaster's "
                      "L-BFGS runs over the dense parameters only)")
+
+
+def _check_partitions(job: Mapping[str, Any], problems: Problems) -> None:
+    """A partitioned replica cuts a built-in mlp's layers into consecutive stages, trains
+    with Downpour, and places each stage's parameters on shards of its own."""
+    path = "spec.model.partitions"
+    partitions = _get(job, "spec", "model", "partitions")
+    if not isinstance(partitions, int) or partitions <= 1 or problems.at("spec.model"):
+        return
+    model = _get(job, "spec", "model")
+    if _get(job, "spec", "training", "algorithm") == "sandblaster":
+        problems.add(path, f"partitions > 1 is not supported with sandblaster (got {partitions}); "
+                     "use spec.training.algorithm: downpour")
+    if model.get("entrypoint") is not None:
+        problems.add(path, "partitions > 1 needs a built-in mlp: a user model (spec.model.entrypoint) "
+                     "cannot be cut into stages")
+    elif model.get("type", "mlp") != "mlp":
+        problems.add(path, f"partitions > 1 needs spec.model.type mlp (got {show(model['type'])}, "
+                     "a single layer)")
+    elif isinstance(model.get("hiddenLayers"), list) and len(model["hiddenLayers"]) + 1 < partitions:
+        problems.add(path, f"{partitions} partitions need at least {partitions} layers, and the mlp has "
+                     f"{len(model['hiddenLayers']) + 1} (spec.model.hiddenLayers plus the output layer)")
+    if model.get("embeddings") is not None:
+        problems.add(path, "partitions > 1 is not available with spec.model.embeddings")
+    shards = _get(job, "spec", "parameterServers", "shards")
+    if isinstance(shards, int) and shards < partitions:
+        problems.add(path, f"{partitions} partitions need at least {partitions} parameter shards, each "
+                     f"partition its own (spec.parameterServers.shards is {shards})")
 
 
 def _check_data(job: Mapping[str, Any], problems: Problems) -> None:

@@ -34,6 +34,7 @@ class Observed:
     figures: Figures = Figures()
     children_created: bool = False
     shard_lock_message: str | None = None  # set when a shard-count change was refused
+    partition_lock_message: str | None = None  # set when a partition-count change was refused
     invalid_config: str | None = None      # "<pod>: <its last error>" of a pod that exited with a config error
     shard_failure: str | None = None       # how the most restarted shard last ended, for the message
     non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
@@ -172,6 +173,8 @@ def _conditions(previous: list[Mapping[str, Any]], phase: str, reason: str, mess
         else ("False", "Pending", "the job's children are being created")
     if observed.shard_lock_message:
         wanted["ShardCountLocked"] = ("True", "ReshardingUnsupported", observed.shard_lock_message)
+    if observed.partition_lock_message:
+        wanted["PartitionCountLocked"] = ("True", "RepartitioningUnsupported", observed.partition_lock_message)
     conditions = []
     for kind, (state, why, text) in wanted.items():
         before = _find(previous, kind)

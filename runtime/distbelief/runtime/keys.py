@@ -1,12 +1,15 @@
 """Keys of one job: who may talk to its parameter shards, and whether the traffic is encrypted.
 
-A job has three Curve25519 keypairs, made once when the job is created and never
+A job has four Curve25519 keypairs, made once when the job is created and never
 rotated silently:
 
     server   the shards' keypair (every shard of the job uses the same one)
     client   the replicas' keypair, shared by every replica of the job
     chief    the chief's and the coordinator's (they run beside shard 0): the only key
              whose holder may end the job or drive Sandblaster's vector ops
+    stage    the stages' keypair (spec.model.partitions > 1): each pod of a partitioned
+             replica serves its stage to its group's other pods with it, admitting only
+             the replicas' key (never the chief's: the chief never talks to a stage)
 
 One shared replica keypair (rather than one per replica) is a deliberate choice: replicas
 come and go under a Deployment and an autoscaler, so per-replica keys would need a key
@@ -14,12 +17,9 @@ authority handing them out at run time. A replica cannot be told apart from anot
 its key; the shards tell connections apart by a random routing id each client keeps
 (transport.py), which a peer cannot guess.
 
-The keys are files in one folder (a mounted Secret on a cluster, OUTPUT/keys in local
-mode), each the 40-character Z85 text of one 32-byte key and a newline, mode 0600:
-
-    server.public  server.secret  client.public  client.secret  chief.public  chief.secret
-
-A worker's copy holds only CLIENT_FILES (the renderer mounts only what a role needs).
+The keys are files in one folder (keyfiles.py: a mounted Secret on a cluster, OUTPUT/keys
+in local mode). A worker's copy holds only CLIENT_FILES, and STAGE_FILES besides in a
+partitioned job (the renderer mounts only what a role needs).
 The shards authenticate peers with a ZAP handler (a ThreadAuthenticator, one per ZeroMQ
 context, shared by the shards of that context) that admits, per serving socket's ZAP
 domain, only the job's client and chief public keys, and names the peer by its key
@@ -45,38 +45,32 @@ import hashlib
 import hmac
 import logging
 import os
-import stat
 import threading
 import time
 from typing import Any
 
 from distbelief.runtime import errors
+from distbelief.runtime.keyfiles import (ADDED_PAIRS, CHIEF_PUBLIC, CHIEF_SECRET, CLIENT_FILES, CLIENT_PUBLIC,
+                                         CLIENT_SECRET, FILES, REQUIRED_FILES, SERVER_PUBLIC, SERVER_SECRET,
+                                         STAGE_FILES, STAGE_PUBLIC, STAGE_SECRET, Z85_KEY_LENGTH, check_private,
+                                         read_texts, write_files)
+
+__all__ = ["FILES", "CLIENT_FILES", "STAGE_FILES", "SERVER_PUBLIC", "SERVER_SECRET", "CLIENT_PUBLIC",
+           "CLIENT_SECRET", "CHIEF_PUBLIC", "CHIEF_SECRET", "STAGE_PUBLIC", "STAGE_SECRET", "Z85_KEY_LENGTH",
+           "REPLICA", "CHIEF", "JobKeys", "ServerSecurity", "Admission", "ensure", "write_files", "admit_clients",
+           "bind_server"]
 
 log = logging.getLogger(__name__)
 
-SERVER_PUBLIC = "server.public"
-SERVER_SECRET = "server.secret"
-CLIENT_PUBLIC = "client.public"
-CLIENT_SECRET = "client.secret"
-CHIEF_PUBLIC = "chief.public"
-CHIEF_SECRET = "chief.secret"
-FILES = (SERVER_PUBLIC, SERVER_SECRET, CLIENT_PUBLIC, CLIENT_SECRET, CHIEF_PUBLIC, CHIEF_SECRET)
-# What a replica needs: it never serves nor ends the job, so it holds neither the
-# server's nor the chief's secret.
-CLIENT_FILES = (SERVER_PUBLIC, CLIENT_PUBLIC, CLIENT_SECRET)
-REQUIRED_FILES = (SERVER_PUBLIC, CLIENT_PUBLIC)  # in every role's copy
-Z85_KEY_LENGTH = 40
 REPLICA, CHIEF = "replica", "chief"  # the roles a client connects as (PLAIN user names)
 # A PLAIN token is a keyed hash of the client secret, never the secret itself: a token
 # seen on the wire does not open the job's encrypted transport.
 PLAIN_TOKEN_KEY = b"distbelief plain transport token v1"
-FILE_MODE = 0o600
-FOLDER_MODE = 0o700
 
 
 @dataclasses.dataclass(frozen=True)
 class JobKeys:
-    """A job's keys as Z85 bytes; a secret is None in a copy that lacks it (a replica's)."""
+    """A job's keys as Z85 bytes; a key is None in a copy that lacks it (a replica's)."""
 
     server_public: bytes
     client_public: bytes
@@ -84,20 +78,24 @@ class JobKeys:
     client_secret: bytes | None = None
     server_secret: bytes | None = None
     chief_secret: bytes | None = None
+    stage_public: bytes | None = None
+    stage_secret: bytes | None = None
 
     @classmethod
     def generate(cls) -> "JobKeys":
         import zmq
 
-        (server_public, server_secret), (client_public, client_secret), (chief_public, chief_secret) = (
-            zmq.curve_keypair() for _ in range(3))
+        (server_public, server_secret), (client_public, client_secret), (chief_public, chief_secret), \
+            (stage_public, stage_secret) = (zmq.curve_keypair() for _ in range(4))
         return cls(server_public=server_public, server_secret=server_secret, client_public=client_public,
-                   client_secret=client_secret, chief_public=chief_public, chief_secret=chief_secret)
+                   client_secret=client_secret, chief_public=chief_public, chief_secret=chief_secret,
+                   stage_public=stage_public, stage_secret=stage_secret)
 
     def _values(self) -> dict[str, bytes | None]:
         return {SERVER_PUBLIC: self.server_public, SERVER_SECRET: self.server_secret,
                 CLIENT_PUBLIC: self.client_public, CLIENT_SECRET: self.client_secret,
-                CHIEF_PUBLIC: self.chief_public, CHIEF_SECRET: self.chief_secret}
+                CHIEF_PUBLIC: self.chief_public, CHIEF_SECRET: self.chief_secret,
+                STAGE_PUBLIC: self.stage_public, STAGE_SECRET: self.stage_secret}
 
     def files(self) -> dict[str, str]:
         """File name -> text: the folder's content, and a Secret's data."""
@@ -110,7 +108,7 @@ class JobKeys:
     @classmethod
     def read(cls, folder: str) -> "JobKeys | None":
         """The keys in folder; None if it holds none; ConfigError if they are incomplete or bad."""
-        texts = _read_texts(folder)
+        texts = read_texts(folder)
         if not texts:
             return None
         missing = [name for name in REQUIRED_FILES if name not in texts]
@@ -120,7 +118,8 @@ class JobKeys:
             _check_z85(os.path.join(folder, name), text)
         keys = cls(server_public=texts[SERVER_PUBLIC], server_secret=texts.get(SERVER_SECRET),
                    client_public=texts[CLIENT_PUBLIC], client_secret=texts.get(CLIENT_SECRET),
-                   chief_public=texts.get(CHIEF_PUBLIC), chief_secret=texts.get(CHIEF_SECRET))
+                   chief_public=texts.get(CHIEF_PUBLIC), chief_secret=texts.get(CHIEF_SECRET),
+                   stage_public=texts.get(STAGE_PUBLIC), stage_secret=texts.get(STAGE_SECRET))
         keys._check_pairs(folder)
         return keys
 
@@ -129,7 +128,8 @@ class JobKeys:
 
         for name, public, secret in ((CLIENT_PUBLIC, self.client_public, self.client_secret),
                                      (SERVER_PUBLIC, self.server_public, self.server_secret),
-                                     (CHIEF_PUBLIC, self.chief_public, self.chief_secret)):
+                                     (CHIEF_PUBLIC, self.chief_public, self.chief_secret),
+                                     (STAGE_PUBLIC, self.stage_public, self.stage_secret)):
             if secret is not None and public is not None and zmq.curve_public(secret) != public:
                 raise errors.ConfigError(f"keys folder {folder}: {name} does not match its secret key")
 
@@ -152,6 +152,27 @@ class JobKeys:
             options={zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: self.server_secret,
                      zmq.CURVE_PUBLICKEY: self.server_public})
 
+    def stage_security(self, *, encrypted: bool = True) -> "ServerSecurity":
+        """How a partitioned replica's stage ROUTER admits its group's other pods: CurveZMQ
+        with the job's stage keypair, admitting only the replicas' public key; or PLAIN,
+        admitting only the replica token. The chief is not admitted (it never talks to a
+        stage), so is_chief() never holds there; chief_user is set as in server_security,
+        or to the role name where a worker's copy lacks the chief's public key (a name no
+        Curve User-Id can equal)."""
+        import zmq
+
+        if self.stage_secret is None or self.stage_public is None:
+            raise errors.ConfigError(f"the job keys have no {STAGE_SECRET}: only a partitioned job's worker "
+                                     "and shard copies do (a keys Secret made before partitions existed lacks it)")
+        if not encrypted:
+            return ServerSecurity(mechanism="plain", options={zmq.PLAIN_SERVER: 1}, chief_user=CHIEF,
+                                  admitted={REPLICA: self.plain_token(REPLICA)})
+        return ServerSecurity(
+            mechanism="curve", chief_user=self.chief_public.decode("ascii") if self.chief_public else CHIEF,
+            admitted={REPLICA: self.client_public},
+            options={zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: self.stage_secret,
+                     zmq.CURVE_PUBLICKEY: self.stage_public})
+
     def client_options(self, *, role: str = REPLICA, encrypted: bool = True) -> dict[int, Any]:
         """Socket options of a replica's (role REPLICA) or the chief's (CHIEF) DEALERs."""
         import zmq
@@ -164,6 +185,18 @@ class JobKeys:
             return {zmq.PLAIN_USERNAME: role.encode(), zmq.PLAIN_PASSWORD: _token(secret)}
         return {zmq.CURVE_SERVERKEY: self.server_public, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
 
+    def stage_client_options(self, *, encrypted: bool = True) -> dict[int, Any]:
+        """Socket options of a replica's DEALER to another pod's stage: the replica keypair,
+        expecting the stage's public key (PLAIN: the replica token, as client_options)."""
+        import zmq
+
+        options = self.client_options(role=REPLICA, encrypted=encrypted)
+        if not encrypted:
+            return options
+        if self.stage_public is None:
+            raise errors.ConfigError(f"the job keys have no {STAGE_PUBLIC}: only a partitioned job's pods have it")
+        return {**options, zmq.CURVE_SERVERKEY: self.stage_public}
+
     def plain_token(self, role: str = REPLICA) -> bytes:
         secret = self.chief_secret if role == CHIEF else self.client_secret
         if secret is None:
@@ -171,38 +204,10 @@ class JobKeys:
         return _token(secret)
 
 
-def write_files(folder: str, files: dict[str, str]) -> None:
-    """Write key files into folder (made 0700), each 0600; never overwrites a file, nor
-    follows a link planted where one should be."""
-    try:
-        os.makedirs(folder, mode=FOLDER_MODE, exist_ok=True)
-        os.chmod(folder, FOLDER_MODE)
-        for name, text in files.items():
-            fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
-            with os.fdopen(fd, "w", encoding="ascii") as f:
-                f.write(text)
-    except OSError as exc:
-        raise errors.ConfigError(f"cannot write job keys into {folder}: {exc.strerror or exc}") from exc
-
-
 def _token(secret: bytes) -> bytes:
     """A PLAIN token: a keyed hash of a secret key, never the key itself, so a token seen
     on the wire does not open the job's encrypted transport."""
     return hashlib.blake2b(secret, key=PLAIN_TOKEN_KEY, digest_size=32).hexdigest().encode()
-
-
-def _read_texts(folder: str) -> dict[str, bytes]:
-    texts: dict[str, bytes] = {}
-    for name in FILES:
-        path = os.path.join(folder, name)
-        try:
-            with open(path, "rb") as f:
-                texts[name] = f.read(4 * Z85_KEY_LENGTH).strip()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise errors.ConfigError(f"cannot read job key {path}: {exc.strerror or exc}") from exc
-    return texts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,37 +230,22 @@ def ensure(folder: str) -> JobKeys:
 
     The folder must be the user's own and closed to others: keys in a folder someone else
     can write or read are refused rather than used. A folder of an earlier version without
-    the chief's keypair gets one."""
-    _check_private(folder)
-    texts = _read_texts(folder)
+    the chief's or the stages' keypair gets one."""
+    check_private(folder)
+    texts = read_texts(folder)
     if not texts:
         keys = JobKeys.generate()
         keys.write(folder)
         log.info("event=keys_generated folder=%s", folder)
         return keys
-    if CHIEF_PUBLIC not in texts and CHIEF_SECRET not in texts:
-        chief = {name: text for name, text in JobKeys.generate().files().items() if name.startswith("chief.")}
-        write_files(folder, chief)
-        log.info("event=chief_keys_added folder=%s", folder)
+    for pair in ADDED_PAIRS:
+        if f"{pair}.public" not in texts and f"{pair}.secret" not in texts:
+            write_files(folder, {name: text for name, text in JobKeys.generate().files().items()
+                                 if name.startswith(pair + ".")})
+            log.info("event=%s_keys_added folder=%s", pair, folder)
     keys = JobKeys.read(folder)
     assert keys is not None
     return keys
-
-
-def _check_private(folder: str) -> None:
-    """Refuse a keys folder (or a key file in it) that is a link, not the user's, or open to others."""
-    for path in [folder, *(os.path.join(folder, name) for name in FILES)]:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISLNK(info.st_mode):
-            raise errors.ConfigError(f"keys: {path} is a symbolic link; refusing to use it")
-        if info.st_uid != os.getuid():
-            raise errors.ConfigError(f"keys: {path} belongs to uid {info.st_uid}, not to this user")
-        if info.st_mode & 0o077:
-            raise errors.ConfigError(f"keys: {path} is open to other users (mode {info.st_mode & 0o777:o}); "
-                                     f"chmod go-rwx it, or start afresh with --fresh")
 
 
 def _check_z85(path: str, text: bytes) -> None:

@@ -28,6 +28,13 @@ from distbelief.runtime.shard import Shard, ShardSettings
 log = logging.getLogger(__name__)
 
 
+def model_layout(model: models.Model, config: contract.JobConfig) -> tuple[stages.Plan | None, Layout]:
+    """The model's cut into stages (when partitioned) and its layout over the shards, as
+    every role (and local mode, checking an output folder's checkpoints) derives them."""
+    plan = stages.plan(model, config.partitions) if config.partitions > 1 else None
+    return plan, Layout.of(model.shapes, config.shards, plan.boundaries if plan else ())
+
+
 class Job:
     """What every role derives from the config in the same way: data, model, the cut into
     stages (a partitioned model), layout."""
@@ -39,8 +46,7 @@ class Job:
         self.model: models.Model = (
             embedding.build(self.spec["model"], self.dataset) if self.spec["model"].get("embeddings")
             else models.build_model(self.spec["model"], self.dataset.n_features, self.dataset.n_classes))
-        self.plan = stages.plan(self.model, config.partitions) if config.partitions > 1 else None
-        self.layout = Layout.of(self.model.shapes, config.shards, self.plan.boundaries if self.plan else ())
+        self.plan, self.layout = model_layout(self.model, config)
 
     def stage_shards(self, partition: int) -> list[int]:
         """The shards holding a partition's stage."""

@@ -65,7 +65,9 @@ class HeldGradients:
         grad = self.dense.checked(message)
         self.dense.norm(grad)  # a non-finite gradient is refused now, before any shard applies its step
         self._expire(time.monotonic())
-        self._held[message.meta.token] = HeldGradient(message.header, grad.copy(), time.monotonic())
+        # The received frame itself is kept (the array is a view of it), not a copy: a held
+        # gradient costs one slice of memory, not two.
+        self._held[message.meta.token] = HeldGradient(message.header, grad, time.monotonic())
         if len(self._held) > MAX_HELD:
             self._held.popitem(last=False)
         return Answer()
