@@ -268,3 +268,20 @@ def test_a_role_with_damaged_keys_stops_with_one_clear_line(tmp_path: Path) -> N
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == f"error: keys folder {tmp_path / 'k'} lacks server.public"
     assert "Traceback" not in done.stderr
+
+
+def test_a_serving_socket_can_be_bound_again_right_after_the_last_one_of_its_context_closed(
+        job_keys: keys.JobKeys) -> None:
+    """The context's ZAP handler stops with its last server; libzmq frees its endpoint a
+    moment later, and a server bound at once must still start (a shard restarting in a
+    process, or the next test)."""
+    context = zmq.Context()
+    try:
+        for _ in range(30):
+            socket = context.socket(zmq.ROUTER)
+            admission = keys.bind_server(context, socket, "tcp://127.0.0.1:*", who="restart test",
+                                         domain="restart-test", security=job_keys.server_security())
+            socket.close(linger=0)
+            admission.close()
+    finally:
+        context.term()

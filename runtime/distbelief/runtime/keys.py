@@ -18,21 +18,19 @@ its key; the shards tell connections apart by a random routing id each client ke
 (transport.py), which a peer cannot guess.
 
 The keys are files in one folder (keyfiles.py: a mounted Secret on a cluster, OUTPUT/keys
-in local mode). A worker's copy holds only CLIENT_FILES, and STAGE_FILES besides in a
-partitioned job (the renderer mounts only what a role needs).
+in local mode); a worker's copy holds only CLIENT_FILES (and STAGE_FILES when partitioned).
 The shards authenticate peers with a ZAP handler (a ThreadAuthenticator, one per ZeroMQ
 context, shared by the shards of that context) that admits, per serving socket's ZAP
 domain, only the job's client and chief public keys, and names the peer by its key
 (the ZAP User-Id) so that the shard can tell the chief apart; a peer that knows the
 server's public key but not a secret fails the handshake and gets nothing back.
 
-Encryption is the default: CurveZMQ authenticates and encrypts every message. A job with
-spec.parameterServers.encryption false trades the encryption for speed (on 2 cores the
-cipher takes most of a large model's step): its sockets use ZeroMQ's PLAIN mechanism with
-a token per role derived from that role's secret key (user "replica" or "chief"), so
-only key holders still get in, checked in constant time; but the token and all traffic
-cross the network in the clear, and a token seen there can be replayed (docs/security.md
-says what that leaves open).
+Encryption is the default: CurveZMQ authenticates every connection, and a replica's
+requests and the shards' replies then go sealed with AES-256-GCM under a session key
+agreed over it (sessions.py). With spec.parameterServers.encryption false, sockets use
+ZeroMQ's PLAIN mechanism with a token per role derived from its secret key (user
+"replica" or "chief"), checked in constant time; the token and all traffic cross the
+network in the clear, and a token seen there can be replayed (docs/security.md).
 
 The operator imports this module to make a job's Secret, and must not need the runtime's
 dependencies to do so at import time: zmq is imported inside the functions that use it.
@@ -63,8 +61,7 @@ __all__ = ["FILES", "CLIENT_FILES", "STAGE_FILES", "SERVER_PUBLIC", "SERVER_SECR
 log = logging.getLogger(__name__)
 
 REPLICA, CHIEF = "replica", "chief"  # the roles a client connects as (PLAIN user names)
-# A PLAIN token is a keyed hash of the client secret, never the secret itself: a token
-# seen on the wire does not open the job's encrypted transport.
+# A PLAIN token is a keyed hash of a secret: one seen on the wire opens no encrypted transport.
 PLAIN_TOKEN_KEY = b"distbelief plain transport token v1"
 
 
@@ -263,6 +260,7 @@ def _check_z85(path: str, text: bytes) -> None:
 
 
 REFUSAL_LOG_SECONDS = 10.0  # at most one refusal line per domain this often (a peer may retry fast)
+ZAP_RESTART_SECONDS = 2.0
 
 
 class _Allowed:
@@ -290,10 +288,23 @@ class _Allowed:
 
 def _authenticator(context: Any, log: logging.Logger) -> Any:
     """pyzmq's ThreadAuthenticator, but with PLAIN tokens compared in constant time (its own
-    check is `==`, whose time tells how much of a guess was right)."""
+    check is `==`, whose time tells how much of a guess was right), and a start that waits
+    out the ZAP endpoint of a handler just stopped in the context (libzmq frees it later)."""
+    import zmq
     from zmq.auth.thread import ThreadAuthenticator
 
     class ConstantTimeAuthenticator(ThreadAuthenticator):
+        def start(self) -> None:
+            deadline = time.monotonic() + ZAP_RESTART_SECONDS
+            while True:
+                try:
+                    return super().start()
+                except zmq.ZMQError as exc:
+                    super().stop()  # closes the socket the failed bind left open
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.01)
+
         def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
             expected = self.passwords.get(domain or "*", {}).get(username)
             allowed = expected is not None and hmac.compare_digest(password.encode(), expected.encode())
