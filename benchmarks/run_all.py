@@ -6,7 +6,8 @@
 Runs, in this order, each in its own process: runtime_bench.py (memcpy, apply, pull,
 push), mlp_step_bench.py, e2e_bench.py (our jobs in local mode, their one-process
 baselines and parallel efficiency), torch_peers_bench.py (DDP gloo and an RPC parameter
-server), sparse_bench.py (embedding rows), backups_bench.py (shard copies) and operator_bench.py. Their figures go into --json, written afresh: every figure
+server), sparse_bench.py (embedding rows), backups_bench.py (shard copies), partition_bench.py
+(model-parallel replicas), staleness_bench.py (bounded staleness) and operator_bench.py. Their figures go into --json, written afresh: every figure
 in it is from this run; each is a median with its min and max.
 
 A run that crashes is retried once and then recorded under "failures" with its exit code,
@@ -119,6 +120,11 @@ def measure(runs: int, scale: float) -> dict:
         results["sparse"] = sparse["sparse"]
     if backups := run_json("backups_bench.py", failures, "--runs", str(min(runs, 3))):
         results["backups"] = backups["backups"]
+    if partitions := run_json("partition_bench.py", failures, "--runs", str(min(runs, 3))):
+        results["partitions"] = partitions["partitions"]
+        failures += partitions.get("failures", [])
+    if staleness := run_json("staleness_bench.py", failures, "--runs", str(runs)):
+        results["staleness_tau"] = staleness["staleness_tau"]
     operator = run_json("operator_bench.py", failures, "--runs", str(runs))
     if "operator_create_to_children_s" in operator:
         results["operator_create_to_children_s"] = operator["operator_create_to_children_s"]
