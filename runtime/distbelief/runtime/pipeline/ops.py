@@ -23,6 +23,7 @@ import dataclasses
 import struct
 
 from distbelief.runtime import errors, protocol
+from distbelief.runtime.dense import Update
 from distbelief.runtime.protocol import OpSpec
 
 FETCH = 1   # Forward.flags: pull the stage's parameters before computing this step
@@ -79,10 +80,7 @@ class ApplyHeld(protocol.Payload):
     FORMAT = struct.Struct("<QIf")
 
     def check(self) -> None:
-        if not 0 < self.examples <= protocol.MAX_EXAMPLES:
-            raise errors.ProtocolError(f"an update must stand for 1..{protocol.MAX_EXAMPLES} examples")
-        if not abs(self.loss) <= protocol.MAX_LOSS:
-            raise errors.ProtocolError("loss is not a finite number")
+        Update(self.examples, self.loss).check()  # what a step stands for, checked as a push's
 
 
 FORWARD = protocol.define(OpSpec(40, "FORWARD", request=Forward, reply=Backward, request_array=True,
