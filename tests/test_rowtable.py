@@ -28,12 +28,13 @@ def test_lookup_finds_every_created_row_across_growth() -> None:
 
 def test_colliding_keys_in_one_batch_all_get_their_own_slot() -> None:
     table = RowTable(DIM, learning_rate=0.1, seed=1)
-    slots = table._slot_keys.size
-    keys = np.arange(50, dtype=np.int64)
-    hashed = rowtable.mix(keys) & np.uint64(slots - 1)
-    same_slot = keys[hashed == hashed[0]]
-    # Many keys on a few slots: linear probing has to resolve clashes within one round.
-    crowd = np.unique(np.r_[same_slot, np.arange(0, 4000, 3)])
+    keys = np.arange(200_000, dtype=np.int64)
+    homes = table._home(keys)
+    same_slot = keys[homes == homes[0]]
+    # Many keys on one slot (fewer than MIN_ROWS in all, so the index is not rebuilt):
+    # linear probing has to resolve clashes within one round.
+    crowd = np.unique(np.r_[same_slot, np.arange(0, 2400, 3)])
+    assert same_slot.size > 20 and crowd.size < rowtable.MIN_ROWS
     table.update(crowd, np.ones((crowd.size, DIM), np.float32), now=0.0)
     np.testing.assert_array_equal(table.keys[table.lookup(crowd)], crowd)
 
@@ -80,6 +81,19 @@ def test_a_row_is_created_by_its_admitted_push_only() -> None:
     np.testing.assert_array_equal(table.lookup(keys) >= 0, [True, False])
     # The admitted push is applied: the row moved off its initial value.
     assert not np.allclose(table.rows(keys[:1]), initial_rows(keys[:1], DIM, 2))
+
+
+def test_admission_counts_occurrences_not_pushes() -> None:
+    table = RowTable(DIM, learning_rate=0.5, seed=2, admit_after=3)
+    keys = np.array([5, 6, 7], dtype=np.int64)
+    g = np.ones((3, DIM), np.float32)
+    # One push: key 5 occurred 3 times in its examples, key 6 twice, key 7 once.
+    assert table.update(keys, g, now=0.0, occurrences=np.array([3, 2, 1])) == 1
+    np.testing.assert_array_equal(table.lookup(keys) >= 0, [True, False, False])
+    assert table.update(keys[1:], g[1:], now=0.0, occurrences=np.array([1, 1])) == 1  # key 6's third
+    np.testing.assert_array_equal(table.lookup(keys) >= 0, [True, True, False])
+    # A huge count admits at once and does not wrap the counter around.
+    assert table.update(keys[2:], g[2:], now=0.0, occurrences=np.array([2**32 - 1])) == 1
 
 
 def test_expiry_drops_rows_not_pushed_to_and_keeps_the_others_intact() -> None:

@@ -46,6 +46,7 @@ KEY_BITS = 63
 KEY_PART_BITS = 21          # a key saved as three float32 integers below 2**21 (exact)
 EXPIRY_CHECKS = 8           # look for expired rows this many times per expireAfterSeconds
 KEY_DTYPE = np.dtype("<i8")
+OCCURRENCE_DTYPE = np.dtype("<u4")
 
 
 def keys_per_request(dim: int) -> int:
@@ -64,23 +65,27 @@ class Keys(protocol.Payload):
 
     keys: np.ndarray
     COUNT: ClassVar[struct.Struct] = struct.Struct("<I")
+    BYTES_PER_KEY: ClassVar[int] = KEY_DTYPE.itemsize
 
     def pack(self) -> bytes:
         return self.COUNT.pack(self.keys.size) + np.ascontiguousarray(self.keys, dtype=KEY_DTYPE).tobytes()
 
     @classmethod
     def unpack(cls, frame: bytes | memoryview) -> Self:
+        payload = cls(cls._keys_of(frame))
+        payload.check()
+        return payload
+
+    @classmethod
+    def _keys_of(cls, frame: bytes | memoryview) -> np.ndarray:
         if len(frame) < cls.COUNT.size:
             raise errors.ProtocolError(f"a key list is {len(frame)} bytes, shorter than its count")
         (count,) = cls.COUNT.unpack_from(frame)
         if count > MAX_KEYS:
             raise errors.ProtocolError(f"{count} keys in one request, at most {MAX_KEYS}")
-        if len(frame) != cls.COUNT.size + count * KEY_DTYPE.itemsize:
+        if len(frame) != cls.COUNT.size + count * cls.BYTES_PER_KEY:
             raise errors.ProtocolError(f"a key list of {len(frame)} bytes does not hold the {count} keys it declares")
-        keys = np.frombuffer(frame, dtype=KEY_DTYPE, count=count, offset=cls.COUNT.size).astype(np.int64)
-        payload = cls(keys)
-        payload.check()
-        return payload
+        return np.frombuffer(frame, dtype=KEY_DTYPE, count=count, offset=cls.COUNT.size).astype(np.int64)
 
     def check(self) -> None:
         if self.keys.size and int(self.keys.min()) < 0:
@@ -89,8 +94,37 @@ class Keys(protocol.Payload):
             raise errors.ProtocolError("keys must be unique within a request")
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyCounts(Keys):
+    """Keys, then how many times each occurred in the pushed examples (uint32 each, >= 1):
+    what admission counts."""
+
+    occurrences: np.ndarray
+    BYTES_PER_KEY: ClassVar[int] = KEY_DTYPE.itemsize + OCCURRENCE_DTYPE.itemsize
+
+    def pack(self) -> bytes:
+        counts = np.minimum(self.occurrences, np.iinfo(OCCURRENCE_DTYPE).max)
+        return super().pack() + np.ascontiguousarray(counts, dtype=OCCURRENCE_DTYPE).tobytes()
+
+    @classmethod
+    def unpack(cls, frame: bytes | memoryview) -> Self:
+        keys = cls._keys_of(frame)
+        offset = cls.COUNT.size + keys.size * KEY_DTYPE.itemsize
+        occurrences = np.frombuffer(frame, dtype=OCCURRENCE_DTYPE, count=keys.size, offset=offset).astype(np.int64)
+        payload = cls(keys, occurrences)
+        payload.check()
+        return payload
+
+    def check(self) -> None:
+        super().check()
+        if self.occurrences.size != self.keys.size:
+            raise errors.ProtocolError(f"{self.occurrences.size} occurrence counts for {self.keys.size} keys")
+        if self.occurrences.size and int(self.occurrences.min()) < 1:
+            raise errors.ProtocolError("a pushed key occurs at least once")
+
+
 SPARSE_PULL = protocol.define(OpSpec(20, "SPARSE_PULL", request=Keys, reply_array=True))
-SPARSE_PUSH = protocol.define(OpSpec(21, "SPARSE_PUSH", request=Keys, request_array=True, command=True))
+SPARSE_PUSH = protocol.define(OpSpec(21, "SPARSE_PUSH", request=KeyCounts, request_array=True, command=True))
 STATE_PREFIX = "sparse."
 
 
@@ -116,7 +150,7 @@ class SparseRows:
         return {}
 
     def array_values(self) -> int:
-        # The keys' frame (8 bytes a key) is capped by the same frame size: at least 3 values a key.
+        # The keys' frame (12 bytes a key with its count) is capped by the same frame size: 3 values a key.
         return keys_per_request(self.dim) * max(self.dim, 3)
 
     # -- ops -------------------------------------------------------------------------------
@@ -132,7 +166,7 @@ class SparseRows:
             raise errors.ProtocolError(f"a sparse push of {keys.size} keys must carry {keys.size * self.dim} "
                                        f"float32 values, got {message.header.count}")
         now = time.time()
-        self.table.update(keys, self._bounded(grads.reshape(keys.size, self.dim)), now)
+        self.table.update(keys, self._bounded(grads.reshape(keys.size, self.dim)), now, message.meta.occurrences)
         if now >= self._next_expiry:
             self._expire(now)
         return Answer()
@@ -219,13 +253,12 @@ class RowClient:
     def __init__(self, group: ShardGroup, dim: int) -> None:
         self.group, self.dim = group, dim
 
-    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, list[slice], list[Keys]]:
-        """The keys grouped by owner (order), each shard's span of that order, and its payload."""
+    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, list[slice]]:
+        """The keys grouped by owner (order), and each shard's span of that order."""
         owners = owner_of(keys, self.group.layout.shards)
         order = np.argsort(owners, kind="stable")
         ends = np.cumsum(np.bincount(owners, minlength=self.group.layout.shards))
-        spans = [slice(int(a), int(b)) for a, b in zip(np.r_[0, ends[:-1]], ends)]
-        return order, spans, [Keys(keys[order[span]]) for span in spans]
+        return order, [slice(int(a), int(b)) for a, b in zip(np.r_[0, ends[:-1]], ends)]
 
     def pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
         """The rows of keys ([n, dim], in the keys' order) and the last shards' replies."""
@@ -236,7 +269,8 @@ class RowClient:
         return rows, replies
 
     def _pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
-        order, spans, metas = self._split(keys)
+        order, spans = self._split(keys)
+        metas = [Keys(keys[order[span]]) for span in spans]
         # Zeros: a shard that answers DONE sends no rows, and the step still computes on finite ones.
         grouped = np.zeros((keys.size, self.dim), dtype=np.float32)
         replies = self.group.request(SPARSE_PULL, meta=metas, receive_into=[grouped[s].reshape(-1) for s in spans])
@@ -244,11 +278,17 @@ class RowClient:
         rows[order] = grouped
         return rows, replies
 
-    def push(self, keys: np.ndarray, grads: np.ndarray) -> list[Reply]:
-        """Push each key's row gradient (grads [n, dim], in the keys' order) to its owner."""
+    def push(self, keys: np.ndarray, grads: np.ndarray, occurrences: np.ndarray | None = None) -> list[Reply]:
+        """Push each key's row gradient (grads [n, dim], in the keys' order) to its owner, with
+        how many times the key occurred in the examples behind it (what admission counts;
+        None: once each)."""
+        if occurrences is None:
+            occurrences = np.ones(keys.size, dtype=np.int64)
         replies: list[Reply] = []
         for chunk in self._chunks(keys.size):
-            order, spans, metas = self._split(keys[chunk])
+            order, spans = self._split(keys[chunk])
+            keys_, counts = keys[chunk][order], occurrences[chunk][order]
+            metas = [KeyCounts(keys_[span], counts[span]) for span in spans]
             grouped = np.ascontiguousarray(grads[chunk][order], dtype=np.float32)
             replies = self.group.request(SPARSE_PUSH, meta=metas, array=[grouped[s].reshape(-1) for s in spans])
         return replies
