@@ -110,6 +110,21 @@ def test_expiry_drops_rows_not_pushed_to_and_keeps_the_others_intact() -> None:
     assert table.nbytes() < 200_000  # memory follows the rows that are left
 
 
+def test_expiry_compacts_in_chunks_and_gives_the_memory_back(monkeypatch) -> None:
+    monkeypatch.setattr(rowtable, "CHUNK", 97)  # many chunks, with kept and dropped rows in each
+    table = RowTable(DIM, learning_rate=0.5, seed=2, expire_after=10.0)
+    keys = _keys(5000)
+    table.update(keys, np.ones((keys.size, DIM), np.float32), now=100.0)
+    fresh = keys[np.random.default_rng(1).random(keys.size) < 0.3]
+    table.update(fresh, np.full((fresh.size, DIM), 2, np.float32), now=105.0)
+    kept, full = table.rows(fresh), table.nbytes()
+    assert table.expire(now=112.0) == keys.size - fresh.size
+    np.testing.assert_array_equal(table.rows(fresh), kept)
+    np.testing.assert_array_equal(np.sort(table.keys[: table.n]), np.sort(fresh))
+    assert (table.lookup(np.setdiff1d(keys, fresh)) == -1).all()
+    assert table.nbytes() < full / 2
+
+
 def test_load_replaces_every_row() -> None:
     table = RowTable(DIM, learning_rate=0.5, seed=2)
     table.update(np.arange(10, dtype=np.int64), np.ones((10, DIM), np.float32), now=0.0)

@@ -48,6 +48,7 @@ EPSILON = 1e-8
 MIN_ROWS = 1024
 GROWTH = 8                    # the row arrays grow by 1/GROWTH of their size at a time
 MIN_LOAD, MAX_LOAD = 0.5, 0.75  # the index's load factor: rebuilt at MIN_LOAD when past MAX_LOAD
+CHUNK = 1 << 20               # rows per pass of an index rebuild or a compaction
 COUNTERS = 1 << 20            # admission counters (4 MiB), shared by all not-yet-admitted keys
 ROW_ARRAYS = ("keys", "values", "accumulators", "touched", "dirty")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -168,15 +169,20 @@ class RowTable:
             capacity = self.keys.size
             while capacity < rows:
                 capacity += capacity // GROWTH
-            for name in ROW_ARRAYS:  # in place: no other reference to these arrays outlives a request
-                getattr(self, name).resize((capacity, *getattr(self, name).shape[1:]), refcheck=False)
+            self._resize(capacity)
         if rows > MAX_LOAD * self._index.size:
             self._rebuild_index(rows)
+
+    def _resize(self, capacity: int) -> None:
+        for name in ROW_ARRAYS:  # in place: no other reference to these arrays outlives a request
+            getattr(self, name).resize((capacity, *getattr(self, name).shape[1:]), refcheck=False)
 
     def _rebuild_index(self, rows: int) -> None:
         self._index = np.empty(0, dtype=np.int32)  # dropped first: never two indexes at once
         self._index = np.full(_index_size(rows), EMPTY, dtype=np.int32)
-        self._insert(self.keys[: self.n], np.arange(self.n))
+        for start in range(0, self.n, CHUNK):  # in chunks: the probing temporaries stay small
+            stop = min(self.n, start + CHUNK)
+            self._insert(self.keys[start:stop], np.arange(start, stop))
 
     def _insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Put keys (unique, absent) into the index. Keys probing to the same free slot in
@@ -209,9 +215,22 @@ class RowTable:
         keep = self.touched[: self.n] >= now - self.expire_after
         dropped = self.n - int(keep.sum())
         if dropped:
-            self.load(self.keys[: self.n][keep], self.values[: self.n][keep],
-                      self.accumulators[: self.n][keep], self.touched[: self.n][keep])
+            self._compact(keep)
         return dropped
+
+    def _compact(self, keep: np.ndarray) -> None:
+        """Move the kept rows down over the dropped ones, in place and a chunk at a time (a
+        copy of the whole table would double its memory), then rebuild the index."""
+        kept = 0
+        for start in range(0, self.n, CHUNK):
+            chosen = start + np.flatnonzero(keep[start:start + CHUNK])
+            for name in ROW_ARRAYS:  # rows only move down: a chunk never overwrites one not yet read
+                array = getattr(self, name)
+                array[kept:kept + chosen.size] = array[chosen]
+            kept += chosen.size
+        self.n = kept
+        self._resize(max(MIN_ROWS, kept + kept // GROWTH))  # the freed tail goes back to the system
+        self._rebuild_index(kept)
 
     def load(self, keys: np.ndarray, values: np.ndarray, accumulators: np.ndarray, touched: np.ndarray) -> None:
         """Replace every row (a restore, or the survivors of an expiry); none is dirty after."""
