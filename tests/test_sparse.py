@@ -13,7 +13,7 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.runtime import data, errors, models, protocol, sparse
+from distbelief.runtime import data, errors, models, protocol, rowcheckpoint, sparse
 from distbelief.runtime.embedding import EmbeddingModel
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import WorkerMetrics
@@ -201,9 +201,9 @@ def test_a_restarted_shard_gets_its_rows_back_from_the_checkpoint(tmp_path: Path
 
 def test_keys_survive_the_checkpoints_float32_encoding_exactly() -> None:
     keys = np.array([0, 1, 2**21 - 1, 2**21, 2**42 + 5, 2**63 - 1], dtype=np.int64)
-    parts = sparse._key_parts(keys)
+    parts = rowcheckpoint.key_parts(keys)
     assert parts.dtype == np.float32 and np.isfinite(parts).all()
-    np.testing.assert_array_equal(sparse._keys_from_parts(parts), keys)
+    np.testing.assert_array_equal(rowcheckpoint.keys_from_parts(parts), keys)
 
 
 def test_more_keys_than_one_request_may_carry_go_in_several(live: LiveShards, monkeypatch: pytest.MonkeyPatch) -> None:

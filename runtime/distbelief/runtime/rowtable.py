@@ -244,6 +244,14 @@ class RowTable:
         self.n = n
         self._rebuild_index(n)
 
+    def put(self, keys: np.ndarray, values: np.ndarray, accumulators: np.ndarray, touched: np.ndarray) -> None:
+        """Set the rows of keys (unique) as given, creating the missing ones (a delta's rows)."""
+        index = self.lookup(keys)
+        missing = index < 0
+        index[missing] = self._create(keys[missing])
+        self.values[index], self.accumulators[index] = values, accumulators
+        self.touched[index] = np.round(touched)
+
     def clean(self) -> None:
         """Mark every row as saved: dirty flags count from here."""
         self.dirty[: self.n] = False

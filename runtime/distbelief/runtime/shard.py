@@ -109,11 +109,11 @@ class Shard:
             os.makedirs(self.settings.checkpoint_dir, exist_ok=True)
         except OSError as exc:
             raise errors.CheckpointError(f"cannot create checkpoint folder {self.settings.checkpoint_dir}: {exc}") from exc
-        ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index)
+        ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index,
+                                         accept=self.load)
         if ckpt is None:
             log.info("event=fresh_start shard=%d", self.index)
             return
-        self.load(ckpt)
         self.restarts = int(ckpt.meta.get("restarts", 0)) + 1
         self.start_time = float(ckpt.meta.get("startTime", self.start_time))
         self.finished = ckpt.meta.get("finished")
@@ -346,16 +346,16 @@ class Shard:
         meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
                 "examples": self.examples_total}
         arrays: dict[str, np.ndarray] = {}
-        for plugin in self.plugins:
-            plugin_arrays, plugin_meta = plugin.checkpoint_state()
-            arrays.update(plugin_arrays)
-            meta.update(plugin_meta)
-        if not all(np.isfinite(array).all() for array in arrays.values()):
-            self._recover_from_non_finite_state()
-            return
-        ckpt = checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index,
-                                     arrays=arrays, meta=meta)
         try:
+            for plugin in self.plugins:  # a plugin may write files of its own (sparse.py's rows)
+                plugin_arrays, plugin_meta = plugin.checkpoint_state()
+                arrays.update(plugin_arrays)
+                meta.update(plugin_meta)
+            if not all(np.isfinite(array).all() for array in arrays.values()):
+                self._recover_from_non_finite_state()
+                return
+            ckpt = checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index,
+                                         arrays=arrays, meta=meta)
             path = checkpoint.save(self.settings.checkpoint_dir, ckpt, keep=self.settings.checkpoint_keep)
         except errors.CheckpointError as exc:
             # Training goes on from memory; the previous checkpoints are untouched, and the
@@ -380,13 +380,14 @@ class Shard:
         checkpoint, where it would push out the good ones. Go back to the newest checkpoint,
         all of which were finite when written; without one, stop and be restarted afresh."""
         self.metrics.non_finite.inc()
-        ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index)
+        step = self.step
+        ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index,
+                                         accept=self.load)
         if ckpt is None:
             raise errors.RuntimeFailure(f"shard {self.index}: its state holds non-finite values and no checkpoint "
                                         "to go back to")
         log.error("event=non_finite_state shard=%d step=%d action=restored_checkpoint checkpoint_step=%d",
-                  self.index, self.step, ckpt.step)
-        self.load(ckpt)
+                  self.index, step, ckpt.step)
 
     def _finished_unsaved(self) -> bool:
         return self.finished is not None and not self._saved_finished

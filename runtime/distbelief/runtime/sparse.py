@@ -12,13 +12,9 @@ keys_per_request(dim) per shard and request, unique, each owned by the shard it 
 rows in the float32 array frame (count x dim). Sparse pushes do not advance the shard's
 step: in a job with embeddings the dense push that follows them does.
 
-Checkpoints take the whole table every interval (checkpoint_state): n rows cost
-n x (dim + 5) x 4 bytes (values, accumulator, last push time, the key as three exact
-21-bit float32 parts: checkpoints hold float32 arrays only). A full write suits tables up
-to about 10M rows of dim 16 per shard (~0.8 GB, a few seconds of disk per interval, and
-as much memory again while the file is read back); beyond that an incremental write of
-the rows pushed since the last checkpoint is needed, and is not done yet. With
-admitAfter > 1 the admission counters (4 MiB) are saved too.
+Checkpoints: rowcheckpoint.py (the whole table up to FULL_WRITE_BYTES per shard, a base
+and deltas of the rows pushed since beyond it). With admitAfter > 1 the admission
+counters (4 MiB) are saved in every checkpoint too.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from distbelief.runtime import checkpoint, errors, protocol
 from distbelief.runtime.client import Reply, ShardGroup
 from distbelief.runtime.plugin import Answer, Handler
 from distbelief.runtime.protocol import Message, OpSpec
+from distbelief.runtime.rowcheckpoint import FULL_WRITE_BYTES, STATE_PREFIX, RowCheckpoints
 from distbelief.runtime.rowtable import RowTable, mix
 from distbelief.runtime.shard import Shard
 
@@ -43,7 +40,6 @@ log = logging.getLogger(__name__)
 MAX_KEYS = 1 << 18          # keys in one request to one shard
 MAX_ROW_VALUES = 1 << 24    # float32 values of rows in one request (64 MiB): fewer keys when dim is large
 KEY_BITS = 63
-KEY_PART_BITS = 21          # a key saved as three float32 integers below 2**21 (exact)
 EXPIRY_CHECKS = 8           # look for expired rows this many times per expireAfterSeconds
 KEY_DTYPE = np.dtype("<i8")
 OCCURRENCE_DTYPE = np.dtype("<u4")
@@ -125,17 +121,19 @@ class KeyCounts(Keys):
 
 SPARSE_PULL = protocol.define(OpSpec(20, "SPARSE_PULL", request=Keys, reply_array=True))
 SPARSE_PUSH = protocol.define(OpSpec(21, "SPARSE_PUSH", request=KeyCounts, request_array=True, command=True))
-STATE_PREFIX = "sparse."
 
 
 class SparseRows:
     """A shard's part of the embedding table: the rows whose keys it owns."""
 
     def __init__(self, shard: Shard, *, dim: int, learning_rate: float, seed: int, admit_after: int = 1,
-                 expire_after: float | None = None, max_gradient_norm: float = float("inf")) -> None:
+                 expire_after: float | None = None, max_gradient_norm: float = float("inf"),
+                 full_write_bytes: int = FULL_WRITE_BYTES) -> None:
         self.shard = shard
         self.table = RowTable(dim, learning_rate=learning_rate, seed=seed, admit_after=admit_after,
                               expire_after=expire_after)
+        self.saved = RowCheckpoints(self.table, shard.settings.checkpoint_dir, shard=shard.index,
+                                    layout=shard.layout.hash, full_write_bytes=full_write_bytes)
         self.max_gradient_norm = np.float32(min(max_gradient_norm, np.finfo(np.float32).max))
         self._next_expiry = time.time() + self._expiry_interval()
 
@@ -197,6 +195,7 @@ class SparseRows:
         dropped = self.table.expire(now)
         self._next_expiry = now + self._expiry_interval()
         if dropped:
+            self.saved.rows_dropped()
             log.info("event=rows_expired shard=%d dropped=%d rows=%d", self.shard.index, dropped, self.table.n)
 
     def _expiry_interval(self) -> float:
@@ -206,42 +205,23 @@ class SparseRows:
     # -- checkpoints -------------------------------------------------------------------------
 
     def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        t, n = self.table, self.table.n
-        base = float(t.touched[:n].min()) if n else 0.0
-        arrays = {"keys": _key_parts(t.keys[:n]), "values": t.values[:n], "accumulators": t.accumulators[:n],
-                  "touched": (t.touched[:n] - base).astype(np.float32)}
+        arrays, meta = self.saved.state(self.shard.step)
+        t = self.table
         if t.counts is not None:  # capped at admitAfter (<= 1e6): exact in float32
-            arrays["admission"] = np.minimum(t.counts, t.admit_after).astype(np.float32)
-        meta = {"sparseRows": n, "sparseDim": self.dim, "sparseTouchBase": base}
-        return {STATE_PREFIX + name: array for name, array in arrays.items()}, meta
+            arrays[STATE_PREFIX + "admission"] = np.minimum(t.counts, t.admit_after).astype(np.float32)
+        return arrays, {**meta, "sparseDim": self.dim}
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        if STATE_PREFIX + "values" not in ckpt.arrays:
-            return  # written before the job had embeddings: the table starts empty
         saved_dim = int(ckpt.meta.get("sparseDim", self.dim))
         if saved_dim != self.dim:
             raise errors.ConfigError(
                 f"shard {self.shard.index}: the checkpoints in {self.shard.settings.checkpoint_dir} hold embedding "
                 f"rows of dim {saved_dim}, the job asks for spec.model.embeddings.dim {self.dim}")
-        a = {name: ckpt.arrays[STATE_PREFIX + name] for name in ("keys", "values", "accumulators", "touched")}
-        n = a["accumulators"].size
-        self.table.load(_keys_from_parts(a["keys"]), a["values"].reshape(n, self.dim), a["accumulators"],
-                        a["touched"].astype(np.float64) + float(ckpt.meta.get("sparseTouchBase", 0.0)))
+        n = self.saved.restore(ckpt)
         counts = ckpt.arrays.get(STATE_PREFIX + "admission")
         if self.table.counts is not None and counts is not None and counts.size == self.table.counts.size:
             self.table.counts[...] = counts
         log.info("event=rows_restored shard=%d rows=%d", self.shard.index, n)
-
-
-def _key_parts(keys: np.ndarray) -> np.ndarray:
-    """Keys as [n, 3] float32 integers below 2**21: exact, and finite as checkpoints require."""
-    mask = (1 << KEY_PART_BITS) - 1
-    return np.stack([(keys >> (KEY_PART_BITS * i)) & mask for i in range(3)], axis=1).astype(np.float32)
-
-
-def _keys_from_parts(parts: np.ndarray) -> np.ndarray:
-    p = parts.reshape(-1, 3).astype(np.int64)
-    return p[:, 0] | (p[:, 1] << KEY_PART_BITS) | (p[:, 2] << (2 * KEY_PART_BITS))
 
 
 # -- the replica's side ----------------------------------------------------------------------
