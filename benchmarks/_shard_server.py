@@ -36,7 +36,7 @@ import numpy as np
 import prometheus_client as prom
 import zmq
 
-from distbelief.runtime import protocol, transport
+from distbelief.runtime import keys, protocol, transport
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
@@ -135,7 +135,10 @@ def main() -> int:
     parser.add_argument("--params", type=int, required=True)
     parser.add_argument("--learning-rate", type=float, default=0.01)
     parser.add_argument("--sgd", action="store_true", help="plain SGD instead of Adagrad")
+    parser.add_argument("--keys", default=None, metavar="DIR", help="serve with CurveZMQ, these job keys")
+    parser.add_argument("--sessions", action="store_true", help="with --keys: the AES-GCM bulk channel too")
     args = parser.parse_args()
+    security = keys.JobKeys.read(args.keys).server_security() if args.keys else None
 
     layout = Layout.of([("w", (args.params,))], shards=args.shards)
     initial = np.zeros(layout.total, dtype=np.float32)
@@ -143,7 +146,8 @@ def main() -> int:
     context = TimedContext()
     try:
         shard = Shard(ShardSettings(shard=args.shard, bind="tcp://127.0.0.1:*", checkpoint_dir=folder,
-                                    checkpoint_every=1e9),
+                                    checkpoint_every=1e9, security=security,
+                                    bulk_bind="tcp://127.0.0.1:*" if args.sessions else None),
                       layout, ShardMetrics(prom.CollectorRegistry(), args.shard),
                       transport_=transport.ZmqTransport(context))
         shard.attach(DenseSlice(shard, initial, optimizer="sgd" if args.sgd else "adagrad",

@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""What CurveZMQ (every job's transport: authenticated and encrypted) costs per message,
-against plain ZeroMQ over the same loopback TCP, at the sizes our shards send.
+"""What authenticated encryption costs per message, against plain ZeroMQ over the same
+loopback TCP, at the sizes our shards send: CurveZMQ (the handshake of every encrypted
+job), and an AES-256-GCM session over a plain socket (what an encrypted job's bulk
+channel does with parameters and gradients: distbelief.runtime.sessions).
 
     python benchmarks/curve_cost_check.py [--messages 500]
 
-One PAIR socket pair in one process sends float32 arrays to itself with recv_into, so
-the CPU figure covers both ends: encrypting and decrypting with CURVE, copying without.
+One PAIR socket pair in one process sends float32 arrays to itself with recv_into (the
+session: sealed, then opened into the array), so the CPU figure covers both ends:
+encrypting and decrypting, or copying.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import time
 
 import numpy as np
 import zmq
+
+from distbelief.runtime import sessions
 
 SIZES = {"64 KB": 16_000, "1.3 MB (a shard's slice of the benchmark MLP)": 335_000}
 
@@ -31,18 +36,35 @@ def pair(context: zmq.Context, curve: bool) -> tuple[zmq.Socket, zmq.Socket]:
     return server, client
 
 
-def per_message(curve: bool, size: int, messages: int) -> tuple[float, float]:
-    """(wall ms, CPU ms) per message, after a warm-up."""
+def sealed_transfer(client: zmq.Socket, server: zmq.Socket, size: int):
+    """One message as the bulk channel sends it: sealed, sent, opened into the array."""
+    ends = [sessions.Session(id=bytes(sessions.ID_BYTES), key=bytes(range(sessions.KEY_BYTES))) for _ in range(2)]
+    received = memoryview(np.empty(size, np.float32)).cast("B")
+
+    def transfer(sent: np.ndarray) -> None:
+        client.send_multipart(ends[0].seal(sessions.TO_SERVER, [memoryview(sent)]), copy=False)
+        prefix, frame = server.recv_multipart(copy=False)
+        counter = ends[1].counter_of(prefix.buffer)
+        ends[1].open(sessions.TO_SERVER, prefix.buffer, counter, 0, 1, frame.buffer, into=received)
+        ends[1].accept(counter)
+    return transfer
+
+
+def per_message(mode: str, size: int, messages: int) -> tuple[float, float]:
+    """(wall ms, CPU ms) per message, after a warm-up; mode: plain, curve or session."""
     context = zmq.Context()
-    server, client = pair(context, curve)
+    server, client = pair(context, mode == "curve")
     sent, received = np.ones(size, np.float32), np.empty(size, np.float32)
-    for _ in range(5):
-        client.send(sent, copy=False)
+
+    def copied(array: np.ndarray) -> None:
+        client.send(array, copy=False)
         server.recv_into(received)
+    transfer = sealed_transfer(client, server, size) if mode == "session" else copied
+    for _ in range(5):
+        transfer(sent)
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(messages):
-        client.send(sent, copy=False)
-        server.recv_into(received)
+        transfer(sent)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     server.close(0)
     client.close(0)
@@ -55,9 +77,9 @@ def main() -> int:
     p.add_argument("--messages", type=int, default=500)
     args = p.parse_args()
     for label, size in SIZES.items():
-        for curve in (False, True):
-            wall, cpu = per_message(curve, size, args.messages)
-            print(f"{label:<46} {'curve' if curve else 'plain':<6} {wall:6.2f} ms wall  {cpu:6.2f} ms CPU  "
+        for mode in ("plain", "curve", "session"):
+            wall, cpu = per_message(mode, size, args.messages)
+            print(f"{label:<46} {mode:<7} {wall:6.2f} ms wall  {cpu:6.2f} ms CPU  "
                   f"{size * 4 / wall / 1e6:5.2f} GB/s")
     return 0
 

@@ -20,7 +20,10 @@ Layout of one invocation:
        "hugetlb": GLIBC_TUNABLES=glibc.malloc.hugetlb=1) one client process
        (this script with --role client), which measures memcpy/apply locally, then for
        1 and 2 shards starts one benchmarks/_shard_server.py process per shard (same
-       environment) and drives them with a real ShardGroup.
+       environment) and drives them with a real ShardGroup; then 2 shards again with the
+       job's keys, once as a job runs by default (CurveZMQ handshake, AES-256-GCM
+       sessions for the messages: pull_gbps_encrypted) and once with CurveZMQ for every
+       message (pull_gbps_curvezmq).
 So the shards never share the client's GIL, and each process starts with its tunables.
 OPENBLAS_* variables are passed through untouched.
 """
@@ -34,9 +37,11 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -52,7 +57,7 @@ except ImportError:  # running from a checkout without the editable install
 import numpy as np
 import zmq
 
-from distbelief.runtime import optim, transport
+from distbelief.runtime import keys, optim, transport
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import Status
@@ -130,12 +135,12 @@ def local_figures(params: int, repeats: int, calls: int) -> dict:
 # -- live shards ------------------------------------------------------------------------
 
 class ShardProcesses:
-    def __init__(self, params: int, shards: int) -> None:
+    def __init__(self, params: int, shards: int, security: list[str]) -> None:
         self.procs = []
         for index in range(shards):
             self.procs.append(subprocess.Popen(
                 [sys.executable, str(HERE / "_shard_server.py"), "--shard", str(index),
-                 "--shards", str(shards), "--params", str(params)],
+                 "--shards", str(shards), "--params", str(params), *security],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         self.addresses = []
         for proc in self.procs:
@@ -159,13 +164,22 @@ class ShardProcesses:
         return reports
 
 
-def shard_figures(params: int, shards: int, repeats: int, calls: int, io_threads: int = 1) -> dict:
+def shard_figures(params: int, shards: int, repeats: int, calls: int, io_threads: int = 1,
+                  encryption: str | None = None) -> dict:
+    """encryption: None (no keys), "curve" (CurveZMQ for everything) or "sessions" (CurveZMQ
+    for the handshake, the AES-GCM bulk channel for the messages: the default of a job)."""
     layout = Layout.of([("w", (params,))], shards=shards)
     nbytes = params * 4
-    servers = ShardProcesses(params, shards)
+    folder = tempfile.mkdtemp(prefix="db-bench-keys-")
+    job_keys = keys.JobKeys.generate()
+    job_keys.write(folder + "/keys")
+    security = [] if encryption is None else ["--keys", folder + "/keys"] + (
+        ["--sessions"] if encryption == "sessions" else [])
+    servers = ShardProcesses(params, shards, security)
     context = zmq.Context(io_threads=io_threads)
     group = ShardGroup(servers.addresses, layout, timeouts=Timeouts(request=30.0, unavailable=120.0),
-                       transport_=transport.ZmqTransport(context))
+                       transport_=transport.ZmqTransport(context),
+                       security=job_keys.client_options() if encryption else None)
     try:
         assert all(r.header.status == Status.OK for r in group.hello())
         out = np.empty(layout.total, dtype=np.float32)
@@ -204,6 +218,7 @@ def shard_figures(params: int, shards: int, repeats: int, calls: int, io_threads
         group.close()
         context.term()
         reports = servers.stop()
+        shutil.rmtree(folder, ignore_errors=True)
     return {"pull_gbps": pull_runs, "push_gbps": push_runs,
             "client_minflt_per_pull": pull_faults, "client_minflt_per_push": push_faults,
             "client_pull_s": statistics.median(pull_split), "client_push_s": statistics.median(push_split),
@@ -216,6 +231,9 @@ def client_main(args: argparse.Namespace) -> int:
         result[f"shards_{shards}"] = shard_figures(args.params, shards, args.repeats, args.calls)
     if args.io_threads_probe:
         result["shards_2_io2"] = shard_figures(args.params, 2, args.repeats, args.calls, io_threads=2)
+    for encryption in ("curve", "sessions"):
+        result[f"shards_2_{encryption}"] = shard_figures(args.params, 2, args.repeats, args.calls,
+                                                         encryption=encryption)
     print(json.dumps(result), flush=True)
     return 0
 
@@ -284,9 +302,15 @@ def build_report(raw: dict[str, dict], args: argparse.Namespace) -> dict:
         "sgd_apply_gbps": main["sgd_apply_gbps"],
         "pull_gbps": main["pull_gbps_shards_2"],
         "push_gbps": main["push_gbps_shards_2"],
+        "pull_gbps_encrypted": main["pull_gbps_shards_2_sessions"],
+        "push_gbps_encrypted": main["push_gbps_shards_2_sessions"],
+        "pull_gbps_curvezmq": main["pull_gbps_shards_2_curve"],
+        "push_gbps_curvezmq": main["push_gbps_shards_2_curve"],
         "definition": "GB/s = 4*params bytes (the float32 parameter array) per second per call, GB = 1e9 B; "
                       "median/min/max over `repeats` runs of `calls` calls each, one warm-up run excluded. "
-                      "Top-level pull/push: 2 shard processes, GLIBC_TUNABLES unset.",
+                      "Top-level pull/push: 2 shard processes, GLIBC_TUNABLES unset, no keys; "
+                      "_encrypted: with the job's keys as a job runs by default (CurveZMQ handshake, "
+                      "AES-256-GCM sessions for the messages); _curvezmq: CurveZMQ for every message.",
         "variants": variants,
         "metadata": {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

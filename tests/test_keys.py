@@ -112,7 +112,7 @@ def secured_shards(tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool) -> I
     layout = Layout.of([("w", (10, 7)), ("b", (7,))], shards=2)
     initial = np.arange(layout.total, dtype=np.float32) / 100
     live = start_shards(tmp_path, layout, initial, learning_rate=0.5, checkpoint_every=3600,
-                        security=job_keys.server_security(encrypted=encrypted))
+                        security=job_keys.server_security(encrypted=encrypted), bulk_bind="tcp://127.0.0.1:*")
     yield live
     live.stop()
 
@@ -169,15 +169,18 @@ def test_a_peer_with_the_job_keys_pulls_and_pushes(secured_shards: LiveShards, j
 def test_a_slice_of_exactly_the_largest_accepted_size_gets_through_the_cipher(
         tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool) -> None:
     """The shard's frame limit is its slice; CurveZMQ wraps each frame in a box, which the
-    limit must leave room for (a slice over 64 KiB, where the limit is the slice itself)."""
+    limit must leave room for (a slice over 64 KiB, where the limit is the slice itself);
+    so must the bulk channel's tag (the second push goes there, once the session is granted)."""
     layout = Layout.of([("w", (300, 100))], shards=1)
     live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32),
-                        security=job_keys.server_security(encrypted=encrypted))
+                        security=job_keys.server_security(encrypted=encrypted), bulk_bind="tcp://127.0.0.1:*")
     group = live.group(security=job_keys.client_options(encrypted=encrypted))
     try:
         out = np.empty(layout.total, np.float32)
-        replies = group.push_and_pull(np.ones(layout.total, np.float32), out, steps=[0], examples=1, loss=1.0)
-        assert [r.step for r in replies] == [1] and np.all(out < 0)
+        for step in (0, 1):
+            replies = group.push_and_pull(np.ones(layout.total, np.float32), out, steps=[step], examples=1, loss=1.0)
+            assert [r.step for r in replies] == [step + 1] and np.all(out < 0)
+        assert (group._links[0]._session is not None) is encrypted
     finally:
         group.close()
         live.stop()

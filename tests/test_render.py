@@ -138,7 +138,7 @@ def test_headless_service_ports() -> None:
     assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
     ports = {p["name"]: p["port"] for p in svc["ports"]}
     assert ports == {contract.SHARD_PORT_NAME: job["spec"]["parameterServers"]["port"],
-                     contract.METRICS_PORT_NAME: contract.METRICS_PORT}
+                     contract.METRICS_PORT_NAME: contract.METRICS_PORT, contract.BULK_PORT_NAME: contract.BULK_PORT}
 
 
 def test_statefulset_one_pod_and_one_volume_per_shard() -> None:
@@ -169,7 +169,7 @@ def test_ps_container() -> None:
         in c["volumeMounts"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
         contract.SHARD_PORT_NAME: job["spec"]["parameterServers"]["port"],
-        contract.METRICS_PORT_NAME: contract.METRICS_PORT}
+        contract.METRICS_PORT_NAME: contract.METRICS_PORT, contract.BULK_PORT_NAME: contract.BULK_PORT}
     assert c["resources"] == job["spec"]["parameterServers"]["resources"]
 
 
@@ -423,6 +423,18 @@ def test_a_finished_job_runs_no_replicas_and_no_autoscaler(clean_pod_policy: str
     assert "HorizontalPodAutoscaler" not in children
 
 
+def test_only_an_encrypted_job_opens_and_admits_the_bulk_port() -> None:
+    doc = example("digits-mlp.yaml")
+    doc["spec"]["parameterServers"]["encryption"] = False
+    plain = {c["kind"]: c for c in render.render_children(spec.validate_job(doc), image=IMAGE)}
+    encrypted = children(job_of())
+    for objects, bulk in ((plain, False), (encrypted, True)):
+        (container,) = objects["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+        admitted = {p["port"] for rule in objects["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
+        assert (contract.BULK_PORT in {p["containerPort"] for p in container["ports"]}) is bulk
+        assert (contract.BULK_PORT in admitted) is bulk
+
+
 def test_the_network_policy_is_on_by_default_and_covers_every_pod_and_port() -> None:
     job = spec.validate_job(example("digits-mlp.yaml"))
     children = {c["kind"]: c for c in render.render_children(job, image=IMAGE, operator_namespace="ops")}
@@ -438,7 +450,7 @@ def test_the_network_policy_is_on_by_default_and_covers_every_pod_and_port() -> 
     (peers,) = job_rule["from"]
     assert list(peers) == ["podSelector"] and peers["podSelector"]["matchLabels"] == {"distbelief.io/job": "digits"}
     port = job["spec"]["parameterServers"]["port"]
-    assert job_rule["ports"] == [{"protocol": "TCP", "port": port}]
+    assert job_rule["ports"] == [{"protocol": "TCP", "port": port}, {"protocol": "TCP", "port": contract.BULK_PORT}]
     # The operator: its pods, in its namespace only (a label only the API server sets).
     (operator,) = operator_rule["from"]
     assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
@@ -598,7 +610,8 @@ def test_a_partitioned_job_s_rendezvous_and_stages_admit_only_its_replica_pods()
     policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     job_rule, operator_rule, stage_rule = policy["spec"]["ingress"]
-    assert job_rule["ports"] == [{"protocol": "TCP", "port": job["spec"]["parameterServers"]["port"]}]
+    assert job_rule["ports"] == [{"protocol": "TCP", "port": job["spec"]["parameterServers"]["port"]},
+                                 {"protocol": "TCP", "port": contract.BULK_PORT}]
     assert operator_rule["ports"] == [{"protocol": "TCP", "port": contract.METRICS_PORT}]
     (peers,) = stage_rule["from"]
     assert peers == {"podSelector": {"matchLabels": contract.selector_labels("digits-partitioned",

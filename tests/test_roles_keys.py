@@ -36,7 +36,7 @@ TIMEOUTS = Timeouts(request=2.0, unavailable=5.0)
 @pytest.fixture
 def shards(tmp_path: Path, job_keys: keys.JobKeys, encrypted: bool) -> Iterator[LiveShards]:
     live = start_shards(tmp_path, LAYOUT, np.zeros(LAYOUT.total, np.float32), learning_rate=0.5,
-                        security=job_keys.server_security(encrypted=encrypted))
+                        security=job_keys.server_security(encrypted=encrypted), bulk_bind="tcp://127.0.0.1:*")
     yield live
     live.stop()
 
@@ -80,8 +80,8 @@ def test_a_forged_worker_id_and_seq_do_not_take_another_replica_s_push(shards: L
 
 def _sandblaster_shard(tmp_path: Path, security: keys.ServerSecurity) -> tuple[Shard, threading.Thread]:
     layout = Layout.of([("w", (8,))], shards=1)
-    shard = Shard(ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path), security=security),
-                  layout, ShardMetrics(prom.CollectorRegistry(), 0))
+    shard = Shard(ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path), security=security,
+                                bulk_bind="tcp://127.0.0.1:*"), layout, ShardMetrics(prom.CollectorRegistry(), 0))
     dense = DenseSlice(shard, np.arange(8, dtype=np.float32), optimizer="adagrad", learning_rate=0.1, pushes=False)
     shard.attach(dense)
     shard.attach(ShardVectors(shard, dense, history=2))

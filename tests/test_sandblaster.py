@@ -405,7 +405,7 @@ def test_a_sandblaster_job_exposes_the_coordinator_port_beside_shard_0():
     assert contract.COORDINATOR_PORT in [p["port"] for p in by_kind["Service"]["spec"]["ports"]]
     job_ingress = by_kind["NetworkPolicy"]["spec"]["ingress"][0]["ports"]
     assert {p["port"] for p in job_ingress} == {doc["spec"]["parameterServers"].get("port", 7070),
-                                                contract.COORDINATOR_PORT}
+                                                contract.BULK_PORT, contract.COORDINATOR_PORT}
 
     downpour = render.render_children(spec.validate_job(load_example("digits-mlp.yaml")), image="distbelief:test")
     sts = next(o for o in downpour if o["kind"] == "StatefulSet")

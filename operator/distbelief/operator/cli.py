@@ -102,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--metrics-port", type=int, default=contract.METRICS_PORT)
     ps.add_argument("--coordinator-port", type=int, default=contract.COORDINATOR_PORT,
                     help="where shard 0 serves Sandblaster's coordinator, or a partitioned job's rendezvous")
+    ps.add_argument("--bulk-port", type=int, default=contract.BULK_PORT,
+                    help="encrypted jobs: where the AES-GCM sessions' messages come in")
     ps.add_argument("--listen", default="0.0.0.0", metavar="HOST", help="address to serve on")
     ps.add_argument("--checkpoint-dir", default=contract.CHECKPOINT_DIR)
     ps.add_argument("--keys-dir", default=contract.KEYS_DIR, metavar="DIR",
@@ -201,7 +203,7 @@ def _ps(args: argparse.Namespace) -> int:
 
     return roles.run_ps(config_path=args.config, shard=args.shard, port=args.port, metrics_port=args.metrics_port,
                         listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger,
-                        keys_dir=args.keys_dir, coordinator_port=args.coordinator_port)
+                        keys_dir=args.keys_dir, coordinator_port=args.coordinator_port, bulk_port=args.bulk_port)
 
 
 def _worker(args: argparse.Namespace) -> int:

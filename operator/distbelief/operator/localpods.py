@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # The role flags that receive a container port's local number, by port name.
 PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "--metrics-port",
-              contract.COORDINATOR_PORT_NAME: "--coordinator-port"}
+              contract.COORDINATOR_PORT_NAME: "--coordinator-port", contract.BULK_PORT_NAME: "--bulk-port"}
 SHARD_LINGER_SECONDS = 2.0
 LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1

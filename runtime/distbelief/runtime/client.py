@@ -79,7 +79,8 @@ class ShardGroup:
         self.policy = timeouts.policy()
         self.stop = stop or threading.Event()  # set: a waiting request gives up (Stopped)
         self._transport = transport_ or transport.default()
-        self._links = [self._transport.link(a, security) for a in self.addresses]
+        # bulk: parameters and gradients go AES-GCM-sealed beside CurveZMQ (sessions.py)
+        self._links = [self._transport.link(a, security, bulk=True) for a in self.addresses]
         self._seq = 0
         self.bytes_in = 0
         self.bytes_out = 0

@@ -64,6 +64,10 @@ COORDINATOR_PORT_NAME = "coordinator"
 # leaves free).
 STAGE_PORT = 7172
 STAGE_PORT_NAME = "stage"
+# An encrypted job's shards take the AES-GCM-sealed messages of the sessions their peers
+# agreed over CurveZMQ on this port (docs/security.md); the shard port tells peers of it.
+BULK_PORT = 7173
+BULK_PORT_NAME = "bulk"
 HEALTH_PATH = "/healthz"   # liveness: the process runs
 READY_PATH = "/readyz"     # readiness: the role serves (a shard restored, a replica joined)
 

@@ -1,8 +1,8 @@
 """The in-process twin of the transport: the same Server and Link interface as
 transport.ZmqTransport, over in-process queues, for unit tests of shards and replicas
 without sockets (httpx's MockTransport idea). Addresses are any strings; a link may
-connect before its server binds; nothing is authenticated; frames are copied on send,
-as a socket would.
+connect before its server binds; nothing is authenticated nor encrypted (a bulk
+channel is asked for and ignored); frames are copied on send, as a socket would.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ class MemoryTransport:
         self._next_peer = 0
 
     def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
-               security: keys.ServerSecurity | None = None) -> "MemoryServer":
+               security: keys.ServerSecurity | None = None, bulk: str | None = None) -> "MemoryServer":
         with self._changed:
             if address in self._servers:
                 raise errors.ConfigError(f"{who} cannot listen on {address}: address in use")
             server = self._servers[address] = MemoryServer(self, address, max_frame=max_frame, max_frames=max_frames)
         return server
 
-    def link(self, address: str | Sequence[str], options: dict | None = None, *,
-             watch: bool = True) -> "MemoryLink":
+    def link(self, address: str | Sequence[str], options: dict | None = None, *, watch: bool = True,
+             bulk: bool = False) -> "MemoryLink":
         with self._changed:
             self._next_peer += 1
             peer = self._next_peer.to_bytes(4, "big")

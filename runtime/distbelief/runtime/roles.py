@@ -97,7 +97,7 @@ def load_access(keys_dir: str, role: str, job: Job) -> Access:
 
 def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
            checkpoint_dir: str, linger: float, keys_dir: str = contract.KEYS_DIR,
-           coordinator_port: int = contract.COORDINATOR_PORT) -> int:
+           coordinator_port: int = contract.COORDINATOR_PORT, bulk_port: int = contract.BULK_PORT) -> int:
     stop = _stop_on_termination()
     job = Job.load(config_path)
     access = load_access(keys_dir, contract.ROLE_PS, job)
@@ -108,7 +108,8 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     settings = ShardSettings(
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
-        warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger, security=access.server)
+        warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger, security=access.server,
+        bulk_bind=f"tcp://{listen}:{bulk_port}")
     registry = _registry()
     server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
     algorithm.attach(server, job)

@@ -57,6 +57,7 @@ class ShardSettings:
     warmstart_steps: int = 0
     linger_seconds: float = 60.0   # keep answering DONE this long, then exit
     security: keys.ServerSecurity | None = None  # who is admitted, when the job has keys
+    bulk_bind: str | None = None  # where AES-GCM sessions' messages come in (CurveZMQ jobs)
 
 
 class Shard:
@@ -160,7 +161,7 @@ class Shard:
         longest = max([0, *(p.array_values() for p in self.plugins)])
         server = self._transport.server(self.settings.bind, who=f"shard {self.index}",
                                         max_frame=protocol.max_frame_bytes(longest), max_frames=3 + self.copies.extra_frames,
-                                        security=self.settings.security)
+                                        security=self.settings.security, bulk=self.settings.bulk_bind)
         self.endpoint = server.endpoint
         log.info("event=listening shard=%d address=%s step=%d auth=%s", self.index, self.endpoint, self.step,
                  self.settings.security.mechanism if self.settings.security else "none")

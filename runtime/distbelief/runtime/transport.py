@@ -7,9 +7,15 @@
     Link          one DEALER to one shard, made anew after a silence or a disconnect (to
                   the shard's next copy in turn, when it has backups)
     exchange()    one request to several links at once, the replies collected under one
-                  RetryPolicy (attempt timeout, resend on disconnect, give up)
+                  RetryPolicy (attempt timeout, resend on disconnect, give up); fanout.py,
+                  re-exported here with the Server, Link and Transport interfaces
 
-Every socket counts the bytes it sends and receives in traffic.PROCESS_TRAFFIC.
+A shard's server and its replicas' links also speak a bulk channel when the job is
+encrypted: AES-GCM sessions agreed over CurveZMQ, on a second socket pair without
+CurveZMQ, so that parameters are not encrypted twice (sessions.py, docs/security.md).
+
+Every socket counts the bytes it sends and receives in traffic.PROCESS_TRAFFIC (sealed
+bulk frames as sealed: prefix and tags included).
 
 ZeroMQ's errors are translated here into distbelief.runtime.errors and nowhere else;
 no other module of the runtime imports zmq (keys.py registers the ZAP handler for it).
@@ -19,24 +25,21 @@ straight into the caller's array (Link.receive's sink), so a pull costs one copy
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import logging
 import os
-import threading
 import time
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Sequence
 
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from distbelief.runtime import errors, keys
+from distbelief.runtime import errors, keys, sessions
 from distbelief.runtime.traffic import PROCESS_TRAFFIC
 from distbelief.runtime.failover import Copies
 
 log = logging.getLogger(__name__)
 
-STOP_POLL_SECONDS = 0.25  # how often a waiting exchange looks at its stop event
 SEND_HWM = 64             # replies queued for one peer before further ones are dropped
 # libzmq checks ZMQ_MAXMSGSIZE against a frame as it arrives, and CurveZMQ's box (flags,
 # nonce, MAC: 33 bytes) arrives around every frame: a frame of exactly the allowed size
@@ -44,107 +47,134 @@ SEND_HWM = 64             # replies queued for one peer before further ones are 
 FRAME_OVERHEAD = 64
 RECEIVE_HWM = 256         # requests queued from one peer before it is pushed back
 HEARTBEAT_MS = 1000       # a link to a shard's copies pings each; 3 missed pongs count as a disconnect
-# What accept() returns for a reply that sends the request elsewhere (a shard copy that is
-# not the primary): it goes again at once, on a fresh connection to the next copy.
-REDIRECT = "redirect"
-
-Frame = bytes | memoryview
-# (header frame, index of a frame after it) -> the array that frame goes into, or None
-Sink = Callable[[memoryview, int], "np.ndarray | None"]
 MAX_REPLY_FRAMES = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """How a client waits for a peer: each attempt gets `attempt` seconds, then the request
-    goes again on a fresh connection; after `give_up` seconds without an answer the peer is
-    unavailable (None: never give up). A broken connection resends at once when
-    `resend_on_disconnect` (a restarted shard then costs its restart time, not a timeout)."""
-
-    attempt: float = 10.0
-    give_up: float | None = 300.0
-    resend_on_disconnect: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class Incoming:
-    """One request a Server received: reply to `peer` (the connection's routing id); `user`
-    is who the handshake proved the peer to be (its ZAP User-Id: a public key, or a PLAIN
-    user name), or None on an unauthenticated server."""
-
-    peer: bytes
-    user: str | None
-    frames: list[memoryview]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(f) for f in self.frames)
-
-
-@dataclasses.dataclass(frozen=True)
-class Received:
-    """A reply a Link read: the header frame, the frames after it that did not go into the
-    sink's array, and the bytes that did."""
-
-    header: memoryview
-    frames: list[memoryview] = dataclasses.field(default_factory=list)
-    into_sink: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.header) + sum(len(f) for f in self.frames) + self.into_sink
-
-
-def frames_nbytes(frames: Iterable[Frame]) -> int:
-    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
 
 # -- ZeroMQ ------------------------------------------------------------------------------
 
 
+def _router(context: zmq.Context, max_frame: int) -> zmq.Socket:
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_frame + FRAME_OVERHEAD)
+    socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+    socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+    socket.setsockopt(zmq.LINGER, 1000)
+    return socket
+
+
+def _send(socket: zmq.Socket, peer: bytes, frames: Sequence[Frame], who: str) -> bool:
+    """Queue a message to peer; False when its queue is full (it does not read its replies)."""
+    try:
+        socket.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as exc:
+        log.warning("event=reply_failed server=%r error=%r", who, str(exc))
+        return False
+    PROCESS_TRAFFIC.sent(frames_nbytes(frames))
+    return True
+
+
 class ZmqServer:
+    """A ROUTER admitting the job's keys. With `bulk` (an address) and CurveZMQ, a second
+    ROUTER without CurveZMQ takes the messages of the AES-GCM sessions (sessions.py) that
+    peers asked for over the first: a message there that is not of a known session, or
+    fails its counter or a tag, is dropped (logged at a bounded rate) and never received.
+    The replies to a peer go the way its last request came."""
+
     def __init__(self, context: zmq.Context, address: str, *, who: str, max_frame: int, max_frames: int,
-                 security: keys.ServerSecurity | None) -> None:
+                 security: keys.ServerSecurity | None, bulk: str | None = None) -> None:
         self.who, self.max_frames = who, max_frames
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.MAXMSGSIZE, max_frame + FRAME_OVERHEAD)
+        socket = _router(context, max_frame)
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
-        socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        socket.setsockopt(zmq.LINGER, 1000)
         self._admission = keys.bind_server(context, socket, address, who=who,
                                            domain=f"distbelief-{who.replace(' ', '-')}-{id(self):x}",
                                            security=security)
-        self._socket = socket
+        self._socket, self._bulk = socket, None
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()
+        self._poller.register(socket, zmq.POLLIN)
+        if bulk is not None and security is not None and security.mechanism == "curve":
+            self._bulk = self._bind_bulk(context, bulk, max_frame)
+        self._sessions, self._refusals = sessions.Table(), sessions.RefusalLog(who)
+        self._ready: collections.deque[Incoming | None] = collections.deque()
+
+    def _bind_bulk(self, context: zmq.Context, address: str, max_frame: int) -> zmq.Socket:
+        bulk = _router(context, max_frame)
+        try:
+            bulk.bind(address)
+        except zmq.ZMQError as exc:
+            bulk.close(linger=0)
+            self.close()
+            raise errors.ConfigError(f"{self.who} cannot listen for bulk messages on {address}: {exc}") from exc
+        self._poller.register(bulk, zmq.POLLIN)
+        self.bulk_endpoint = bulk.getsockopt_string(zmq.LAST_ENDPOINT)
+        return bulk
 
     def poll(self, seconds: float) -> bool:
-        return bool(self._socket.poll(int(seconds * 1000)))
+        """Whether a request is there to receive(), waiting up to `seconds`; session set-ups
+        and refused bulk messages are dealt with here and not counted."""
+        deadline = time.monotonic() + seconds
+        while not self._ready:
+            ready = dict(self._poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+            if self._socket in ready:
+                self._take_curve()
+            if self._bulk is not None and self._bulk in ready:
+                self._take_bulk()
+            if not ready or time.monotonic() >= deadline:
+                break
+        return bool(self._ready)
 
     def receive(self) -> Incoming | None:
         """The next request, or None when it must be dropped (more frames than any op has)."""
+        while not self._ready:
+            self.poll(STOP_POLL_SECONDS)
+        return self._ready.popleft()
+
+    def _take_curve(self) -> None:
         frames = self._socket.recv_multipart(copy=False)
         PROCESS_TRAFFIC.received(sum(len(f) for f in frames[1:]))
         if len(frames) - 1 > self.max_frames:
-            return None
+            self._ready.append(None)
+            return
+        peer, body = frames[0].bytes, [f.buffer for f in frames[1:]]
         user = frames[-1].get("User-Id") if self._admission is not None else None
-        return Incoming(peer=frames[0].bytes, user=user,
-                        frames=[f.buffer for f in frames[1:]])
+        if len(body) == 1 and body[0] == sessions.SESSION_MAGIC:
+            _send(self._socket, peer, [self._grant(user, peer)], self.who)
+            return
+        self._sessions.unroute(peer)  # it speaks over CurveZMQ again: so do the replies
+        self._ready.append(Incoming(peer=peer, user=user, frames=body))
+
+    def _grant(self, user: str | None, peer: bytes) -> bytes:
+        if self._bulk is None:
+            return sessions.NO_GRANT
+        return self._sessions.create(user, peer, port=int(self.bulk_endpoint.rsplit(":", 1)[1]))
+
+    def _take_bulk(self) -> None:
+        route, *sealed = [f.buffer for f in self._bulk.recv_multipart(copy=False)]
+        PROCESS_TRAFFIC.received(sum(len(f) for f in sealed))
+        try:
+            if not 2 <= len(sealed) <= self.max_frames + 1:
+                raise sessions.Refused("a message without frames, or with more than any op has")
+            session = self._sessions.find(sealed[0])
+            frames = sessions.open_all(session, sessions.TO_SERVER, sealed)
+        except sessions.Refused as exc:
+            self._refusals.refused(str(exc))
+            return
+        self._sessions.route(session, bytes(route))
+        self._ready.append(Incoming(peer=session.peer, user=session.user, frames=[memoryview(f) for f in frames]))
 
     def send(self, peer: bytes, frames: Sequence[Frame]) -> bool:
         """Queue a reply; False when the peer's queue is full (it does not read its replies)."""
-        try:
-            self._socket.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            log.warning("event=reply_failed server=%r error=%r", self.who, str(exc))
-            return False
-        PROCESS_TRAFFIC.sent(frames_nbytes(frames))
-        return True
+        session = self._sessions.routed(peer)
+        if session is None:
+            return _send(self._socket, peer, frames, self.who)
+        return _send(self._bulk, session.route, session.seal(sessions.TO_CLIENT, frames), self.who)
 
     def close(self) -> None:
         self._socket.close()
+        if self._bulk is not None:
+            self._bulk.close()
         if self._admission is not None:
             self._admission.close()
             self._admission = None
@@ -160,13 +190,23 @@ class ZmqLink:
     other peer, key holder or not, can pass for it without guessing 128 bits. A link to a
     shard's copies keeps one connection to each (heartbeats notice a dead node) and moves
     between them: a second connection with the same id would take over the first, and
-    ZeroMQ renames it, so its queued requests would count as another peer's."""
+    ZeroMQ renames it, so its queued requests would count as another peer's.
+
+    With `bulk` (a CurveZMQ link to one tcp:// address), the first request of each
+    connection also asks for an AES-GCM session (sessions.py); once granted, requests and
+    replies go sealed over a second DEALER to the server's bulk port. A reply there that
+    fails its counter or a tag is refused (receive() gives None) and the request waits.
+    A link to a shard's copies stays on CurveZMQ alone."""
 
     def __init__(self, context: zmq.Context, address: str | Sequence[str], options: dict | None, *,
-                 watch: bool) -> None:
+                 watch: bool, bulk: bool = False) -> None:
         self.context, self.copies, self.options, self.watch = context, Copies(address), options, watch
         self.routing_id = os.urandom(16)
         self._idle: dict[str, tuple[zmq.Socket, zmq.Socket | None, bool]] = {}  # the other copies' connections
+        self._bulk_wanted = (bulk and len(self.copies.addresses) == 1 and self.address.startswith("tcp://")
+                             and zmq.CURVE_SERVERKEY in (options or {}))
+        self._session: sessions.Session | None = None
+        self._bulk: zmq.Socket | None = None
         self._socket, self._monitor = self._connect()
 
     @property
@@ -174,6 +214,7 @@ class ZmqLink:
         return self.copies.address
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        self._close_bulk()  # a fresh connection asks for a fresh session
         socket, monitor = self.context.socket(zmq.DEALER), None
         try:
             socket.setsockopt(zmq.LINGER, 0)
@@ -195,10 +236,10 @@ class ZmqLink:
         return socket, monitor
 
     def pollables(self) -> list[zmq.Socket]:
-        return [self._socket] if self._monitor is None else [self._socket, self._monitor]
+        return [s for s in (self._socket, self._bulk, self._monitor) if s is not None]
 
     def readable(self, ready: dict) -> bool:
-        return self._socket in ready
+        return self._socket in ready or (self._bulk is not None and self._bulk in ready)
 
     def broke(self, ready: dict | None = None) -> bool:
         """Whether a connection that had completed its handshake broke since the last call
@@ -215,15 +256,39 @@ class ZmqLink:
         return broke
 
     def send(self, frames: Sequence[Frame]) -> bool:
+        """Queue a request; False when the queue to the peer is full (the attempt's timeout
+        sends it again)."""
+        if self._session is not None and self._session.worn_out:
+            self._close_bulk()  # and ask for a fresh key with this request
+        if self._session is not None:
+            return self._queue(self._bulk, self._session.seal(sessions.TO_SERVER, frames))
+        if self._ask_session:  # the grant comes back ahead of this request's reply
+            self._ask_session = not self._queue(self._socket, [sessions.SESSION_MAGIC])
+        return self._queue(self._socket, frames)
+
+    @staticmethod
+    def _queue(socket: zmq.Socket, frames: Sequence[Frame]) -> bool:
         try:
-            self._socket.send_multipart(list(frames), copy=False, flags=zmq.NOBLOCK)
+            socket.send_multipart(list(frames), copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
-            return False  # the queue to this peer is full: the attempt's timeout sends again
+            return False
         PROCESS_TRAFFIC.sent(frames_nbytes(frames))
         return True
 
-    def receive(self, sink: Sink | None = None) -> Received:
+    def receive(self, sink: Sink | None = None) -> Received | None:
+        """The next reply; None for a session grant, or a bulk reply that was refused."""
+        try:
+            if self._bulk is not None and self._bulk.poll(0):
+                return self._receive_bulk(sink)
+            return self._receive_curve(sink)
+        except zmq.ZMQError as exc:
+            raise errors.ProtocolError(f"reading a reply from {self.address} failed: {exc}") from exc
+
+    def _receive_curve(self, sink: Sink | None) -> Received | None:
         header = self._socket.recv(copy=False).buffer
+        if not self._socket.getsockopt(zmq.RCVMORE) and (grant := sessions.parse_grant(header)) is not None:
+            self._take_grant(*grant)
+            return None
         frames: list[memoryview] = []
         into_sink = dropped = 0
         index = 0
@@ -240,6 +305,27 @@ class ZmqLink:
         PROCESS_TRAFFIC.received(received.nbytes + dropped)
         return received
 
+    def _take_grant(self, session: sessions.Session, port: int) -> None:
+        if port == 0 or self._session is not None:
+            return  # the server has no bulk channel (or this connection has its session)
+        host = self.address.rsplit(":", 1)[0]
+        bulk = self.context.socket(zmq.DEALER)
+        bulk.setsockopt(zmq.LINGER, 0)
+        bulk.connect(f"{host}:{port}")
+        self._session, self._bulk = session, bulk
+
+    def _receive_bulk(self, sink: Sink | None) -> Received | None:
+        assert self._bulk is not None and self._session is not None
+        prefix, *sealed = [f.buffer for f in self._bulk.recv_multipart(copy=False)]
+        PROCESS_TRAFFIC.received(len(prefix) + sum(len(f) for f in sealed))
+        try:
+            if not 1 <= len(sealed) <= MAX_REPLY_FRAMES + 1:
+                raise sessions.Refused("a reply without frames, or with more than any op has")
+            return Received(*sessions.open_reply(self._session, prefix, sealed, sink))
+        except sessions.Refused as exc:
+            log.warning("event=bulk_refused peer=%r reason=%r", self.address, str(exc))
+            return None
+
     def reconnect(self) -> None:
         """A fresh socket: replies to earlier requests and copies still queued are dropped. A link
         to copies moves to the next copy's connection instead."""
@@ -252,7 +338,13 @@ class ZmqLink:
         idle = self._idle.pop(self.address, None)
         self._socket, self._monitor, self._handshaken = idle or (*self._connect(), False)
 
+    def _close_bulk(self) -> None:
+        if self._bulk is not None:
+            self._bulk.close(linger=0)
+        self._session, self._bulk, self._ask_session = None, None, self._bulk_wanted
+
     def close(self) -> None:
+        self._close_bulk()
         for socket, monitor, _ in [(self._socket, self._monitor, False), *self._idle.values()]:
             if socket.closed:
                 continue
@@ -270,12 +362,13 @@ class ZmqTransport:
         self.context = context or zmq.Context.instance()
 
     def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
-               security: keys.ServerSecurity | None) -> ZmqServer:
+               security: keys.ServerSecurity | None, bulk: str | None = None) -> ZmqServer:
         return ZmqServer(self.context, address, who=who, max_frame=max_frame, max_frames=max_frames,
-                         security=security)
+                         security=security, bulk=bulk)
 
-    def link(self, address: str | Sequence[str], options: dict | None, *, watch: bool = True) -> ZmqLink:
-        return ZmqLink(self.context, address, options, watch=watch)
+    def link(self, address: str | Sequence[str], options: dict | None, *, watch: bool = True,
+             bulk: bool = False) -> ZmqLink:
+        return ZmqLink(self.context, address, options, watch=watch, bulk=bulk)
 
     def wait(self, links: Sequence[ZmqLink], seconds: float) -> dict:
         poller = zmq.Poller()
@@ -285,123 +378,11 @@ class ZmqTransport:
         return dict(poller.poll(seconds * 1000))
 
 
-# -- the interface both transports offer ---------------------------------------------------
-
-
-class Server(Protocol):
-    endpoint: str
-
-    def poll(self, seconds: float) -> bool: ...
-
-    def receive(self) -> Incoming | None: ...
-
-    def send(self, peer: bytes, frames: Sequence[Frame]) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-class Link(Protocol):
-    address: str
-
-    def readable(self, ready: dict) -> bool: ...
-
-    def broke(self, ready: dict | None = None) -> bool: ...
-
-    def send(self, frames: Sequence[Frame]) -> bool: ...
-
-    def receive(self, sink: Sink | None = None) -> Received: ...
-
-    def reconnect(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Transport(Protocol):
-    def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
-               security: keys.ServerSecurity | None) -> Server: ...
-
-    def link(self, address: str | Sequence[str], options: dict | None, *, watch: bool = True) -> Link: ...
-
-    def wait(self, links: Sequence[Link], seconds: float) -> dict: ...
-
-
 def default() -> ZmqTransport:
     return ZmqTransport()
 
 
-# -- one request to several peers at once --------------------------------------------------
-
-
-@dataclasses.dataclass
-class Exchange:
-    """The state of one request sent to several links: what each gets, what came back."""
-
-    links: Sequence[Link]
-    requests: Sequence[Sequence[Frame]]
-    policy: RetryPolicy
-    names: Sequence[str]  # how errors name each peer ("shard 1 at tcp://...")
-    bytes_out: int = 0
-    resends: int = 0
-
-
-def exchange(transport: Transport, ex: Exchange, *, accept: Callable[[int, Received], bool | str],
-             stop: threading.Event, sink: Callable[[int], Sink | None] = lambda i: None) -> None:
-    """Send requests[i] to links[i] for every i, then wait until accept(i, reply) has said
-    True for each. A reply accept() turns down (a stale answer to an earlier attempt) is
-    skipped; one it answers REDIRECT sends the request to the link's next copy. A link that breaks gets the request again at once (once per attempt); one
-    silent for policy.attempt gets it again on a fresh connection; one silent for
-    policy.give_up raises ShardUnavailable. A set stop raises Stopped."""
-    pending = set(range(len(ex.links)))
-    for i in pending:
-        ex.links[i].broke()  # a break before this request cost it nothing
-        _send(ex, i)
-    started = time.monotonic()
-    attempt_deadline = started + ex.policy.attempt
-    resent: set[int] = set()
-    while pending:
-        if stop.is_set():
-            raise errors.Stopped("stopped while waiting for an answer")
-        timeout = min(STOP_POLL_SECONDS, max(0.0, attempt_deadline - time.monotonic()))
-        ready = transport.wait([ex.links[i] for i in pending], timeout)
-        for i in list(pending):
-            link = ex.links[i]
-            verdict = accept(i, _receive(link, sink(i))) if link.readable(ready) else False
-            if verdict == REDIRECT:
-                _resend(ex, i)
-            elif verdict:
-                pending.discard(i)  # a reply that beat a disconnect counts
-            elif ex.policy.resend_on_disconnect and link.broke(ready) and i not in resent:
-                resent.add(i)
-                log.warning("event=peer_disconnected peer=%r action=resend", ex.names[i])
-                _resend(ex, i)
-        if pending and time.monotonic() >= attempt_deadline:
-            _retry_silent(ex, pending, time.monotonic() - started)
-            attempt_deadline = time.monotonic() + ex.policy.attempt
-            resent.clear()
-
-
-def _receive(link: Link, sink: Sink | None) -> Received:
-    try:
-        return link.receive(sink)
-    except zmq.ZMQError as exc:
-        raise errors.ProtocolError(f"reading a reply from {getattr(link, 'address', '?')} failed: {exc}") from exc
-
-
-def _send(ex: Exchange, i: int) -> None:
-    if ex.links[i].send(ex.requests[i]):
-        ex.bytes_out += frames_nbytes(ex.requests[i])
-
-
-def _resend(ex: Exchange, i: int) -> None:
-    ex.resends += 1
-    ex.links[i].reconnect()
-    _send(ex, i)
-
-
-def _retry_silent(ex: Exchange, pending: set[int], waited: float) -> None:
-    give_up = ex.policy.give_up
-    for i in pending:
-        if give_up is not None and waited >= give_up:
-            raise errors.ShardUnavailable(f"{ex.names[i]} has not answered for {waited:.0f} s")
-        log.warning("event=peer_silent peer=%r waited_s=%.1f action=reconnect", ex.names[i], waited)
-        _resend(ex, i)
+# Re-exported: callers use transport.exchange, transport.Link and the rest.
+from distbelief.runtime.fanout import (  # noqa: E402
+    REDIRECT, STOP_POLL_SECONDS, Exchange, Frame, Incoming, Link, Received, RetryPolicy, Server, Sink, Transport,
+    exchange, frames_nbytes)
