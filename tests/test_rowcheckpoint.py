@@ -178,6 +178,41 @@ def test_a_checkpoint_that_fails_after_its_delta_keeps_the_delta_in_the_chain(tm
     assert restored.step == 3 and snapshot(table(restored)) == snapshot(table(shard))
 
 
+def test_a_row_file_that_cannot_be_written_is_a_failed_checkpoint_and_training_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = make_shard(tmp_path)
+    step(shard, np.arange(300))
+    real_write = checkpoint.write
+
+    def full_disk(*args: object, **kwargs: object) -> str:
+        raise errors.CheckpointError("cannot write checkpoint: No space left on device")
+    monkeypatch.setattr(checkpoint, "write", full_disk)
+    step(shard, np.arange(10))  # neither the delta nor the shard's checkpoint is written
+    assert shard.saves.failures == 1
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [1]
+    monkeypatch.setattr(checkpoint, "write", real_write)
+    step(shard, np.arange(100, 105))  # the next delta holds the rows the failed one would have
+    assert shard.saves.failures == 0
+    restored = make_shard(tmp_path)
+    assert restored.step == 3 and snapshot(table(restored)) == snapshot(table(shard))
+
+
+def test_non_finite_rows_go_back_past_a_checkpoint_whose_row_files_are_damaged(tmp_path: Path) -> None:
+    shard = make_shard(tmp_path)
+    step(shard, np.arange(300))
+    good = snapshot(table(shard))
+    step(shard, np.arange(10))
+    rows = tmp_path / rowcheckpoint.FOLDER
+    (rows / shard.plugin(SparseRows).saved.chain[-1]["file"]).unlink()
+    push(shard, np.arange(20, 25))
+    t = table(shard)
+    t.values[np.flatnonzero(t.dirty[: t.n])] = np.nan  # an update overflowed
+    shard.step += 1
+    shard.checkpoint_now()
+    assert shard.step == 1 and snapshot(table(shard)) == good
+    assert (tmp_path / (checkpoint.file_name(2) + ".corrupt")).exists()
+
+
 def test_a_crash_between_the_rows_and_the_checkpoint_loses_nothing_saved(tmp_path: Path) -> None:
     shard = make_shard(tmp_path)
     step(shard, np.arange(300))

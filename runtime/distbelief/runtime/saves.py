@@ -2,8 +2,9 @@
 
 A checkpoint is written when the step moved and the interval passed (or at once when
 asked: at the end, on DONE, on a Sandblaster commit). A checkpoint that cannot be written
-is logged and tried again at the next interval; a state with a non-finite value is never
-written, the shard goes back to its newest checkpoint instead.
+(or a row file it would name: rowcheckpoint.py) is logged and tried again at the next
+interval; a state with a non-finite value is never written, the shard goes back to its
+newest checkpoint that restores whole instead.
 """
 
 from __future__ import annotations
