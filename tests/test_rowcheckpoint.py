@@ -162,15 +162,16 @@ def test_a_damaged_delta_is_reported_and_the_previous_checkpoint_restored(tmp_pa
     assert again.step == 3 and snapshot(table(again)) == snapshot(table(restored))
 
 
+def _full_disk(*args: object, **kwargs: object) -> str:
+    raise errors.CheckpointError("cannot write checkpoint: No space left on device")
+
+
 def test_a_checkpoint_that_fails_after_its_delta_keeps_the_delta_in_the_chain(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     shard = make_shard(tmp_path)
     step(shard, np.arange(300))
     real_save = checkpoint.save
-
-    def full_disk(*args: object, **kwargs: object) -> str:
-        raise errors.CheckpointError("cannot write checkpoint: No space left on device")
-    monkeypatch.setattr(checkpoint, "save", full_disk)
+    monkeypatch.setattr(checkpoint, "save", _full_disk)
     step(shard, np.arange(10))  # the delta is written, the shard's checkpoint is not
     monkeypatch.setattr(checkpoint, "save", real_save)
     step(shard, np.arange(100, 105))
@@ -183,10 +184,7 @@ def test_a_row_file_that_cannot_be_written_is_a_failed_checkpoint_and_training_g
     shard = make_shard(tmp_path)
     step(shard, np.arange(300))
     real_write = checkpoint.write
-
-    def full_disk(*args: object, **kwargs: object) -> str:
-        raise errors.CheckpointError("cannot write checkpoint: No space left on device")
-    monkeypatch.setattr(checkpoint, "write", full_disk)
+    monkeypatch.setattr(checkpoint, "write", _full_disk)
     step(shard, np.arange(10))  # neither the delta nor the shard's checkpoint is written
     assert shard.saves.failures == 1
     assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [1]
