@@ -6,8 +6,9 @@
 Runs, in this order, each in its own process: runtime_bench.py (memcpy, apply, pull,
 push), mlp_step_bench.py, e2e_bench.py (our jobs in local mode, their one-process
 baselines and parallel efficiency), torch_peers_bench.py (DDP gloo and an RPC parameter
-server), sparse_bench.py (embedding rows), backups_bench.py (shard copies), partition_bench.py
-(model-parallel replicas), staleness_bench.py (bounded staleness) and operator_bench.py. Their figures go into --json, written afresh: every figure
+server), sparse_bench.py and sparse_table_bench.py (embedding rows), backups_bench.py (shard
+copies), partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness)
+and operator_bench.py. Their figures go into --json, written afresh: every figure
 in it is from this run; each is a median with its min and max.
 
 A run that crashes is retried once and then recorded under "failures" with its exit code,
@@ -118,6 +119,8 @@ def measure(runs: int, scale: float) -> dict:
         results["efficiency"] = ours["efficiency"]
     if sparse := run_json("sparse_bench.py", failures, "--runs", str(runs)):
         results["sparse"] = sparse["sparse"]
+    if table := run_json("sparse_table_bench.py", failures):  # one run: minutes and ~5 GB
+        results["sparse"] = {**results.get("sparse", {}), **table["sparse"]}
     if backups := run_json("backups_bench.py", failures, "--runs", str(min(runs, 3))):
         results["backups"] = backups["backups"]
     if partitions := run_json("partition_bench.py", failures, "--runs", str(min(runs, 3))):

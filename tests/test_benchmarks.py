@@ -19,6 +19,7 @@ import figures  # noqa: E402
 import mnist_sized  # noqa: E402
 import plot_results  # noqa: E402
 import run_all  # noqa: E402
+import sparse_table_bench  # noqa: E402
 
 from distbelief.operator import spec  # noqa: E402
 from distbelief.runtime import data  # noqa: E402
@@ -205,3 +206,14 @@ def test_the_plot_draws_what_results_hold(tmp_path) -> None:
     plot_results.plot({"memcpy_gbps": figure(10.0), "examples_per_s": {"distbelief": figure(1e4)},
                        "efficiency": {"compute_bound": figure(0.3), "large_dense": FAILED}}, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_table_bench_fills_real_shard_processes_and_reads_their_memory() -> None:
+    """A small table through the same path as the 800M-parameter figure: every pushed key is
+    a row in a shard process, and the figures are read from those processes."""
+    result = sparse_table_bench.measure(rows=30_000, dim=4, shards=2)
+    assert result["rows"] == 30_000 and result["params"] == 120_000
+    assert len(result["rss_bytes_per_shard"]) == 2
+    assert result["rss_bytes_total"] == sum(result["rss_bytes_per_shard"]) > result["idle_rss_bytes_total"] > 0
+    assert result["peak_rss_bytes_total"] >= result["rss_bytes_total"]
+    assert result["fill_rows_per_s"] > 0

@@ -391,3 +391,29 @@ def test_a_folder_replaced_by_a_file_right_after_a_write_lists_no_checkpoints(tm
     target.write_text("not a folder")
     assert checkpoint.list_checkpoints(str(target)) == []
     checkpoint._prune(str(target), keep=1)  # nothing to prune, and no error
+
+
+def test_a_checkpoint_its_loader_finds_corrupt_is_set_aside_and_the_previous_one_taken(tmp_path):
+    """accept stands for the shard's plugins: one may find a file the checkpoint names damaged."""
+    for step in (1, 2):
+        checkpoint.save(str(tmp_path), make(step, meta={"rows": f"rows-{step}"}), keep=3)
+    taken = []
+
+    def accept(ckpt: Checkpoint) -> None:
+        if ckpt.meta["rows"] == "rows-2":
+            raise errors.CorruptCheckpoint("rows-2: checksum mismatch")
+        taken.append(ckpt.step)
+    assert checkpoint.restore_latest(str(tmp_path), layout=LAYOUT, shard=SHARD, accept=accept).step == 1
+    assert taken == [1]
+    assert (tmp_path / (checkpoint.file_name(2) + ".corrupt")).exists()
+
+
+def test_read_meta_reads_the_header_only_and_names_a_bad_one(tmp_path):
+    path = Path(checkpoint.save(str(tmp_path), make(4, meta={"chain": ["a"]}), keep=3))
+    blob = path.read_bytes()
+    path.write_bytes(blob[:-8])  # damaged data: the header alone still reads
+    assert checkpoint.read_meta(str(path)) == {"chain": ["a"]}
+    path.write_bytes(blob[:20])
+    with pytest.raises(errors.CorruptCheckpoint, match="truncated header"):
+        checkpoint.read_meta(str(path))
+    assert checkpoint.write(str(path), make(4)) == checkpoint.load(str(path)).sha256

@@ -201,6 +201,8 @@ def build(spec: Spec, seq: int) -> list[bytes]:
 # -- the oracle: what the protocol's rules say a message must do --------------------
 
 
+STATUSES = {s.value for s in protocol.Status}      # the protocol's statuses (STALE included)
+ERROR_CODES = {e.value for e in protocol.ErrorCode}  # and error codes (STATE included)
 OLD = "old-version"  # a version-1 header: the answer is an error in version 1's format
 
 
@@ -214,8 +216,8 @@ def expected(frames: list[bytes]) -> tuple[str, np.ndarray | None]:
     if len(head) != HEADER.size:
         return DROP, None
     magic, version, op, status, error, shard, _, _, layout, _, count = HEADER.unpack(head)
-    if magic != b"DB" or version != VERSION or op not in protocol.OPS or status > max(protocol.Status) \
-            or error > max(protocol.ErrorCode):
+    if magic != b"DB" or version != VERSION or op not in protocol.OPS or status not in STATUSES or \
+            error not in ERROR_CODES:
         return DROP, None
     if shard != 0 or layout != LAYOUT.hash or op not in (HELLO, PULL, PUSH, PUSH_PULL, STATS, DONE):
         return ERROR, None  # Sandblaster's ops are not a Downpour shard's

@@ -14,7 +14,7 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import dense, errors, protocol, replication, transport
+from distbelief.runtime import checkpoint, dense, errors, protocol, replication, rowcheckpoint, transport
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.copywatch import BACKUP, PRIMARY
 from distbelief.runtime.dense import DenseSlice
@@ -253,6 +253,48 @@ def test_sparse_rows_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> 
     np.testing.assert_array_equal(after, before)
     copies.stop()
 
+
+
+def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_are_incremental(
+        tmp_path: Path) -> None:
+    """Beyond full_write_bytes the primary's checkpoints name row files on its own disk; a
+    copy catching up on another node gets the rows themselves, and writes its own base."""
+    def rows(shard: Shard) -> None:
+        shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5, full_write_bytes=50 * (4 + 5) * 4))
+
+    copies = Copies(tmp_path, attach=rows)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    client, rng = RowClient(copies.group(), dim=4), np.random.default_rng(4)
+    link = transport.default().link(copies.addresses, None)
+    copies.kill(1)
+    primary = copies.copy(0)
+    for keys in (np.arange(0, 1000, 2), np.arange(1000, 1200, 2)):  # a base of 500 rows, a delta of 100
+        keys = keys.astype(np.int64)
+        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+        _push(link, seq=primary.step + 1, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))  # a step
+        primary.checkpoint_now()
+    chain = checkpoint.read_meta(checkpoint.list_checkpoints(str(tmp_path / "copy-0"))[0])[rowcheckpoint.CHAIN]
+    assert [entry["file"].split("-")[0] for entry in chain] == ["base", "delta"]
+    returned = copies.start(1, folder=str(tmp_path / "empty"))  # a new node: nothing on disk
+    _until(lambda: copies.in_sync(0, 1), "the returned copy rejoins")
+    keys = np.arange(0, 1200, 2, dtype=np.int64)
+    before, _ = client.pull(keys)
+    table = {rank: copies.copy(rank).plugin(SparseRows).saved.whole()[0] for rank in (0, 1)}
+    assert table[1]["sparse.accumulators"].size == 600
+    for name in table[0]:
+        np.testing.assert_array_equal(table[0][name], table[1][name], err_msg=name)
+    _push(link, seq=primary.step + 1, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
+    returned.checkpoint_now()  # its own checkpoints stand on files in its own folder
+    chain = checkpoint.read_meta(checkpoint.list_checkpoints(str(tmp_path / "empty"))[0])[rowcheckpoint.CHAIN]
+    assert [entry["rows"] for entry in chain] == [600]
+    assert (tmp_path / "empty" / rowcheckpoint.FOLDER / chain[0]["file"]).is_file()
+    copies.kill(0)
+    after, _ = client.pull(keys)  # from copy 1, now the primary
+    np.testing.assert_array_equal(after, before)
+    link.close()
+    copies.stop()
 
 
 def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies) -> None:

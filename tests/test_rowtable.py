@@ -28,12 +28,13 @@ def test_lookup_finds_every_created_row_across_growth() -> None:
 
 def test_colliding_keys_in_one_batch_all_get_their_own_slot() -> None:
     table = RowTable(DIM, learning_rate=0.1, seed=1)
-    slots = table._slot_keys.size
-    keys = np.arange(50, dtype=np.int64)
-    hashed = rowtable.mix(keys) & np.uint64(slots - 1)
-    same_slot = keys[hashed == hashed[0]]
-    # Many keys on a few slots: linear probing has to resolve clashes within one round.
-    crowd = np.unique(np.r_[same_slot, np.arange(0, 4000, 3)])
+    keys = np.arange(200_000, dtype=np.int64)
+    homes = table._home(keys)
+    same_slot = keys[homes == homes[0]]
+    # Many keys on one slot (fewer than MIN_ROWS in all, so the index is not rebuilt):
+    # linear probing has to resolve clashes within one round.
+    crowd = np.unique(np.r_[same_slot, np.arange(0, 2400, 3)])
+    assert same_slot.size > 20 and crowd.size < rowtable.MIN_ROWS
     table.update(crowd, np.ones((crowd.size, DIM), np.float32), now=0.0)
     np.testing.assert_array_equal(table.keys[table.lookup(crowd)], crowd)
 
@@ -82,6 +83,19 @@ def test_a_row_is_created_by_its_admitted_push_only() -> None:
     assert not np.allclose(table.rows(keys[:1]), initial_rows(keys[:1], DIM, 2))
 
 
+def test_admission_counts_occurrences_not_pushes() -> None:
+    table = RowTable(DIM, learning_rate=0.5, seed=2, admit_after=3)
+    keys = np.array([5, 6, 7], dtype=np.int64)
+    g = np.ones((3, DIM), np.float32)
+    # One push: key 5 occurred 3 times in its examples, key 6 twice, key 7 once.
+    assert table.update(keys, g, now=0.0, occurrences=np.array([3, 2, 1])) == 1
+    np.testing.assert_array_equal(table.lookup(keys) >= 0, [True, False, False])
+    assert table.update(keys[1:], g[1:], now=0.0, occurrences=np.array([1, 1])) == 1  # key 6's third
+    np.testing.assert_array_equal(table.lookup(keys) >= 0, [True, True, False])
+    # A huge count admits at once and does not wrap the counter around.
+    assert table.update(keys[2:], g[2:], now=0.0, occurrences=np.array([2**32 - 1])) == 1
+
+
 def test_expiry_drops_rows_not_pushed_to_and_keeps_the_others_intact() -> None:
     table = RowTable(DIM, learning_rate=0.5, seed=2, expire_after=10.0)
     old, fresh = np.arange(0, 3000, dtype=np.int64), np.arange(3000, 3500, dtype=np.int64)
@@ -94,6 +108,21 @@ def test_expiry_drops_rows_not_pushed_to_and_keeps_the_others_intact() -> None:
     assert (table.lookup(old) == -1).all()
     np.testing.assert_array_equal(table.rows(old[:5]), initial_rows(old[:5], DIM, 2))
     assert table.nbytes() < 200_000  # memory follows the rows that are left
+
+
+def test_expiry_compacts_in_chunks_and_gives_the_memory_back(monkeypatch) -> None:
+    monkeypatch.setattr(rowtable, "CHUNK", 97)  # many chunks, with kept and dropped rows in each
+    table = RowTable(DIM, learning_rate=0.5, seed=2, expire_after=10.0)
+    keys = _keys(5000)
+    table.update(keys, np.ones((keys.size, DIM), np.float32), now=100.0)
+    fresh = keys[np.random.default_rng(1).random(keys.size) < 0.3]
+    table.update(fresh, np.full((fresh.size, DIM), 2, np.float32), now=105.0)
+    kept, full = table.rows(fresh), table.nbytes()
+    assert table.expire(now=112.0) == keys.size - fresh.size
+    np.testing.assert_array_equal(table.rows(fresh), kept)
+    np.testing.assert_array_equal(np.sort(table.keys[: table.n]), np.sort(fresh))
+    assert (table.lookup(np.setdiff1d(keys, fresh)) == -1).all()
+    assert table.nbytes() < full / 2
 
 
 def test_load_replaces_every_row() -> None:

@@ -13,13 +13,13 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.runtime import data, errors, models, protocol, sparse
+from distbelief.runtime import data, errors, models, protocol, rowcheckpoint, sparse
 from distbelief.runtime.embedding import EmbeddingModel
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import WorkerMetrics
 from distbelief.runtime.protocol import Header, Status
 from distbelief.runtime.rowtable import EPSILON, initial_rows
-from distbelief.runtime.sparse import Keys, RowClient, SparseRows, owner_of
+from distbelief.runtime.sparse import KeyCounts, Keys, RowClient, SparseRows, owner_of
 from distbelief.runtime.sparse_worker import SparseWorker, held_out_inputs
 from distbelief.runtime.worker import WorkerSettings
 
@@ -45,6 +45,10 @@ def live(tmp_path: Path) -> Iterator[LiveShards]:
 
 def _tables(live: LiveShards) -> list:
     return [s.plugin(SparseRows).table for s in live.shards]
+
+
+def _pushed(keys: np.ndarray) -> KeyCounts:
+    return KeyCounts(keys, np.ones(keys.size, np.int64))
 
 
 def _keys(n: int, seed: int = 0) -> np.ndarray:
@@ -92,7 +96,7 @@ def test_a_resent_sparse_push_is_applied_once(live: LiveShards) -> None:
     keys = _keys(200)
     mine = keys[owner_of(keys, 2) == 0][:8]
     frames = [Header(op=sparse.SPARSE_PUSH.code, shard=0, layout=LAYOUT.hash, seq=5, worker=9,
-                     count=mine.size * DIM).pack(), Keys(mine).pack(), np.ones(mine.size * DIM, np.float32).tobytes()]
+                     count=mine.size * DIM).pack(), _pushed(mine).pack(), np.ones(mine.size * DIM, np.float32).tobytes()]
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.connect(live.addresses[0])
     for _ in range(3):
@@ -109,7 +113,7 @@ def test_keys_sent_to_a_shard_that_does_not_own_them_are_refused(live: LiveShard
     theirs = keys[owner_of(keys, 2) == 1][:4]
     group = live.group()
     with pytest.raises(errors.ShardRefused, match="another shard owns"):
-        group.request(sparse.SPARSE_PUSH, meta=[Keys(theirs), Keys(theirs[:0])],
+        group.request(sparse.SPARSE_PUSH, meta=[_pushed(theirs), _pushed(theirs[:0])],
                       array=[np.ones(theirs.size * DIM, np.float32), np.zeros(0, np.float32)])
     assert [t.n for t in _tables(live)] == [0, 0]
 
@@ -122,15 +126,19 @@ def _hostile_sparse(rng: random.Random, mine: np.ndarray) -> list[list[bytes]]:
         return [Header(op=sparse.SPARSE_PUSH.code, shard=0, layout=LAYOUT.hash, seq=rng.getrandbits(30),
                        worker=rng.getrandbits(30), count=n).pack(), keys_frame, raw]
 
-    good, ones = Keys(mine).pack(), np.ones(mine.size * DIM)
-    duplicate = Keys(np.r_[mine, mine[:1]]).pack()
-    negative = Keys(np.r_[mine[:-1], np.int64(-5)]).pack()
+    good, ones = _pushed(mine).pack(), np.ones(mine.size * DIM)
+    duplicate = _pushed(np.r_[mine, mine[:1]]).pack()
+    negative = _pushed(np.r_[mine[:-1], np.int64(-5)]).pack()
+    pull_good, pull_duplicate = Keys(mine).pack(), Keys(np.r_[mine, mine[:1]]).pack()
+    never_seen = KeyCounts(mine, np.r_[np.ones(mine.size - 1, np.int64), 0]).pack()
     kinds = [
         lambda: push(good, np.full(mine.size * DIM, np.nan)),
         lambda: push(good, np.r_[ones[:-1], np.inf]),
         lambda: push(good, ones[:-DIM]),                          # fewer rows than keys
         lambda: push(good, ones, count=ones.size + 1),            # header count disagrees
         lambda: push(good[:-3], ones),                            # truncated key list
+        lambda: push(Keys(mine).pack(), ones),                    # keys without their occurrence counts
+        lambda: push(never_seen, ones),                           # a pushed key that occurred 0 times
         lambda: push(good + b"\0" * 8, ones),                     # more bytes than its count
         lambda: push(struct.pack("<I", sparse.MAX_KEYS + 1), ones),
         lambda: push(struct.pack("<I", 2**32 - 1) + good[4:], ones),
@@ -138,9 +146,9 @@ def _hostile_sparse(rng: random.Random, mine: np.ndarray) -> list[list[bytes]]:
         lambda: push(duplicate, np.ones((mine.size + 1) * DIM)),
         lambda: push(negative, ones),
         lambda: push(good, ones.astype(np.float64).tobytes()),    # float64 rows
-        lambda: [Header(op=sparse.SPARSE_PULL.code, shard=0, layout=LAYOUT.hash).pack(), duplicate],
-        lambda: [Header(op=sparse.SPARSE_PULL.code, shard=0, layout=LAYOUT.hash, count=4).pack(), good],
-        lambda: [Header(op=sparse.SPARSE_PULL.code, shard=0, layout=LAYOUT.hash).pack(), good, good],
+        lambda: [Header(op=sparse.SPARSE_PULL.code, shard=0, layout=LAYOUT.hash).pack(), pull_duplicate],
+        lambda: [Header(op=sparse.SPARSE_PULL.code, shard=0, layout=LAYOUT.hash, count=4).pack(), pull_good],
+        lambda: [Header(op=sparse.SPARSE_PULL.code, shard=0, layout=LAYOUT.hash).pack(), pull_good, pull_good],
         lambda: [Header(op=sparse.SPARSE_PULL.code, shard=0, layout=LAYOUT.hash).pack(),
                  rng.randbytes(rng.randint(0, 100))],
     ]
@@ -193,9 +201,9 @@ def test_a_restarted_shard_gets_its_rows_back_from_the_checkpoint(tmp_path: Path
 
 def test_keys_survive_the_checkpoints_float32_encoding_exactly() -> None:
     keys = np.array([0, 1, 2**21 - 1, 2**21, 2**42 + 5, 2**63 - 1], dtype=np.int64)
-    parts = sparse._key_parts(keys)
+    parts = rowcheckpoint.key_parts(keys)
     assert parts.dtype == np.float32 and np.isfinite(parts).all()
-    np.testing.assert_array_equal(sparse._keys_from_parts(parts), keys)
+    np.testing.assert_array_equal(rowcheckpoint.keys_from_parts(parts), keys)
 
 
 def test_more_keys_than_one_request_may_carry_go_in_several(live: LiveShards, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,6 +239,18 @@ def test_admission_counts_and_rows_survive_a_restart(tmp_path: Path) -> None:
         second.stop()
 
 
+def test_a_key_that_occurs_admit_after_times_in_one_push_gets_its_row(tmp_path: Path) -> None:
+    live = _start(tmp_path, admit_after=3)
+    try:
+        keys = _keys(40)
+        occurrences = np.where(np.arange(keys.size) % 2 == 0, 3, 2)  # half occurred 3 times, half twice
+        RowClient(live.group(), DIM).push(keys, np.ones((keys.size, DIM), np.float32), occurrences)
+        held = np.concatenate([t.keys[: t.n] for t in _tables(live)])
+        np.testing.assert_array_equal(np.sort(held), np.sort(keys[occurrences == 3]))
+    finally:
+        live.stop()
+
+
 def test_the_shard_evicts_expired_rows_when_a_push_comes_after_the_interval(live: LiveShards) -> None:
     keys = _keys(300)
     mine = keys[owner_of(keys, 2) == 0]
@@ -262,7 +282,7 @@ def test_a_sparse_replica_moves_only_its_minibatches_rows_and_learns(tmp_path: P
                               WorkerMetrics(prom.CollectorRegistry()))
         seen: list[np.ndarray] = []
         real_push = worker.rows.push
-        worker.rows.push = lambda keys, grads: (seen.append(keys), real_push(keys, grads))[1]
+        worker.rows.push = lambda keys, *rest: (seen.append(keys), real_push(keys, *rest))[1]
         score = held_out_inputs(model, live.group(), dataset.x_test, dataset.ids_test)
         params = np.empty(layout.total, np.float32)
 

@@ -88,7 +88,7 @@ class DenseSlice:
     def array_values(self) -> int:
         return int(self.params.size)
 
-    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def checkpoint_state(self, *, transfer: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         return {"params": self.params, **self.optimizer.state()}, {OPTIMIZER_KEY: self.optimizer.name}
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:

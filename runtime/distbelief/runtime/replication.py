@@ -269,7 +269,7 @@ class Copies:
         if not 0 <= rank < self.count or rank == self.rank:
             raise errors.ProtocolError(f"JOIN from copy {rank} of a shard with {self.count} copies")
         state = {"view": self.view, "failovers": self.failovers, "commands": self.shard.last_commands.export()}
-        blob = b"".join(checkpoint.encode(self.shard.snapshot()))
+        blob = b"".join(checkpoint.encode(self.shard.snapshot(transfer=True)))
         old = self.chain.pop(rank, None)
         if old is not None:
             old.close()

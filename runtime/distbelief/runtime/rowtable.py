@@ -2,18 +2,23 @@
 
     lookup(keys)           -> row index per key, -1 where the key has no row
     rows(keys)             -> the rows' values; a key without a row gets its initial value
-    update(keys, grads)    row-wise Adagrad on the rows that exist or are admitted now
+    update(keys, grads, now, occurrences)
+                           row-wise Adagrad on the rows that exist or are admitted now
     expire(now)            drops the rows not pushed to for expire_after seconds
 
-Layout. An open-addressing index (linear probing, power-of-two capacity, load <= 1/2;
-int64 keys, int32 row numbers) maps a key to its row; the rows themselves live in dense
-arrays, appended in creation order and grown by doubling: keys int64 [n], values float32 [n, dim], one
-Adagrad accumulator float32 [n], the wall time of the last push float64 [n]. Keeping rows
-apart from the index makes growth a cheap re-insert of int64 keys (the rows are copied
-once by the doubling), makes expiry a compaction followed by an index rebuild (no
-tombstones), and makes a checkpoint the first n rows as they are. Probing is vectorised:
-every pending key moves one slot per round, so a batch costs a few numpy passes, with no
-per-row Python loop. Memory follows the rows that exist, never the id space.
+Layout. The rows live in arrays appended in creation order: keys int64 [n], values
+float32 [n, dim], one Adagrad accumulator float32 [n], the second of the last push uint32
+[n] and a changed-since-the-last-checkpoint flag bool [n]: 81 bytes a row at dim 16. An
+open-addressing index (linear probing) maps a key to its row: int32 row numbers only (the
+key is read from the rows), at a load factor between MIN_LOAD and MAX_LOAD (1/2 to 3/4: 5.3
+to 8 bytes a row). The row arrays grow by GROWTH (1/8) in place (ndarray.resize: realloc,
+which moves pages instead of copying them), so growing never holds two copies of the table
+and at most 1/8 of it is slack; the index is rebuilt, larger, when it passes MAX_LOAD (the
+old index is dropped first). Keeping rows apart from the index makes expiry a compaction
+followed by an index rebuild (no tombstones) and a checkpoint the first n rows as they
+are. Probing is vectorised: every pending key moves one slot per round, so a batch costs a
+few numpy passes, with no per-row Python loop. Memory follows the rows that exist, never
+the id space.
 
 Optimizer. Adagrad is row-wise, as TorchRec's: one accumulator per row holding the mean
 of the squared gradient over the row's elements. It keeps 1/dim of per-element Adagrad's
@@ -23,21 +28,32 @@ gradients of similar scale, so one rate per row loses little.
 
 Initial values are a counter-based hash of (key, seed, element) turned into a uniform in
 [-INIT_SCALE, INIT_SCALE): any shard, replica or restart computes the same row without
-storing or sending it. Admission counts live in a fixed array of counters indexed by key
-hash (bounded memory; two keys sharing a counter are admitted a little early).
+storing or sending it.
+
+Admission. A key gets a row once it has occurred admit_after times: an occurrence is one
+appearance of the id in a training example whose gradient a replica pushed (a minibatch
+with the id in 5 examples counts 5). The push that brings the count to admit_after creates
+the row and is applied to it; the gradients of the pushes before are dropped. Counts live
+in a fixed array of COUNTERS counters indexed by key hash (bounded memory; two keys
+sharing a counter are admitted a little early).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-EMPTY = np.int64(-1)          # an index slot without a key (valid keys are >= 0)
+EMPTY = np.int32(-1)          # an index slot without a row
 INIT_SCALE = 0.05
 EPSILON = 1e-8
 MIN_ROWS = 1024
+GROWTH = 8                    # the row arrays grow by 1/GROWTH of their size at a time
+MIN_LOAD, MAX_LOAD = 0.5, 0.75  # the index's load factor: rebuilt at MIN_LOAD when past MAX_LOAD
+CHUNK = 1 << 20               # rows per pass of an index rebuild or a compaction
 COUNTERS = 1 << 20            # admission counters (4 MiB), shared by all not-yet-admitted keys
+ROW_ARRAYS = ("keys", "values", "accumulators", "touched", "dirty")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_LOW32 = np.uint64(0xFFFFFFFF)
 
 
 def mix(keys: np.ndarray) -> np.ndarray:
@@ -71,9 +87,9 @@ class RowTable:
         self.keys = np.empty(MIN_ROWS, dtype=np.int64)
         self.values = np.empty((MIN_ROWS, dim), dtype=np.float32)
         self.accumulators = np.empty(MIN_ROWS, dtype=np.float32)
-        self.touched = np.empty(MIN_ROWS, dtype=np.float64)
-        self._slot_keys = np.full(2 * MIN_ROWS, EMPTY, dtype=np.int64)
-        self._slot_rows = np.empty(2 * MIN_ROWS, dtype=np.int32)  # rows per shard < 2**31
+        self.touched = np.empty(MIN_ROWS, dtype=np.uint32)   # whole seconds of the Unix epoch
+        self.dirty = np.zeros(MIN_ROWS, dtype=bool)          # changed since clean() (incremental checkpoints)
+        self._index = np.full(_index_size(0), EMPTY, dtype=np.int32)  # rows per shard < 2**31
         self.counts = np.zeros(COUNTERS, dtype=np.uint32) if admit_after > 1 else None
 
     # -- reading -------------------------------------------------------------------------
@@ -81,16 +97,17 @@ class RowTable:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """The row index of each key, -1 for a key without a row."""
         found = np.full(keys.size, -1, dtype=np.int64)
-        mask = np.uint64(self._slot_keys.size - 1)
-        slots = (mix(keys) & mask).astype(np.int64)
+        slots = self._home(keys)
         pending = np.arange(keys.size)
         while pending.size:
             at = slots[pending]
-            held = self._slot_keys[at]
-            hit = held == keys[pending]
-            found[pending[hit]] = self._slot_rows[at[hit]]
-            pending = pending[~hit & (held != EMPTY)]
-            slots[pending] = (slots[pending] + 1) & int(mask)
+            row = self._index[at]
+            occupied = row != EMPTY
+            hit = occupied.copy()
+            hit[occupied] = self.keys[row[occupied]] == keys[pending[occupied]]
+            found[pending[hit]] = row[hit]
+            pending = pending[occupied & ~hit]
+            slots[pending] = self._next(slots[pending])
         return found
 
     def rows(self, keys: np.ndarray) -> np.ndarray:
@@ -105,13 +122,15 @@ class RowTable:
 
     # -- writing -------------------------------------------------------------------------
 
-    def update(self, keys: np.ndarray, grads: np.ndarray, now: float) -> int:
+    def update(self, keys: np.ndarray, grads: np.ndarray, now: float, occurrences: np.ndarray | None = None) -> int:
         """Row-wise Adagrad on the rows of keys (unique), creating the admitted ones; returns
-        how many rows were updated (a key not yet admitted is only counted)."""
+        how many rows were updated. occurrences: how many times each key occurred in the
+        pushed examples (None: once each); a key not yet admitted is only counted."""
         index = self.lookup(keys)
         missing = index < 0
         if missing.any():
-            admitted = np.flatnonzero(missing)[self._admit(keys[missing])]
+            counted = None if occurrences is None else occurrences[missing]
+            admitted = np.flatnonzero(missing)[self._admit(keys[missing], counted)]
             index[admitted] = self._create(keys[admitted])
         live = index >= 0
         rows, g = index[live], grads[live]
@@ -119,16 +138,20 @@ class RowTable:
         self.accumulators[rows] = acc
         scale = self.learning_rate / (np.sqrt(acc) + np.float32(EPSILON))
         self.values[rows] -= g * scale[:, None]
-        self.touched[rows] = now
+        self.touched[rows] = int(now)
+        self.dirty[rows] = True
         return int(rows.size)
 
-    def _admit(self, keys: np.ndarray) -> np.ndarray:
+    def _admit(self, keys: np.ndarray, occurrences: np.ndarray | None) -> np.ndarray:
         """Which of these keys (without rows) have now occurred admit_after times."""
         if self.counts is None:
             return np.ones(keys.size, dtype=bool)
         counters = (mix(keys) >> np.uint64(44)).astype(np.int64) % COUNTERS
-        np.add.at(self.counts, counters, 1)
-        return self.counts[counters] >= self.admit_after
+        add = np.ones(keys.size, dtype=np.uint32) if occurrences is None else occurrences.astype(np.uint32)
+        np.add.at(self.counts, counters, np.minimum(add, self.admit_after))
+        reached = np.minimum(self.counts[counters], self.admit_after)  # capped: a counter never wraps
+        self.counts[counters] = reached
+        return reached >= self.admit_after
 
     def _create(self, keys: np.ndarray) -> np.ndarray:
         """New rows for keys (unique, without rows) at their initial values; their indices."""
@@ -145,34 +168,43 @@ class RowTable:
         if rows > self.keys.size:
             capacity = self.keys.size
             while capacity < rows:
-                capacity *= 2
-            for name in ("keys", "values", "accumulators", "touched"):
-                old = getattr(self, name)
-                grown = np.empty((capacity, *old.shape[1:]), dtype=old.dtype)
-                grown[: self.n] = old[: self.n]
-                setattr(self, name, grown)
-        if 2 * rows > self._slot_keys.size:
-            self._rebuild_index(max(2 * self._slot_keys.size, _power_of_two(2 * rows)))
+                capacity += capacity // GROWTH
+            self._resize(capacity)
+        if rows > MAX_LOAD * self._index.size:
+            self._rebuild_index(rows)
 
-    def _rebuild_index(self, slots: int) -> None:
-        self._slot_keys = np.full(slots, EMPTY, dtype=np.int64)
-        self._slot_rows = np.empty(slots, dtype=np.int32)
-        self._insert(self.keys[: self.n], np.arange(self.n))
+    def _resize(self, capacity: int) -> None:
+        for name in ROW_ARRAYS:  # in place: no other reference to these arrays outlives a request
+            getattr(self, name).resize((capacity, *getattr(self, name).shape[1:]), refcheck=False)
+
+    def _rebuild_index(self, rows: int) -> None:
+        self._index = np.empty(0, dtype=np.int32)  # dropped first: never two indexes at once
+        self._index = np.full(_index_size(rows), EMPTY, dtype=np.int32)
+        for start in range(0, self.n, CHUNK):  # in chunks: the probing temporaries stay small
+            stop = min(self.n, start + CHUNK)
+            self._insert(self.keys[start:stop], np.arange(start, stop))
 
     def _insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Put keys (unique, absent) into the index. Keys probing to the same free slot in
-        one round all write it; the one whose key stays there has it, the others probe on."""
-        mask = self._slot_keys.size - 1
-        slots = (mix(keys) & np.uint64(mask)).astype(np.int64)
+        one round all write it; the one whose row stays there has it, the others probe on."""
+        slots = self._home(keys)
         pending = np.arange(keys.size)
         while pending.size:
             at = slots[pending]
-            free = self._slot_keys[at] == EMPTY
-            self._slot_keys[at[free]] = keys[pending[free]]
-            won = free & (self._slot_keys[at] == keys[pending])
-            self._slot_rows[at[won]] = rows[pending[won]]
+            free = self._index[at] == EMPTY
+            self._index[at[free]] = rows[pending[free]]
+            won = free & (self._index[at] == rows[pending])
             pending = pending[~won]
-            slots[pending] = (slots[pending] + 1) & mask
+            slots[pending] = self._next(slots[pending])
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's first slot: the low 32 bits of its hash scaled to the index size."""
+        return (((mix(keys) & _LOW32) * np.uint64(self._index.size)) >> np.uint64(32)).astype(np.int64)
+
+    def _next(self, slots: np.ndarray) -> np.ndarray:
+        following = slots + 1
+        following[following == self._index.size] = 0
+        return following
 
     # -- expiry and state ----------------------------------------------------------------
 
@@ -183,27 +215,58 @@ class RowTable:
         keep = self.touched[: self.n] >= now - self.expire_after
         dropped = self.n - int(keep.sum())
         if dropped:
-            self.load(self.keys[: self.n][keep], self.values[: self.n][keep],
-                      self.accumulators[: self.n][keep], self.touched[: self.n][keep])
+            self._compact(keep)
         return dropped
 
+    def _compact(self, keep: np.ndarray) -> None:
+        """Move the kept rows down over the dropped ones, in place and a chunk at a time (a
+        copy of the whole table would double its memory), then rebuild the index."""
+        kept = 0
+        for start in range(0, self.n, CHUNK):
+            chosen = start + np.flatnonzero(keep[start:start + CHUNK])
+            for name in ROW_ARRAYS:  # rows only move down: a chunk never overwrites one not yet read
+                array = getattr(self, name)
+                array[kept:kept + chosen.size] = array[chosen]
+            kept += chosen.size
+        self.n = kept
+        self._resize(max(MIN_ROWS, kept + kept // GROWTH))  # the freed tail goes back to the system
+        self._rebuild_index(kept)
+
     def load(self, keys: np.ndarray, values: np.ndarray, accumulators: np.ndarray, touched: np.ndarray) -> None:
-        """Replace every row (a restore, or the survivors of an expiry)."""
-        keys, values = np.array(keys, dtype=np.int64), np.array(values, dtype=np.float32)
-        accumulators, touched = np.array(accumulators, dtype=np.float32), np.array(touched, dtype=np.float64)
-        capacity = max(MIN_ROWS, _power_of_two(keys.size))
-        self.keys = np.resize(keys, capacity)
-        self.values = np.resize(values, (capacity, self.dim))
-        self.accumulators = np.resize(accumulators, capacity)
-        self.touched = np.resize(touched, capacity)
-        self.n = keys.size
-        self._rebuild_index(max(2 * MIN_ROWS, _power_of_two(2 * keys.size)))
+        """Replace every row (a restore, or the survivors of an expiry); none is dirty after."""
+        n = keys.size
+        capacity = max(MIN_ROWS, n)
+        self.keys = _filled(np.int64, (capacity,), keys)
+        self.values = _filled(np.float32, (capacity, self.dim), values)
+        self.accumulators = _filled(np.float32, (capacity,), accumulators)
+        self.touched = _filled(np.uint32, (capacity,), np.round(touched))
+        self.dirty = np.zeros(capacity, dtype=bool)
+        self.n = n
+        self._rebuild_index(n)
+
+    def put(self, keys: np.ndarray, values: np.ndarray, accumulators: np.ndarray, touched: np.ndarray) -> None:
+        """Set the rows of keys (unique) as given, creating the missing ones (a delta's rows)."""
+        index = self.lookup(keys)
+        missing = index < 0
+        index[missing] = self._create(keys[missing])
+        self.values[index], self.accumulators[index] = values, accumulators
+        self.touched[index] = np.round(touched)
+
+    def clean(self) -> None:
+        """Mark every row as saved: dirty flags count from here."""
+        self.dirty[: self.n] = False
 
     def nbytes(self) -> int:
         """Memory held by the rows and the index (what a shard's RSS follows)."""
-        arrays = (self.keys, self.values, self.accumulators, self.touched, self._slot_keys, self._slot_rows)
+        arrays = [getattr(self, name) for name in ROW_ARRAYS] + [self._index]
         return sum(a.nbytes for a in arrays) + (0 if self.counts is None else self.counts.nbytes)
 
 
-def _power_of_two(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
+def _filled(dtype: type, shape: tuple[int, ...], data: np.ndarray) -> np.ndarray:
+    array = np.empty(shape, dtype=dtype)
+    array[: len(data)] = data
+    return array
+
+
+def _index_size(rows: int) -> int:
+    return max(2 * MIN_ROWS, int(rows / MIN_LOAD) + 1)

@@ -2,8 +2,9 @@
 
 A checkpoint is written when the step moved and the interval passed (or at once when
 asked: at the end, on DONE, on a Sandblaster commit). A checkpoint that cannot be written
-is logged and tried again at the next interval; a state with a non-finite value is never
-written, the shard goes back to its newest checkpoint instead.
+(or a row file it would name: rowcheckpoint.py) is logged and tried again at the next
+interval; a state with a non-finite value is never written, the shard goes back to its
+newest checkpoint that restores whole instead.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ class CheckpointSchedule:
         shard = self.shard
         if self.last[1] == shard.step and not self._finished_unsaved():
             return
-        ckpt = shard.snapshot()
-        if not all(np.isfinite(array).all() for array in ckpt.arrays.values()):
-            self._recover_from_non_finite_state()
-            return
         folder = shard.settings.checkpoint_dir
         try:
+            ckpt = shard.snapshot()  # a plugin may write files of its own first (sparse.py's rows)
+            if not all(np.isfinite(array).all() for array in ckpt.arrays.values()):
+                self._recover_from_non_finite_state()
+                return
             path = checkpoint.save(folder, ckpt, keep=shard.settings.checkpoint_keep)
         except errors.CheckpointError as exc:
             # Training goes on from memory; the previous checkpoints are untouched, and the
@@ -76,13 +77,14 @@ class CheckpointSchedule:
         all of which were finite when written; without one, stop and be restarted afresh."""
         shard = self.shard
         shard.metrics.non_finite.inc()
-        ckpt = checkpoint.restore_latest(shard.settings.checkpoint_dir, layout=shard.layout.hash, shard=shard.index)
+        step = shard.step
+        ckpt = checkpoint.restore_latest(shard.settings.checkpoint_dir, layout=shard.layout.hash, shard=shard.index,
+                                         accept=shard.load)
         if ckpt is None:
             raise errors.RuntimeFailure(f"shard {shard.index}: its state holds non-finite values and no checkpoint "
                                         "to go back to")
         log.error("event=non_finite_state shard=%d step=%d action=restored_checkpoint checkpoint_step=%d",
-                  shard.index, shard.step, ckpt.step)
-        shard.load(ckpt)
+                  shard.index, step, ckpt.step)
 
     def _finished_unsaved(self) -> bool:
         return self.shard.finished is not None and not self.saved_finished

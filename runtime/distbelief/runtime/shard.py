@@ -113,11 +113,11 @@ class Shard:
             os.makedirs(self.settings.checkpoint_dir, exist_ok=True)
         except OSError as exc:
             raise errors.CheckpointError(f"cannot create checkpoint folder {self.settings.checkpoint_dir}: {exc}") from exc
-        ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index)
+        ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index,
+                                         accept=self.load)
         if ckpt is None:
             log.info("event=fresh_start shard=%d", self.index)
             return
-        self.load(ckpt)
         self.take_meta(ckpt.meta)
         self.restarts = int(ckpt.meta.get("restarts", 0)) + 1
         log.info("event=restored shard=%d step=%d restarts=%d finished=%s",
@@ -359,13 +359,14 @@ class Shard:
         """Write a checkpoint of the current state if it differs from the last one."""
         self.saves.now()
 
-    def snapshot(self) -> checkpoint.Checkpoint:
-        """The whole state, as a checkpoint holds it (the arrays are the live ones, not copies)."""
+    def snapshot(self, *, transfer: bool = False) -> checkpoint.Checkpoint:
+        """The state for the next checkpoint (the arrays are the live ones, not copies); with
+        transfer, the whole state in memory, for a copy catching up (no row files named)."""
         meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
                 "examples": self.examples_total}
         arrays: dict[str, np.ndarray] = {}
-        for plugin in self.plugins:
-            plugin_arrays, plugin_meta = plugin.checkpoint_state()
+        for plugin in self.plugins:  # a plugin may write files of its own (sparse.py's rows), unless transfer
+            plugin_arrays, plugin_meta = plugin.checkpoint_state(transfer=transfer)
             arrays.update(plugin_arrays)
             meta.update(plugin_meta)
         return checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index, arrays=arrays,

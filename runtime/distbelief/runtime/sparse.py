@@ -12,13 +12,9 @@ keys_per_request(dim) per shard and request, unique, each owned by the shard it 
 rows in the float32 array frame (count x dim). Sparse pushes do not advance the shard's
 step: in a job with embeddings the dense push that follows them does.
 
-Checkpoints take the whole table every interval (checkpoint_state): n rows cost
-n x (dim + 5) x 4 bytes (values, accumulator, last push time, the key as three exact
-21-bit float32 parts: checkpoints hold float32 arrays only). A full write suits tables up
-to about 10M rows of dim 16 per shard (~0.8 GB, a few seconds of disk per interval, and
-as much memory again while the file is read back); beyond that an incremental write of
-the rows pushed since the last checkpoint is needed, and is not done yet. With
-admitAfter > 1 the admission counters (4 MiB) are saved too.
+Checkpoints: rowcheckpoint.py (the whole table up to FULL_WRITE_BYTES per shard, a base
+and deltas of the rows pushed since beyond it). With admitAfter > 1 the admission
+counters (4 MiB) are saved in every checkpoint too.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from distbelief.runtime import checkpoint, errors, protocol
 from distbelief.runtime.client import Reply, ShardGroup
 from distbelief.runtime.plugin import Answer, Handler
 from distbelief.runtime.protocol import Message, OpSpec
+from distbelief.runtime.rowcheckpoint import FULL_WRITE_BYTES, STATE_PREFIX, RowCheckpoints
 from distbelief.runtime.rowtable import RowTable, mix
 from distbelief.runtime.shard import Shard
 
@@ -43,9 +40,9 @@ log = logging.getLogger(__name__)
 MAX_KEYS = 1 << 18          # keys in one request to one shard
 MAX_ROW_VALUES = 1 << 24    # float32 values of rows in one request (64 MiB): fewer keys when dim is large
 KEY_BITS = 63
-KEY_PART_BITS = 21          # a key saved as three float32 integers below 2**21 (exact)
 EXPIRY_CHECKS = 8           # look for expired rows this many times per expireAfterSeconds
 KEY_DTYPE = np.dtype("<i8")
+OCCURRENCE_DTYPE = np.dtype("<u4")
 
 
 def keys_per_request(dim: int) -> int:
@@ -64,23 +61,27 @@ class Keys(protocol.Payload):
 
     keys: np.ndarray
     COUNT: ClassVar[struct.Struct] = struct.Struct("<I")
+    BYTES_PER_KEY: ClassVar[int] = KEY_DTYPE.itemsize
 
     def pack(self) -> bytes:
         return self.COUNT.pack(self.keys.size) + np.ascontiguousarray(self.keys, dtype=KEY_DTYPE).tobytes()
 
     @classmethod
     def unpack(cls, frame: bytes | memoryview) -> Self:
+        payload = cls(cls._keys_of(frame))
+        payload.check()
+        return payload
+
+    @classmethod
+    def _keys_of(cls, frame: bytes | memoryview) -> np.ndarray:
         if len(frame) < cls.COUNT.size:
             raise errors.ProtocolError(f"a key list is {len(frame)} bytes, shorter than its count")
         (count,) = cls.COUNT.unpack_from(frame)
         if count > MAX_KEYS:
             raise errors.ProtocolError(f"{count} keys in one request, at most {MAX_KEYS}")
-        if len(frame) != cls.COUNT.size + count * KEY_DTYPE.itemsize:
+        if len(frame) != cls.COUNT.size + count * cls.BYTES_PER_KEY:
             raise errors.ProtocolError(f"a key list of {len(frame)} bytes does not hold the {count} keys it declares")
-        keys = np.frombuffer(frame, dtype=KEY_DTYPE, count=count, offset=cls.COUNT.size).astype(np.int64)
-        payload = cls(keys)
-        payload.check()
-        return payload
+        return np.frombuffer(frame, dtype=KEY_DTYPE, count=count, offset=cls.COUNT.size).astype(np.int64)
 
     def check(self) -> None:
         if self.keys.size and int(self.keys.min()) < 0:
@@ -89,19 +90,50 @@ class Keys(protocol.Payload):
             raise errors.ProtocolError("keys must be unique within a request")
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyCounts(Keys):
+    """Keys, then how many times each occurred in the pushed examples (uint32 each, >= 1):
+    what admission counts."""
+
+    occurrences: np.ndarray
+    BYTES_PER_KEY: ClassVar[int] = KEY_DTYPE.itemsize + OCCURRENCE_DTYPE.itemsize
+
+    def pack(self) -> bytes:
+        counts = np.minimum(self.occurrences, np.iinfo(OCCURRENCE_DTYPE).max)
+        return super().pack() + np.ascontiguousarray(counts, dtype=OCCURRENCE_DTYPE).tobytes()
+
+    @classmethod
+    def unpack(cls, frame: bytes | memoryview) -> Self:
+        keys = cls._keys_of(frame)
+        offset = cls.COUNT.size + keys.size * KEY_DTYPE.itemsize
+        occurrences = np.frombuffer(frame, dtype=OCCURRENCE_DTYPE, count=keys.size, offset=offset).astype(np.int64)
+        payload = cls(keys, occurrences)
+        payload.check()
+        return payload
+
+    def check(self) -> None:
+        super().check()
+        if self.occurrences.size != self.keys.size:
+            raise errors.ProtocolError(f"{self.occurrences.size} occurrence counts for {self.keys.size} keys")
+        if self.occurrences.size and int(self.occurrences.min()) < 1:
+            raise errors.ProtocolError("a pushed key occurs at least once")
+
+
 SPARSE_PULL = protocol.define(OpSpec(20, "SPARSE_PULL", request=Keys, reply_array=True))
-SPARSE_PUSH = protocol.define(OpSpec(21, "SPARSE_PUSH", request=Keys, request_array=True, command=True))
-STATE_PREFIX = "sparse."
+SPARSE_PUSH = protocol.define(OpSpec(21, "SPARSE_PUSH", request=KeyCounts, request_array=True, command=True))
 
 
 class SparseRows:
     """A shard's part of the embedding table: the rows whose keys it owns."""
 
     def __init__(self, shard: Shard, *, dim: int, learning_rate: float, seed: int, admit_after: int = 1,
-                 expire_after: float | None = None, max_gradient_norm: float = float("inf")) -> None:
+                 expire_after: float | None = None, max_gradient_norm: float = float("inf"),
+                 full_write_bytes: int = FULL_WRITE_BYTES) -> None:
         self.shard = shard
         self.table = RowTable(dim, learning_rate=learning_rate, seed=seed, admit_after=admit_after,
                               expire_after=expire_after)
+        self.saved = RowCheckpoints(self.table, shard.settings.checkpoint_dir, shard=shard.index,
+                                    layout=shard.layout.hash, full_write_bytes=full_write_bytes)
         self.max_gradient_norm = np.float32(min(max_gradient_norm, np.finfo(np.float32).max))
         self._next_expiry = time.time() + self._expiry_interval()
 
@@ -116,7 +148,7 @@ class SparseRows:
         return {}
 
     def array_values(self) -> int:
-        # The keys' frame (8 bytes a key) is capped by the same frame size: at least 3 values a key.
+        # The keys' frame (12 bytes a key with its count) is capped by the same frame size: 3 values a key.
         return keys_per_request(self.dim) * max(self.dim, 3)
 
     # -- ops -------------------------------------------------------------------------------
@@ -132,7 +164,7 @@ class SparseRows:
             raise errors.ProtocolError(f"a sparse push of {keys.size} keys must carry {keys.size * self.dim} "
                                        f"float32 values, got {message.header.count}")
         now = time.time()
-        self.table.update(keys, self._bounded(grads.reshape(keys.size, self.dim)), now)
+        self.table.update(keys, self._bounded(grads.reshape(keys.size, self.dim)), now, message.meta.occurrences)
         if now >= self._next_expiry:
             self._expire(now)
         return Answer()
@@ -163,6 +195,7 @@ class SparseRows:
         dropped = self.table.expire(now)
         self._next_expiry = now + self._expiry_interval()
         if dropped:
+            self.saved.rows_dropped()
             log.info("event=rows_expired shard=%d dropped=%d rows=%d", self.shard.index, dropped, self.table.n)
 
     def _expiry_interval(self) -> float:
@@ -171,43 +204,25 @@ class SparseRows:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        t, n = self.table, self.table.n
-        base = float(t.touched[:n].min()) if n else 0.0
-        arrays = {"keys": _key_parts(t.keys[:n]), "values": t.values[:n], "accumulators": t.accumulators[:n],
-                  "touched": (t.touched[:n] - base).astype(np.float32)}
+    def checkpoint_state(self, *, transfer: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        # A copy catching up gets every row: the row files a checkpoint names are on this machine.
+        arrays, meta = self.saved.whole() if transfer else self.saved.state(self.shard.step)
+        t = self.table
         if t.counts is not None:  # capped at admitAfter (<= 1e6): exact in float32
-            arrays["admission"] = np.minimum(t.counts, t.admit_after).astype(np.float32)
-        meta = {"sparseRows": n, "sparseDim": self.dim, "sparseTouchBase": base}
-        return {STATE_PREFIX + name: array for name, array in arrays.items()}, meta
+            arrays[STATE_PREFIX + "admission"] = np.minimum(t.counts, t.admit_after).astype(np.float32)
+        return arrays, {**meta, "sparseDim": self.dim}
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        if STATE_PREFIX + "values" not in ckpt.arrays:
-            return  # written before the job had embeddings: the table starts empty
         saved_dim = int(ckpt.meta.get("sparseDim", self.dim))
         if saved_dim != self.dim:
             raise errors.ConfigError(
                 f"shard {self.shard.index}: the checkpoints in {self.shard.settings.checkpoint_dir} hold embedding "
                 f"rows of dim {saved_dim}, the job asks for spec.model.embeddings.dim {self.dim}")
-        a = {name: ckpt.arrays[STATE_PREFIX + name] for name in ("keys", "values", "accumulators", "touched")}
-        n = a["accumulators"].size
-        self.table.load(_keys_from_parts(a["keys"]), a["values"].reshape(n, self.dim), a["accumulators"],
-                        a["touched"].astype(np.float64) + float(ckpt.meta.get("sparseTouchBase", 0.0)))
+        n = self.saved.restore(ckpt)
         counts = ckpt.arrays.get(STATE_PREFIX + "admission")
         if self.table.counts is not None and counts is not None and counts.size == self.table.counts.size:
             self.table.counts[...] = counts
         log.info("event=rows_restored shard=%d rows=%d", self.shard.index, n)
-
-
-def _key_parts(keys: np.ndarray) -> np.ndarray:
-    """Keys as [n, 3] float32 integers below 2**21: exact, and finite as checkpoints require."""
-    mask = (1 << KEY_PART_BITS) - 1
-    return np.stack([(keys >> (KEY_PART_BITS * i)) & mask for i in range(3)], axis=1).astype(np.float32)
-
-
-def _keys_from_parts(parts: np.ndarray) -> np.ndarray:
-    p = parts.reshape(-1, 3).astype(np.int64)
-    return p[:, 0] | (p[:, 1] << KEY_PART_BITS) | (p[:, 2] << (2 * KEY_PART_BITS))
 
 
 # -- the replica's side ----------------------------------------------------------------------
@@ -219,13 +234,12 @@ class RowClient:
     def __init__(self, group: ShardGroup, dim: int) -> None:
         self.group, self.dim = group, dim
 
-    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, list[slice], list[Keys]]:
-        """The keys grouped by owner (order), each shard's span of that order, and its payload."""
+    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, list[slice]]:
+        """The keys grouped by owner (order), and each shard's span of that order."""
         owners = owner_of(keys, self.group.layout.shards)
         order = np.argsort(owners, kind="stable")
         ends = np.cumsum(np.bincount(owners, minlength=self.group.layout.shards))
-        spans = [slice(int(a), int(b)) for a, b in zip(np.r_[0, ends[:-1]], ends)]
-        return order, spans, [Keys(keys[order[span]]) for span in spans]
+        return order, [slice(int(a), int(b)) for a, b in zip(np.r_[0, ends[:-1]], ends)]
 
     def pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
         """The rows of keys ([n, dim], in the keys' order) and the last shards' replies."""
@@ -236,7 +250,8 @@ class RowClient:
         return rows, replies
 
     def _pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
-        order, spans, metas = self._split(keys)
+        order, spans = self._split(keys)
+        metas = [Keys(keys[order[span]]) for span in spans]
         # Zeros: a shard that answers DONE sends no rows, and the step still computes on finite ones.
         grouped = np.zeros((keys.size, self.dim), dtype=np.float32)
         replies = self.group.request(SPARSE_PULL, meta=metas, receive_into=[grouped[s].reshape(-1) for s in spans])
@@ -244,11 +259,17 @@ class RowClient:
         rows[order] = grouped
         return rows, replies
 
-    def push(self, keys: np.ndarray, grads: np.ndarray) -> list[Reply]:
-        """Push each key's row gradient (grads [n, dim], in the keys' order) to its owner."""
+    def push(self, keys: np.ndarray, grads: np.ndarray, occurrences: np.ndarray | None = None) -> list[Reply]:
+        """Push each key's row gradient (grads [n, dim], in the keys' order) to its owner, with
+        how many times the key occurred in the examples behind it (what admission counts;
+        None: once each)."""
+        if occurrences is None:
+            occurrences = np.ones(keys.size, dtype=np.int64)
         replies: list[Reply] = []
         for chunk in self._chunks(keys.size):
-            order, spans, metas = self._split(keys[chunk])
+            order, spans = self._split(keys[chunk])
+            keys_, counts = keys[chunk][order], occurrences[chunk][order]
+            metas = [KeyCounts(keys_[span], counts[span]) for span in spans]
             grouped = np.ascontiguousarray(grads[chunk][order], dtype=np.float32)
             replies = self.group.request(SPARSE_PUSH, meta=metas, array=[grouped[s].reshape(-1) for s in spans])
         return replies

@@ -53,7 +53,7 @@ class HeldGradients:
     def array_values(self) -> int:
         return self.dense.array_values()
 
-    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def checkpoint_state(self, *, transfer: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         return {}, {}
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:

@@ -80,7 +80,7 @@ class ShardVectors:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def checkpoint_state(self, *, transfer: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         arrays = {f"{ARRAY_PREFIX}{slot}": self.vectors[slot] for slot in self.slots.durable()}
         return arrays, {STATE_KEY: self.coordinator_state}
 
