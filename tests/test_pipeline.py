@@ -222,6 +222,8 @@ def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluste
         received = link.receive()
         return protocol.unpack_header(received.header), received
 
+    link.send([b"not a header"])  # dropped: nothing to address an answer to
+    assert not tp.wait([link], 0.5)
     header, received = forward(1, view["group"] ^ 2, good)
     assert header.status == Status.ERROR and b"group" in bytes(received.frames[0])
     header, received = forward(2, view["group"], bad_labels)

@@ -296,16 +296,21 @@ class LaterPartition(PartitionPod):
         """Answer one FORWARD; True when the job is done."""
         self.metrics.bytes_in.inc(incoming.nbytes)
         try:
-            message = protocol.parse_request(incoming.frames)
+            if not incoming.frames:
+                raise errors.ProtocolError("an empty message")
+            header = protocol.unpack_header(incoming.frames[0])
+        except errors.ProtocolError as exc:  # no header to address an answer to: dropped
+            log.warning("event=rejected role=stage partition=%d reason=%r", self.stage.index, str(exc))
+            return False
+        try:
+            message = protocol.parse_request(incoming.frames, header)
             if message.spec is not FORWARD:
                 raise errors.NotServed(f"a stage serves FORWARD only, not {message.spec.name}")
             x, labels = neighbour.read_forward(message, group=self.group, width=self.stage.input_width,
                                                classes=self.settings.classes, layout=self.links.own.layout.hash)
         except errors.ProtocolError as exc:
             log.warning("event=rejected role=stage partition=%d reason=%r", self.stage.index, str(exc))
-            header = protocol.unpack_header(incoming.frames[0]) if incoming.frames else None
-            if header is not None:
-                self._send(incoming.peer, protocol.error_frames(header, protocol.error_code(exc), str(exc)))
+            self._send(incoming.peer, protocol.error_frames(header, protocol.error_code(exc), str(exc)))
             return False
         status, loss, grad = self._step(message.meta, x, labels)
         self._send(incoming.peer, neighbour.forward_reply(message.header, status, loss, grad))
