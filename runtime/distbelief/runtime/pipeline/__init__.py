@@ -4,5 +4,7 @@
     ops.py        the ops: stage to stage, replica to rendezvous, replica to shard
     staged.py     the shards' side: gradients held until their step is committed
     rendezvous.py beside shard 0: forms replica groups, one pod of each partition
+    neighbour.py  a stage's FORWARD to the next one, and the checks of one received
     replica.py    a partition pod's loop
+    evaluation.py the chief's scorer of a partitioned model, one stage at a time
 """
