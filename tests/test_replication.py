@@ -224,7 +224,9 @@ def test_copies_starting_together_elect_the_one_with_the_newest_state(tmp_path: 
     copies.start(0)
     copies.start(1)
     _until(lambda: copies.in_sync(1, 1), "copy 1, which has step 3, leads")
-    assert copies.copy(0).step == 3
+    assert copies.copy(1).step == 3
+    # The primary counts copy 0 in its chain once it sent the state; copy 0 loads it a moment later.
+    _until(lambda: copies.copy(0).step == 3, "copy 0 caught up from copy 1")
     copies.stop()
 
 
