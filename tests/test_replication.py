@@ -187,7 +187,8 @@ def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, t
     assert primary.step == 8 and primary.copies.chain == {}
     returned = pair.start(1, folder=str(tmp_path / "empty"))  # a new node: nothing on disk
     _until(lambda: pair.in_sync(0, 1), "the returned copy rejoins")
-    assert returned.copies.role == BACKUP and returned.step == 8
+    _until(lambda: returned.step == 8, "the returned copy loaded the state its primary sent")
+    assert returned.copies.role == BACKUP
     np.testing.assert_array_equal(_params(returned), _params(primary))
     last = rng.standard_normal(LAYOUT.total).astype(np.float32)
     assert _push(link, seq=9, grad=last).step == 9
@@ -281,6 +282,7 @@ def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_ar
     assert [entry["file"].split("-")[0] for entry in chain] == ["base", "delta"]
     returned = copies.start(1, folder=str(tmp_path / "empty"))  # a new node: nothing on disk
     _until(lambda: copies.in_sync(0, 1), "the returned copy rejoins")
+    _until(lambda: returned.step == primary.step, "the returned copy loaded the state its primary sent")
     keys = np.arange(0, 1200, 2, dtype=np.int64)
     before, _ = client.pull(keys)
     table = {rank: copies.copy(rank).plugin(SparseRows).saved.whole()[0] for rank in (0, 1)}
