@@ -18,7 +18,7 @@ from sklearn.metrics import roc_auc_score
 from distbelief.operator import local, report, scrape, spec
 from distbelief.runtime import contract, data, models
 
-from conftest import load_example
+from conftest import load_example, run_under_fire
 
 EXAMPLE = "ctr-sparse.yaml"
 
@@ -89,11 +89,8 @@ def test_a_killed_shard_comes_back_with_its_rows_and_the_sparse_job_completes(tm
     doc = load_example(EXAMPLE)
     doc["spec"]["training"]["maxSteps"] = 3000
     doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = 1
-    run = local.LocalRun(spec.validate_job(doc), str(tmp_path))
-    codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
-    thread.start()
-    try:
+
+    def kill_shard_1(run: local.LocalRun, _: threading.Thread) -> list:
         port = run.shards[0].ports[contract.METRICS_PORT_NAME]
         deadline = time.monotonic() + 120
         while (scrape.read(f"http://127.0.0.1:{port}/metrics").global_step or 0) < 400:
@@ -101,10 +98,9 @@ def test_a_killed_shard_comes_back_with_its_rows_and_the_sparse_job_completes(tm
             time.sleep(0.2)
         time.sleep(1.5)  # a periodic checkpoint lands
         run.shards[1].process.send_signal(signal.SIGKILL)
-        thread.join(timeout=240)
-    finally:
-        run.interrupt()
-        thread.join(timeout=60)
+        return []
+
+    _, codes, _ = run_under_fire(doc, tmp_path, kill_shard_1)
     summary = json.loads((tmp_path / report.REPORT_FILE).read_text())
     assert codes == [0] and summary["phase"] == "Succeeded"
     assert summary["restartsByPod"]["ctr-sparse-ps-1"] == 1
