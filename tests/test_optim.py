@@ -3,6 +3,7 @@ their state, and the promise of no model-sized temporaries."""
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 
 import numpy as np
@@ -185,3 +186,63 @@ def test_apply_allocates_no_model_sized_temporary(make):
     assert naive_peak >= size * 4
     assert peak < 1 << 20, f"apply allocated {peak} bytes at peak"
     assert params[0] != 0  # it did update
+
+
+# -- parts on threads ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("make", [Sgd, Adagrad])
+def test_an_update_cut_over_threads_equals_the_one_thread_update_bit_for_bit(make, threads):
+    size = 7 * BLOCK + 13  # parts of uneven length, each more than one block
+    start = np.random.default_rng(1).standard_normal(size).astype(np.float32)
+    one, many = start.copy(), start.copy()
+    one_rule, many_rule = make(size, LR, threads=1), make(size, LR, threads=threads)
+    for g in gradients(size, pushes=3):
+        one_rule.apply(one, g)
+        many_rule.apply(many, g)
+    np.testing.assert_array_equal(many, one)
+    np.testing.assert_array_equal(many_rule.state().get("adagrad_accumulator"),
+                                  one_rule.state().get("adagrad_accumulator"))
+
+
+def test_the_parts_cover_the_slice_once_and_run_on_threads_of_their_own():
+    import threading
+
+    blocks = optim.Blocks(5 * BLOCK + 1, threads=3)
+    covered = np.zeros(5 * BLOCK + 1, dtype=np.int32)
+    ran_on = set()
+
+    def kernel(start: int, stop: int, scratch: np.ndarray) -> None:
+        assert stop - start <= BLOCK and scratch.size == stop - start
+        covered[start:stop] += 1
+        ran_on.add(threading.get_ident())
+
+    blocks.run(kernel)
+    assert np.all(covered == 1)
+    assert len(blocks.parts) == 3 and len(ran_on) >= 2  # the caller and at least one pool thread
+
+
+def test_a_small_slice_stays_on_the_calling_thread():
+    assert len(optim.Blocks(optim.MIN_BLOCKS_PER_THREAD * BLOCK - 1).parts) == 1
+
+
+@pytest.mark.parametrize("cpu_max, limit", [("150000 100000", 2), ("50000 100000", 1), ("max 100000", None),
+                                            ("garbage", None), (None, None)])
+def test_usable_cpus_is_the_affinity_cut_to_the_cgroup_quota(tmp_path, cpu_max, limit):
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max + "\n")
+    affinity = len(os.sched_getaffinity(0))
+    expected = affinity if limit is None else min(affinity, limit)
+    assert optim.usable_cpus(path) == expected
+
+
+@pytest.mark.parametrize("given, expected", [("1", 1), ("3", 3), ("0", None), ("lots", None), (None, None)])
+def test_the_pod_s_cpus_are_those_the_operator_gave_its_blas(monkeypatch, given, expected):
+    if given is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", given)
+    assert optim.pod_cpus() == (expected or optim.usable_cpus())
+    size = optim.MAX_THREADS * optim.MIN_BLOCKS_PER_THREAD * BLOCK
+    assert len(optim.Blocks(size).parts) == min(optim.MAX_THREADS, optim.pod_cpus())
