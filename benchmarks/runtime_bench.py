@@ -16,8 +16,8 @@ alternating with the other variant, and the runs are pooled (repeats*rounds runs
 
 Layout of one invocation:
   orchestrator (this process, no measurement)
-    -> for each environment variant ("default": GLIBC_TUNABLES unset,
-       "hugetlb": GLIBC_TUNABLES=glibc.malloc.hugetlb=1) one client process
+    -> for each environment variant ("default": the GLIBC_TUNABLES every role runs with,
+       contract.ROLE_ENV; "glibc": GLIBC_TUNABLES unset) one client process
        (this script with --role client), which measures memcpy/apply locally, then for
        1 and 2 shards starts one benchmarks/_shard_server.py process per shard (same
        environment) and drives them with a real ShardGroup; then 2 shards again with the
@@ -57,15 +57,15 @@ except ImportError:  # running from a checkout without the editable install
 import numpy as np
 import zmq
 
-from distbelief.runtime import keys, optim, transport
+from distbelief.runtime import contract, keys, optim, transport
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import Status
 
 from figures import summarize
 
-HUGETLB = "glibc.malloc.hugetlb=1"
-VARIANTS = {"default": None, "hugetlb": HUGETLB}
+# "default" is what a job's roles run with; "glibc" is the allocator left as it comes.
+VARIANTS = {"default": contract.ROLE_ENV["GLIBC_TUNABLES"], "glibc": None}
 perf = time.perf_counter
 
 
@@ -308,7 +308,7 @@ def build_report(raw: dict[str, dict], args: argparse.Namespace) -> dict:
         "push_gbps_curvezmq": main["push_gbps_shards_2_curve"],
         "definition": "GB/s = 4*params bytes (the float32 parameter array) per second per call, GB = 1e9 B; "
                       "median/min/max over `repeats` runs of `calls` calls each, one warm-up run excluded. "
-                      "Top-level pull/push: 2 shard processes, GLIBC_TUNABLES unset, no keys; "
+                      "Top-level pull/push: 2 shard processes, the roles' GLIBC_TUNABLES, no keys; "
                       "_encrypted: with the job's keys as a job runs by default (CurveZMQ handshake, "
                       "AES-256-GCM sessions for the messages); _curvezmq: CurveZMQ for every message.",
         "variants": variants,
@@ -390,7 +390,7 @@ def main() -> int:
                              "(so each figure has repeats*rounds runs)")
     parser.add_argument("--params", type=int, default=10_000_000)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
-    parser.add_argument("--variants", default="default,hugetlb", help="comma list of: " + ",".join(VARIANTS))
+    parser.add_argument("--variants", default="default,glibc", help="comma list of: " + ",".join(VARIANTS))
     parser.add_argument("--no-io-threads-probe", dest="io_threads_probe", action="store_false",
                         help="skip the extra 2-shard run with a 2-I/O-thread client context")
     parser.add_argument("--role", default="orchestrator", choices=["orchestrator", "client"], help=argparse.SUPPRESS)

@@ -238,6 +238,13 @@ def test_the_keys_secret_is_immutable_owned_and_holds_the_key_files(variant: str
     assert "Secret" not in children(job_of())  # made once by the operator, never re-applied
 
 
+def test_every_role_runs_with_the_role_environment() -> None:
+    for pod in pod_specs(children(job_of())):
+        (c,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert {name: env.get(name) for name in contract.ROLE_ENV} == contract.ROLE_ENV
+
+
 def test_no_resources_key_when_the_spec_sets_none() -> None:
     job = job_of()
     del job["spec"]["workers"]["resources"]["requests"]
