@@ -148,7 +148,8 @@ def test_a_script_that_crashes_twice_is_recorded_and_the_bench_goes_on(tmp_path,
 
 def test_target_ratios_say_which_targets_are_missed() -> None:
     results = {"memcpy_gbps": figure(10.0), "apply_gbps": figure(3.0), "pull_gbps": figure(2.5),
-               "push_gbps": figure(2.0), "mlp_step_ms": {"distbelief": figure(3.0), "torch": figure(3.3)},
+               "push_gbps": figure(2.0), "pull_gbps_encrypted": figure(2.6), "push_gbps_encrypted": figure(1.5),
+               "mlp_step_ms": {"distbelief": figure(3.0), "torch": figure(3.3)},
                "examples_per_s": {"distbelief": figure(11_000), "distbelief_unencrypted": figure(15_000),
                                   "torch_rpc_ps": figure(10_000), "torch_ddp_gloo": figure(18_000)},
                "efficiency": {"compute_bound": figure(0.61), "communication_bound": figure(0.2)},
@@ -156,7 +157,9 @@ def test_target_ratios_say_which_targets_are_missed() -> None:
                                             "torch_ddp_gloo": FAILED}}
     rows = {r["figure"]: r for r in run_all.target_ratios(results)}
     assert rows["apply / memcpy"]["ratio"] == pytest.approx(0.3) and not rows["apply / memcpy"]["met"]
-    assert rows["pull / memcpy"]["met"] and not rows["push / memcpy"]["met"]  # 0.25 and 0.2 against 0.25
+    assert rows["pull unencrypted / memcpy"]["met"] and not rows["push unencrypted / memcpy"]["met"]  # 0.25, 0.2
+    assert rows["pull / memcpy"]["ratio"] == pytest.approx(0.26) and rows["pull / memcpy"]["met"]  # encrypted
+    assert rows["push / memcpy"]["ratio"] == pytest.approx(0.15) and not rows["push / memcpy"]["met"]
     assert rows["MLP step distbelief / torch"]["met"]
     assert rows["examples/s distbelief / torch RPC PS"]["met"]
     assert not rows["examples/s distbelief / torch DDP gloo"]["met"]
