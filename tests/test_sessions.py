@@ -12,6 +12,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from distbelief.runtime import dense, errors, keys, sessions, transport
 from distbelief.runtime.client import ShardGroup, Timeouts
@@ -197,6 +198,45 @@ def test_a_peer_without_a_curvezmq_handshake_gets_nothing_from_the_bulk_port(
     assert "an unknown session" in caplog.text
     assert live.shards[0].metrics.rejected._value.get() == 0  # dropped before the shard's handling
     _still_serving(live, group, step=0)
+
+
+def _refused_at_handshake(bulk_endpoint: str, source: str) -> bool:
+    """Whether a DEALER connecting from `source` (an address on loopback) to the bulk port
+    is refused by the ZAP handler, before any message of it reaches the shard."""
+    port = bulk_endpoint.rsplit(":", 1)[1]
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        socket.connect(f"tcp://{source}:0;127.0.0.1:{port}")
+        for _ in range(5):  # a frame flood: many frames under the cap, in one message
+            try:
+                socket.send_multipart([b"f" * 60_000] * 100, flags=zmq.NOBLOCK)
+            except zmq.Again:  # queued up to the high-water mark: enough
+                break
+        if not monitor.poll(5000):
+            raise AssertionError("the handshake neither failed nor succeeded within 5 s")
+        return recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    finally:
+        socket.disable_monitor()
+        monitor.close()
+        socket.close()
+
+
+def test_the_bulk_port_admits_only_addresses_that_hold_a_session(
+        live: LiveShards, job_keys: keys.JobKeys, caplog: pytest.LogCaptureFixture) -> None:
+    replica = _group(live, job_keys)
+    with caplog.at_level(logging.WARNING):
+        try:
+            replica.pull(np.zeros(LAYOUT.total, np.float32))  # its links' sessions: from 127.0.0.1
+            bulk_endpoint = _session_of(replica)[1]
+            assert _refused_at_handshake(bulk_endpoint, "127.0.0.2")  # another host, without a session
+            assert not _refused_at_handshake(bulk_endpoint, "127.0.0.1")
+            _still_serving(live, replica, step=0)
+        finally:
+            replica.close()
+    assert "reason=no_session_from_address" in caplog.text
+    assert "an unknown session" not in caplog.text  # no refused message ever reached the shard
 
 
 def test_a_session_has_the_role_of_the_key_that_asked_for_it(live: LiveShards, job_keys: keys.JobKeys) -> None:

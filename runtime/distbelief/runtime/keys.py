@@ -27,7 +27,8 @@ server's public key but not a secret fails the handshake and gets nothing back.
 
 Encryption is the default: CurveZMQ authenticates every connection, and a replica's
 requests and the shards' replies then go sealed with AES-256-GCM under a session key
-agreed over it (sessions.py). With spec.parameterServers.encryption false, sockets use
+agreed over it (sessions.py); the bulk port those travel on has no CurveZMQ, so the ZAP
+handler admits a connection there only from an address that holds a session. With spec.parameterServers.encryption false, sockets use
 ZeroMQ's PLAIN mechanism with a token per role derived from its secret key (user
 "replica" or "chief"), checked in constant time; the token and all traffic cross the
 network in the clear, and a token seen there can be replayed (docs/security.md).
@@ -45,7 +46,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from distbelief.runtime import errors
 from distbelief.runtime.keyfiles import (ADDED_PAIRS, CHIEF_PUBLIC, CHIEF_SECRET, CLIENT_FILES, CLIENT_PUBLIC,
@@ -264,32 +265,35 @@ ZAP_RESTART_SECONDS = 2.0
 
 
 class _Allowed:
-    """ThreadAuthenticator credentials provider: ZAP domain -> admitted public keys."""
+    """ThreadAuthenticator credentials provider: ZAP domain -> admitted public keys; and, for
+    sockets without CurveZMQ, ZAP domain -> which peer addresses it admits (`gates`)."""
 
     def __init__(self) -> None:
         self.by_domain: dict[str, frozenset[bytes]] = {}
+        self.gates: dict[str, Callable[[str], bool]] = {}
         self._refusals: dict[str, tuple[float, int]] = {}  # domain -> (last logged, since then)
 
     def callback(self, domain: str, key: bytes) -> bool:
         admitted = key in self.by_domain.get(domain, frozenset())
         if not admitted:
-            self._log_refusal(domain)
+            self.log_refusal(domain, "unknown_client_key")
         return admitted
 
-    def _log_refusal(self, domain: str) -> None:
+    def log_refusal(self, domain: str, reason: str) -> None:
         now = time.monotonic()
         last, count = self._refusals.get(domain, (float("-inf"), 0))
         if now - last >= REFUSAL_LOG_SECONDS:
-            log.warning("event=peer_refused domain=%s reason=unknown_client_key refused=%d", domain, count + 1)
+            log.warning("event=peer_refused domain=%s reason=%s refused=%d", domain, reason, count + 1)
             self._refusals[domain] = (now, 0)
         else:
             self._refusals[domain] = (last, count + 1)
 
 
-def _authenticator(context: Any, log: logging.Logger) -> Any:
+def _authenticator(context: Any, log: logging.Logger, allowed: _Allowed) -> Any:
     """pyzmq's ThreadAuthenticator, but with PLAIN tokens compared in constant time (its own
-    check is `==`, whose time tells how much of a guess was right), and a start that waits
-    out the ZAP endpoint of a handler just stopped in the context (libzmq frees it later)."""
+    check is `==`, whose time tells how much of a guess was right), NULL connections to a
+    gated domain admitted by address only (allowed.gates), and a start that waits out the
+    ZAP endpoint of a handler just stopped in the context (libzmq frees it later)."""
     import zmq
     from zmq.auth.thread import ThreadAuthenticator
 
@@ -310,6 +314,17 @@ def _authenticator(context: Any, log: logging.Logger) -> Any:
             allowed = expected is not None and hmac.compare_digest(password.encode(), expected.encode())
             return allowed, b"OK" if allowed else b"Invalid credentials"
 
+        async def handle_zap_message(self, msg: list[bytes]) -> None:
+            domain = msg[2].decode("utf-8", "replace") if len(msg) >= 6 and msg[5] == b"NULL" else ""
+            gate = allowed.gates.get(domain)
+            if gate is None:
+                return await super().handle_zap_message(msg)
+            if gate(msg[3].decode("utf-8", "replace")):
+                self._send_zap_reply(msg[1], b"200", b"OK")
+            else:
+                allowed.log_refusal(domain, "no_session_from_address")
+                self._send_zap_reply(msg[1], b"400", b"No session from this address")
+
     return ConstantTimeAuthenticator(context, log=log)
 
 
@@ -318,7 +333,7 @@ class _ContextAuth:
         self.allowed = _Allowed()
         zap_log = logging.getLogger(__name__ + ".zap")
         zap_log.setLevel(logging.INFO)  # never debug: pyzmq logs PLAIN passwords (our join tokens) there
-        self.authenticator = _authenticator(context, zap_log)
+        self.authenticator = _authenticator(context, zap_log, self.allowed)
         self.authenticator.start()
         self.users = 0
 
@@ -342,6 +357,7 @@ class Admission:
             self.closed = True
             auth = _auth_by_context[id(self.context)]
             auth.allowed.by_domain.pop(self.domain, None)
+            auth.allowed.gates.pop(self.domain, None)
             auth.authenticator.credentials_providers.pop(self.domain, None)
             auth.authenticator.passwords.pop(self.domain, None)
             auth.users -= 1
@@ -358,6 +374,28 @@ def admit_clients(context: Any, domain: str, security: ServerSecurity) -> Admiss
     takes its own domain, so shards of different jobs in one process never share a list."""
     if not security.admitted:
         raise errors.ConfigError(f"a {security.mechanism} server without client credentials would admit any peer")
+
+    def configure(auth: _ContextAuth) -> None:
+        auth.allowed.by_domain[domain] = frozenset(security.admitted.values())
+        if security.mechanism == "plain":
+            auth.authenticator.configure_plain(
+                domain=domain, passwords={role: token.decode("ascii") for role, token in security.admitted.items()})
+        else:
+            auth.authenticator.configure_curve_callback(domain=domain, credentials_provider=auth.allowed)
+    return _register(context, domain, configure)
+
+
+def admit_addresses(context: Any, domain: str, admits: Callable[[str], bool]) -> Admission:
+    """Start (or share) the ZAP handler of context; on domain, a socket without CurveZMQ
+    (a shard's bulk port), admit a connection only from a peer address admits() takes.
+    admits runs on the ZAP handler's thread."""
+    def configure(auth: _ContextAuth) -> None:
+        auth.allowed.by_domain[domain] = frozenset()
+        auth.allowed.gates[domain] = admits
+    return _register(context, domain, configure)
+
+
+def _register(context: Any, domain: str, configure: Callable[["_ContextAuth"], None]) -> Admission:
     with _auth_lock:
         auth = _auth_by_context.get(id(context))
         if auth is None:
@@ -365,12 +403,7 @@ def admit_clients(context: Any, domain: str, security: ServerSecurity) -> Admiss
         if domain in auth.allowed.by_domain:
             raise errors.ConfigError(f"ZAP domain {domain} is already in use")
         auth.users += 1
-        auth.allowed.by_domain[domain] = frozenset(security.admitted.values())
-        if security.mechanism == "plain":
-            auth.authenticator.configure_plain(
-                domain=domain, passwords={role: token.decode("ascii") for role, token in security.admitted.items()})
-        else:
-            auth.authenticator.configure_curve_callback(domain=domain, credentials_provider=auth.allowed)
+        configure(auth)
     return Admission(context=context, domain=domain)
 
 

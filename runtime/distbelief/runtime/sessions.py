@@ -68,6 +68,7 @@ class Session:
     key: bytes
     user: str | None = None     # the ZAP user of the CurveZMQ connection that made it
     peer: bytes = b""           # that connection's routing id
+    address: str | None = None  # that connection's peer IP address
     route: bytes | None = None  # the bulk socket's routing id its last message came from
     sent: int = 0
     accepted: int = 0
@@ -177,25 +178,38 @@ class Table:
         self.max_sessions, self.max_per_peer = max_sessions, max_per_peer
         self._sessions: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self._routes: dict[bytes, Session] = {}  # peer -> the session its last request came by
+        # peer address -> sessions granted to it; read by the ZAP handler's thread (holds()),
+        # written only by the server's: a dict lookup and an item update are atomic in CPython.
+        self._addresses: collections.Counter[str] = collections.Counter()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, user: str | None, peer: bytes, port: int) -> bytes:
-        """A new session for this peer (its ZAP user and routing id): the SESSION reply."""
+    def create(self, user: str | None, peer: bytes, port: int, address: str | None = None) -> bytes:
+        """A new session for this peer (its ZAP user, routing id and IP address): the SESSION reply."""
         mine = [s for s in self._sessions.values() if (s.user, s.peer) == (user, peer)]
         for old in mine[:max(0, len(mine) - self.max_per_peer + 1)]:
             self._drop(old)
-        session = Session(id=os.urandom(ID_BYTES), key=os.urandom(KEY_BYTES), user=user, peer=peer)
+        session = Session(id=os.urandom(ID_BYTES), key=os.urandom(KEY_BYTES), user=user, peer=peer, address=address)
         self._sessions[session.id] = session
+        if address is not None:
+            self._addresses[address] += 1
         while len(self._sessions) > self.max_sessions:
             self._drop(next(iter(self._sessions.values())))
         return GRANT.pack(SESSION_MAGIC, session.id, session.key, port)
 
     def _drop(self, session: Session) -> None:
         del self._sessions[session.id]
+        if session.address is not None:
+            self._addresses[session.address] -= 1
+            if not self._addresses[session.address]:
+                del self._addresses[session.address]
         if self._routes.get(session.peer) is session:
             del self._routes[session.peer]
+
+    def holds(self, address: str) -> bool:
+        """Whether some session was granted to a peer at this IP address (the bulk port's gate)."""
+        return self._addresses.get(address, 0) > 0
 
     def find(self, prefix: Frame) -> Session:
         if len(prefix) != PREFIX.size:

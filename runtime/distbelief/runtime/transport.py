@@ -87,21 +87,27 @@ class ZmqServer:
         self.who, self.max_frames = who, max_frames
         socket = _router(context, max_frame)
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._admission = keys.bind_server(context, socket, address, who=who,
-                                           domain=f"distbelief-{who.replace(' ', '-')}-{id(self):x}",
+        self._domain = f"distbelief-{who.replace(' ', '-')}-{id(self):x}"
+        self._admission = keys.bind_server(context, socket, address, who=who, domain=self._domain,
                                            security=security)
-        self._socket, self._bulk = socket, None
+        self._socket, self._bulk, self._bulk_admission = socket, None, None
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(socket, zmq.POLLIN)
+        self._sessions, self._refusals = sessions.Table(), sessions.RefusalLog(who)
         if bulk is not None and security is not None and security.mechanism == "curve":
             self._bulk = self._bind_bulk(context, bulk, max_frame)
-        self._sessions, self._refusals = sessions.Table(), sessions.RefusalLog(who)
         self._ready: collections.deque[Incoming | None] = collections.deque()
 
     def _bind_bulk(self, context: zmq.Context, address: str, max_frame: int) -> zmq.Socket:
+        """The bulk ROUTER. It has no CurveZMQ, so the ZAP handler admits a connection to it
+        only from an address that holds a session: anyone else cannot make the shard buffer
+        a message (libzmq assembles a whole message, however many frames, before we see it)."""
         bulk = _router(context, max_frame)
+        domain = f"{self._domain}-bulk"
         try:
+            self._bulk_admission = keys.admit_addresses(context, domain, self._sessions.holds)
+            bulk.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
             bulk.bind(address)
         except zmq.ZMQError as exc:
             bulk.close(linger=0)
@@ -140,15 +146,15 @@ class ZmqServer:
         peer, body = frames[0].bytes, [f.buffer for f in frames[1:]]
         user = frames[-1].get("User-Id") if self._admission is not None else None
         if len(body) == 1 and body[0] == sessions.SESSION_MAGIC:
-            _send(self._socket, peer, [self._grant(user, peer)], self.who)
+            _send(self._socket, peer, [self._grant(user, peer, frames[-1].get("Peer-Address"))], self.who)
             return
         self._sessions.unroute(peer)  # it speaks over CurveZMQ again: so do the replies
         self._ready.append(Incoming(peer=peer, user=user, frames=body))
 
-    def _grant(self, user: str | None, peer: bytes) -> bytes:
+    def _grant(self, user: str | None, peer: bytes, address: str) -> bytes:
         if self._bulk is None:
             return sessions.NO_GRANT
-        return self._sessions.create(user, peer, port=int(self.bulk_endpoint.rsplit(":", 1)[1]))
+        return self._sessions.create(user, peer, port=int(self.bulk_endpoint.rsplit(":", 1)[1]), address=address)
 
     def _take_bulk(self) -> None:
         route, *sealed = [f.buffer for f in self._bulk.recv_multipart(copy=False)]
@@ -175,9 +181,10 @@ class ZmqServer:
         self._socket.close()
         if self._bulk is not None:
             self._bulk.close()
-        if self._admission is not None:
-            self._admission.close()
-            self._admission = None
+        for admission in (self._admission, self._bulk_admission):
+            if admission is not None:
+                admission.close()
+        self._admission = self._bulk_admission = None
 
 
 class ZmqLink:
