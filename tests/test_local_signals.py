@@ -83,12 +83,32 @@ def test_sigterm_and_sighup_suspend_the_run_like_ctrl_c(tmp_path: Path, sig: sig
     assert checkpoints, "the shards did not checkpoint on the way out"
 
 
+def _described(pids: list[int], output: Path) -> str:
+    """What each pod left running is and was doing: its command, state and last log lines."""
+    lines = []
+    for pid in pids:
+        try:
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+            state = next(line for line in (Path("/proc") / str(pid) / "status").read_text().splitlines()
+                         if line.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        config = next((a.decode() for a in argv if a.endswith(b"job.json")), "")
+        pod = Path(config).parent.parent.name  # volumes/<pod>/config/job.json
+        log = output / "logs" / f"{pod}.log"
+        tail = log.read_text(errors="replace").splitlines()[-5:] if log.exists() else []
+        lines.append(f"pid {pid} pod {pod or '?'} {state}: " + " | ".join(tail))
+    return "\n".join(lines)
+
+
 def test_pods_die_with_a_sigkilled_run(tmp_path: Path) -> None:
     process, output = _start_run(tmp_path)
     assert len(_pods_of(output)) == 5
     process.kill()
     process.wait()
     try:
-        _wait(lambda: not _pods_of(output), "the pods to stop after their parent died", timeout=30)
+        _wait(lambda: not _pods_of(output), "the pods to stop after their parent died", timeout=60)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still running:\n{_described(_pods_of(output), output)}") from None
     finally:
         _kill_leftovers(output)
