@@ -311,9 +311,10 @@ def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
 
 
 def _check_wire_format(job: Mapping[str, Any], problems: Problems) -> None:
-    """bfloat16 is carried by the dense Downpour ops alone: what else moves arrays (Sandblaster's
-    vectors, embedding rows, stages' activations, copies' replays) stays float32, so refuse
-    it there rather than have part of a job in one format and part in the other."""
+    """bfloat16 is carried by the dense Downpour ops alone (shard copies replay them as they
+    are): what else moves arrays (Sandblaster's vectors, embedding rows, stages' activations
+    and held gradients) stays float32, so refuse it there rather than have part of a job in
+    one format and part in the other."""
     path = "spec.parameterServers.wireFormat"
     if _get(job, "spec", "parameterServers", "wireFormat") != "bfloat16" or problems.at(path):
         return
@@ -324,6 +325,3 @@ def _check_wire_format(job: Mapping[str, Any], problems: Problems) -> None:
         problems.add(path, "bfloat16 is not available with spec.model.embeddings; use float32")
     if (_get(job, "spec", "model", "partitions") or 1) > 1:
         problems.add(path, "bfloat16 is not available with spec.model.partitions > 1; use float32, or one partition")
-    if (_get(job, "spec", "parameterServers", "backups") or 0) > 0:
-        problems.add(path, "bfloat16 is not available with spec.parameterServers.backups > 0 yet; use float32, "
-                     "or no backups")

@@ -166,7 +166,7 @@ class DenseSlice:
 
     def _widen(self, grad: np.ndarray) -> np.ndarray:
         """A bfloat16 gradient in float32, in the slice's one buffer for it (NaN and inf stay
-        what they were, so the norm check below still refuses them)."""
+        what they were, so apply's norm check still refuses them)."""
         if self._widened is None:
             self._widened = np.empty_like(self.params)
         return self.codec.widen(grad, self._widened)
