@@ -24,6 +24,9 @@ efficiency.{compute_bound, communication_bound, large_dense}  (--what examples, 
       compute_bound        784-512-512-10, batch 128, fetchEvery = pushEvery = 1
       communication_bound  784-256-128-10, batch 32,  fetchEvery = pushEvery = 2
       large_dense          1000-10000-8000-10 (90.1M parameters), batch 32, every step
+efficiency_bfloat16.{communication_bound, large_dense}  (--what efficiency)
+    The same two jobs with spec.parameterServers.wireFormat bfloat16, run between the
+    float32 ones and divided by the same baselines.
 time_to_accuracy_s.{downpour, sandblaster, single_process}  (--what accuracy)
     Seconds from launching the job (start-up included) to the first held-out evaluation
     at accuracy >= 0.95 on digits. downpour and sandblaster run examples/digits-mlp.yaml
@@ -35,6 +38,10 @@ time_to_accuracy_mnist_s.{distbelief, single_process}  (--what accuracy)
     The same clock to 0.94 held-out accuracy on the MNIST-sized set of mnist_sized.py
     (70,000 28x28 images, 10,000 held out, all scored), with the communication-bound
     job's model and settings.
+accuracy_bfloat16.{float32, bfloat16, difference}  (--what accuracy)
+    The held-out accuracy (all 10,000 held-out images) of that MNIST-sized job after a fixed
+    WIRE_ACCURACY_STEPS updates, with each wire format, run in turns; difference is
+    bfloat16 - float32, run by run.
 
 A run that crashes is retried once, then recorded under "failures" with its exit code;
 the other runs and figures go on.
@@ -67,6 +74,7 @@ DISTBELIEF = str(Path(sys.executable).with_name("distbelief"))
 TARGET_ACCURACY = 0.95
 MNIST_TARGET = 0.94
 EVAL_EVERY_S = 0.25
+WIRE_ACCURACY_STEPS = 4000
 JOB_TIMEOUT_S = 600.0
 SHARDS, REPLICAS = 2, 2
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -100,7 +108,8 @@ def example(name: str) -> dict:
     return yaml.safe_load((REPO / "examples" / name).read_text())
 
 
-def workload_job(name: str, w: Workload, *, scale: float = 1.0, encrypted: bool = True) -> dict:
+def workload_job(name: str, w: Workload, *, scale: float = 1.0, encrypted: bool = True,
+                 wire_format: str = "float32") -> dict:
     """The DistBeliefJob of a workload: the digits example with the workload's model, data and settings."""
     job = example("digits-mlp.yaml")
     job["metadata"]["name"] = name.replace("_", "-")
@@ -111,6 +120,7 @@ def workload_job(name: str, w: Workload, *, scale: float = 1.0, encrypted: bool 
                              "maxSteps": max(1, round(w.steps * scale)), "evalEverySeconds": w.eval_every_s})
     spec["parameterServers"]["shards"], spec["workers"]["replicas"] = SHARDS, REPLICAS
     spec["parameterServers"]["encryption"] = encrypted
+    spec["parameterServers"]["wireFormat"] = wire_format
     for role in (spec["parameterServers"], spec["workers"]):
         role["resources"]["limits"]["memory"] = w.memory
     return job
@@ -124,6 +134,16 @@ def mnist_job() -> dict:
                     "maxEvalExamples": mnist_sized.HELD_OUT}
     spec["training"].update({"targetAccuracy": MNIST_TARGET, "evalEverySeconds": EVAL_EVERY_S,
                              "maxSteps": 1_000_000})
+    return job
+
+
+def wire_accuracy_job(wire_format: str) -> dict:
+    """The MNIST-sized job for a fixed WIRE_ACCURACY_STEPS updates, in one wire format."""
+    job = mnist_job()
+    training = job["spec"]["training"]
+    del training["targetAccuracy"]
+    training.update({"maxSteps": WIRE_ACCURACY_STEPS, "evalEverySeconds": 5.0})  # the final evaluation counts
+    job["spec"]["parameterServers"]["wireFormat"] = wire_format
     return job
 
 
@@ -209,8 +229,15 @@ def measure_examples(runs: int, scale: float, cores: int, failures: list[dict]) 
 
 
 def measure_efficiency(runs: int, scale: float, cores: int, failures: list[dict]) -> dict:
-    return {"efficiency": {name: measure_workload(name, runs, scale, cores, failures)[0]
-                           for name in ("communication_bound", "large_dense")}}
+    """efficiency.{communication_bound, large_dense}, and efficiency_bfloat16 of the same jobs
+    with a bfloat16 wire, from the same runs and baselines."""
+    float32, bfloat16 = {}, {}
+    for name in ("communication_bound", "large_dense"):
+        w, variant = WORKLOADS[name], f"{name}_bfloat16"
+        narrow = job_rate(workload_job(name, w, scale=scale, wire_format="bfloat16"), w.warmup_s)
+        float32[name], values = measure_workload(name, runs, scale, cores, failures, {variant: narrow})
+        bfloat16[name] = efficiency_figure(values[variant], values[f"{name}_single_process"], cores, w)
+    return {"efficiency": float32, "efficiency_bfloat16": bfloat16}
 
 
 def measure_accuracy(runs: int, failures: list[dict]) -> dict:
@@ -227,6 +254,16 @@ def measure_accuracy(runs: int, failures: list[dict]) -> dict:
     }, failures, "e2e ")
     return {"time_to_accuracy_s": {name: summarize(v) for name, v in digits_values.items()},
             "time_to_accuracy_mnist_s": {name: summarize(v) for name, v in mnist_values.items()}}
+
+
+def measure_wire_accuracy(runs: int, failures: list[dict]) -> dict:
+    """accuracy_bfloat16: the MNIST-sized job's final held-out accuracy with each wire format."""
+    jobs = {fmt: wire_accuracy_job(fmt) for fmt in ("float32", "bfloat16")}
+    values = interleaved(runs, {fmt: (lambda run, job=job: run_job(job)[1][-1]["accuracy"])
+                                for fmt, job in jobs.items()}, failures, "e2e accuracy ")
+    differences = [b - f for f, b in zip(values["float32"], values["bfloat16"]) if f is not None and b is not None]
+    return {"accuracy_bfloat16": {**{fmt: summarize(v) for fmt, v in values.items()},
+                                  "difference": summarize(differences)}}
 
 
 # -- one plain process on one thread --------------------------------------------------
@@ -312,10 +349,12 @@ def main() -> int:
     if args.what in ("examples", "all"):
         results.update(measure_examples(args.runs, args.scale, cores, failures))
     if args.what in ("efficiency", "all"):
-        efficiency_part = measure_efficiency(args.runs, args.scale, cores, failures)["efficiency"]
-        results["efficiency"] = {**results.get("efficiency", {}), **efficiency_part}
+        efficiency_part = measure_efficiency(args.runs, args.scale, cores, failures)
+        results["efficiency"] = {**results.get("efficiency", {}), **efficiency_part["efficiency"]}
+        results["efficiency_bfloat16"] = efficiency_part["efficiency_bfloat16"]
     if args.what in ("accuracy", "all"):
         results.update(measure_accuracy(args.runs, failures))
+        results.update(measure_wire_accuracy(args.runs, failures))
     report(results)
     save({**results, "failures": failures}, args.json)
     return 0
@@ -324,7 +363,7 @@ def main() -> int:
 def report(results: dict) -> None:
     for key, group in results.items():
         for name, s in group.items():
-            print(f"{key}.{name:<24} {fmt(s)}")
+            print(f"{key}.{name:<24} {fmt(s, '.4f' if key == 'accuracy_bfloat16' else '.2f')}")
 
 
 if __name__ == "__main__":

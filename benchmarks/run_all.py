@@ -118,8 +118,9 @@ def measure(runs: int, scale: float) -> dict:
     ours = run_json("e2e_bench.py", failures, "--runs", str(runs), "--scale", str(scale))
     peers = run_json("torch_peers_bench.py", failures, "--what", "all", "--runs", str(runs))
     results.update(merge(ours, peers))
-    if "efficiency" in ours:
-        results["efficiency"] = ours["efficiency"]
+    for key in ("efficiency", "efficiency_bfloat16", "accuracy_bfloat16"):
+        if key in ours:
+            results[key] = ours[key]
     if sparse := run_json("sparse_bench.py", failures, "--runs", str(runs)):
         results["sparse"] = sparse["sparse"]
     if table := run_json("sparse_table_bench.py", failures):  # one run: minutes and ~5 GB

@@ -62,7 +62,8 @@ def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
     """Shards with a dense slice of initial, and whatever attach adds to each."""
     shards, threads = [], []
     optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1),
-                 "max_gradient_norm": settings.pop("max_gradient_norm", 1e4)}
+                 "max_gradient_norm": settings.pop("max_gradient_norm", 1e4),
+                 "wire_format": settings.pop("wire_format", "float32")}
     for index in range(layout.shards):
         options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
         shard = Shard(ShardSettings(shard=index, **options), layout, ShardMetrics(prom.CollectorRegistry(), index))

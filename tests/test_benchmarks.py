@@ -105,6 +105,41 @@ def test_each_job_is_divided_by_the_baseline_measured_beside_it(monkeypatch) -> 
     assert [f["run"] for f in failures] == ["e2e compute_bound_single_process run 2"]
 
 
+def test_bfloat16_efficiency_is_divided_by_the_baselines_of_the_float32_runs_beside_it(monkeypatch) -> None:
+    rates = {"float32": 10_000.0, "bfloat16": 15_000.0}
+    formats = []
+
+    def job_rate(job: dict, warmup_s: float):
+        spec.validate_job(job)
+        formats.append(job["spec"]["parameterServers"]["wireFormat"])
+        return lambda run, fmt=formats[-1]: rates[fmt]
+    monkeypatch.setattr(e2e_bench, "job_rate", job_rate)
+    monkeypatch.setattr(e2e_bench, "baseline_rate", lambda spec, seconds: 5_000.0)
+    out = e2e_bench.measure_efficiency(1, 0.1, 2, [])
+    assert sorted(formats) == ["bfloat16", "bfloat16", "float32", "float32"]
+    for name in ("communication_bound", "large_dense"):
+        assert out["efficiency"][name]["runs"] == [pytest.approx(1.0)]
+        assert out["efficiency_bfloat16"][name]["runs"] == [pytest.approx(1.5)]
+        assert out["efficiency_bfloat16"][name]["batch"] == e2e_bench.WORKLOADS[name].batch
+
+
+def test_the_wire_accuracy_figure_runs_one_job_in_each_format_for_the_same_steps(monkeypatch) -> None:
+    accuracy = {"float32": 0.95, "bfloat16": 0.94}
+    jobs = []
+
+    def run_job(job: dict):
+        jobs.append(job)
+        fmt = job["spec"]["parameterServers"]["wireFormat"]
+        return 0.0, [{"accuracy": 0.1}, {"accuracy": accuracy[fmt]}]  # the last evaluation is the final one
+    monkeypatch.setattr(e2e_bench, "run_job", run_job)
+    out = e2e_bench.measure_wire_accuracy(2, [])["accuracy_bfloat16"]
+    assert out["float32"]["runs"] == [0.95, 0.95] and out["bfloat16"]["runs"] == [0.94, 0.94]
+    assert out["difference"]["median"] == pytest.approx(-0.01)
+    for job in jobs:
+        training = spec.validate_job(job)["spec"]["training"]
+        assert training["maxSteps"] == e2e_bench.WIRE_ACCURACY_STEPS and "targetAccuracy" not in training
+
+
 def test_a_crashed_run_is_retried_once_then_recorded_with_its_exit_code() -> None:
     calls, failures = [], []
     assert figures.retried("peer run 3", lambda: calls.append(1) or crash(-6), failures) is None

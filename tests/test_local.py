@@ -61,6 +61,22 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
         assert params["layer1.weight"].shape == (64, 10)
 
 
+def test_digits_with_a_bfloat16_wire_trains_as_well_as_float32_on_half_the_traffic(tmp_path: Path) -> None:
+    runs = {}
+    for wire_format in ("float32", "bfloat16"):
+        doc = load_example("digits-mlp.yaml")
+        doc["spec"]["parameterServers"]["wireFormat"] = wire_format
+        code, runs[wire_format] = run_job(doc, tmp_path / wire_format)
+        assert code == 0 and runs[wire_format]["phase"] == "Succeeded"
+    assert runs["bfloat16"]["accuracy"] >= 0.95
+    assert runs["bfloat16"]["accuracy"] >= runs["float32"]["accuracy"] - 0.02
+    # Every step a replica pushes its gradient and pulls the parameters back (fetchEvery =
+    # pushEvery = 1): the replicas' bytes per applied step are about halved.
+    per_step = {fmt: sum(pod["bytesIn"] + pod["bytesOut"] for name, pod in run["pods"].items() if "worker" in name)
+                / run["globalStep"] for fmt, run in runs.items()}
+    assert per_step["bfloat16"] < 0.6 * per_step["float32"]
+
+
 def _every_pod_reports_its_memory_and_traffic(summary: dict[str, Any], *, shards: int, workers: int) -> None:
     pods = summary["pods"]
     assert sorted(pods) == [f"digits-ps-{i}" for i in range(shards)] + [f"digits-worker-{i}" for i in range(workers)]

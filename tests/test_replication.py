@@ -15,11 +15,13 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.runtime import checkpoint, dense, errors, protocol, replication, rowcheckpoint, transport
-from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.bfloat16 import WIRE_DTYPE, Codec
+from distbelief.runtime.client import Bfloat16Dense, ShardGroup, Timeouts
 from distbelief.runtime.copywatch import BACKUP, PRIMARY
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.optim import Adagrad
 from distbelief.runtime.protocol import Header, Status
 from distbelief.runtime.shard import Shard, ShardSettings
 from distbelief.runtime.sparse import RowClient, SparseRows
@@ -45,8 +47,9 @@ def _until(condition: Callable[[], bool], what: str, seconds: float = 20.0) -> N
 class Copies:
     """Copies of shard 0 serving in threads, each at its fixed loopback address."""
 
-    def __init__(self, folder: Path, count: int = 2, attach: Callable[[Shard], None] = lambda shard: None) -> None:
-        self.folder, self.attach = folder, attach
+    def __init__(self, folder: Path, count: int = 2, attach: Callable[[Shard], None] = lambda shard: None,
+                 wire_format: str = "float32") -> None:
+        self.folder, self.attach, self.wire_format = folder, attach, wire_format
         self.addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(count)]
         self.shards: list[Shard | None] = [None] * count
         self.threads: list[threading.Thread | None] = [None] * count
@@ -55,7 +58,7 @@ class Copies:
         settings = ShardSettings(shard=0, bind=self.addresses[rank], checkpoint_every=3600,
                                  checkpoint_dir=folder or str(self.folder / f"copy-{rank}"))
         shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
-        shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1))
+        shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1, wire_format=self.wire_format))
         self.attach(shard)
         replication.Copies(shard, rank=rank, addresses=self.addresses, security=None)
         shard.restore()
@@ -173,6 +176,29 @@ def test_a_push_resent_to_the_new_primary_is_answered_but_not_applied_again(pair
     np.testing.assert_array_equal(_params(backup), after_first)
     assert _push(link, seq=42, grad=grad).step == 2  # a new push is applied
     link.close()
+
+
+def test_bfloat16_pushes_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> None:
+    copies = Copies(tmp_path, wire_format="bfloat16")
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    wire, out = Bfloat16Dense(copies.group()), np.empty(LAYOUT.total, np.float32)
+    codec, rng = Codec(LAYOUT.total), np.random.default_rng(6)
+    expected, reference = INITIAL.copy(), Adagrad(LAYOUT.total, 0.1)
+    for step in range(6):
+        if step == 3:
+            copies.kill(0)  # the backup takes over, with every update applied so far
+        grad = rng.standard_normal(LAYOUT.total).astype(np.float32)
+        reference.apply(expected, codec.widen(codec.narrow(grad, np.empty(grad.size, WIRE_DTYPE)), np.empty_like(grad)))
+        [reply] = wire.push_and_pull(grad, out, steps=[step], examples=4, loss=1.0)
+        assert reply.step == step + 1
+        if step < 3:
+            np.testing.assert_array_equal(_params(copies.copy(1)), _params(copies.copy(0)))
+    assert copies.copy(1).copies.failovers == 1
+    np.testing.assert_allclose(_params(copies.copy(1)), expected, rtol=1e-6)
+    wire.group.close()
+    copies.stop()
 
 
 def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, tmp_path: Path) -> None:

@@ -127,6 +127,16 @@ def test_minimal_manifest_gets_the_crd_defaults() -> None:
     assert get(job, "spec.training.batchSize") == 32
     assert get(job, "spec.parameterServers.shards") == 1
     assert get(job, "spec.parameterServers.checkpoint.storage.retention") == "Retain"
+    assert get(job, "spec.parameterServers.wireFormat") == "float32"
+
+
+def test_the_schema_takes_a_bfloat16_wire_format_for_a_dense_downpour_job() -> None:
+    doc = good()
+    put(doc, "spec.parameterServers.wireFormat", "bfloat16")
+    put(doc, "spec.parameterServers.backups", 1)  # copies replay the pushes as they came
+    assert _schema_error_paths(doc) == []
+    assert get(spec.validate_job(doc), "spec.parameterServers.wireFormat") == "bfloat16"
+    assert spec.job_config(spec.validate_job(doc)).spec["parameterServers"]["wireFormat"] == "bfloat16"
 
 
 def _defaults(schema: Mapping[str, Any], path: str = "") -> Iterator[tuple[str, Any]]:
@@ -271,6 +281,15 @@ def _partitioned(partitions: int, **fields: Any) -> Callable[[dict[str, Any]], N
     return mutate
 
 
+def _bfloat16(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    """spec.parameterServers.wireFormat bfloat16, and other fields (as _partitioned's) with it."""
+    def mutate(doc: dict[str, Any]) -> None:
+        put(doc, "spec.parameterServers.wireFormat", "bfloat16")
+        for path, value in fields.items():
+            put(doc, path.replace("_", "."), value)
+    return mutate
+
+
 BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("batch-too-big", _set("spec.training.batchSize", 100000), "spec.training.batchSize",
      "must be <= 65536 (got 100000)"),
@@ -385,6 +404,14 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("backups-expiring-rows", lambda doc: (put(doc, "spec.parameterServers.backups", 1),
                                            put(doc, "spec.model.embeddings", {"dim": 4, "expireAfterSeconds": 60})),
      "spec.parameterServers.backups", "not available with spec.model.embeddings.expireAfterSeconds"),
+    ("wire-format-enum", _set("spec.parameterServers.wireFormat", "float16"), "spec.parameterServers.wireFormat",
+     "must be one of float32, bfloat16"),
+    ("wire-format-sandblaster", _bfloat16(spec_training_algorithm="sandblaster"), "spec.parameterServers.wireFormat",
+     "bfloat16 is not available with spec.training.algorithm: sandblaster"),
+    ("wire-format-embeddings", _bfloat16(spec_model_embeddings={"dim": 4}), "spec.parameterServers.wireFormat",
+     "bfloat16 is not available with spec.model.embeddings"),
+    ("wire-format-partitions", _bfloat16(spec_model_partitions=2), "spec.parameterServers.wireFormat",
+     "bfloat16 is not available with spec.model.partitions > 1"),
 ]
 
 
@@ -446,7 +473,7 @@ SCHEMA_REFUSES = {
     "hidden-layers-max-items", "image-empty", "retention-enum", "storage-size",
     "quantity-pattern", "quantity-float", "training-not-object", "suspend-int",
     "metrics-max-items", "shards-max", "status-phase", "sandblaster-unit-zero", "partitions-zero",
-    "partitions-max",
+    "partitions-max", "wire-format-enum",
 }
 
 

@@ -129,6 +129,7 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     _check_training(job, problems)
     _check_autoscaling(job, problems)
     _check_backups(job, problems)
+    _check_wire_format(job, problems)
     if problems.lines:
         raise SpecError(problems.lines)
     return job
@@ -307,3 +308,20 @@ def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
     if _get(job, "spec", "model", "embeddings", "expireAfterSeconds"):
         problems.add(path, "not available with spec.model.embeddings.expireAfterSeconds (each copy would expire "
                      "rows by its own clock); use 0, or leave rows unexpired")
+
+
+def _check_wire_format(job: Mapping[str, Any], problems: Problems) -> None:
+    """bfloat16 is carried by the dense Downpour ops alone (shard copies replay them as they
+    are): what else moves arrays (Sandblaster's vectors, embedding rows, stages' activations
+    and held gradients) stays float32, so refuse it there rather than have part of a job in
+    one format and part in the other."""
+    path = "spec.parameterServers.wireFormat"
+    if _get(job, "spec", "parameterServers", "wireFormat") != "bfloat16" or problems.at(path):
+        return
+    if _get(job, "spec", "training", "algorithm") == "sandblaster":
+        problems.add(path, "bfloat16 is not available with spec.training.algorithm: sandblaster; use float32, "
+                     "or downpour")
+    if _get(job, "spec", "model", "embeddings") is not None:
+        problems.add(path, "bfloat16 is not available with spec.model.embeddings; use float32")
+    if (_get(job, "spec", "model", "partitions") or 1) > 1:
+        problems.add(path, "bfloat16 is not available with spec.model.partitions > 1; use float32, or one partition")

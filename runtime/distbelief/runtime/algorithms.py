@@ -110,7 +110,7 @@ def _downpour_attach(shard: Shard, job: Any) -> None:
     dense = DenseSlice(shard, _initial(shard, job), optimizer=str(training["optimizer"]),
                        learning_rate=float(training["learningRate"]),
                        max_gradient_norm=float(training["maxGradientNorm"]),
-                       max_staleness=training.get("maxStaleness"))
+                       max_staleness=training.get("maxStaleness"), wire_format=_wire_format(job))
     shard.attach(dense)
     if job.plan is not None:
         shard.attach(HeldGradients(dense))
@@ -129,8 +129,15 @@ def _downpour_replica(ctx: ReplicaContext) -> ReplicaLoop:
     training = ctx.job.spec["training"]
     settings = WorkerSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
                               push_every=int(training["pushEvery"]))
-    kind = SparseWorker if isinstance(ctx.job.model, EmbeddingModel) else Worker
-    return kind(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop)
+    if isinstance(ctx.job.model, EmbeddingModel):
+        return SparseWorker(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop)
+    return Worker(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop,
+                  wire_format=_wire_format(ctx.job))
+
+
+def _wire_format(job: Any) -> str:
+    """spec.parameterServers.wireFormat (the operator refuses it where only float32 works)."""
+    return str(job.spec["parameterServers"].get("wireFormat", "float32"))
 
 
 def _downpour_held_out(job: Any, group: ShardGroup) -> HeldOut | None:

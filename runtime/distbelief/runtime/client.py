@@ -4,6 +4,7 @@
     hello, stats, done       the core's ops
     pull, push, push_and_pull    the dense slices (dense.py): each shard gets its slice
                                  of a flat vector; pulls land straight in the caller's array
+    Bfloat16Dense                the same three with bfloat16 on the wire (wireFormat)
 
 The sockets, timeouts and resends are the transport's (transport.exchange under one
 RetryPolicy); this module builds the frames of each op and reads the replies, turning
@@ -22,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distbelief.runtime import dense, errors, protocol, transport
+from distbelief.runtime import bfloat16, dense, errors, protocol, transport
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.protocol import ErrorCode, Header, OpSpec, Status
 
@@ -202,7 +203,7 @@ class ShardGroup:
             return Reply(header=header)
         if op.reply_array and receive_into is not None:
             values = self._part(position, receive_into).size
-            expected = values * protocol.DTYPE.itemsize
+            expected = values * op.dtype.itemsize
             if header.count != values or received.into_sink != expected:
                 raise errors.ProtocolError(f"shard {shard} sent {received.into_sink} bytes, expected {expected}")
         if op.reply is None:
@@ -210,3 +211,39 @@ class ShardGroup:
         if not received.frames:
             raise errors.ProtocolError(f"shard {shard} at {address} answered {op.name} without its payload")
         return Reply(header=header, meta=op.reply.unpack(received.frames[0]))
+
+
+class Bfloat16Dense:
+    """A group's pull, push and push_and_pull with bfloat16 arrays on the wire
+    (spec.parameterServers.wireFormat: bfloat16), for the caller's float32 arrays.
+
+    Pulls land in one half-size buffer and are widened into the caller's array. A pushed
+    gradient is narrowed into the first half of its own memory, which the replica has no
+    further use for (it zeroes or overwrites its gradient after a push): so this buffer
+    is the only one beyond the replica's float32 arrays."""
+
+    def __init__(self, group: ShardGroup) -> None:
+        self.group = group
+        self.codec = bfloat16.Codec(group.values)
+        self.wire = np.empty(group.values, dtype=protocol.BFLOAT16)
+
+    def pull(self, out: np.ndarray) -> list[Reply]:
+        replies = self.group.request(dense.PULL_BF16, receive_into=self.wire)
+        self.codec.widen(self.wire, out)
+        return replies
+
+    def push(self, grad: np.ndarray, *, steps: Sequence[int], examples: int, loss: float) -> list[Reply]:
+        """As ShardGroup.push; grad is left holding its bfloat16 form, not its values."""
+        return self.group.request(dense.PUSH_BF16, array=self._narrowed(grad), steps=steps,
+                                  meta=dense.Update(examples=examples, loss=loss))
+
+    def push_and_pull(self, grad: np.ndarray, out: np.ndarray, *, steps: Sequence[int], examples: int,
+                      loss: float) -> list[Reply]:
+        """As ShardGroup.push_and_pull; grad is left holding its bfloat16 form, not its values."""
+        replies = self.group.request(dense.PUSH_PULL_BF16, array=self._narrowed(grad), receive_into=self.wire,
+                                     steps=steps, meta=dense.Update(examples=examples, loss=loss))
+        self.codec.widen(self.wire, out)
+        return replies
+
+    def _narrowed(self, grad: np.ndarray) -> np.ndarray:
+        return self.codec.narrow(grad, grad.view(protocol.BFLOAT16)[:grad.size])

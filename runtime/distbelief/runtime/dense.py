@@ -21,6 +21,13 @@ updates are counted (distbelief_clipped_updates_total), so a bound that bites ho
 training shows.
 Algorithms that do not train by pushes (Sandblaster) attach the slice with pushes=False,
 and neither PUSH nor PUSH_PULL is then served.
+
+With spec.parameterServers.wireFormat bfloat16, replicas push with PUSH_BF16 and
+PUSH_PULL_BF16: the gradient arrives as bfloat16, is widened into one float32 buffer and
+applied like any other; the slice, the optimizer's state and the checkpoints stay float32
+(master weights). PULL_BF16 sends the slice rounded to bfloat16. A push in the other
+format than the job's is refused, never read as the wrong one; pulls are served in both
+(the chief reads the float32 master weights).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors, protocol
+from distbelief.runtime import bfloat16, checkpoint, errors, protocol
 from distbelief.runtime.optim import make_optimizer
 from distbelief.runtime.protocol import Message, OpSpec, Status
 from distbelief.runtime.plugin import Answer, Handler
@@ -57,14 +64,23 @@ PULL = protocol.define(OpSpec(2, "PULL", reply_array=True))
 PUSH = protocol.define(OpSpec(3, "PUSH", request=Update, request_array=True, command=True))
 PUSH_PULL = protocol.define(OpSpec(14, "PUSH_PULL", request=Update, request_array=True, reply_array=True,
                                    command=True))
+PULL_BF16 = protocol.define(OpSpec(15, "PULL_BF16", reply_array=True, dtype=protocol.BFLOAT16))
+PUSH_BF16 = protocol.define(OpSpec(16, "PUSH_BF16", request=Update, request_array=True, command=True,
+                                   dtype=protocol.BFLOAT16))
+PUSH_PULL_BF16 = protocol.define(OpSpec(17, "PUSH_PULL_BF16", request=Update, request_array=True, reply_array=True,
+                                        command=True, dtype=protocol.BFLOAT16))
+WIRE_FORMATS = ("float32", "bfloat16")  # spec.parameterServers.wireFormat
 OPTIMIZER_KEY = "optimizer"  # the checkpoint metadata that names the optimizer
 
 
 class DenseSlice:
     def __init__(self, shard: Shard, initial: np.ndarray, *, optimizer: str, learning_rate: float,
                  pushes: bool = True, max_gradient_norm: float = float("inf"),
-                 max_staleness: int | None = None) -> None:
-        """initial: the whole flat vector, or just this shard's slice of it."""
+                 max_staleness: int | None = None, wire_format: str = "float32") -> None:
+        """initial: the whole flat vector, or just this shard's slice of it; wire_format: the
+        format of the pushes it applies (WIRE_FORMATS)."""
+        if wire_format not in WIRE_FORMATS:
+            raise errors.ConfigError(f"wire format {wire_format!r} is none of {', '.join(WIRE_FORMATS)}")
         layout = shard.layout
         first, last = layout.bounds(shard.index)
         if initial.size not in (layout.total, last - first):
@@ -77,13 +93,25 @@ class DenseSlice:
         self.max_gradient_norm = max_gradient_norm
         self.max_staleness = max_staleness
         self._clipped: np.ndarray | None = None  # made on the first clip: most jobs never need it
+        self.wire_format = wire_format
+        self.codec = bfloat16.Codec(self.params.size)
+        self._widened: np.ndarray | None = None  # bfloat16 pushes' float32 buffer, made on the first
 
     def handlers(self) -> Mapping[OpSpec, Handler]:
-        pulls: dict[OpSpec, Handler] = {PULL: self._pull}
-        return {**pulls, PUSH: self._push, PUSH_PULL: self._push_pull} if self.pushes else pulls
+        pulls: dict[OpSpec, Handler] = {PULL: self._pull, PULL_BF16: self._pull}
+        if not self.pushes:
+            return pulls
+        pushes = {PUSH: self._push, PUSH_PULL: self._push_pull, PUSH_BF16: self._push, PUSH_PULL_BF16: self._push_pull}
+        return {**pulls, **{op: (handler if self._own_format(op) else self._refuse_format)
+                            for op, handler in pushes.items()}}
 
     def repeat_handlers(self) -> Mapping[OpSpec, Handler]:
-        return {PUSH_PULL: self._pull} if self.pushes else {}
+        if not self.pushes:
+            return {}
+        return {op: self._pull for op in (PUSH_PULL, PUSH_PULL_BF16) if self._own_format(op)}
+
+    def _own_format(self, op: OpSpec) -> bool:
+        return protocol.WIRE_NAMES[op.dtype] == self.wire_format
 
     def array_values(self) -> int:
         return int(self.params.size)
@@ -107,22 +135,41 @@ class DenseSlice:
     # -- ops -------------------------------------------------------------------------------
 
     def _pull(self, message: Message) -> Answer:
+        """The slice in the op's format (a copy: the next push may update it while ZeroMQ sends)."""
+        if message.spec.dtype == protocol.BFLOAT16:
+            return Answer(array=self.codec.narrow(self.params, np.empty(self.params.size, protocol.BFLOAT16)))
         return Answer(array=self.params.copy())
 
     def _push(self, message: Message) -> Answer:
         if self.too_stale(message.header.step):
             return Answer(status=Status.STALE)
-        self.apply(message.header, self.checked(message), examples=message.meta.examples, loss=message.meta.loss)
+        grad = self.checked(message)
+        if grad.dtype == protocol.BFLOAT16:
+            grad = self._widen(grad)
+        self.apply(message.header, grad, examples=message.meta.examples, loss=message.meta.loss)
         return Answer()
+
+    def _refuse_format(self, message: Message) -> Answer:
+        raise errors.Refused(
+            f"{message.spec.name} carries a {protocol.WIRE_NAMES[message.spec.dtype]} gradient, but this job's "
+            f"spec.parameterServers.wireFormat is {self.wire_format}: the replica runs another config than "
+            f"shard {self.shard.index}; nothing applied")
 
     def checked(self, message: Message) -> np.ndarray:
         """The pushed gradient, if it has the slice's size; ProtocolError if not."""
         grad = message.array
         if grad is None or grad.size != self.params.size:
             raise errors.ProtocolError(
-                f"a push to shard {self.shard.index} must carry {self.params.size} float32 values, "
-                f"header declares {message.header.count}")
+                f"a push to shard {self.shard.index} must carry {self.params.size} "
+                f"{protocol.WIRE_NAMES[message.spec.dtype]} values, header declares {message.header.count}")
         return grad
+
+    def _widen(self, grad: np.ndarray) -> np.ndarray:
+        """A bfloat16 gradient in float32, in the slice's one buffer for it (NaN and inf stay
+        what they were, so apply's norm check still refuses them)."""
+        if self._widened is None:
+            self._widened = np.empty_like(self.params)
+        return self.codec.widen(grad, self._widened)
 
     def apply(self, header: protocol.Header, grad: np.ndarray, *, examples: int, loss: float) -> None:
         """One update: grad (bounded, see above) applied by the optimizer; the step advances."""

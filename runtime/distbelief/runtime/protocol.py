@@ -5,7 +5,8 @@ A message is a fixed header frame, then the op's own frames:
     header   40 bytes, little-endian (HEADER): magic, version, op, status, error code,
              shard, seq, worker, layout hash, step, count
     meta     the op's payload struct (a fixed-size Payload, or a bounded JSON object)
-    array    raw float32 values, `count` of them (parameters, gradients)
+    array    raw values, `count` of them (parameters, gradients): float32, or bfloat16
+             (uint16) for the ops whose OpSpec says so, so a message's format is its op's
 
 Which frames an op carries, in its request and in its reply, is its OpSpec; the module
 that owns an op defines it (`define`), so an algorithm adds ops without touching this
@@ -34,6 +35,8 @@ from distbelief.runtime import errors
 MAGIC = b"DB"
 VERSION = 2
 DTYPE = np.dtype("<f4")
+BFLOAT16 = np.dtype("<u2")  # a bfloat16 is a float32's high 16 bits (bfloat16.py)
+WIRE_NAMES = {DTYPE: "float32", BFLOAT16: "bfloat16"}  # spec.parameterServers.wireFormat's values
 HEADER = struct.Struct("<2sBBBBHIIQQQ")
 # Text and struct payloads (errors, stats, done reasons, coordinator state) are small.
 MAX_TEXT_BYTES = 64 * 1024
@@ -124,7 +127,8 @@ class OpSpec:
     """What an op's request and reply carry, and how a shard must treat it.
 
     command: it changes the shard's state, so a resend (same peer, worker, seq) gets the
-    first reply and is not applied twice. privileged: only the chief's key may send it."""
+    first reply and is not applied twice. privileged: only the chief's key may send it.
+    dtype: the array frames' values, float32 (DTYPE) or bfloat16 carried as uint16."""
 
     code: int
     name: str
@@ -135,6 +139,7 @@ class OpSpec:
     optional_request: bool = False
     command: bool = False
     privileged: bool = False
+    dtype: np.dtype = DTYPE
 
     def __int__(self) -> int:
         return self.code
@@ -225,7 +230,7 @@ def version_refusal_text() -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """A parsed request (or reply): its header, its op's payload, its float32 array."""
+    """A parsed request (or reply): its header, its op's payload, its array (of the op's dtype)."""
 
     header: Header
     spec: OpSpec
@@ -248,7 +253,7 @@ def parse_request(frames: list[memoryview], header: Header | None = None) -> Mes
     if len(body) != expected:
         raise errors.ProtocolError(f"{spec.name} carries {expected} frames after its header, got {len(body)}")
     meta = spec.request.unpack(body[0]) if spec.request is not None else None
-    array = float_view(body[-1], header.count) if spec.request_array else None
+    array = array_view(body[-1], header.count, spec.dtype) if spec.request_array else None
     if not spec.request_array and header.count:
         raise errors.ProtocolError(f"{spec.name} carries no array, but the header declares {header.count} values")
     return Message(header=header, spec=spec, meta=meta, array=array)
@@ -282,12 +287,17 @@ def error_code(exc: errors.ProtocolError) -> ErrorCode:
 
 def float_view(frame: memoryview | bytes, count: int) -> np.ndarray:
     """A read-only float32 view over a payload frame, checked against its declared count."""
+    return array_view(frame, count, DTYPE)
+
+
+def array_view(frame: memoryview | bytes, count: int, dtype: np.dtype) -> np.ndarray:
+    """A read-only view of dtype over a payload frame, checked against its declared count."""
     nbytes = len(frame)
-    if nbytes != count * DTYPE.itemsize:
+    if nbytes != count * dtype.itemsize:
         raise errors.ProtocolError(
-            f"payload is {nbytes} bytes but the header declares {count} float32 values"
+            f"payload is {nbytes} bytes but the header declares {count} {WIRE_NAMES[dtype]} values"
         )
-    return np.frombuffer(frame, dtype=DTYPE, count=count)
+    return np.frombuffer(frame, dtype=dtype, count=count)
 
 
 def small_payload(frame: memoryview | bytes) -> bytes:

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from distbelief.runtime import errors, models
-from distbelief.runtime.client import ShardGroup
+from distbelief.runtime.client import Bfloat16Dense, ShardGroup
 from distbelief.runtime.data import Dataset, minibatches
 from distbelief.runtime.metrics import WorkerMetrics
 
@@ -44,8 +44,10 @@ class WorkerSettings:
 
 class Worker:
     def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset,
-                 metrics: WorkerMetrics, *, stop: threading.Event | None = None) -> None:
+                 metrics: WorkerMetrics, *, stop: threading.Event | None = None, wire_format: str = "float32") -> None:
+        """wire_format: spec.parameterServers.wireFormat, the format of its pulls and pushes."""
         self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
+        self.dense: ShardGroup | Bfloat16Dense = Bfloat16Dense(group) if wire_format == "bfloat16" else group
         self.rng = np.random.default_rng(settings.seed)
         self.batches = minibatches(dataset, settings.batch_size, self.rng)
         total = group.layout.total
@@ -95,7 +97,7 @@ class Worker:
 
     def _pull(self) -> bool:
         started = time.perf_counter()
-        replies = self.group.pull(self.params)
+        replies = self.dense.pull(self.params)
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         self._count_traffic()
         if any(r.done for r in replies):
@@ -139,10 +141,10 @@ class Worker:
         self._non_finite = 0
         started = time.perf_counter()
         if fetch:
-            replies = self.group.push_and_pull(self.accumulated, self.params, steps=self.pulled_steps,
+            replies = self.dense.push_and_pull(self.accumulated, self.params, steps=self.pulled_steps,
                                                examples=examples, loss=loss)
         else:
-            replies = self.group.push(self.accumulated, steps=self.pulled_steps, examples=examples, loss=loss)
+            replies = self.dense.push(self.accumulated, steps=self.pulled_steps, examples=examples, loss=loss)
         self.metrics.push_seconds.observe(time.perf_counter() - started)
         self._count_traffic()
         if self._step_grad is not None:
