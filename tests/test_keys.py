@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from distbelief.operator import local, spec
-from distbelief.runtime import contract, errors, keys, roles
+from distbelief.runtime import admission, contract, errors, keys, roles
 from distbelief.runtime.client import Timeouts
 from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
@@ -189,9 +189,9 @@ def test_a_slice_of_exactly_the_largest_accepted_size_gets_through_the_cipher(
 def test_stopped_shards_release_their_zap_handler(tmp_path: Path, job_keys: keys.JobKeys) -> None:
     layout = Layout.of([("w", (3,))], shards=1)
     live = start_shards(tmp_path, layout, np.zeros(3, np.float32), security=job_keys.server_security())
-    assert id(zmq.Context.instance()) in keys._auth_by_context
+    assert id(zmq.Context.instance()) in admission._auth_by_context
     live.stop()
-    assert id(zmq.Context.instance()) not in keys._auth_by_context
+    assert id(zmq.Context.instance()) not in admission._auth_by_context
 
 
 def test_a_secured_server_without_client_credentials_is_refused(tmp_path: Path, job_keys: keys.JobKeys,
@@ -279,9 +279,9 @@ def test_a_serving_socket_can_be_bound_again_right_after_the_last_one_of_its_con
     try:
         for _ in range(30):
             socket = context.socket(zmq.ROUTER)
-            admission = keys.bind_server(context, socket, "tcp://127.0.0.1:*", who="restart test",
-                                         domain="restart-test", security=job_keys.server_security())
+            admitted = admission.bind_server(context, socket, "tcp://127.0.0.1:*", who="restart test",
+                                             domain="restart-test", security=job_keys.server_security())
             socket.close(linger=0)
-            admission.close()
+            admitted.close()
     finally:
         context.term()

@@ -19,16 +19,15 @@ its key; the shards tell connections apart by a random routing id each client ke
 
 The keys are files in one folder (keyfiles.py: a mounted Secret on a cluster, OUTPUT/keys
 in local mode); a worker's copy holds only CLIENT_FILES (and STAGE_FILES when partitioned).
-The shards authenticate peers with a ZAP handler (a ThreadAuthenticator, one per ZeroMQ
-context, shared by the shards of that context) that admits, per serving socket's ZAP
-domain, only the job's client and chief public keys, and names the peer by its key
-(the ZAP User-Id) so that the shard can tell the chief apart; a peer that knows the
-server's public key but not a secret fails the handshake and gets nothing back.
+The shards authenticate peers with a ZAP handler (admission.py) that admits, per serving
+socket, only the job's client and chief public keys, and names the peer by its key (the
+ZAP User-Id) so that the shard can tell the chief apart.
 
 Encryption is the default: CurveZMQ authenticates every connection, and a replica's
 requests and the shards' replies then go sealed with AES-256-GCM under a session key
 agreed over it (sessions.py); the bulk port those travel on has no CurveZMQ, so the ZAP
-handler admits a connection there only from an address that holds a session. With spec.parameterServers.encryption false, sockets use
+handler admits a connection there only from an address that holds a session. With
+spec.parameterServers.encryption false, sockets use
 ZeroMQ's PLAIN mechanism with a token per role derived from its secret key (user
 "replica" or "chief"), checked in constant time; the token and all traffic cross the
 network in the clear, and a token seen there can be replayed (docs/security.md).
@@ -44,9 +43,7 @@ import hashlib
 import hmac
 import logging
 import os
-import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
 from distbelief.runtime import errors
 from distbelief.runtime.keyfiles import (ADDED_PAIRS, CHIEF_PUBLIC, CHIEF_SECRET, CLIENT_FILES, CLIENT_PUBLIC,
@@ -255,179 +252,3 @@ def _check_z85(path: str, text: bytes) -> None:
         valid = False
     if not valid:
         raise errors.ConfigError(f"job key {path} is not a {Z85_KEY_LENGTH}-character Z85 key")
-
-
-# -- the shards' side: a ZAP handler that admits only the job's keys -------------------
-
-
-REFUSAL_LOG_SECONDS = 10.0  # at most one refusal line per domain this often (a peer may retry fast)
-ZAP_RESTART_SECONDS = 2.0
-
-
-class _Allowed:
-    """ThreadAuthenticator credentials provider: ZAP domain -> admitted public keys; and, for
-    sockets without CurveZMQ, ZAP domain -> which peer addresses it admits (`gates`)."""
-
-    def __init__(self) -> None:
-        self.by_domain: dict[str, frozenset[bytes]] = {}
-        self.gates: dict[str, Callable[[str], bool]] = {}
-        self._refusals: dict[str, tuple[float, int]] = {}  # domain -> (last logged, since then)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        admitted = key in self.by_domain.get(domain, frozenset())
-        if not admitted:
-            self.log_refusal(domain, "unknown_client_key")
-        return admitted
-
-    def log_refusal(self, domain: str, reason: str) -> None:
-        now = time.monotonic()
-        last, count = self._refusals.get(domain, (float("-inf"), 0))
-        if now - last >= REFUSAL_LOG_SECONDS:
-            log.warning("event=peer_refused domain=%s reason=%s refused=%d", domain, reason, count + 1)
-            self._refusals[domain] = (now, 0)
-        else:
-            self._refusals[domain] = (last, count + 1)
-
-
-def _authenticator(context: Any, log: logging.Logger, allowed: _Allowed) -> Any:
-    """pyzmq's ThreadAuthenticator, but with PLAIN tokens compared in constant time (its own
-    check is `==`, whose time tells how much of a guess was right), NULL connections to a
-    gated domain admitted by address only (allowed.gates), and a start that waits out the
-    ZAP endpoint of a handler just stopped in the context (libzmq frees it later)."""
-    import zmq
-    from zmq.auth.thread import ThreadAuthenticator
-
-    class ConstantTimeAuthenticator(ThreadAuthenticator):
-        def start(self) -> None:
-            deadline = time.monotonic() + ZAP_RESTART_SECONDS
-            while True:
-                try:
-                    return super().start()
-                except zmq.ZMQError as exc:
-                    super().stop()  # closes the socket the failed bind left open
-                    if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
-                        raise
-                    time.sleep(0.01)
-
-        def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
-            expected = self.passwords.get(domain or "*", {}).get(username)
-            allowed = expected is not None and hmac.compare_digest(password.encode(), expected.encode())
-            return allowed, b"OK" if allowed else b"Invalid credentials"
-
-        async def handle_zap_message(self, msg: list[bytes]) -> None:
-            domain = msg[2].decode("utf-8", "replace") if len(msg) >= 6 and msg[5] == b"NULL" else ""
-            gate = allowed.gates.get(domain)
-            if gate is None:
-                return await super().handle_zap_message(msg)
-            if gate(msg[3].decode("utf-8", "replace")):
-                self._send_zap_reply(msg[1], b"200", b"OK")
-            else:
-                allowed.log_refusal(domain, "no_session_from_address")
-                self._send_zap_reply(msg[1], b"400", b"No session from this address")
-
-    return ConstantTimeAuthenticator(context, log=log)
-
-
-class _ContextAuth:
-    def __init__(self, context: Any) -> None:
-        self.allowed = _Allowed()
-        zap_log = logging.getLogger(__name__ + ".zap")
-        zap_log.setLevel(logging.INFO)  # never debug: pyzmq logs PLAIN passwords (our join tokens) there
-        self.authenticator = _authenticator(context, zap_log, self.allowed)
-        self.authenticator.start()
-        self.users = 0
-
-
-_auth_lock = threading.Lock()
-_auth_by_context: dict[int, _ContextAuth] = {}
-
-
-@dataclasses.dataclass
-class Admission:
-    """A shard's registration with its context's ZAP handler; close() when it stops serving."""
-
-    context: Any
-    domain: str
-    closed: bool = False
-
-    def close(self) -> None:
-        with _auth_lock:
-            if self.closed:
-                return
-            self.closed = True
-            auth = _auth_by_context[id(self.context)]
-            auth.allowed.by_domain.pop(self.domain, None)
-            auth.allowed.gates.pop(self.domain, None)
-            auth.authenticator.credentials_providers.pop(self.domain, None)
-            auth.authenticator.passwords.pop(self.domain, None)
-            auth.users -= 1
-            if auth.users == 0:
-                auth.authenticator.stop()
-                del _auth_by_context[id(self.context)]
-
-
-def admit_clients(context: Any, domain: str, security: ServerSecurity) -> Admission:
-    """Start (or share) the ZAP handler of context; on domain, admit only security.admitted.
-
-    Call before binding the socket that sets zmq.ZAP_DOMAIN to domain (a CurveZMQ server
-    socket in a context without a ZAP handler admits any client key). Each serving socket
-    takes its own domain, so shards of different jobs in one process never share a list."""
-    if not security.admitted:
-        raise errors.ConfigError(f"a {security.mechanism} server without client credentials would admit any peer")
-
-    def configure(auth: _ContextAuth) -> None:
-        auth.allowed.by_domain[domain] = frozenset(security.admitted.values())
-        if security.mechanism == "plain":
-            auth.authenticator.configure_plain(
-                domain=domain, passwords={role: token.decode("ascii") for role, token in security.admitted.items()})
-        else:
-            auth.authenticator.configure_curve_callback(domain=domain, credentials_provider=auth.allowed)
-    return _register(context, domain, configure)
-
-
-def admit_addresses(context: Any, domain: str, admits: Callable[[str], bool]) -> Admission:
-    """Start (or share) the ZAP handler of context; on domain, a socket without CurveZMQ
-    (a shard's bulk port), admit a connection only from a peer address admits() takes.
-    admits runs on the ZAP handler's thread."""
-    def configure(auth: _ContextAuth) -> None:
-        auth.allowed.by_domain[domain] = frozenset()
-        auth.allowed.gates[domain] = admits
-    return _register(context, domain, configure)
-
-
-def _register(context: Any, domain: str, configure: Callable[["_ContextAuth"], None]) -> Admission:
-    with _auth_lock:
-        auth = _auth_by_context.get(id(context))
-        if auth is None:
-            auth = _auth_by_context[id(context)] = _ContextAuth(context)
-        if domain in auth.allowed.by_domain:
-            raise errors.ConfigError(f"ZAP domain {domain} is already in use")
-        auth.users += 1
-        configure(auth)
-    return Admission(context=context, domain=domain)
-
-
-def bind_server(context: Any, socket: Any, address: str, *, who: str, domain: str,
-                security: ServerSecurity | None) -> Admission | None:
-    """Bind a serving socket; with security, admitting only its credentials (without, anyone).
-
-    The ZAP handler is registered before the bind (see admit_clients). On failure the
-    socket is closed, the admission released, and ConfigError names `who` and address."""
-    import zmq
-
-    admission = None
-    try:
-        if security:
-            admission = admit_clients(context, domain, security)
-            socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-            for option, value in security.options.items():
-                socket.setsockopt(option, value)
-        socket.bind(address)
-    except (zmq.ZMQError, errors.ConfigError) as exc:
-        socket.close(linger=0)
-        if admission is not None:
-            admission.close()
-        if isinstance(exc, errors.ConfigError):
-            raise
-        raise errors.ConfigError(f"{who} cannot listen on {address}: {exc}") from exc
-    return admission

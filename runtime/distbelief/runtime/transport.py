@@ -18,7 +18,8 @@ Every socket counts the bytes it sends and receives in traffic.PROCESS_TRAFFIC (
 bulk frames as sealed: prefix and tags included).
 
 ZeroMQ's errors are translated here into distbelief.runtime.errors and nowhere else;
-no other module of the runtime imports zmq (keys.py registers the ZAP handler for it).
+no other module of the runtime imports zmq (admission.py registers the ZAP handler for it,
+keys.py makes the keys).
 Frames are memoryviews (or bytes) on both sides; parameter payloads are received
 straight into the caller's array (Link.receive's sink), so a pull costs one copy.
 """
@@ -34,7 +35,7 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from distbelief.runtime import errors, keys, sessions
+from distbelief.runtime import admission, errors, keys, sessions
 from distbelief.runtime.traffic import PROCESS_TRAFFIC
 from distbelief.runtime.failover import Copies
 
@@ -88,7 +89,7 @@ class ZmqServer:
         socket = _router(context, max_frame)
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._domain = f"distbelief-{who.replace(' ', '-')}-{id(self):x}"
-        self._admission = keys.bind_server(context, socket, address, who=who, domain=self._domain,
+        self._admission = admission.bind_server(context, socket, address, who=who, domain=self._domain,
                                            security=security)
         self._socket, self._bulk, self._bulk_admission = socket, None, None
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -106,7 +107,7 @@ class ZmqServer:
         bulk = _router(context, max_frame)
         domain = f"{self._domain}-bulk"
         try:
-            self._bulk_admission = keys.admit_addresses(context, domain, self._sessions.holds)
+            self._bulk_admission = admission.admit_addresses(context, domain, self._sessions.holds)
             bulk.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
             bulk.bind(address)
         except zmq.ZMQError as exc:
