@@ -84,7 +84,11 @@ def test_sigterm_and_sighup_suspend_the_run_like_ctrl_c(tmp_path: Path, sig: sig
 
 
 def _described(pids: list[int], output: Path) -> str:
-    """What each pod left running is and was doing: its command, state and last log lines."""
+    """What each pod left running is and was doing: its command, state and the end of its
+    log, with every thread's stack (a role dumps them on SIGUSR2)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR2)
+    time.sleep(1.0)
     lines = []
     for pid in pids:
         try:
@@ -96,8 +100,8 @@ def _described(pids: list[int], output: Path) -> str:
         config = next((a.decode() for a in argv if a.endswith(b"job.json")), "")
         pod = Path(config).parent.parent.name  # volumes/<pod>/config/job.json
         log = output / "logs" / f"{pod}.log"
-        tail = log.read_text(errors="replace").splitlines()[-5:] if log.exists() else []
-        lines.append(f"pid {pid} pod {pod or '?'} {state}: " + " | ".join(tail))
+        tail = log.read_text(errors="replace").splitlines()[-60:] if log.exists() else []
+        lines.append(f"pid {pid} pod {pod or '?'} {state}:\n" + "\n".join(tail))
     return "\n".join(lines)
 
 

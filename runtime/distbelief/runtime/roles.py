@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import faulthandler
 import os
 import signal
 import threading
@@ -219,8 +220,29 @@ def shard_group(job: Job, **options: Any) -> ShardGroup:
 
 
 def _stop_on_termination() -> threading.Event:
-    """An event set by SIGTERM or SIGINT, installed before anything slow starts."""
+    """An event set by SIGTERM or SIGINT, installed before anything slow starts. SIGUSR2
+    writes every thread's stack to stderr (the pod's log): what a role that does not stop is doing.
+
+    The handler only writes a byte to a pipe; a thread of its own sets the event. Python
+    runs handlers in the main thread between bytecodes, so a handler that set the event
+    itself could interrupt the main thread inside Event.set, holding the event's lock, and
+    wait for that lock forever. A parent's death delivers SIGTERM once for each of the
+    parent's threads, in quick succession, which made this happen."""
     stop = threading.Event()
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # a flood of signals fills the pipe: the first byte is enough
+
+    def relay() -> None:
+        os.read(read_end, 1)
+        stop.set()
+
+    def note(*_: Any) -> None:
+        try:
+            os.write(write_end, b".")
+        except BlockingIOError:
+            pass
+    threading.Thread(target=relay, name="stop-signal", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, note)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     return stop
