@@ -28,7 +28,7 @@ kube-tools: venv
 test: venv kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q
 
-# Benchmarks (~45 min on 2 cores): installs the bench extra (torch, the peer), then runs
+# Benchmarks (~35 min on 2 cores): installs the bench extra (torch, the peer), then runs
 # benchmarks/run_all.py: every figure of docs/benchmarks.md, 5 runs each (3 for the 90M-
 # parameter job), into benchmarks/results.json and docs/benchmarks.png, with the target
 # ratios and any failed run printed. A crashed run is retried once, then recorded.
