@@ -90,7 +90,7 @@ class ZmqServer:
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._domain = f"distbelief-{who.replace(' ', '-')}-{id(self):x}"
         self._admission = admission.bind_server(context, socket, address, who=who, domain=self._domain,
-                                           security=security)
+                                                security=security)
         self._socket, self._bulk, self._bulk_admission = socket, None, None
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
@@ -182,9 +182,9 @@ class ZmqServer:
         self._socket.close()
         if self._bulk is not None:
             self._bulk.close()
-        for admission in (self._admission, self._bulk_admission):
-            if admission is not None:
-                admission.close()
+        for held in (self._admission, self._bulk_admission):
+            if held is not None:
+                held.close()
         self._admission = self._bulk_admission = None
 
 
