@@ -69,7 +69,7 @@ PUSH_BF16 = protocol.define(OpSpec(16, "PUSH_BF16", request=Update, request_arra
                                    dtype=protocol.BFLOAT16))
 PUSH_PULL_BF16 = protocol.define(OpSpec(17, "PUSH_PULL_BF16", request=Update, request_array=True, reply_array=True,
                                         command=True, dtype=protocol.BFLOAT16))
-WIRE_FORMATS = ("float32", "bfloat16")  # spec.parameterServers.wireFormat
+WIRE_FORMATS = tuple(protocol.WIRE_NAMES.values())  # spec.parameterServers.wireFormat
 OPTIMIZER_KEY = "optimizer"  # the checkpoint metadata that names the optimizer
 
 
