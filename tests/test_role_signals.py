@@ -34,36 +34,37 @@ def _role(mode: str, **kwargs) -> subprocess.Popen:
     return role
 
 
-def test_a_burst_of_sigterms_never_hangs_a_role() -> None:
-    role = _role("busy")
+def _ended(role: subprocess.Popen, send) -> tuple[int, str, str | None]:
+    """send(pid) the role its signals; then its exit code, stdout and stderr (if piped)."""
     try:
-        started = time.monotonic()
-        while time.monotonic() - started < 2.0:
-            os.kill(role.pid, signal.SIGTERM)
-        out, _ = role.communicate(timeout=30)
-    finally:
-        role.kill()
-    assert (role.returncode, out.strip()) == (0, "set")
-
-
-def test_one_sigterm_sets_a_role_s_stop() -> None:
-    role = _role("idle")
-    try:
-        os.kill(role.pid, signal.SIGTERM)
-        out, _ = role.communicate(timeout=30)
-    finally:
-        role.kill()
-    assert (role.returncode, out.strip()) == (0, "set")
-
-
-def test_sigusr2_writes_every_thread_s_stack_to_the_log() -> None:
-    role = _role("idle", stderr=subprocess.PIPE)
-    try:
-        os.kill(role.pid, signal.SIGUSR2)
-        time.sleep(0.5)
-        os.kill(role.pid, signal.SIGTERM)
+        send(role.pid)
         out, err = role.communicate(timeout=30)
     finally:
         role.kill()
-    assert (role.returncode, out.strip()) == (0, "set")  # a dump, not a death
+    return role.returncode, out.strip(), err
+
+
+def _burst(pid: int) -> None:
+    started = time.monotonic()
+    while time.monotonic() - started < 2.0:
+        os.kill(pid, signal.SIGTERM)
+
+
+def _dump_then_stop(pid: int) -> None:
+    os.kill(pid, signal.SIGUSR2)
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGTERM)
+
+
+def test_a_burst_of_sigterms_never_hangs_a_role() -> None:
+    assert _ended(_role("busy"), _burst)[:2] == (0, "set")
+
+
+def test_one_sigterm_sets_a_role_s_stop() -> None:
+    assert _ended(_role("idle"), lambda pid: os.kill(pid, signal.SIGTERM))[:2] == (0, "set")
+
+
+def test_sigusr2_writes_every_thread_s_stack_to_the_log() -> None:
+    code, out, err = _ended(_role("idle", stderr=subprocess.PIPE), _dump_then_stop)
+    assert (code, out) == (0, "set")  # a dump, not a death
     assert "Current thread" in err and 'File "<string>"' in err
