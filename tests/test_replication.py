@@ -339,3 +339,20 @@ def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies)
         assert answer.status == Status.ERROR and answer.error == protocol.ErrorCode.MALFORMED
     assert backup.step == 0 and backup.copies.role == BACKUP
     link.close()
+
+
+@pytest.mark.parametrize("payload", [b"[1, 2]", b'{"role": "primary", "view": [1], "step": 3}', b"not json"])
+def test_a_garbled_copy_status_answer_is_refused_and_the_watch_asks_again(payload: bytes) -> None:
+    from distbelief.runtime.copywatch import Watch
+    from distbelief.runtime.memory_transport import MemoryTransport
+
+    watch = Watch(shard=0, layout=1, addresses={1: "inproc://nobody"}, security=None, transport_=MemoryTransport())
+    header = memoryview(Header(op=30, shard=0, layout=1, seq=watch._seq, status=Status.OK).pack())
+    with pytest.raises((errors.ProtocolError, TypeError)):
+        watch._take(1, transport.Received(header=header, frames=[memoryview(payload)]))
+    assert 1 not in watch.latest  # nothing believed from it
+    watch._round = lambda: watch._take(1, transport.Received(header=header, frames=[memoryview(payload)]))
+    watch.start()
+    time.sleep(0.1)
+    assert watch._thread.is_alive()  # the round's error is logged; the watch goes on
+    watch.close()

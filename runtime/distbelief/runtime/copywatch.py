@@ -9,7 +9,6 @@ view exists, whom to catch up from.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -71,7 +70,7 @@ class Watch:
         while not self._stop.is_set():
             try:
                 self._round()
-            except (errors.RuntimeFailure, ValueError, KeyError) as exc:  # a garbled answer: asked again
+            except (errors.RuntimeFailure, ValueError, KeyError, TypeError) as exc:  # a garbled answer: asked again
                 log.warning("event=copy_watch_failed shard=%d error=%r", self.shard, str(exc))
             self._stop.wait(WATCH_SECONDS)
 
@@ -96,7 +95,7 @@ class Watch:
             return False
         if header.status != protocol.Status.OK or not received.frames:
             return True  # refused (a copy of another job?): no news from it
-        value = json.loads(protocol.small_payload(received.frames[0]))
+        value = protocol.JsonObject.unpack(received.frames[0]).value
         self.latest[rank] = PeerState(role=str(value["role"]), view=int(value["view"]), step=int(value["step"]),
                                       seen=time.monotonic())
         return True
