@@ -206,23 +206,19 @@ class Shard:
             if header.op in self.raw_ops:
                 return self.raw_ops[header.op](header, incoming)
             message = protocol.parse_request(incoming.frames, header)
-        except errors.NotPrimary as exc:  # a backup: not a bad message, the client tries the next copy
-            return protocol.error_frames(header, protocol.ErrorCode.NOT_PRIMARY, str(exc), step=self.step)
-        except errors.ProtocolError as exc:
-            self._reject(str(exc))
-            return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
-        peer = self._peer = (incoming.user, incoming.peer)
-        try:
+            peer = self._peer = (incoming.user, incoming.peer)
             reply = self._repeated(peer, message)
             if reply is None:
                 reply = self._dispatch(message, self._handlers[header.op])
                 if message.spec.command:
                     self.copies.replicate(incoming)  # the reply waits until every copy applied it
                 self._remember(peer, message, reply)
+            return reply
+        except errors.NotPrimary as exc:  # a backup: not a bad message, the client tries the next copy
+            return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
         except errors.ProtocolError as exc:
             self._reject(str(exc))
             return protocol.error_frames(header, protocol.error_code(exc), str(exc), step=self.step)
-        return reply
 
     def _dispatch(self, message: Message, handler: Handler) -> list:
         if self.finished is not None and message.spec is not protocol.STATS:
