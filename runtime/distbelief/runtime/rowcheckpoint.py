@@ -68,8 +68,7 @@ class RowCheckpoints:
         t = self.table
         self._prune()
         if t.n <= self.full_write_rows:
-            self.chain = []
-            t.clean()
+            self.chain = []  # the next file, once the table outgrows this, is a base: it cleans then
             return self.whole()
         if self._needs_base():
             arrays = self._write("base", step, slice(0, t.n))
@@ -148,8 +147,7 @@ class RowCheckpoints:
                                self.table.dim, float(part.meta.get("touchBase", 0.0)))
                 (self.table.load if position == 0 else self.table.put)(*rows)
         self.chain = [dict(entry) for entry in chain or []]
-        self.table.clean()
-        return self.table.n
+        return self.table.n  # no row is dirty: load() clears the flags and put() sets none
 
     def _read(self, entry: Any, step: int, kind: str) -> checkpoint.Checkpoint:
         name = str(entry.get("file")) if isinstance(entry, dict) else ""
