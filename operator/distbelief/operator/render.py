@@ -222,17 +222,22 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
     }
 
 
+def _worker_partitions(config: contract.JobConfig) -> list[int | None]:
+    """One Deployment per partition; None for an unpartitioned job's one Deployment."""
+    return [None] if config.partitions == 1 else list(range(config.partitions))
+
+
+def _worker_deployment_name(config: contract.JobConfig, partition: int | None) -> str:
+    return config.names.worker if partition is None else config.names.worker_partition(partition)
+
+
 def worker_deployment_names(config: contract.JobConfig) -> list[str]:
     """The replicas' Deployments: <job>-worker, or <job>-worker-p<k> for each partition."""
-    if config.partitions == 1:
-        return [config.names.worker]
-    return [config.names.worker_partition(k) for k in range(config.partitions)]
+    return [_worker_deployment_name(config, p) for p in _worker_partitions(config)]
 
 
 def render_worker_deployments(ctx: RenderContext) -> list[Manifest]:
-    if ctx.config.partitions == 1:
-        return [render_worker_deployment(ctx)]
-    return [render_worker_deployment(ctx, partition) for partition in range(ctx.config.partitions)]
+    return [render_worker_deployment(ctx, p) for p in _worker_partitions(ctx.config)]
 
 
 def render_worker_deployment(ctx: RenderContext, partition: int | None = None) -> Manifest:
@@ -240,12 +245,11 @@ def render_worker_deployment(ctx: RenderContext, partition: int | None = None) -
     even under autoscaling (the HPA scales the DistBeliefJob, whose scale subresource writes
     that field, and every partition follows it)."""
     ports, env, extra = [podparts.metrics_port()], [], {}
-    name = ctx.names.worker
+    name = _worker_deployment_name(ctx.config, partition)
     if partition is not None:
         ports.append(podparts.stage_port())
         env = podparts.stage_env(partition)
         extra = {podparts.PARTITION_LABEL: str(partition)}
-        name = ctx.names.worker_partition(partition)
     container = podparts.container(ctx, contract.ROLE_WORKER, args=["--keys-dir", contract.KEYS_DIR],
                                    ports=ports, env=env)
     metadata = podparts.metadata(ctx, name, contract.ROLE_WORKER)
