@@ -30,10 +30,15 @@ COPY pyproject.toml README.md ./
 COPY crds/ crds/
 COPY operator/ operator/
 COPY runtime/ runtime/
+COPY tools/check-install tools/
 # operator/distbelief/operator/crds is a symlink to crds/: the wheel carries the CRD itself.
+# tools/check-install imports every module of the installed wheel and starts
+# `distbelief ps --help` and `distbelief worker --help`: a wheel that leaves a module out
+# fails the build here instead of crash-looping every job pod.
 RUN /opt/build/bin/python -m pip wheel --no-build-isolation --no-deps --wheel-dir /tmp/wheels . \
  && /opt/distbelief/bin/python -m pip install --no-deps --no-index /tmp/wheels/distbelief-*.whl \
  && /opt/distbelief/bin/python -c "from distbelief.operator import spec; spec.load_crd()" \
+ && /opt/distbelief/bin/python tools/check-install \
  && /opt/distbelief/bin/python -m pip uninstall --yes pip setuptools
 
 FROM python:3.11-slim-bookworm

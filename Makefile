@@ -1,21 +1,38 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   creates .venv, runs examples/digits-mlp.yaml locally, shows the result
 #   make test   creates .venv, runs the whole test suite
+#
+# The project is installed into .venv as the wheel users get (never editable): the tests
+# import distbelief from site-packages, so a module the wheel leaves out fails them.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Folders too: a deleted module changes its folder's time, and the wheel is built again.
+SOURCES := pyproject.toml README.md $(shell find operator runtime crds -not -path '*/__pycache__*' 2>/dev/null)
 
-.PHONY: demo test venv kube-tools clean bench
+.PHONY: demo test test-floors install venv kube-tools clean bench
 
-venv: $(VENV)/.installed
+# The dependencies (and the test tools), once per change of pyproject.toml.
+venv: $(VENV)/.deps
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet '.[test]'
 	touch $@
 
-demo: venv
+# The wheel, built from the tree and installed whenever a source file changes. build/ is
+# removed first: setuptools would otherwise ship modules deleted since the last build.
+install: $(VENV)/.wheel
+
+$(VENV)/.wheel: $(VENV)/.deps $(SOURCES)
+	rm -rf build dist
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir dist .
+	$(BIN)/pip install --quiet --no-deps --force-reinstall dist/distbelief-*.whl
+	rm -rf build
+	touch $@
+
+demo: install
 	$(BIN)/distbelief run examples/digits-mlp.yaml --output out/digits --fresh
 	@echo "plot: out/digits/training.png   parameters: out/digits/params.npz"
 
@@ -25,16 +42,21 @@ kube-tools: venv
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
 	PYTHON=$(PYTHON) tools/fetch-checkov >/dev/null
 
-test: venv kube-tools
+test: install kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q
+
+# The lowest versions pyproject.toml allows for every direct dependency, in a venv of
+# their own, and the tests marked `floors` against them (tools/test-floors).
+test-floors: install kube-tools
+	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" PYTHON=$(PYTHON) tools/test-floors
 
 # Benchmarks (~35 min on 2 cores): installs the bench extra (torch, the peer), then runs
 # benchmarks/run_all.py: every figure of docs/benchmarks.md, 5 runs each (3 for the 90M-
 # parameter job), into benchmarks/results.json and docs/benchmarks.png, with the target
 # ratios and any failed run printed. A crashed run is retried once, then recorded.
-bench: venv
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+bench: install
+	rm -rf build && $(BIN)/pip install --quiet '.[bench]' && rm -rf build
 	$(BIN)/python benchmarks/run_all.py --json benchmarks/results.json
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out build dist .pytest_cache

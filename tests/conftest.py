@@ -19,10 +19,23 @@ from distbelief.runtime.layout import Layout
 from distbelief.runtime.metrics import ShardMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
 
-pytest_plugins = ["kube.plugin"]  # the `kube` fixture: a Kubernetes API emulator on loopback
+# `kube`: a Kubernetes API emulator on loopback; `control_plane`, `kubectl`, `helm`, `namespace`: the
+# real control plane of the cluster tier (support/cluster.py)
+pytest_plugins = ["kube.plugin", "support.cluster"]
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The suite tests the installed wheel of this tree, or nothing (support/installed.py)."""
+    from support import installed
+
+    problems = installed.mismatches(REPO)
+    if problems:
+        shown = "\n  ".join(problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else []))
+        pytest.exit(f"the installed distbelief is not this tree's wheel; `make install` builds and installs it "
+                    f"(make test does it first):\n  {shown}", returncode=3)
 
 
 def load_example(name: str) -> dict[str, Any]:

@@ -214,7 +214,8 @@ def test_dockerignore_keeps_the_context_to_what_the_dockerfile_copies() -> None:
     assert python_sources <= context
     for path in context:
         top = path.split("/")[0]
-        assert top in {"pyproject.toml", "README.md", "requirements", "crds", "operator", "runtime"}, path
+        assert top in {"pyproject.toml", "README.md", "requirements", "crds", "operator", "runtime"} \
+            or path == "tools/check-install", path
         assert "__pycache__" not in path and not path.endswith(".pyc") and ".egg-info" not in path, path
 
 
@@ -238,5 +239,27 @@ def test_the_wheel_built_from_the_context_carries_the_crd_and_the_entry_point(tm
         names = archive.namelist()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         assert "distbelief = distbelief.operator.cli:main" in archive.read(entry_points).decode()
-    assert {"distbelief/operator/cli.py", "distbelief/runtime/contract.py"} <= set(names)
+    assert {n for n in names if n.endswith(".py")} == source_modules()
     assert not [n for n in names if n.startswith(("tests/", "operator/", "runtime/"))]
+
+
+def source_modules() -> set[str]:
+    """Every module of the source tree, as its path inside the wheel."""
+    return {p.relative_to(REPO / top).as_posix() for top in ("operator", "runtime")
+            for p in (REPO / top / "distbelief").rglob("*.py")}
+
+
+@pytest.mark.floors
+def test_every_module_of_the_installed_wheel_imports_and_the_roles_start() -> None:
+    """The build stage's own check (tools/check-install), run against the wheel the tests use."""
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "check-install"), sys.executable],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    imported = int(done.stdout.split()[1])
+    assert imported == len(source_modules()) - 2  # each module but the two `distbelief.*/__init__.py`
+
+
+def test_the_build_stage_checks_the_installed_wheel() -> None:
+    (build, _) = stages()
+    runs = " ".join(args_of(build, "RUN"))
+    assert "tools/check-install" in runs.split("pip install --no-deps --no-index /tmp/wheels/distbelief-*.whl")[1]
