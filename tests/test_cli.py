@@ -13,6 +13,8 @@ import yaml
 
 from conftest import EXAMPLES, REPO
 
+pytestmark = pytest.mark.floors  # also run against the lowest dependency versions
+
 
 def distbelief(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}  # tests/user_model.py for entrypoint jobs

@@ -28,6 +28,7 @@ def run_job(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
     return code, json.loads((output / report.REPORT_FILE).read_text())
 
 
+@pytest.mark.floors
 def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> None:
     code, summary = run_job(load_example("digits-mlp.yaml"), tmp_path)
     assert code == 0

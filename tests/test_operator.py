@@ -32,6 +32,8 @@ from kube.plugin import project_emulator
 
 from conftest import REPO, load_example
 
+pytestmark = pytest.mark.floors  # also run against the lowest dependency versions
+
 JOBS = "distbelief.io/v1alpha1/distbeliefjobs"
 KUBECTL = shutil.which("kubectl") or str(REPO / ".cache" / "kube-tools" / "bin" / "kubectl")
 HAVE_KUBECTL = os.access(KUBECTL, os.X_OK)

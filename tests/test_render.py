@@ -19,6 +19,8 @@ from distbelief.runtime import contract, keys
 
 from conftest import load_example
 
+pytestmark = pytest.mark.floors  # also run against the lowest dependency versions
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 K8S_VERSION = "1.30"

@@ -17,6 +17,8 @@ from distbelief.operator import cli, spec
 from distbelief.operator.spec import SpecError
 from distbelief.runtime import contract
 
+pytestmark = pytest.mark.floors  # also run against the lowest dependency versions
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 CRD_FILE = REPO / "crds" / "distbelief.io_distbeliefjobs.yaml"
