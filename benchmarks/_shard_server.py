@@ -36,11 +36,13 @@ import numpy as np
 import prometheus_client as prom
 import zmq
 
-from distbelief.runtime import keys, protocol, transport
+from distbelief.runtime import keys
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.transport import zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
 
 perf = time.perf_counter
 
@@ -149,7 +151,7 @@ def main() -> int:
                                     checkpoint_every=1e9, security=security,
                                     bulk_bind="tcp://127.0.0.1:*" if args.sessions else None),
                       layout, ShardMetrics(prom.CollectorRegistry(), args.shard),
-                      transport_=transport.ZmqTransport(context))
+                      transport_=zmq_transport.ZmqTransport(context))
         shard.attach(DenseSlice(shard, initial, optimizer="sgd" if args.sgd else "adagrad",
                                 learning_rate=args.learning_rate))
         del initial

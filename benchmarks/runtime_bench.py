@@ -57,10 +57,11 @@ except ImportError:  # running from a checkout without the editable install
 import numpy as np
 import zmq
 
-from distbelief.runtime import contract, keys, optim, transport
+from distbelief.runtime import contract, keys, optim
 from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.protocol import Status
+from distbelief.runtime.transport import zmq_transport
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Status
 
 from figures import summarize
 
@@ -178,7 +179,7 @@ def shard_figures(params: int, shards: int, repeats: int, calls: int, io_threads
     servers = ShardProcesses(params, shards, security)
     context = zmq.Context(io_threads=io_threads)
     group = ShardGroup(servers.addresses, layout, timeouts=Timeouts(request=30.0, unavailable=120.0),
-                       transport_=transport.ZmqTransport(context),
+                       transport_=zmq_transport.ZmqTransport(context),
                        security=job_keys.client_options() if encryption else None)
     try:
         assert all(r.header.status == Status.OK for r in group.hello())

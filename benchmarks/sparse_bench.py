@@ -40,10 +40,10 @@ from figures import summarize  # noqa: E402
 
 from distbelief.operator import local, report, spec  # noqa: E402
 from distbelief.runtime import data, models  # noqa: E402
-from distbelief.runtime.embedding import EmbeddingModel  # noqa: E402
-from distbelief.runtime.roles import Job  # noqa: E402
 from distbelief.runtime.client import ShardGroup  # noqa: E402
-from distbelief.runtime.metrics import ShardMetrics  # noqa: E402
+from distbelief.runtime.embedding import EmbeddingModel  # noqa: E402
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.roles import Job  # noqa: E402
 from distbelief.runtime.rowtable import RowTable  # noqa: E402
 from distbelief.runtime.shard import Shard, ShardSettings  # noqa: E402
 from distbelief.runtime.sparse import RowClient, SparseRows  # noqa: E402

@@ -38,8 +38,8 @@ from figures import save, summarize  # noqa: E402
 from conftest import start_shards  # noqa: E402
 from distbelief.runtime import data, errors, models  # noqa: E402
 from distbelief.runtime.dense import DenseSlice  # noqa: E402
-from distbelief.runtime.layout import Layout  # noqa: E402
-from distbelief.runtime.metrics import WorkerMetrics  # noqa: E402
+from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.worker import Worker, WorkerSettings  # noqa: E402
 
 TARGET, EVAL_S, TIMEOUT_S, SLOWDOWN = 0.97, 0.1, 120.0, 3.0

@@ -15,9 +15,9 @@ from distbelief.operator import local, spec
 from distbelief.runtime import keys
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.wire.layout import Layout
 
 pytest_plugins = ["kube.plugin"]  # the `kube` fixture: a Kubernetes API emulator on loopback
 

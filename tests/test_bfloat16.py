@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from distbelief.runtime import dense, errors
-from distbelief.runtime.bfloat16 import WIRE_DTYPE, Codec
 from distbelief.runtime.client import Bfloat16Dense
-from distbelief.runtime.layout import Layout
 from distbelief.runtime.optim import BLOCK, Adagrad
+from distbelief.runtime.wire.bfloat16 import WIRE_DTYPE, Codec
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, start_shards
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from distbelief.runtime import checkpoint
-from distbelief.runtime.layout import Layout
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, start_shards
 

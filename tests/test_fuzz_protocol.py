@@ -43,12 +43,14 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from distbelief.runtime import dense, keys, protocol, transport
-from distbelief.runtime.layout import Layout
+from distbelief.runtime import dense, keys
 from distbelief.runtime.optim import make_optimizer
-from distbelief.runtime.protocol import HEADER, MAGIC, VERSION
 from distbelief.runtime.sandblaster import ops as sandblaster_ops
 from distbelief.runtime.shard import RATE_WINDOW_SECONDS
+from distbelief.runtime.transport import zmq_server
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import HEADER, MAGIC, VERSION
 
 from conftest import LiveShards, start_shards
 
@@ -59,7 +61,7 @@ MAX_GRADIENT_NORM = 100.0
 BATCH = 40
 EXAMPLES = 300                      # 300 batches of 40: 12,000 messages
 MIN_MESSAGES = 10_000
-MAX_FRAME = protocol.max_frame_bytes(SIZE) + transport.FRAME_OVERHEAD  # what libzmq lets in
+MAX_FRAME = protocol.max_frame_bytes(SIZE) + zmq_server.FRAME_OVERHEAD  # what libzmq lets in
 PUSH, PUSH_PULL, PULL = dense.PUSH.code, dense.PUSH_PULL.code, dense.PULL.code
 HELLO, STATS, DONE = protocol.HELLO.code, protocol.STATS.code, protocol.DONE.code
 PULL_MARKER = 0xFFFFFFFF            # the seq of the checking pull (batch messages count up from 1)

@@ -20,11 +20,12 @@ import pytest
 import zmq
 
 from distbelief.operator import local, spec
-from distbelief.runtime import admission, contract, errors, keys, roles
+from distbelief.runtime import contract, errors, keys, roles
 from distbelief.runtime.client import Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.transport import admission
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, load_example, start_shards
 

@@ -12,7 +12,7 @@ import pytest
 
 from distbelief.operator import local, preflight, scrape, spec
 from distbelief.runtime import contract, keys, roles
-from distbelief.runtime.layout import Layout
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import load_example
 

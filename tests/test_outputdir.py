@@ -17,7 +17,7 @@ import yaml
 from distbelief.operator import outputdir, preflight, report, spec
 from distbelief.operator.localpods import volume_dir
 from distbelief.runtime import checkpoint, contract, errors
-from distbelief.runtime.layout import Layout
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import EXAMPLES, REPO, load_example
 

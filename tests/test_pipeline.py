@@ -13,20 +13,22 @@ import prometheus_client as prom
 import pytest
 
 from conftest import LiveShards, start_shards
-from distbelief.runtime import contract, data, errors, protocol, roles, transport
+from distbelief.runtime import contract, data, errors, roles
 from distbelief.runtime.chief import WholeModel
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import WorkerMetrics
 from distbelief.runtime.models import Mlp, evaluate
+from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.pipeline import staged
 from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
 from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
 from distbelief.runtime.pipeline.stages import plan
-from distbelief.runtime.protocol import Status
+from distbelief.runtime.transport import zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Status
 from distbelief.runtime.worker import Worker, WorkerSettings
 
 TIMEOUTS = Timeouts(request=2.0, unavailable=20.0)
@@ -55,7 +57,7 @@ class Cluster:
         stage = stages[partition]
         own = self.layout.shards_of(stage.offset, stage.offset + stage.size)
         group = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop, shards=own)
-        tp = transport.default()
+        tp = zmq_transport.default()
         server = None
         if partition > 0:
             server = tp.server("tcp://127.0.0.1:*", who=f"stage {partition}",
@@ -208,7 +210,7 @@ def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluste
     me = RendezvousLink(c.rendezvous.endpoint, partition=0, me="tester", worker_id=1, layout=c.layout.hash,
                         security=None, stop=stop)
     view = me.wait_for_group()
-    tp = transport.default()
+    tp = zmq_transport.default()
     link = tp.link(view["downstream"], None, watch=False)
     width = later.stage.input_width
     good = np.concatenate([np.zeros(4 * width, np.float32), np.array([1, 2, 3, 4], np.float32)])

@@ -17,15 +17,16 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import dense, errors, keys, protocol, replication
+from distbelief.runtime import dense, errors, keys, replication
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.copywatch import COPY_STATUS
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
 from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
 from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, start_shards
 
@@ -154,7 +155,7 @@ def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: key
     and goes on serving others."""
     import zmq
 
-    from distbelief.runtime import protocol
+    from distbelief.runtime.wire import protocol
 
     layout = Layout.of([("w", (250_000,))], shards=1)
     live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32),

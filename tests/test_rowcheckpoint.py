@@ -15,11 +15,11 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.runtime import checkpoint, errors, rowcheckpoint
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.rowtable import RowTable
 from distbelief.runtime.shard import Shard, ShardSettings
 from distbelief.runtime.sparse import SparseRows
+from distbelief.runtime.wire.layout import Layout
 
 DIM, SEED, LR, KEEP = 4, 5, 0.3, 3
 FULL_ROWS = 100  # tables of more rows are written as a base and deltas

@@ -17,19 +17,20 @@ import zmq
 
 from conftest import load_example
 from distbelief.operator import local, render, report, scrape, spec
-from distbelief.runtime import contract, data, errors, models, protocol
+from distbelief.runtime import contract, data, errors, models
 from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
-from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
+from distbelief.runtime.observe.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
 from distbelief.runtime.sandblaster import ops
+from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
 from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings
+from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
 from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
 from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
 from distbelief.runtime.sandblaster.workqueue import WorkQueue
 from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
 
 HISTORY = 5
 

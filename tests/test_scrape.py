@@ -141,7 +141,8 @@ def test_every_metric_the_operator_reads_is_one_a_role_exports() -> None:
     import prometheus_client as prom
 
     from distbelief.runtime import contract
-    from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics, TrafficCollector, WorkerMetrics
+    from distbelief.runtime.observe.metrics import (
+        ChiefMetrics, CoordinatorMetrics, ShardMetrics, TrafficCollector, WorkerMetrics)
 
     registry = prom.CollectorRegistry()
     ShardMetrics(registry, 0), ChiefMetrics(registry), CoordinatorMetrics(registry)

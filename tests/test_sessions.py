@@ -1,4 +1,4 @@
-"""The bulk channel of encrypted jobs (distbelief.runtime.sessions): AES-256-GCM sessions
+"""The bulk channel of encrypted jobs (distbelief.runtime.transport.sessions): AES-256-GCM sessions
 agreed over CurveZMQ, on a socket without CurveZMQ. Live shards on loopback; the attacker
 sends raw ZeroMQ messages to the bulk port, with or without a session's key."""
 
@@ -14,10 +14,11 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from distbelief.runtime import dense, errors, keys, sessions, transport
+from distbelief.runtime import dense, errors, keys
 from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.protocol import Header
+from distbelief.runtime.transport import sessions, zmq_transport
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header
 
 from conftest import LiveShards, start_shards
 
@@ -303,7 +304,7 @@ def test_a_bulk_port_in_use_is_one_clear_error(job_keys: keys.JobKeys) -> None:
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
         with pytest.raises(errors.ConfigError, match=f"shard 0 cannot listen for bulk messages on .*:{port}"):
-            transport.ZmqTransport(context).server("tcp://127.0.0.1:*", who="shard 0", max_frame=1024,
+            zmq_transport.ZmqTransport(context).server("tcp://127.0.0.1:*", who="shard 0", max_frame=1024,
                                                    max_frames=3, security=job_keys.server_security(),
                                                    bulk=f"tcp://127.0.0.1:{port}")
     finally:

@@ -23,14 +23,15 @@ import zmq
 
 from distbelief.operator import scrape
 
-from distbelief.runtime import dense, errors, protocol, roles
-from distbelief.runtime.contract import JobConfig
+from distbelief.runtime import dense, errors, roles
 from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import TrafficCollector
+from distbelief.runtime.contract import JobConfig
+from distbelief.runtime.observe.metrics import TrafficCollector
+from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
 from distbelief.runtime.optim import Adagrad
-from distbelief.runtime.protocol import Header, Status
-from distbelief.runtime.traffic import PROCESS_TRAFFIC
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header, Status
 
 from conftest import LiveShards, start_shards
 

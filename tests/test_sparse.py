@@ -13,14 +13,15 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.runtime import data, errors, models, protocol, rowcheckpoint, sparse
+from distbelief.runtime import data, errors, models, rowcheckpoint, sparse
 from distbelief.runtime.embedding import EmbeddingModel
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import WorkerMetrics
-from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.rowtable import EPSILON, initial_rows
 from distbelief.runtime.sparse import KeyCounts, Keys, RowClient, SparseRows, owner_of
 from distbelief.runtime.sparse_worker import SparseWorker, held_out_inputs
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header, Status
 from distbelief.runtime.worker import WorkerSettings
 
 from conftest import LiveShards, start_shards

@@ -9,10 +9,10 @@ import prometheus_client as prom
 
 from distbelief.runtime import data, models
 from distbelief.runtime.embedding import EmbeddingModel
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import WorkerMetrics
+from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.sparse import SparseRows
 from distbelief.runtime.sparse_worker import SparseWorker
+from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.worker import WorkerSettings
 
 from conftest import LiveShards, start_shards

@@ -14,8 +14,8 @@ import pytest
 from distbelief.operator import local, scrape, spec
 from distbelief.runtime import data, models
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics, WorkerMetrics
+from distbelief.runtime.observe.metrics import ShardMetrics, WorkerMetrics
+from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.worker import Worker, WorkerSettings
 
 from conftest import load_example, start_shards

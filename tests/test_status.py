@@ -9,7 +9,7 @@ import prometheus_client as prom
 
 from distbelief.operator import scrape, spec
 from distbelief.operator.status import Observed, compute_status, pod_failures, timestamp
-from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics
+from distbelief.runtime.observe.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics
 
 from conftest import load_example
 

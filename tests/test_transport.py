@@ -12,11 +12,11 @@ import pytest
 from distbelief.runtime import errors
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.memory_transport import MemoryTransport
-from distbelief.runtime.metrics import ShardMetrics
+from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.optim import Sgd
 from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.transport.memory_transport import MemoryTransport
+from distbelief.runtime.wire.layout import Layout
 
 LAYOUT = Layout.of([("w", (5, 4)), ("b", (4,))], shards=2)
 

@@ -23,11 +23,11 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import prometheus_client as prom
 
-from distbelief.runtime import keys, models, protocol, transport
+from distbelief.runtime import keys, models
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.embedding import EmbeddingModel
-from distbelief.runtime.metrics import CoordinatorMetrics, WorkerMetrics
+from distbelief.runtime.observe.metrics import CoordinatorMetrics, WorkerMetrics
 from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
 from distbelief.runtime.pipeline.staged import HeldGradients
@@ -38,6 +38,8 @@ from distbelief.runtime.sandblaster.vectors import ShardVectors
 from distbelief.runtime.shard import Shard
 from distbelief.runtime.sparse import SparseRows
 from distbelief.runtime.sparse_worker import HeldOut, SparseWorker, held_out_inputs
+from distbelief.runtime.transport import zmq_transport
+from distbelief.runtime.wire import protocol
 from distbelief.runtime.worker import Worker, WorkerSettings
 
 
@@ -165,7 +167,7 @@ def _partition_pod(ctx: ReplicaContext) -> ReplicaLoop:
     rendezvous = RendezvousLink(job.config.coordinator_address(), partition=access.partition, me=me,
                                 worker_id=group.worker_id, layout=job.layout.hash, security=ctx.client_security,
                                 stop=ctx.stop)
-    tp = transport.default()
+    tp = zmq_transport.default()
     if access.partition == 0:
         own = ShardGroup(job.config.shard_addresses(), job.layout, worker_id=group.worker_id, stop=ctx.stop,
                          security=ctx.client_security, shards=job.stage_shards(0))

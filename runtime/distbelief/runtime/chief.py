@@ -27,7 +27,7 @@ import numpy as np
 from distbelief.runtime import contract, errors, models
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.data import Dataset
-from distbelief.runtime.metrics import ChiefMetrics
+from distbelief.runtime.observe.metrics import ChiefMetrics
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
                                  of a flat vector; pulls land straight in the caller's array
     Bfloat16Dense                the same three with bfloat16 on the wire (wireFormat)
 
-The sockets, timeouts and resends are the transport's (transport.exchange under one
+The sockets, timeouts and resends are the transport's (fanout.exchange under one
 RetryPolicy); this module builds the frames of each op and reads the replies, turning
 error replies into errors by their code: LayoutMismatch for another layout, ShardRefused
 for the rest. A shard acts on a resent command once (the shard core keeps each peer's
@@ -23,9 +23,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distbelief.runtime import bfloat16, dense, errors, protocol, transport
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.protocol import ErrorCode, Header, OpSpec, Status
+from distbelief.runtime import dense, errors
+from distbelief.runtime.transport import fanout, interface, zmq_transport
+from distbelief.runtime.wire import bfloat16, protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import ErrorCode, Header, OpSpec, Status
 
 
 Arrays = np.ndarray | Sequence[np.ndarray]  # a flat vector over the group's shards, or one array per shard
@@ -54,8 +56,8 @@ class Timeouts:
     request: float = 10.0        # one attempt
     unavailable: float = 300.0   # give up on a shard after this long without an answer
 
-    def policy(self) -> transport.RetryPolicy:
-        return transport.RetryPolicy(attempt=self.request, give_up=self.unavailable)
+    def policy(self) -> fanout.RetryPolicy:
+        return fanout.RetryPolicy(attempt=self.request, give_up=self.unavailable)
 
 
 class ShardGroup:
@@ -63,7 +65,7 @@ class ShardGroup:
     (a partition of a model-parallel replica) the consecutive ones holding its stage."""
 
     def __init__(self, addresses: Sequence[str | Sequence[str]], layout: Layout, *, worker_id: int | None = None,
-                 timeouts: Timeouts = Timeouts(), transport_: transport.Transport | None = None,
+                 timeouts: Timeouts = Timeouts(), transport_: interface.Transport | None = None,
                  security: dict | None = None, stop: threading.Event | None = None,
                  shards: Sequence[int] | None = None) -> None:
         """addresses: each shard's, or each shard's copies' (primary first, then its backups);
@@ -79,7 +81,7 @@ class ShardGroup:
         self.worker_id = worker_id if worker_id is not None else random.getrandbits(32)
         self.policy = timeouts.policy()
         self.stop = stop or threading.Event()  # set: a waiting request gives up (Stopped)
-        self._transport = transport_ or transport.default()
+        self._transport = transport_ or zmq_transport.default()
         # bulk: parameters and gradients go AES-GCM-sealed beside CurveZMQ (sessions.py)
         self._links = [self._transport.link(a, security, bulk=True) for a in self.addresses]
         self._seq = 0
@@ -134,26 +136,26 @@ class ShardGroup:
                    for i in shards]
         metas = list(meta) if isinstance(meta, Sequence) else [meta] * len(shards)
         requests = [[h.pack(), *self._body(i, metas[i], array)] for i, h in enumerate(headers)]
-        exchange = transport.Exchange(self._links, requests, self.policy,
+        exchange = fanout.Exchange(self._links, requests, self.policy,
                                       names=[f"shard {self.indices[i]} at {link.address}"
                                              for i, link in enumerate(self._links)])
         replies: dict[int, Reply] = {}
 
-        def accept(i: int, received: transport.Received) -> bool | str:
+        def accept(i: int, received: interface.Received) -> bool | str:
             self.bytes_in += received.nbytes
             try:
                 reply = self._read(i, op, headers[i], received, receive_into)
             except errors.NotPrimary:
-                return transport.REDIRECT  # a backup: on to the shard's next copy
+                return fanout.REDIRECT  # a backup: on to the shard's next copy
             if reply is not None:
                 replies[i] = reply
             return reply is not None
 
-        def sink(i: int) -> transport.Sink | None:
+        def sink(i: int) -> interface.Sink | None:
             return None if receive_into is None else self._sink(i, op, headers[i], receive_into)
 
         try:
-            transport.exchange(self._transport, exchange, accept=accept, stop=self.stop, sink=sink)
+            fanout.exchange(self._transport, exchange, accept=accept, stop=self.stop, sink=sink)
         finally:
             self.bytes_out += exchange.bytes_out
             self.retries += exchange.resends
@@ -173,7 +175,7 @@ class ShardGroup:
             return arrays[start - self.base:stop - self.base]
         return arrays[position]
 
-    def _sink(self, position: int, op: OpSpec, request: Header, out: Arrays) -> transport.Sink:
+    def _sink(self, position: int, op: OpSpec, request: Header, out: Arrays) -> interface.Sink:
         array_frame = 1 if op.reply is not None else 0  # the reply's meta, if any, comes first
 
         def where(frame: memoryview, index: int) -> np.ndarray | None:
@@ -185,7 +187,7 @@ class ShardGroup:
             return self._part(position, out)
         return where
 
-    def _read(self, position: int, op: OpSpec, request: Header, received: transport.Received,
+    def _read(self, position: int, op: OpSpec, request: Header, received: interface.Received,
               receive_into: Arrays | None) -> Reply | None:
         """The reply of one shard; None if it was a stale one (an earlier seq)."""
         header = protocol.unpack_header(received.header)

@@ -14,7 +14,9 @@ import threading
 import time
 from typing import Mapping
 
-from distbelief.runtime import errors, protocol, transport
+from distbelief.runtime import errors
+from distbelief.runtime.transport import interface
+from distbelief.runtime.wire import protocol
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class Watch:
     """The newest COPY_STATUS of each other copy of one shard (by copy rank)."""
 
     def __init__(self, *, shard: int, layout: int, addresses: Mapping[int, str], security: dict | None,
-                 transport_: transport.Transport) -> None:
+                 transport_: interface.Transport) -> None:
         self.shard, self.layout = shard, layout
         self._transport = transport_
         self._links = {rank: transport_.link(address, security, watch=False) for rank, address in addresses.items()}
@@ -89,7 +91,7 @@ class Watch:
         for link in pending.values():
             link.reconnect()  # a fresh socket: a late answer must not be read as the next one's
 
-    def _take(self, rank: int, received: transport.Received) -> bool:
+    def _take(self, rank: int, received: interface.Received) -> bool:
         header = protocol.unpack_header(received.header)
         if header.seq != self._seq:
             return False

@@ -38,11 +38,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import bfloat16, checkpoint, errors, protocol
+from distbelief.runtime import checkpoint, errors
 from distbelief.runtime.optim import make_optimizer
-from distbelief.runtime.protocol import Message, OpSpec, Status
 from distbelief.runtime.plugin import Answer, Handler
 from distbelief.runtime.shard import Shard
+from distbelief.runtime.wire import bfloat16, protocol
+from distbelief.runtime.wire.protocol import Message, OpSpec, Status
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,9 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, protocol
-from distbelief.runtime.protocol import Message, OpSpec, Status
+from distbelief.runtime import checkpoint
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Message, OpSpec, Status
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,9 +33,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from distbelief.runtime import checkpoint, errors, protocol, transport
+from distbelief.runtime import checkpoint, errors
 from distbelief.runtime.copywatch import BACKUP, COPY_STATUS, PRIMARY, SYNCING, Watch
-from distbelief.runtime.protocol import Header, JsonObject, OpSpec
+from distbelief.runtime.transport import fanout, interface, zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Header, JsonObject, OpSpec
 
 if TYPE_CHECKING:
     from distbelief.runtime.shard import Shard
@@ -62,7 +64,7 @@ class SingleCopy:
     def check_serving(self, spec: OpSpec) -> None:
         pass
 
-    def replicate(self, incoming: transport.Incoming) -> None:
+    def replicate(self, incoming: interface.Incoming) -> None:
         pass
 
     def tick(self) -> None:
@@ -81,13 +83,13 @@ class Copies:
     extra_frames = 2  # a forwarded request: its own header and envelope, then the request's frames
 
     def __init__(self, shard: Shard, *, rank: int, addresses: Sequence[str], security: dict | None,
-                 transport_: transport.Transport | None = None) -> None:
+                 transport_: interface.Transport | None = None) -> None:
         if not 0 <= rank < len(addresses):
             raise errors.ConfigError(f"copy {rank} of shard {shard.index}, which has {len(addresses)} copies")
         self.shard, self.rank, self.addresses, self.security = shard, rank, list(addresses), security
-        self._transport = transport_ or transport.default()
+        self._transport = transport_ or zmq_transport.default()
         self.role, self.view, self.failovers = SYNCING, 0, 0
-        self.chain: dict[int, transport.Link] = {}  # the primary's backups, by rank
+        self.chain: dict[int, interface.Link] = {}  # the primary's backups, by rank
         self.watch = Watch(shard=shard.index, layout=shard.layout.hash, security=security, transport_=self._transport,
                            addresses={r: a for r, a in enumerate(addresses) if r != rank})
         self._started = False
@@ -113,7 +115,7 @@ class Copies:
             return
         raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is {self.role}, not the primary")
 
-    def replicate(self, incoming: transport.Incoming) -> None:
+    def replicate(self, incoming: interface.Incoming) -> None:
         """Forward a command just applied to every backup; return once each acked or was dropped.
         NotPrimary if a backup knows a newer primary: the client must not take this reply."""
         for rank, link in list(self.chain.items()):
@@ -221,7 +223,7 @@ class Copies:
 
     # -- the primary's side --------------------------------------------------------------------
 
-    def _collect_acks(self, pending: dict[int, transport.Link]) -> None:
+    def _collect_acks(self, pending: dict[int, interface.Link]) -> None:
         deadline = time.monotonic() + FORWARD_SECONDS
         while pending and time.monotonic() < deadline:
             ready = self._transport.wait(list(pending.values()), 0.05)
@@ -235,7 +237,7 @@ class Copies:
         for rank in pending:
             self._drop(rank, "silent")
 
-    def _acked(self, rank: int, received: transport.Received) -> bool:
+    def _acked(self, rank: int, received: interface.Received) -> bool:
         """False for a late answer to an earlier forward; True once this forward is settled."""
         header = protocol.unpack_header(received.header)
         if header.seq != self._seq:
@@ -260,7 +262,7 @@ class Copies:
                     rank, why, self.view)
         self._show()
 
-    def _join(self, header: Header, incoming: transport.Incoming) -> list:
+    def _join(self, header: Header, incoming: interface.Incoming) -> list:
         """A copy catches up: this primary's whole state now, every command from the next on."""
         if self.role != PRIMARY:
             raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is {self.role}, not the primary")
@@ -281,7 +283,7 @@ class Copies:
 
     # -- a backup's side -----------------------------------------------------------------------
 
-    def _replicate(self, header: Header, incoming: transport.Incoming) -> list:
+    def _replicate(self, header: Header, incoming: interface.Incoming) -> list:
         if len(incoming.frames) < 3:
             raise errors.ProtocolError("REPLICATE carries its envelope and a request")
         envelope = _fields(incoming.frames[1])
@@ -299,7 +301,7 @@ class Copies:
             peer = bytes.fromhex(envelope["peer"])
         except ValueError as exc:
             raise errors.ProtocolError(f"REPLICATE's sender is not hex: {exc}") from exc
-        sender = transport.Incoming(peer=peer, user=envelope.get("user"),
+        sender = interface.Incoming(peer=peer, user=envelope.get("user"),
                                     frames=incoming.frames[2:])
         self._forwarded = True
         try:
@@ -318,11 +320,11 @@ class Copies:
         link = self._transport.link(self.addresses[primary], self.security, watch=False)
         request = [Header(op=JOIN.code, shard=self.shard.index, layout=self.shard.layout.hash).pack(),
                    JsonObject({"rank": self.rank}).pack()]
-        received: list[transport.Received] = []
-        policy = transport.RetryPolicy(attempt=JOIN_SECONDS, give_up=JOIN_SECONDS, resend_on_disconnect=False)
-        ex = transport.Exchange([link], [request], policy, [f"copy {primary} of shard {self.shard.index}"])
+        received: list[interface.Received] = []
+        policy = fanout.RetryPolicy(attempt=JOIN_SECONDS, give_up=JOIN_SECONDS, resend_on_disconnect=False)
+        ex = fanout.Exchange([link], [request], policy, [f"copy {primary} of shard {self.shard.index}"])
         try:
-            transport.exchange(self._transport, ex, accept=lambda i, r: bool(received.append(r)) or True,
+            fanout.exchange(self._transport, ex, accept=lambda i, r: bool(received.append(r)) or True,
                                stop=self.shard.stopping)
         except (errors.ShardUnavailable, errors.Stopped) as exc:
             log.warning("event=catch_up_failed shard=%d copy=%d from=%d error=%r", self.shard.index, self.rank,
@@ -332,7 +334,7 @@ class Copies:
             link.close()
         self._install(primary, received[0])
 
-    def _install(self, primary: int, received: transport.Received) -> None:
+    def _install(self, primary: int, received: interface.Received) -> None:
         header = protocol.unpack_header(received.header)
         if header.status != protocol.Status.OK or len(received.frames) != 2:
             log.info("event=catch_up_refused shard=%d copy=%d from=%d", self.shard.index, self.rank, primary)
@@ -353,7 +355,7 @@ class Copies:
 
     # -- every copy ------------------------------------------------------------------------------
 
-    def _status(self, header: Header, incoming: transport.Incoming) -> list:
+    def _status(self, header: Header, incoming: interface.Incoming) -> list:
         value = {"role": self.role, "view": self.view, "step": self.shard.step, "copy": self.rank}
         return protocol.reply_frames(header, step=self.shard.step, meta=JsonObject(value))
 

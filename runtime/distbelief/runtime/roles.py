@@ -21,11 +21,12 @@ import prometheus_client as prom
 from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models, replication
 from distbelief.runtime.chief import Chief, Scorer, StoppingRules, WholeModel
 from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics
+from distbelief.runtime.observe.metrics import (
+    ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics)
 from distbelief.runtime.pipeline import stages
 from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
 

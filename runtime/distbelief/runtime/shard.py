@@ -31,13 +31,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors, keys, protocol, replication, transport
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import RateWindow, ShardMetrics
+from distbelief.runtime import checkpoint, errors, keys, replication
+from distbelief.runtime.observe.metrics import RateWindow, ShardMetrics
 from distbelief.runtime.plugin import Answer, Handler, ShardPlugin
-from distbelief.runtime.protocol import Header, Message, Status
 from distbelief.runtime.resends import REMEMBERED_PEERS, LastCommands
 from distbelief.runtime.saves import CheckpointSchedule
+from distbelief.runtime.transport import interface, zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header, Message, Status
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class ShardSettings:
 
 class Shard:
     def __init__(self, settings: ShardSettings, layout: Layout, metrics: ShardMetrics, *,
-                 transport_: transport.Transport | None = None, stop: threading.Event | None = None) -> None:
+                 transport_: interface.Transport | None = None, stop: threading.Event | None = None) -> None:
         self.settings, self.layout, self.metrics = settings, layout, metrics
         self.index = settings.shard
         self.step = 0
@@ -75,12 +77,12 @@ class Shard:
         self.examples_per_second = 0.0
         self.examples_total = 0
         self.plugins: list[ShardPlugin] = []
-        self._transport = transport_ or transport.default()
+        self._transport = transport_ or zmq_transport.default()
         self.stopping = stop or threading.Event()
         self._handlers: dict[int, Handler] = {protocol.HELLO.code: self._hello, protocol.STATS.code: self._stats,
                                               protocol.DONE.code: self._done}
         self._repeats: dict[int, Handler] = {}
-        self.raw_ops: dict[int, Callable[[Header, transport.Incoming], list]] = {}  # ops reading their own frames
+        self.raw_ops: dict[int, Callable[[Header, interface.Incoming], list]] = {}  # ops reading their own frames
         self.copies: replication.Copies = replication.SingleCopy()
         self._warm_owner: tuple[tuple, float] | None = None
         self._peer: tuple = ()  # who sent the request being handled: (ZAP user, routing id)
@@ -157,7 +159,7 @@ class Shard:
             self.copies.close()
             self.checkpoint_now()
 
-    def _bind(self) -> transport.Server:
+    def _bind(self) -> interface.Server:
         longest = max([0, *(p.array_values() for p in self.plugins)])
         server = self._transport.server(self.settings.bind, who=f"shard {self.index}",
                                         max_frame=protocol.max_frame_bytes(longest), max_frames=3 + self.copies.extra_frames,
@@ -174,7 +176,7 @@ class Shard:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _handle(self, server: transport.Server) -> None:
+    def _handle(self, server: interface.Server) -> None:
         incoming = server.receive()
         if incoming is None:
             self._reject("dropped a message with too many frames")
@@ -198,7 +200,7 @@ class Shard:
         self._send(server, incoming.peer, reply)
         self.metrics.request_seconds(protocol.spec_of(header.op).name).observe(time.perf_counter() - started)
 
-    def answer(self, header: Header, incoming: transport.Incoming) -> list:
+    def answer(self, header: Header, incoming: interface.Incoming) -> list:
         """The reply to one request from incoming.peer (a backup also answers the requests its
         primary forwards, as if their first sender had sent them)."""
         try:
@@ -270,11 +272,11 @@ class Shard:
         self.metrics.rejected.inc()
         log.warning("event=rejected shard=%d reason=%r", self.index, reason)
 
-    def _send(self, server: transport.Server, peer: bytes, reply: list) -> None:
+    def _send(self, server: interface.Server, peer: bytes, reply: list) -> None:
         if not server.send(peer, reply):
             log.warning("event=reply_dropped shard=%d reason=peer_queue_full", self.index)
             return
-        self.metrics.bytes_out.inc(transport.frames_nbytes(reply))
+        self.metrics.bytes_out.inc(interface.frames_nbytes(reply))
 
     # -- the core's ops --------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from distbelief.runtime import errors, models
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.data import Dataset, batch_indices
 from distbelief.runtime.embedding import EmbeddingModel
-from distbelief.runtime.metrics import WorkerMetrics
+from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.sparse import RowClient
 from distbelief.runtime.worker import Worker, WorkerSettings
 

@@ -26,7 +26,7 @@ import numpy as np
 from distbelief.runtime import errors, models
 from distbelief.runtime.client import Bfloat16Dense, ShardGroup
 from distbelief.runtime.data import Dataset, minibatches
-from distbelief.runtime.metrics import WorkerMetrics
+from distbelief.runtime.observe.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

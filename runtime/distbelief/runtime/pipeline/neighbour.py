@@ -16,9 +16,11 @@ from typing import Callable
 
 import numpy as np
 
-from distbelief.runtime import errors, protocol, transport
+from distbelief.runtime import errors
 from distbelief.runtime.pipeline.ops import FORWARD, Backward, Forward
-from distbelief.runtime.protocol import Header, Message, Status
+from distbelief.runtime.transport import interface
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Header, Message, Status
 
 FORWARD_GIVE_UP_SECONDS = 120.0
 WAIT_SLICE_SECONDS = 0.5
@@ -34,7 +36,7 @@ class Downstream:
 
 
 class Neighbour:
-    def __init__(self, tp: transport.Transport, address: str, *, security: dict | None, layout: int,
+    def __init__(self, tp: interface.Transport, address: str, *, security: dict | None, layout: int,
                  worker_id: int, heartbeat: Callable[[], None]) -> None:
         self._transport, self.address, self.layout, self.worker_id = tp, address, layout, worker_id
         self._heartbeat = heartbeat
@@ -55,7 +57,7 @@ class Neighbour:
         self._link.broke()  # a break before this request cost it nothing
         if not self._link.send(frames):
             raise errors.GroupBroken(f"the next stage at {self.address} is not taking requests")
-        self.bytes_out += transport.frames_nbytes(frames)
+        self.bytes_out += interface.frames_nbytes(frames)
         return self._answer(time.monotonic() + FORWARD_GIVE_UP_SECONDS)
 
     def _answer(self, deadline: float) -> Downstream:
@@ -72,13 +74,13 @@ class Neighbour:
             self._heartbeat()
         raise errors.GroupBroken(f"the next stage at {self.address} did not answer for {FORWARD_GIVE_UP_SECONDS:.0f} s")
 
-    def _read(self, received: transport.Received) -> Downstream | None:
+    def _read(self, received: interface.Received) -> Downstream | None:
         try:
             return self._parse(received)
         except errors.ProtocolError as exc:
             raise errors.GroupBroken(f"the next stage at {self.address} answered unreadably: {exc}") from exc
 
-    def _parse(self, received: transport.Received) -> Downstream | None:
+    def _parse(self, received: interface.Received) -> Downstream | None:
         header = protocol.unpack_header(received.header)
         if header.seq != self._seq:
             return None  # an answer to an abandoned step

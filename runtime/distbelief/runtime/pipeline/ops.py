@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import struct
 
-from distbelief.runtime import errors, protocol
+from distbelief.runtime import errors
 from distbelief.runtime.dense import Update
-from distbelief.runtime.protocol import OpSpec
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import OpSpec
 
 FETCH = 1   # Forward.flags: pull the stage's parameters before computing this step
 PUSH = 2    # Forward.flags: hold the accumulated gradient on the shards after this step

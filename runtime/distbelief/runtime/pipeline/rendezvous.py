@@ -23,9 +23,11 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
-from distbelief.runtime import errors, keys, protocol, transport
+from distbelief.runtime import errors, keys
 from distbelief.runtime.pipeline.ops import JOIN_GROUP
-from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime.transport import fanout, interface, zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Header, Status
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ WAIT_POLL_SECONDS = 0.2
 MAX_ADDRESS = 256
 POLL_SECONDS = 0.1
 # Ask again on a fresh connection after 5 s; never give up: shard 0 may be restarting.
-JOIN_POLICY = transport.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect=False)
+JOIN_POLICY = fanout.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect=False)
 
 
 @dataclasses.dataclass
@@ -117,11 +119,11 @@ class Rendezvous:
     """The JOIN_GROUP server beside shard 0 (a thread), on the coordinator port."""
 
     def __init__(self, bind: str, partitions: int, layout: int, *, security: keys.ServerSecurity | None,
-                 finished: Callable[[], bool], transport_: transport.Transport | None = None) -> None:
+                 finished: Callable[[], bool], transport_: interface.Transport | None = None) -> None:
         self.groups = Groups(partitions)
         self.layout, self.finished = layout, finished
         self.failure: BaseException | None = None
-        self._transport = transport_ or transport.default()
+        self._transport = transport_ or zmq_transport.default()
         self._server = self._transport.server(bind, who="the rendezvous", max_frame=protocol.max_frame_bytes(0),
                                               max_frames=2, security=security)
         self.endpoint = self._server.endpoint
@@ -148,7 +150,7 @@ class Rendezvous:
         finally:
             self._server.close()
 
-    def _handle(self, incoming: transport.Incoming | None) -> None:
+    def _handle(self, incoming: interface.Incoming | None) -> None:
         try:
             if incoming is None or not incoming.frames:
                 raise errors.ProtocolError("an empty message or one with too many frames")
@@ -185,9 +187,9 @@ class RendezvousLink:
     """A partition pod's channel to the rendezvous."""
 
     def __init__(self, address: str, *, partition: int, me: str, worker_id: int, layout: int,
-                 security: dict | None, stop: threading.Event, transport_: transport.Transport | None = None) -> None:
+                 security: dict | None, stop: threading.Event, transport_: interface.Transport | None = None) -> None:
         self.partition, self.me, self.worker_id, self.layout, self.stop = partition, me, worker_id, layout, stop
-        self._transport = transport_ or transport.default()
+        self._transport = transport_ or zmq_transport.default()
         self._link = self._transport.link(address, security, watch=False)
         self._name = f"the rendezvous at {address}"
         self._seq = 0
@@ -199,7 +201,7 @@ class RendezvousLink:
         request = protocol.JsonObject({"address": self.me, "partition": self.partition, "group": group})
         answers: list[tuple[int, dict | None]] = []
 
-        def accept(_: int, received: transport.Received) -> bool:
+        def accept(_: int, received: interface.Received) -> bool:
             answer = protocol.unpack_header(received.header)
             if answer.seq != self._seq:
                 return False
@@ -209,8 +211,8 @@ class RendezvousLink:
             answers.append((answer.status, view))
             return True
 
-        exchange = transport.Exchange([self._link], [[header.pack(), request.pack()]], JOIN_POLICY, [self._name])
-        transport.exchange(self._transport, exchange, accept=accept, stop=self.stop)
+        exchange = fanout.Exchange([self._link], [[header.pack(), request.pack()]], JOIN_POLICY, [self._name])
+        fanout.exchange(self._transport, exchange, accept=accept, stop=self.stop)
         return answers[0]
 
     def wait_for_group(self) -> dict | None:

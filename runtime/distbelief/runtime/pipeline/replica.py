@@ -26,15 +26,17 @@ import time
 
 import numpy as np
 
-from distbelief.runtime import errors, protocol, transport
+from distbelief.runtime import errors
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.data import Dataset, minibatches
-from distbelief.runtime.metrics import WorkerMetrics
+from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.pipeline import neighbour
 from distbelief.runtime.pipeline.ops import APPLY_HELD, FETCH, FORWARD, HOLD, PUSH, ApplyHeld, Held
 from distbelief.runtime.pipeline.rendezvous import HEARTBEAT_SECONDS, RendezvousLink
 from distbelief.runtime.pipeline.stages import Stage
-from distbelief.runtime.protocol import Status
+from distbelief.runtime.transport import interface
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Status
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class PodLinks:
 
     own: ShardGroup
     rendezvous: RendezvousLink
-    transport: transport.Transport
+    transport: interface.Transport
     stage_security: dict | None
     everyone: ShardGroup | None = None
 
@@ -273,7 +275,7 @@ class LaterPartition(PartitionPod):
     """Partition k > 0: answers its group's FORWARDs from partition k-1."""
 
     def __init__(self, settings: PodSettings, stage: Stage, links: PodLinks, metrics: WorkerMetrics,
-                 server: transport.Server, *, stop: threading.Event) -> None:
+                 server: interface.Server, *, stop: threading.Event) -> None:
         super().__init__(settings, stage, links, metrics, stop=stop)
         self.server = server
 
@@ -292,7 +294,7 @@ class LaterPartition(PartitionPod):
             self.heartbeat()
         return False
 
-    def _answer(self, incoming: transport.Incoming) -> bool:
+    def _answer(self, incoming: interface.Incoming) -> bool:
         """Answer one FORWARD; True when the job is done."""
         self.metrics.bytes_in.inc(incoming.nbytes)
         try:
@@ -335,4 +337,4 @@ class LaterPartition(PartitionPod):
 
     def _send(self, peer: bytes, frames: list) -> None:
         if self.server.send(peer, frames):
-            self.metrics.bytes_out.inc(transport.frames_nbytes(frames))
+            self.metrics.bytes_out.inc(interface.frames_nbytes(frames))

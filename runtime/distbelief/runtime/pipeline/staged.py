@@ -22,11 +22,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors, protocol
+from distbelief.runtime import checkpoint, errors
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.pipeline.ops import APPLY_HELD, HOLD
 from distbelief.runtime.plugin import Answer, Handler
-from distbelief.runtime.protocol import Message, OpSpec, Status
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Message, OpSpec, Status
 
 MAX_HELD = 8
 HELD_SECONDS = 60.0

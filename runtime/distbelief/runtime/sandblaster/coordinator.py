@@ -22,14 +22,16 @@ import threading
 import time
 from typing import Callable
 
-from distbelief.runtime import errors, keys, protocol, transport
+from distbelief.runtime import errors, keys
 from distbelief.runtime.client import Reply, ShardGroup
-from distbelief.runtime.metrics import CoordinatorMetrics
-from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime.observe.metrics import CoordinatorMetrics
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings, LbfgsState
 from distbelief.runtime.sandblaster.ops import SandblasterShards, UnitResult, VectorCode, VectorCommand
 from distbelief.runtime.sandblaster.workqueue import WorkQueue
+from distbelief.runtime.transport import interface, zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Header, Status
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class CoordinatorSettings:
 
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings, group: ShardGroup, metrics: CoordinatorMetrics, *,
-                 transport_: transport.Transport | None = None, stop: threading.Event | None = None) -> None:
+                 transport_: interface.Transport | None = None, stop: threading.Event | None = None) -> None:
         self.settings, self.group, self.metrics = settings, group, metrics
         self.queue = WorkQueue(settings.examples, settings.unit_size, backups=settings.backups,
                                reissue_after=settings.reissue_after)
@@ -65,8 +67,8 @@ class Coordinator:
         self.on_evaluated: Callable[[int], None] = lambda examples: None  # examples behind each evaluation
         self.endpoint = settings.bind
         self._stop = stop or group.stop
-        self._transport = transport_ or transport.default()
-        self._server: transport.Server | None = None
+        self._transport = transport_ or zmq_transport.default()
+        self._server: interface.Server | None = None
         # Replicas waiting for a unit, by the routing id of their connection (which a peer
         # cannot forge, unlike the worker id in its header); the longest waiting go first.
         self._idle: OrderedDict[bytes, Header] = OrderedDict()
@@ -82,7 +84,7 @@ class Coordinator:
         self._stop.set()
         self._thread.join(timeout=30)
 
-    def _bind(self) -> transport.Server:
+    def _bind(self) -> interface.Server:
         server = self._transport.server(self.settings.bind, who="the coordinator",
                                         max_frame=protocol.max_frame_bytes(0), max_frames=2,
                                         security=self.settings.security)
@@ -196,7 +198,7 @@ class Coordinator:
             if self.queue.finished and self.queue.evaluation:
                 return
 
-    def _handle(self, incoming: transport.Incoming | None) -> None:
+    def _handle(self, incoming: interface.Incoming | None) -> None:
         request = self._parse(incoming)
         if request is None:
             return  # dropped: nothing a replica could mistake for work
@@ -208,7 +210,7 @@ class Coordinator:
             self._take(incoming.peer, header, result)
         self._hand_out(incoming.peer)
 
-    def _parse(self, incoming: transport.Incoming | None) -> protocol.Message | None:
+    def _parse(self, incoming: interface.Incoming | None) -> protocol.Message | None:
         try:
             if incoming is None or not incoming.frames:
                 raise errors.ProtocolError("an empty message or one with too many frames")

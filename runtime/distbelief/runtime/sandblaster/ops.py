@@ -18,9 +18,10 @@ import enum
 import struct
 import numpy as np
 
-from distbelief.runtime import errors, protocol
+from distbelief.runtime import errors
 from distbelief.runtime.client import Reply, ShardGroup
-from distbelief.runtime.protocol import JsonObject, OpSpec, Payload
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import JsonObject, OpSpec, Payload
 
 MAX_UNITS = 1 << 20          # work units in one evaluation
 

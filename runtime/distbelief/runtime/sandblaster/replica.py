@@ -18,29 +18,31 @@ import time
 
 import numpy as np
 
-from distbelief.runtime import errors, protocol, transport
+from distbelief.runtime import errors
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.data import Dataset
-from distbelief.runtime.metrics import WorkerMetrics
 from distbelief.runtime.models import Model
-from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.ops import SandblasterShards, UnitResult, WorkUnit
+from distbelief.runtime.transport import fanout, interface, zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Header, Status
 
 log = logging.getLogger(__name__)
 
 # Ask again, on a fresh connection, after 5 s without an answer; never give up: the
 # coordinator is shard 0's, and a replica has nothing else to do until it answers.
-ASK_POLICY = transport.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect=False)
+ASK_POLICY = fanout.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect=False)
 
 
 class CoordinatorLink:
     """The replica's request/reply channel to the coordinator."""
 
     def __init__(self, address: str, *, worker_id: int, layout: int, security: dict | None,
-                 stop: threading.Event, transport_: transport.Transport | None = None) -> None:
+                 stop: threading.Event, transport_: interface.Transport | None = None) -> None:
         self.worker_id, self.layout, self.stop = worker_id, layout, stop
-        self._transport = transport_ or transport.default()
+        self._transport = transport_ or zmq_transport.default()
         self._link = self._transport.link(address, security, watch=False)
         self._name = f"the coordinator at {address}"
         self._seq = 0
@@ -52,7 +54,7 @@ class CoordinatorLink:
         frames = [header.pack(), *([result.pack()] if result else [])]
         answers: list[tuple[int, WorkUnit | None]] = []
 
-        def accept(_: int, received: transport.Received) -> bool:
+        def accept(_: int, received: interface.Received) -> bool:
             answer = protocol.unpack_header(received.header)
             if answer.seq != self._seq:
                 return False  # the answer to a request asked again
@@ -62,7 +64,7 @@ class CoordinatorLink:
             answers.append((answer.status, unit))
             return True
 
-        transport.exchange(self._transport, transport.Exchange([self._link], [frames], ASK_POLICY, [self._name]),
+        fanout.exchange(self._transport, fanout.Exchange([self._link], [frames], ASK_POLICY, [self._name]),
                            accept=accept, stop=self.stop)
         return answers[0]
 

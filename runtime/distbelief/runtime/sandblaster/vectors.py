@@ -19,11 +19,11 @@ import numpy as np
 
 from distbelief.runtime import checkpoint, errors
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.protocol import JsonObject, Message, OpSpec
+from distbelief.runtime.plugin import Answer, Handler
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.ops import Accumulated, EvaluationId, VectorCode, VectorResult
-from distbelief.runtime.plugin import Answer, Handler
 from distbelief.runtime.shard import Shard
+from distbelief.runtime.wire.protocol import JsonObject, Message, OpSpec
 
 log = logging.getLogger(__name__)
 

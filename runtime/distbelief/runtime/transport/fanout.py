@@ -1,7 +1,11 @@
-"""The interface both transports offer (Server, Link, Transport, the frames they carry),
-and one request to several links at once under one RetryPolicy (exchange). transport.py
-re-exports these: callers use transport.exchange; this module needs neither ZeroMQ nor
-the in-memory twin.
+"""One request to several links at once, the replies collected under one RetryPolicy.
+
+    exchange()    send requests[i] to links[i] for every i, and wait until each reply is
+                  accepted: a silent peer gets the request again on a fresh connection,
+                  a broken one at once, a backup that refuses (REDIRECT) on its next copy;
+                  one silent for the policy's give_up is ShardUnavailable
+
+It works over the transport interface (interface.py), for either transport.
 """
 
 from __future__ import annotations
@@ -10,18 +14,14 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from distbelief.runtime import errors
-
-if TYPE_CHECKING:
-    import numpy as np
-
-    from distbelief.runtime.keys import ServerSecurity
+from distbelief.runtime.transport.interface import (
+    STOP_POLL_SECONDS, Frame, Link, Received, Sink, Transport, frames_nbytes)
 
 log = logging.getLogger(__name__)
 
-STOP_POLL_SECONDS = 0.25  # how often a waiting exchange looks at its stop event
 REDIRECT = "redirect"     # accept()'s verdict on a refusal from a shard's backup: try its next copy
 
 
@@ -35,85 +35,6 @@ class RetryPolicy:
     attempt: float = 10.0
     give_up: float | None = 300.0
     resend_on_disconnect: bool = True
-
-
-Frame = bytes | memoryview
-# (header frame, index of a frame after it) -> the array that frame goes into, or None
-Sink = Callable[[memoryview, int], "np.ndarray | None"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Incoming:
-    """One request a Server received: reply to `peer` (the connection's routing id); `user`
-    is who the handshake proved the peer to be (its ZAP User-Id: a public key, or a PLAIN
-    user name), or None on an unauthenticated server."""
-
-    peer: bytes
-    user: str | None
-    frames: list[memoryview]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(f) for f in self.frames)
-
-
-@dataclasses.dataclass(frozen=True)
-class Received:
-    """A reply a Link read: the header frame, the frames after it that did not go into the
-    sink's array, and the bytes that did."""
-
-    header: memoryview
-    frames: list[memoryview] = dataclasses.field(default_factory=list)
-    into_sink: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.header) + sum(len(f) for f in self.frames) + self.into_sink
-
-
-def frames_nbytes(frames: Iterable[Frame]) -> int:
-    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
-
-
-# -- the interface both transports offer ---------------------------------------------------
-
-
-class Server(Protocol):
-    endpoint: str
-
-    def poll(self, seconds: float) -> bool: ...
-
-    def receive(self) -> Incoming | None: ...
-
-    def send(self, peer: bytes, frames: Sequence[Frame]) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-class Link(Protocol):
-    address: str
-
-    def readable(self, ready: dict) -> bool: ...
-
-    def broke(self, ready: dict | None = None) -> bool: ...
-
-    def send(self, frames: Sequence[Frame]) -> bool: ...
-
-    def receive(self, sink: Sink | None = None) -> Received | None: ...
-
-    def reconnect(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Transport(Protocol):
-    def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
-               security: ServerSecurity | None, bulk: str | None = None) -> Server: ...
-
-    def link(self, address: str | Sequence[str], options: dict | None, *, watch: bool = True,
-             bulk: bool = False) -> Link: ...
-
-    def wait(self, links: Sequence[Link], seconds: float) -> dict: ...
 
 
 @dataclasses.dataclass

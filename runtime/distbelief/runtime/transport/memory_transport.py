@@ -14,8 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from distbelief.runtime import errors, keys
-from distbelief.runtime.failover import Copies
-from distbelief.runtime.transport import MAX_REPLY_FRAMES, Frame, Incoming, Received, Sink
+from distbelief.runtime.transport.copy_addresses import CopyAddresses
+from distbelief.runtime.transport.interface import MAX_REPLY_FRAMES, Frame, Incoming, Received, Sink
 
 
 class MemoryTransport:
@@ -97,7 +97,7 @@ class MemoryServer:
 
 class MemoryLink:
     def __init__(self, transport: MemoryTransport, address: str | Sequence[str], peer: bytes) -> None:
-        self.transport, self.copies, self.peer = transport, Copies(address), peer
+        self.transport, self.copies, self.peer = transport, CopyAddresses(address), peer
         self.inbox: collections.deque[list[memoryview]] = collections.deque()
 
     @property

@@ -18,8 +18,8 @@ from prometheus_client.registry import Collector
 
 from distbelief.runtime import contract
 from distbelief.runtime.contract import Metric as M
-from distbelief.runtime.httpserver import BoundedHTTPServer, Response, Route
-from distbelief.runtime.traffic import PROCESS_TRAFFIC, Traffic
+from distbelief.runtime.observe.httpserver import BoundedHTTPServer, Response, Route
+from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC, Traffic
 
 log = logging.getLogger(__name__)
 

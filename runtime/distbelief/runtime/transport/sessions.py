@@ -140,7 +140,7 @@ def open_all(session: Session, direction: int, sealed: Sequence[Frame]) -> list[
 def open_reply(session: Session, prefix: Frame, sealed: Sequence[Frame],
                sink: Callable[[memoryview, int], "np.ndarray | None"] | None
                ) -> tuple[memoryview, list[memoryview], int]:
-    """A bulk reply decrypted, as transport.Received's fields: its header frame, then each
+    """A bulk reply decrypted, as interface.Received's fields: its header frame, then each
     frame into the array sink(header, index) names when its size is that array's (a pull
     lands in place), else as bytes. Refused, with nothing taken, if the counter or any tag
     fails (the sink's array may then hold garbage, which the request's resend overwrites)."""

@@ -1,4 +1,5 @@
-"""A peer with copies: a parameter shard and its backups (spec.parameterServers.backups).
+"""The client side of a peer with copies: a parameter shard and its backups
+(spec.parameterServers.backups).
 
 A client's link to such a shard holds every copy's address and uses one at a time; each
 reconnect (after a disconnect, a silence, or a copy saying it is not the primary) moves
@@ -13,7 +14,7 @@ from typing import Sequence
 WRAP_PAUSE_SECONDS = 0.2  # a link that went round all its copies waits this long before the next round
 
 
-class Copies:
+class CopyAddresses:
     """The addresses of one peer's copies (a shard and its backups), and the one in use:
     each reconnect moves to the next, pausing briefly after a whole round."""
 

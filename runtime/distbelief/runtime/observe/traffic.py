@@ -24,5 +24,5 @@ class Traffic:
             self.bytes_out += nbytes
 
 
-# Every ZeroMQ socket of this process (transport.py) counts here.
+# Every ZeroMQ socket of this process (transport/) counts here.
 PROCESS_TRAFFIC = Traffic()
