@@ -1,6 +1,6 @@
 """One live parameter shard in its own process, for benchmarks/runtime_bench.py.
 
-This is what `distbelief ps` runs (a `Shard` from distbelief.runtime.shard, serving a
+This is what `distbelief ps` runs (a `Shard` from distbelief.runtime.shard.core, serving a
 ROUTER socket on loopback, single-threaded), minus the chief on shard 0 and the
 Prometheus HTTP server, which would only add noise to a throughput figure. The model is
 one flat tensor of --params float32 values split over --shards shards by the real
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 try:
-    import distbelief.runtime.shard  # noqa: F401
+    import distbelief.runtime.shard.core  # noqa: F401
 except ImportError:  # running from a checkout without the editable install
     sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "runtime")]
 
@@ -39,7 +39,7 @@ import zmq
 from distbelief.runtime import keys
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.observe.metrics import ShardMetrics
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout

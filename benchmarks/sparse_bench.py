@@ -45,7 +45,7 @@ from distbelief.runtime.embedding import EmbeddingModel  # noqa: E402
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.roles import Job  # noqa: E402
 from distbelief.runtime.rowtable import RowTable  # noqa: E402
-from distbelief.runtime.shard import Shard, ShardSettings  # noqa: E402
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.sparse import RowClient, SparseRows  # noqa: E402
 
 EXAMPLE = HERE.parent / "examples" / "ctr-sparse.yaml"

@@ -39,7 +39,7 @@ import prometheus_client as prom
 from distbelief.runtime.client import ShardGroup
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.rowtable import initial_rows
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.sparse import RowClient, SparseRows, keys_per_request
 from distbelief.runtime.wire.layout import Layout
 

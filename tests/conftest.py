@@ -16,7 +16,7 @@ from distbelief.runtime import keys
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.observe.metrics import ShardMetrics
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire.layout import Layout
 
 pytest_plugins = ["kube.plugin"]  # the `kube` fixture: a Kubernetes API emulator on loopback

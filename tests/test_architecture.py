@@ -18,7 +18,7 @@ CLUSTER_MODULES = ("handlers", "kube", "render", "podparts", "spec", "status", "
 RUNTIME_FOR_THE_OPERATOR = {"distbelief.runtime", "distbelief.runtime.contract", "distbelief.runtime.keys",
                             "distbelief.runtime.errors"}
 CORE = ("wire/protocol", "transport/zmq_transport", "transport/zmq_server", "transport/zmq_link", "transport/fanout",
-        "transport/memory_transport", "plugin", "shard")
+        "transport/memory_transport", "shard/plugin", "shard/core", "shard/copies/replication")
 ALGORITHM_MODULES = ("distbelief.runtime.dense", "distbelief.runtime.sandblaster", "distbelief.runtime.worker",
                      "distbelief.runtime.algorithms")
 

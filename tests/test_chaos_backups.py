@@ -23,7 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from distbelief.operator import local, report, spec
-from distbelief.runtime import checkpoint, contract
+from distbelief.runtime import contract
+from distbelief.runtime.shard import checkpoint
 
 from conftest import load_example, run_under_fire
 

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from distbelief.runtime import checkpoint
+from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, start_shards
@@ -136,7 +136,7 @@ def _push(live: LiveShards, times: int) -> int:
 
 def test_an_unwritable_checkpoint_folder_is_reported_and_training_goes_on(
         tmp_path: Path, failure: DiskFull | FolderReplaced, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="distbelief.runtime.saves")  # the checkpoint schedule
+    caplog.set_level(logging.INFO, logger="distbelief.runtime.shard.saves")  # the checkpoint schedule
     live = start_shards(tmp_path, LAYOUT, np.zeros(LAYOUT.total, np.float32), checkpoint_every=EVERY,
                         checkpoint_keep=2)
     server = live.shards[0]

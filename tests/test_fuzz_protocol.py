@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from distbelief.runtime import dense, keys
 from distbelief.runtime.optim import make_optimizer
 from distbelief.runtime.sandblaster import ops as sandblaster_ops
-from distbelief.runtime.shard import RATE_WINDOW_SECONDS
+from distbelief.runtime.shard.core import RATE_WINDOW_SECONDS
 from distbelief.runtime.transport import zmq_server
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout

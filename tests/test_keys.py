@@ -23,7 +23,7 @@ from distbelief.operator import local, spec
 from distbelief.runtime import contract, errors, keys, roles
 from distbelief.runtime.client import Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import admission
 from distbelief.runtime.wire.layout import Layout
 

@@ -16,7 +16,8 @@ import yaml
 
 from distbelief.operator import outputdir, preflight, report, spec
 from distbelief.operator.localpods import volume_dir
-from distbelief.runtime import checkpoint, contract, errors
+from distbelief.runtime import contract, errors
+from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.wire.layout import Layout
 
 from conftest import EXAMPLES, REPO, load_example

@@ -11,6 +11,7 @@ import pytest
 
 from distbelief.runtime import dense, errors
 from distbelief.runtime.sandblaster import ops as sandblaster_ops
+from distbelief.runtime.shard.copies import replication  # noqa: F401  (defines the copies' ops)
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import HEADER, MAGIC, VERSION, ErrorCode, Header, OpSpec, Status
 

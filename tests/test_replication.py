@@ -14,13 +14,15 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import checkpoint, dense, errors, replication, rowcheckpoint
+from distbelief.runtime import dense, errors, rowcheckpoint
 from distbelief.runtime.client import Bfloat16Dense, ShardGroup, Timeouts
-from distbelief.runtime.copywatch import BACKUP, PRIMARY
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.optim import Adagrad
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.copies.watch import BACKUP, PRIMARY
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.sparse import RowClient, SparseRows
 from distbelief.runtime.transport import fanout, interface, zmq_transport
 from distbelief.runtime.wire import protocol
@@ -62,7 +64,7 @@ class Copies:
         shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
         shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1, wire_format=self.wire_format))
         self.attach(shard)
-        replication.Copies(shard, rank=rank, addresses=self.addresses, security=None)
+        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
         thread.start()
@@ -345,7 +347,7 @@ def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies)
 
 @pytest.mark.parametrize("payload", [b"[1, 2]", b'{"role": "primary", "view": [1], "step": 3}', b"not json"])
 def test_a_garbled_copy_status_answer_is_refused_and_the_watch_asks_again(payload: bytes) -> None:
-    from distbelief.runtime.copywatch import Watch
+    from distbelief.runtime.shard.copies.watch import Watch
     from distbelief.runtime.transport.memory_transport import MemoryTransport
 
     watch = Watch(shard=0, layout=1, addresses={1: "inproc://nobody"}, security=None, transport_=MemoryTransport())

@@ -17,14 +17,15 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import dense, errors, keys, replication
+from distbelief.runtime import dense, errors, keys
 from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.copywatch import COPY_STATUS
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
 from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.copies.watch import COPY_STATUS
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
 
@@ -194,7 +195,8 @@ def test_only_the_chief_s_key_reaches_a_shard_copy_s_own_ops(tmp_path: Path, job
     """Copies forward requests under their first sender's identity and hand over their whole
     state: a replica's key may do neither (the shards, which hold the chief's key, may)."""
     def with_copies(shard: Shard) -> None:
-        replication.Copies(shard, rank=0, addresses=[shard.settings.bind, "tcp://127.0.0.1:9"], security=None)
+        shard.serve_copies(replication.Copies(shard, rank=0, addresses=[shard.settings.bind, "tcp://127.0.0.1:9"],
+                                              security=None))
 
     live = start_shards(tmp_path, Layout.of([("w", (6, 4))], shards=1), np.zeros(24, np.float32),
                         attach=with_copies, security=job_keys.server_security(encrypted=encrypted))

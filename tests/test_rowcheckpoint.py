@@ -14,10 +14,11 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import checkpoint, errors, rowcheckpoint
+from distbelief.runtime import errors, rowcheckpoint
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.rowtable import RowTable
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.sparse import SparseRows
 from distbelief.runtime.wire.layout import Layout
 

@@ -28,7 +28,7 @@ from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, Ve
 from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
 from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
 from distbelief.runtime.sandblaster.workqueue import WorkQueue
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
 

@@ -14,7 +14,7 @@ from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.optim import Sgd
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport.memory_transport import MemoryTransport
 from distbelief.runtime.wire.layout import Layout
 

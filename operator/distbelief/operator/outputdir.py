@@ -19,7 +19,8 @@ from typing import Any, Iterator, Mapping
 
 from distbelief.operator import report
 from distbelief.operator.localpods import volume_dir
-from distbelief.runtime import checkpoint, contract, errors
+from distbelief.runtime import contract, errors
+from distbelief.runtime.shard import checkpoint
 
 LOCK_FILE = ".lock"
 

@@ -35,7 +35,7 @@ from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorS
 from distbelief.runtime.sandblaster.lbfgs import LbfgsSettings
 from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
 from distbelief.runtime.sandblaster.vectors import ShardVectors
-from distbelief.runtime.shard import Shard
+from distbelief.runtime.shard.core import Shard
 from distbelief.runtime.sparse import SparseRows
 from distbelief.runtime.sparse_worker import HeldOut, SparseWorker, held_out_inputs
 from distbelief.runtime.transport import zmq_transport

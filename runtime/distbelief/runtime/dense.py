@@ -38,10 +38,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors
+from distbelief.runtime import errors
 from distbelief.runtime.optim import make_optimizer
-from distbelief.runtime.plugin import Answer, Handler
-from distbelief.runtime.shard import Shard
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.core import Shard
+from distbelief.runtime.shard.plugin import Answer, Handler
 from distbelief.runtime.wire import bfloat16, protocol
 from distbelief.runtime.wire.protocol import Message, OpSpec, Status
 

@@ -18,14 +18,15 @@ from typing import Any
 
 import prometheus_client as prom
 
-from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models, replication
+from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models
 from distbelief.runtime.chief import Chief, Scorer, StoppingRules, WholeModel
 from distbelief.runtime.client import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import (
     ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics)
 from distbelief.runtime.pipeline import stages
 from distbelief.runtime.pipeline.evaluation import StagedModel
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
     algorithm.attach(server, job)
     if job.config.copies > 1:
-        replication.Copies(server, rank=rank, addresses=job.config.copy_addresses()[index], security=access.client)
+        server.serve_copies(replication.Copies(server, rank=rank, addresses=job.config.copy_addresses()[index],
+                                               security=access.client))
     server.restore()
     metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     helpers: list[tuple[str, algorithms.Helper]] = []

@@ -33,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors
+from distbelief.runtime import errors
 from distbelief.runtime.rowtable import RowTable
+from distbelief.runtime.shard import checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -27,12 +27,13 @@ from typing import Any, ClassVar, Mapping, Self
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors
+from distbelief.runtime import errors
 from distbelief.runtime.client import Reply, ShardGroup
-from distbelief.runtime.plugin import Answer, Handler
 from distbelief.runtime.rowcheckpoint import FULL_WRITE_BYTES, STATE_PREFIX, RowCheckpoints
 from distbelief.runtime.rowtable import RowTable, mix
-from distbelief.runtime.shard import Shard
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.core import Shard
+from distbelief.runtime.shard.plugin import Answer, Handler
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Message, OpSpec
 

@@ -22,10 +22,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors
+from distbelief.runtime import errors
 from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.pipeline.ops import APPLY_HELD, HOLD
-from distbelief.runtime.plugin import Answer, Handler
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.plugin import Answer, Handler
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Message, OpSpec, Status
 

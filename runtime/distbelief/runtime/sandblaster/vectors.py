@@ -17,12 +17,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors
+from distbelief.runtime import errors
 from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.plugin import Answer, Handler
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.ops import Accumulated, EvaluationId, VectorCode, VectorResult
-from distbelief.runtime.shard import Shard
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.core import Shard
+from distbelief.runtime.shard.plugin import Answer, Handler
 from distbelief.runtime.wire.protocol import JsonObject, Message, OpSpec
 
 log = logging.getLogger(__name__)

@@ -31,16 +31,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Mapping, Sequence
 
-from distbelief.runtime import checkpoint, errors
-from distbelief.runtime.copywatch import BACKUP, COPY_STATUS, PRIMARY, SYNCING, Watch
+from distbelief.runtime import errors
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.copies.watch import BACKUP, COPY_STATUS, PRIMARY, SYNCING, Watch
+from distbelief.runtime.shard.core import Shard
+from distbelief.runtime.shard.plugin import RawHandler
 from distbelief.runtime.transport import fanout, interface, zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, JsonObject, OpSpec
-
-if TYPE_CHECKING:
-    from distbelief.runtime.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -56,29 +56,9 @@ REPLICATE = protocol.define(OpSpec(32, "REPLICATE", privileged=True))
 ROLES = {SYNCING: 0, BACKUP: 1, PRIMARY: 2}
 
 
-class SingleCopy:
-    """A shard without backups: serves every client, replicates nothing."""
-
-    extra_frames = 0
-
-    def check_serving(self, spec: OpSpec) -> None:
-        pass
-
-    def replicate(self, incoming: interface.Incoming) -> None:
-        pass
-
-    def tick(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
-
-
 class Copies:
-    """This copy of a shard, among addresses (every copy's, by rank)."""
+    """This copy of a shard, among addresses (every copy's, by rank). The role hands it to the
+    shard's core (Shard.serve_copies), which then asks it what plugin.Replication says."""
 
     extra_frames = 2  # a forwarded request: its own header and envelope, then the request's frames
 
@@ -96,15 +76,16 @@ class Copies:
         self._forwarded = False  # applying a request the primary forwarded
         self._seq = 0
         self._next_decision = 0.0
-        shard.copies = self
-        shard.raw_ops.update({COPY_STATUS.code: self._status, JOIN.code: self._join, REPLICATE.code: self._replicate})
         self._show()
 
     @property
     def count(self) -> int:
         return len(self.addresses)
 
-    # -- what the shard core asks --------------------------------------------------------------
+    # -- what the shard core asks (plugin.Replication) -------------------------------------------
+
+    def raw_ops(self) -> Mapping[OpSpec, RawHandler]:
+        return {COPY_STATUS: self._status, JOIN: self._join, REPLICATE: self._replicate}
 
     def check_serving(self, spec: OpSpec) -> None:
         """Raise NotPrimary unless this copy serves clients (promoting it if its primary is gone)."""

@@ -16,8 +16,10 @@ optimizer (dense.py), Sandblaster's vectors, and whatever an algorithm adds. The
 Plugins (plugin.py) see the core through its members: index, layout, step, finished,
 metrics, settings.checkpoint_dir, applied(), count_examples(), checkpoint_now(), load().
 
-With backups (replication.py), only the primary copy serves clients, and every command it
-applies reaches its backups before the reply leaves; the copies' own ops are raw_ops.
+With backups, the role hands the core its copies (serve_copies, copies/replication.py): only
+the primary copy serves clients, and every command it applies reaches its backups before
+the reply leaves; the copies' own ops are raw_ops. The core knows them only through the
+small Replication interface (plugin.py).
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors, keys, replication
+from distbelief.runtime import errors, keys
 from distbelief.runtime.observe.metrics import RateWindow, ShardMetrics
-from distbelief.runtime.plugin import Answer, Handler, ShardPlugin
-from distbelief.runtime.resends import REMEMBERED_PEERS, LastCommands
-from distbelief.runtime.saves import CheckpointSchedule
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.plugin import Answer, Handler, RawHandler, Replication, ShardPlugin, SingleCopy
+from distbelief.runtime.shard.resends import REMEMBERED_PEERS, LastCommands
+from distbelief.runtime.shard.saves import CheckpointSchedule
 from distbelief.runtime.transport import interface, zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
@@ -82,8 +85,8 @@ class Shard:
         self._handlers: dict[int, Handler] = {protocol.HELLO.code: self._hello, protocol.STATS.code: self._stats,
                                               protocol.DONE.code: self._done}
         self._repeats: dict[int, Handler] = {}
-        self.raw_ops: dict[int, Callable[[Header, interface.Incoming], list]] = {}  # ops reading their own frames
-        self.copies: replication.Copies = replication.SingleCopy()
+        self.raw_ops: dict[int, RawHandler] = {}  # ops reading their own frames (the copies')
+        self.copies: Replication = SingleCopy()
         self._warm_owner: tuple[tuple, float] | None = None
         self._peer: tuple = ()  # who sent the request being handled: (ZAP user, routing id)
         self._rate = RateWindow(RATE_WINDOW_SECONDS)
@@ -107,6 +110,15 @@ class Shard:
     def plugin(self, kind: type) -> Any:
         """The attached plugin of this class."""
         return next(p for p in self.plugins if isinstance(p, kind))
+
+    def serve_copies(self, copies: Replication) -> None:
+        """Serve as one of the shard's copies (copies/replication.py): only while this copy
+        is primary, with every command forwarded to its backups, and the copies' own ops."""
+        for spec, handler in copies.raw_ops().items():
+            if spec.code in self._handlers or spec.code in self.raw_ops:
+                raise errors.ConfigError(f"op {spec.name} is served twice on shard {self.index}")
+            self.raw_ops[spec.code] = handler
+        self.copies = copies
 
     # -- life cycle ------------------------------------------------------------------------
 

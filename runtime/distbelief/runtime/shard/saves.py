@@ -12,20 +12,35 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
-from distbelief.runtime import checkpoint, errors
-
-if TYPE_CHECKING:
-    from distbelief.runtime.shard import Shard
+from distbelief.runtime import errors
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
 
 
+class Saved(Protocol):
+    """What the schedule needs of the shard whose checkpoints it writes (core.Shard)."""
+
+    index: int
+    step: int
+    finished: dict | None
+    layout: Layout
+    metrics: ShardMetrics
+    settings: Any  # core.ShardSettings: checkpoint_dir, checkpoint_every, checkpoint_keep
+
+    def snapshot(self, *, transfer: bool = False) -> checkpoint.Checkpoint: ...
+
+    def load(self, ckpt: checkpoint.Checkpoint) -> None: ...
+
+
 class CheckpointSchedule:
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Saved) -> None:
         self.shard = shard
         self.last = (time.monotonic(), -1)  # (when, step) of the newest checkpoint
         self.failures = 0  # in a row; reset by the next checkpoint that lands
