@@ -37,8 +37,8 @@ import prometheus_client as prom
 import zmq
 
 from distbelief.runtime import keys
-from distbelief.runtime.dense import DenseSlice
 from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import zmq_transport
 from distbelief.runtime.wire import protocol

@@ -36,9 +36,11 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from figures import save, summarize  # noqa: E402
 
 from conftest import start_shards  # noqa: E402
-from distbelief.runtime import data, errors, models  # noqa: E402
-from distbelief.runtime.dense import DenseSlice  # noqa: E402
+from distbelief.runtime import errors
+from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.worker import Worker, WorkerSettings  # noqa: E402
 
@@ -101,7 +103,7 @@ def _until_target(live, model, dataset, started: float) -> tuple[int | None, flo
     params = np.empty(live.layout.total, np.float32)
     try:
         while time.monotonic() - started < TIMEOUT_S:
-            replies = group.pull(params)
+            replies = Float32Dense(group).pull(params)
             if models.evaluate(model, params, dataset.x_test, dataset.y_test)[1] >= TARGET:
                 return replies[0].step, time.monotonic() - started
             time.sleep(EVAL_S)

@@ -28,7 +28,7 @@ except ImportError:
 import numpy as np
 import zmq
 
-from distbelief.runtime import dense
+from distbelief.runtime.params import dense
 from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import Header, unpack_header
 

@@ -13,9 +13,9 @@ import pytest
 
 from distbelief.operator import local, spec
 from distbelief.runtime import keys
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire.layout import Layout
 

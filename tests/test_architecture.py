@@ -19,7 +19,7 @@ RUNTIME_FOR_THE_OPERATOR = {"distbelief.runtime", "distbelief.runtime.contract",
                             "distbelief.runtime.errors"}
 CORE = ("wire/protocol", "transport/zmq_transport", "transport/zmq_server", "transport/zmq_link", "transport/fanout",
         "transport/memory_transport", "shard/plugin", "shard/core", "shard/copies/replication")
-ALGORITHM_MODULES = ("distbelief.runtime.dense", "distbelief.runtime.sandblaster", "distbelief.runtime.worker",
+ALGORITHM_MODULES = ("distbelief.runtime.params", "distbelief.runtime.sandblaster", "distbelief.runtime.worker",
                      "distbelief.runtime.algorithms")
 
 

@@ -22,7 +22,7 @@ import run_all  # noqa: E402
 import sparse_table_bench  # noqa: E402
 
 from distbelief.operator import spec  # noqa: E402
-from distbelief.runtime import data  # noqa: E402
+from distbelief.runtime.model import data
 
 
 def figure(median: float) -> dict:

@@ -43,8 +43,10 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from distbelief.runtime import dense, keys
-from distbelief.runtime.optim import make_optimizer
+from distbelief.runtime import keys
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.params.optim import make_optimizer
 from distbelief.runtime.sandblaster import ops as sandblaster_ops
 from distbelief.runtime.shard.core import RATE_WINDOW_SECONDS
 from distbelief.runtime.transport import zmq_server
@@ -402,7 +404,7 @@ def test_fuzzed_messages_never_crash_the_shard_nor_apply_an_invalid_update(shard
     assert held < TRACED_GROWTH_LIMIT, f"{held} more bytes are allocated after the replay"
     assert rss_growth < RSS_GROWTH_LIMIT, f"RSS grew by {rss_growth} bytes while {sent} bytes were replayed"
     out = np.empty(SIZE, dtype=np.float32)
-    (reply,) = shard.group(security=REPLICA_OPTIONS).pull(out)  # and a regular client is still served
+    (reply,) = Float32Dense(shard.group(security=REPLICA_OPTIONS)).pull(out)  # and a regular client is still served
     assert reply.header.step == peer.step
     np.testing.assert_array_equal(out, peer.params)
 

@@ -21,8 +21,9 @@ import zmq
 
 from distbelief.operator import local, spec
 from distbelief.runtime import contract, errors, keys, roles
-from distbelief.runtime.client import Timeouts
+from distbelief.runtime.client.group import Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import admission
 from distbelief.runtime.wire.layout import Layout
@@ -139,9 +140,9 @@ def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(secured_shards: L
         outsider = secured_shards.group(security=options, timeouts=REFUSED)
         try:
             with pytest.raises(errors.ShardUnavailable):
-                outsider.pull(np.empty(layout.total, dtype=np.float32))
+                Float32Dense(outsider).pull(np.empty(layout.total, dtype=np.float32))
             with pytest.raises(errors.ShardUnavailable):
-                outsider.push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
+                Float32Dense(outsider).push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
             assert outsider.bytes_in == 0, f"{name} got bytes back"
         finally:
             outsider.close()
@@ -158,10 +159,10 @@ def test_a_peer_with_the_job_keys_pulls_and_pushes(secured_shards: LiveShards, j
     try:
         out = np.zeros(layout.total, dtype=np.float32)
         with caplog.at_level(logging.DEBUG):  # what --log-level debug would show
-            assert [r.header.step for r in group.pull(out)] == [0, 0]
+            assert [r.header.step for r in Float32Dense(group).pull(out)] == [0, 0]
         assert job_keys.plain_token().decode() not in caplog.text  # pyzmq logs PLAIN passwords at debug
         np.testing.assert_array_equal(out, np.arange(layout.total, dtype=np.float32) / 100)
-        replies = group.push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
+        replies = Float32Dense(group).push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
         assert [r.header.step for r in replies] == [1, 1]
     finally:
         group.close()
@@ -179,7 +180,8 @@ def test_a_slice_of_exactly_the_largest_accepted_size_gets_through_the_cipher(
     try:
         out = np.empty(layout.total, np.float32)
         for step in (0, 1):
-            replies = group.push_and_pull(np.ones(layout.total, np.float32), out, steps=[step], examples=1, loss=1.0)
+            replies = Float32Dense(group).push_and_pull(np.ones(layout.total, np.float32), out, steps=[step], examples=1,
+                                                        loss=1.0)
             assert [r.step for r in replies] == [step + 1] and np.all(out < 0)
         assert (group._links[0]._session is not None) is encrypted
     finally:

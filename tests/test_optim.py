@@ -1,4 +1,4 @@
-"""Unit tests of distbelief.runtime.optim: SGD and Adagrad against a naive reference,
+"""Unit tests of distbelief.runtime.params.optim: SGD and Adagrad against a naive reference,
 their state, and the promise of no model-sized temporaries."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from distbelief.runtime import optim
-from distbelief.runtime.optim import BLOCK, EPSILON, Adagrad, Sgd
+from distbelief.runtime.params import optim
+from distbelief.runtime.params.optim import BLOCK, EPSILON, Adagrad, Sgd
 
 SIZES = [1, 10, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17]
 LR = 0.05

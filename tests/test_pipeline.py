@@ -13,12 +13,13 @@ import prometheus_client as prom
 import pytest
 
 from conftest import LiveShards, start_shards
-from distbelief.runtime import contract, data, errors, roles
+from distbelief.runtime import contract, errors, roles
 from distbelief.runtime.chief import WholeModel
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.models import Mlp, evaluate
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.model import data
+from distbelief.runtime.model.models import Mlp, evaluate
 from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.pipeline import staged
 from distbelief.runtime.pipeline.evaluation import StagedModel
 from distbelief.runtime.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from distbelief.runtime import errors
-from distbelief.runtime.models import Mlp, build_model
+from distbelief.runtime.model.models import Mlp, build_model
 from distbelief.runtime.pipeline import stages
 from distbelief.runtime.pipeline.stages import cut, plan
 

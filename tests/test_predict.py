@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from distbelief.operator import predict, spec
-from distbelief.runtime import contract, data, models
+from distbelief.runtime import contract
+from distbelief.runtime.model import data, models
 
 from conftest import EXAMPLES, REPO, load_example
 

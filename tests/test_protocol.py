@@ -9,7 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from distbelief.runtime import dense, errors
+from distbelief.runtime import errors
+from distbelief.runtime.params import dense
 from distbelief.runtime.sandblaster import ops as sandblaster_ops
 from distbelief.runtime.shard.copies import replication  # noqa: F401  (defines the copies' ops)
 from distbelief.runtime.wire import protocol

@@ -14,16 +14,20 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import dense, errors, rowcheckpoint
-from distbelief.runtime.client import Bfloat16Dense, ShardGroup, Timeouts
-from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime import errors
+from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
-from distbelief.runtime.optim import Adagrad
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Bfloat16Dense, Float32Dense
+from distbelief.runtime.params.optim import Adagrad
+from distbelief.runtime.params.rows import rowcheckpoint
+from distbelief.runtime.params.rows.row_client import RowClient
+from distbelief.runtime.params.rows.sparse import SparseRows
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.copies import replication
 from distbelief.runtime.shard.copies.watch import BACKUP, PRIMARY
 from distbelief.runtime.shard.core import Shard, ShardSettings
-from distbelief.runtime.sparse import RowClient, SparseRows
 from distbelief.runtime.transport import fanout, interface, zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.bfloat16 import WIRE_DTYPE, Codec
@@ -148,7 +152,7 @@ def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -
     group = pair.group()
     replies: list = []
     pushing = threading.Thread(target=lambda: replies.append(
-        group.push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
     pushing.start()
     assert held.wait(10), "the primary did not forward the push"
     assert primary.step == 1 and backup.step == 0
@@ -160,7 +164,7 @@ def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -
     assert backup.step == 1
     np.testing.assert_array_equal(_params(backup), _params(primary))
     for _ in range(5):  # and every later push: each acknowledged update is on both copies
-        group.push(np.full(LAYOUT.total, 0.5, np.float32), steps=[0], examples=4, loss=1.0)
+        Float32Dense(group).push(np.full(LAYOUT.total, 0.5, np.float32), steps=[0], examples=4, loss=1.0)
         assert backup.step == primary.step
         np.testing.assert_array_equal(_params(backup), _params(primary))
     group.close()
@@ -234,7 +238,7 @@ def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, t
 def test_a_copy_that_is_not_the_primary_refuses_clients(pair: Copies) -> None:
     group = ShardGroup([pair.addresses[1]], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=5.0))
     with pytest.raises(errors.ShardUnavailable):  # refused every time, then given up
-        group.pull(np.empty(LAYOUT.total, np.float32))
+        Float32Dense(group).pull(np.empty(LAYOUT.total, np.float32))
     assert pair.copy(1).copies.role == BACKUP  # its primary answers: no takeover
     group.close()
 
@@ -246,7 +250,7 @@ def test_copies_starting_together_elect_the_one_with_the_newest_state(tmp_path: 
     _until(lambda: copies.in_sync(0, 1), "copy 0 leads")
     group = copies.group()
     for _ in range(3):
-        group.push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
     group.close()
     copies.kill(0)
     copies.kill(1)  # both checkpoint at step 3; now copy 0 loses its checkpoints

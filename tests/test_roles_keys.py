@@ -17,10 +17,12 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import dense, errors, keys
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime import errors, keys
+from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
 from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
 from distbelief.runtime.shard.copies import replication
@@ -56,7 +58,8 @@ def test_a_replica_s_key_cannot_end_the_job_but_the_chief_s_can(shards: LiveShar
         with pytest.raises(errors.ShardRefused, match="DONE is the chief's to send"):
             replica.done("MaxStepsReached\nevent=forged", "Succeeded")
         assert all(s.finished is None for s in shards.shards)
-        replica.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)  # it still trains
+        # it still trains
+        Float32Dense(replica).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
         assert all(r.done for r in chief.done("MaxStepsReached", "Succeeded"))
         assert all(s.finished["reason"] == "MaxStepsReached" for s in shards.shards)
     finally:
@@ -72,8 +75,8 @@ def test_a_forged_worker_id_and_seq_do_not_take_another_replica_s_push(shards: L
     attacker = _group(shards, job_keys, keys.REPLICA, encrypted, worker_id=7)
     try:
         attacker._seq = victim._seq  # the attacker's next request has the victim's next (worker, seq)
-        attacker.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
-        replies = victim.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+        Float32Dense(attacker).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+        replies = Float32Dense(victim).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
         assert [r.step for r in replies] == [2, 2]  # both applied: the victim's was not taken for a resend
     finally:
         victim.close()
@@ -180,7 +183,7 @@ def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: key
             time.sleep(0.05)
         assert _count(pulls) >= 400
         out = np.empty(layout.total, np.float32)
-        assert [r.step for r in group.pull(out)] == [0]  # and others are still served
+        assert [r.step for r in Float32Dense(group).pull(out)] == [0]  # and others are still served
         grown = _rss_bytes() - before
         assert grown < 150 * 1024 * 1024, f"RSS grew by {grown} bytes"
     finally:

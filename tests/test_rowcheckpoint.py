@@ -14,12 +14,13 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import errors, rowcheckpoint
+from distbelief.runtime import errors
 from distbelief.runtime.observe.metrics import ShardMetrics
-from distbelief.runtime.rowtable import RowTable
+from distbelief.runtime.params.rows import rowcheckpoint
+from distbelief.runtime.params.rows.rowtable import RowTable
+from distbelief.runtime.params.rows.sparse import SparseRows
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.core import Shard, ShardSettings
-from distbelief.runtime.sparse import SparseRows
 from distbelief.runtime.wire.layout import Layout
 
 DIM, SEED, LR, KEEP = 4, 5, 0.3, 3

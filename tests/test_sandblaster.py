@@ -17,10 +17,12 @@ import zmq
 
 from conftest import load_example
 from distbelief.operator import local, render, report, scrape, spec
-from distbelief.runtime import contract, data, errors, models
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime import contract, errors
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
 from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings
@@ -228,9 +230,9 @@ def test_a_sandblaster_shard_applies_no_downpour_push(tmp_path, push):
     try:
         with pytest.raises(errors.ShardRefused, match="not served"):
             if push == "push":
-                group.push(ones, steps=[0], examples=1, loss=0.1)
+                Float32Dense(group).push(ones, steps=[0], examples=1, loss=0.1)
             else:
-                group.push_and_pull(ones, np.empty_like(ones), steps=[0], examples=1, loss=0.1)
+                Float32Dense(group).push_and_pull(ones, np.empty_like(ones), steps=[0], examples=1, loss=0.1)
         np.testing.assert_array_equal(shard.plugin(DenseSlice).params, initial)
         assert shard.step == 0
     finally:

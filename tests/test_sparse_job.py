@@ -16,7 +16,8 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from distbelief.operator import local, report, scrape, spec
-from distbelief.runtime import contract, data, models
+from distbelief.runtime import contract
+from distbelief.runtime.model import data, models
 
 from conftest import load_example, run_under_fire
 

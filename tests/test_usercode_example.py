@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from distbelief.operator import spec
-from distbelief.runtime import data, models
+from distbelief.runtime.model import data, models
 
 from conftest import REPO
 

@@ -93,7 +93,7 @@ def test_a_model_too_large_for_its_pods_is_a_warning_not_an_error(tmp_path: Path
 
 
 def test_parameter_count_from_the_spec_matches_the_built_model() -> None:
-    from distbelief.runtime import data, models
+    from distbelief.runtime.model import data, models
 
     job = spec.validate_job(load_example("digits-mlp.yaml"))
     dataset = data.load(job["spec"]["data"])

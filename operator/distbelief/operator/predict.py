@@ -18,7 +18,8 @@ import numpy as np
 
 from distbelief.operator import spec
 from distbelief.operator.localpods import volume_dir
-from distbelief.runtime import contract, data, errors, models
+from distbelief.runtime import contract, errors
+from distbelief.runtime.model import data, models
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ class Checked:
 def check(job: Mapping[str, Any]) -> Checked:
     """Load the job's data and build its model as every role will; raises ConfigError."""
     from distbelief.operator.spec import job_config
-    from distbelief.runtime import data, models, roles
+    from distbelief.runtime import roles
+    from distbelief.runtime.model import data, models
 
     spec = job["spec"]
     dataset = data.load(spec["data"])

@@ -23,11 +23,13 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import prometheus_client as prom
 
-from distbelief.runtime import keys, models
-from distbelief.runtime.client import ShardGroup
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.embedding import EmbeddingModel
+from distbelief.runtime import keys
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import models
+from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.observe.metrics import CoordinatorMetrics, WorkerMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.rows.sparse import SparseRows
 from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
 from distbelief.runtime.pipeline.staged import HeldGradients
@@ -36,7 +38,6 @@ from distbelief.runtime.sandblaster.lbfgs import LbfgsSettings
 from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
 from distbelief.runtime.sandblaster.vectors import ShardVectors
 from distbelief.runtime.shard.core import Shard
-from distbelief.runtime.sparse import SparseRows
 from distbelief.runtime.sparse_worker import HeldOut, SparseWorker, held_out_inputs
 from distbelief.runtime.transport import zmq_transport
 from distbelief.runtime.wire import protocol

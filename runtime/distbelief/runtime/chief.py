@@ -24,10 +24,12 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from distbelief.runtime import contract, errors, models
-from distbelief.runtime.client import ShardGroup
-from distbelief.runtime.data import Dataset
+from distbelief.runtime import contract, errors
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import models
+from distbelief.runtime.model.data import Dataset
 from distbelief.runtime.observe.metrics import ChiefMetrics
+from distbelief.runtime.params.dense_client import Float32Dense
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +99,10 @@ class WholeModel:
         self.held_out = held_out or (lambda: (model, x_test))
         self.two_classes = dataset.n_classes == 2
         self.params = np.empty(group.layout.total, dtype=np.float32)
+        self.dense = Float32Dense(group)
 
     def score(self) -> Score | None:
-        replies = self.group.pull(self.params)
+        replies = self.dense.pull(self.params)
         if any(r.done for r in replies):
             return None
         model, x = self.held_out()

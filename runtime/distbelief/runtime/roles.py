@@ -18,9 +18,10 @@ from typing import Any
 
 import prometheus_client as prom
 
-from distbelief.runtime import algorithms, contract, data, embedding, errors, keys, models
+from distbelief.runtime import algorithms, contract, errors, keys
 from distbelief.runtime.chief import Chief, Scorer, StoppingRules, WholeModel
-from distbelief.runtime.client import ShardGroup, Timeouts
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.model import data, embedding, models
 from distbelief.runtime.observe.metrics import (
     ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics)
 from distbelief.runtime.pipeline import stages

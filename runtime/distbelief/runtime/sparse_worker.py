@@ -22,12 +22,13 @@ from typing import Callable
 
 import numpy as np
 
-from distbelief.runtime import errors, models
-from distbelief.runtime.client import ShardGroup
-from distbelief.runtime.data import Dataset, batch_indices
-from distbelief.runtime.embedding import EmbeddingModel
+from distbelief.runtime import errors
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import models
+from distbelief.runtime.model.data import Dataset, batch_indices
+from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.observe.metrics import WorkerMetrics
-from distbelief.runtime.sparse import RowClient
+from distbelief.runtime.params.rows.row_client import RowClient
 from distbelief.runtime.worker import Worker, WorkerSettings
 
 

@@ -23,10 +23,12 @@ import time
 
 import numpy as np
 
-from distbelief.runtime import errors, models
-from distbelief.runtime.client import Bfloat16Dense, ShardGroup
-from distbelief.runtime.data import Dataset, minibatches
+from distbelief.runtime import errors
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import models
+from distbelief.runtime.model.data import Dataset, minibatches
 from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params import dense_client
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ class Worker:
                  metrics: WorkerMetrics, *, stop: threading.Event | None = None, wire_format: str = "float32") -> None:
         """wire_format: spec.parameterServers.wireFormat, the format of its pulls and pushes."""
         self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
-        self.dense: ShardGroup | Bfloat16Dense = Bfloat16Dense(group) if wire_format == "bfloat16" else group
+        self.dense = dense_client.of(group, wire_format)
         self.rng = np.random.default_rng(settings.seed)
         self.batches = minibatches(dataset, settings.batch_size, self.rng)
         total = group.layout.total

@@ -18,10 +18,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from distbelief.runtime import models
 from distbelief.runtime.chief import Score
-from distbelief.runtime.client import ShardGroup
-from distbelief.runtime.data import Dataset
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import models
+from distbelief.runtime.model.data import Dataset
+from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.pipeline.stages import Plan, Stage
 
 
@@ -60,7 +61,7 @@ class StagedModel:
         one stage at a time, in the one buffer."""
         for stage, group in zip(self.plan.stages, self.groups):
             params = self._buffer[:stage.size]
-            replies = group.pull(params)
+            replies = Float32Dense(group).pull(params)
             if any(r.done for r in replies):
                 yield stage, None, 0
                 return

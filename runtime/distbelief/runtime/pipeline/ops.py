@@ -23,7 +23,7 @@ import dataclasses
 import struct
 
 from distbelief.runtime import errors
-from distbelief.runtime.dense import Update
+from distbelief.runtime.params.dense import Update
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import OpSpec
 

@@ -27,9 +27,10 @@ import time
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.client import ShardGroup
-from distbelief.runtime.data import Dataset, minibatches
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model.data import Dataset, minibatches
 from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.pipeline import neighbour
 from distbelief.runtime.pipeline.ops import APPLY_HELD, FETCH, FORWARD, HOLD, PUSH, ApplyHeld, Held
 from distbelief.runtime.pipeline.rendezvous import HEARTBEAT_SECONDS, RendezvousLink
@@ -158,7 +159,7 @@ class PartitionPod(abc.ABC):
     def pull(self) -> bool:
         """This stage's parameters from its shards; True if the job is done."""
         started = time.perf_counter()
-        replies = self.links.own.pull(self.params)
+        replies = Float32Dense(self.links.own).pull(self.params)
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         if any(r.done for r in replies):
             return True

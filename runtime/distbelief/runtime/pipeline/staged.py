@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.pipeline.ops import APPLY_HELD, HOLD
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.plugin import Answer, Handler

@@ -20,7 +20,7 @@ import functools
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.models import Mlp, softmax_cross_entropy_inplace
+from distbelief.runtime.model.models import Mlp, softmax_cross_entropy_inplace
 
 MAX_PARTITIONS = 16
 

@@ -23,7 +23,7 @@ import time
 from typing import Callable
 
 from distbelief.runtime import errors, keys
-from distbelief.runtime.client import Reply, ShardGroup
+from distbelief.runtime.client.group import Reply, ShardGroup
 from distbelief.runtime.observe.metrics import CoordinatorMetrics
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings, LbfgsState

@@ -19,7 +19,7 @@ import struct
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.client import Reply, ShardGroup
+from distbelief.runtime.client.group import Reply, ShardGroup
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import JsonObject, OpSpec, Payload
 

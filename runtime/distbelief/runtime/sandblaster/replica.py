@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.client import ShardGroup
-from distbelief.runtime.data import Dataset
-from distbelief.runtime.models import Model
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model.data import Dataset
+from distbelief.runtime.model.models import Model
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.ops import SandblasterShards, UnitResult, WorkUnit

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.dense import DenseSlice
+from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.sandblaster import ops
 from distbelief.runtime.sandblaster.ops import Accumulated, EvaluationId, VectorCode, VectorResult
 from distbelief.runtime.shard import checkpoint

@@ -11,7 +11,7 @@ written under a temporary name, fsynced, renamed into place and the folder fsync
 crash leaves either the old set or the new one. On restore the newest file that verifies
 (and whose plugins can load it: a file it names may be damaged) wins; one that does not is
 reported and renamed aside (never deleted), and the one before it is used. write() and
-load() also serve files of other names (rowcheckpoint.py's row files); encode() and
+load() also serve files of other names (params/rows/rowcheckpoint.py's row files); encode() and
 decode() the same bytes in memory (replication.py's state transfer). The temporary of a
 write that a crash interrupted is removed at restore.
 """

@@ -3,7 +3,7 @@
 The core serves requests one at a time (an update is never half-applied when a pull or
 a checkpoint reads the state) and knows nothing of any algorithm. What a shard holds and
 which ops it answers come from its plugins (ShardPlugin): the dense slice with its
-optimizer (dense.py), Sandblaster's vectors, and whatever an algorithm adds. The core:
+optimizer (params/dense.py), Sandblaster's vectors, and whatever an algorithm adds. The core:
 
 - parses and checks every request against its op's spec (protocol.parse_request); a
   malformed one gets an error reply, or is dropped, and the shard keeps serving;
@@ -375,7 +375,7 @@ class Shard:
         meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
                 "examples": self.examples_total}
         arrays: dict[str, np.ndarray] = {}
-        for plugin in self.plugins:  # a plugin may write files of its own (sparse.py's rows), unless transfer
+        for plugin in self.plugins:  # a plugin may write files of its own (the sparse rows'), unless transfer
             plugin_arrays, plugin_meta = plugin.checkpoint_state(transfer=transfer)
             arrays.update(plugin_arrays)
             meta.update(plugin_meta)

@@ -50,7 +50,7 @@ class ShardPlugin(Protocol):
 
     def checkpoint_state(self, *, transfer: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The arrays and metadata of the shard's next checkpoint. A plugin may write files of
-        its own that the metadata names (sparse.py's rows); with transfer (a copy catching up
+        its own that the metadata names (params/rows/sparse.py's rows); with transfer (a copy catching up
         on another machine) everything is in the arrays and nothing is written."""
         ...
 

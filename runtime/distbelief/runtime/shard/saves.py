@@ -2,7 +2,7 @@
 
 A checkpoint is written when the step moved and the interval passed (or at once when
 asked: at the end, on DONE, on a Sandblaster commit). A checkpoint that cannot be written
-(or a row file it would name: rowcheckpoint.py) is logged and tried again at the next
+(or a row file it would name: params/rows/rowcheckpoint.py) is logged and tried again at the next
 interval; a state with a non-finite value is never written, the shard goes back to its
 newest checkpoint that restores whole instead.
 """
@@ -63,7 +63,7 @@ class CheckpointSchedule:
             return
         folder = shard.settings.checkpoint_dir
         try:
-            ckpt = shard.snapshot()  # a plugin may write files of its own first (sparse.py's rows)
+            ckpt = shard.snapshot()  # a plugin may write files of its own first (the sparse rows')
             if not all(np.isfinite(array).all() for array in ckpt.arrays.values()):
                 self._recover_from_non_finite_state()
                 return

@@ -1,11 +1,12 @@
-"""Sparse embedding rows on the shards, as a plugin, with its two ops and the replica's side.
+"""Sparse embedding rows on the shards, as a plugin, with its two ops (the replica's side:
+row_client.py).
 
     SPARSE_PULL   keys in -> their rows; a key without a row gets its initial value (the
                   row is not created: a pull never grows the table)
     SPARSE_PUSH   keys and their rows' gradients in -> row-wise Adagrad on them; a key's
                   row is created by its admitted push (spec.model.embeddings.admitAfter)
 
-A key is a non-negative 63-bit integer, owned by shard owner_of(key) (a hash of the key,
+A key is a non-negative 63-bit integer, owned by shard rowkeys.owner_of(key) (a hash of the key,
 modulo the shard count): the one function that partitions keys, on replicas and shards.
 The keys travel in the payload frame (Keys: a count, then int64 values, at most
 keys_per_request(dim) per shard and request, unique, each owned by the shard it is sent to); the
@@ -28,14 +29,14 @@ from typing import Any, ClassVar, Mapping, Self
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.client import Reply, ShardGroup
-from distbelief.runtime.rowcheckpoint import FULL_WRITE_BYTES, STATE_PREFIX, RowCheckpoints
-from distbelief.runtime.rowtable import RowTable, mix
+from distbelief.runtime.params.rows.rowcheckpoint import FULL_WRITE_BYTES, STATE_PREFIX, RowCheckpoints
+from distbelief.runtime.params.rows.rowtable import RowTable
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.core import Shard
 from distbelief.runtime.shard.plugin import Answer, Handler
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Message, OpSpec
+from distbelief.runtime.wire.rowkeys import owner_of
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,6 @@ def keys_per_request(dim: int) -> int:
     """The most keys one request to one shard may carry, for rows of dim values."""
     return max(1, min(MAX_KEYS, MAX_ROW_VALUES // dim))
 
-
-def owner_of(keys: np.ndarray, shards: int) -> np.ndarray:
-    """The shard that owns each key. The high half of the hash: the table's slots use the low."""
-    return ((mix(keys) >> np.uint64(32)) % np.uint64(shards)).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,57 +222,3 @@ class SparseRows:
         if self.table.counts is not None and counts is not None and counts.size == self.table.counts.size:
             self.table.counts[...] = counts
         log.info("event=rows_restored shard=%d rows=%d", self.shard.index, n)
-
-
-# -- the replica's side ----------------------------------------------------------------------
-
-
-class RowClient:
-    """Pulls and pushes rows of unique keys, each key to its owner, all shards at once."""
-
-    def __init__(self, group: ShardGroup, dim: int) -> None:
-        self.group, self.dim = group, dim
-
-    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, list[slice]]:
-        """The keys grouped by owner (order), and each shard's span of that order."""
-        owners = owner_of(keys, self.group.layout.shards)
-        order = np.argsort(owners, kind="stable")
-        ends = np.cumsum(np.bincount(owners, minlength=self.group.layout.shards))
-        return order, [slice(int(a), int(b)) for a, b in zip(np.r_[0, ends[:-1]], ends)]
-
-    def pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
-        """The rows of keys ([n, dim], in the keys' order) and the last shards' replies."""
-        rows = np.empty((keys.size, self.dim), dtype=np.float32)
-        replies: list[Reply] = []
-        for chunk in self._chunks(keys.size):  # no shard gets more than MAX_KEYS keys in one request
-            rows[chunk], replies = self._pull(keys[chunk])
-        return rows, replies
-
-    def _pull(self, keys: np.ndarray) -> tuple[np.ndarray, list[Reply]]:
-        order, spans = self._split(keys)
-        metas = [Keys(keys[order[span]]) for span in spans]
-        # Zeros: a shard that answers DONE sends no rows, and the step still computes on finite ones.
-        grouped = np.zeros((keys.size, self.dim), dtype=np.float32)
-        replies = self.group.request(SPARSE_PULL, meta=metas, receive_into=[grouped[s].reshape(-1) for s in spans])
-        rows = np.empty_like(grouped)
-        rows[order] = grouped
-        return rows, replies
-
-    def push(self, keys: np.ndarray, grads: np.ndarray, occurrences: np.ndarray | None = None) -> list[Reply]:
-        """Push each key's row gradient (grads [n, dim], in the keys' order) to its owner, with
-        how many times the key occurred in the examples behind it (what admission counts;
-        None: once each)."""
-        if occurrences is None:
-            occurrences = np.ones(keys.size, dtype=np.int64)
-        replies: list[Reply] = []
-        for chunk in self._chunks(keys.size):
-            order, spans = self._split(keys[chunk])
-            keys_, counts = keys[chunk][order], occurrences[chunk][order]
-            metas = [KeyCounts(keys_[span], counts[span]) for span in spans]
-            grouped = np.ascontiguousarray(grads[chunk][order], dtype=np.float32)
-            replies = self.group.request(SPARSE_PUSH, meta=metas, array=[grouped[s].reshape(-1) for s in spans])
-        return replies
-
-    def _chunks(self, n: int) -> list[slice]:
-        step = keys_per_request(self.dim)
-        return [slice(start, start + step) for start in range(0, n, step)]

@@ -1,10 +1,13 @@
 """The replica's (and the chief's, and the coordinator's) view of a job's shards.
 
-    group.request(op, ...)   one request to every shard at once, the replies collected
+    group.request(op, ...)   one request to every shard at once, the replies collected:
+                             each shard gets its slice of a flat array (the layout's) or
+                             its own entry of a list, and reply arrays land straight in
+                             the caller's
     hello, stats, done       the core's ops
-    pull, push, push_and_pull    the dense slices (dense.py): each shard gets its slice
-                                 of a flat vector; pulls land straight in the caller's array
-    Bfloat16Dense                the same three with bfloat16 on the wire (wireFormat)
+
+It knows no parameter kind: the dense slices' pull and push are params/dense_client.py's,
+the sparse rows' params/rows/row_client.py's, each over request().
 
 The sockets, timeouts and resends are the transport's (fanout.exchange under one
 RetryPolicy); this module builds the frames of each op and reads the replies, turning
@@ -23,9 +26,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distbelief.runtime import dense, errors
+from distbelief.runtime import errors
 from distbelief.runtime.transport import fanout, interface, zmq_transport
-from distbelief.runtime.wire import bfloat16, protocol
+from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import ErrorCode, Header, OpSpec, Status
 
@@ -103,22 +106,6 @@ class ShardGroup:
 
     def done(self, reason: str, outcome: str) -> list[Reply]:
         return self.request(protocol.DONE, meta=protocol.JsonObject({"reason": reason, "outcome": outcome}))
-
-    # -- dense slices --------------------------------------------------------------------------
-
-    def pull(self, out: np.ndarray) -> list[Reply]:
-        """Fill out (the group's flat vector) with every shard's slice; the replies carry steps."""
-        return self.request(dense.PULL, receive_into=out)
-
-    def push(self, grad: np.ndarray, *, steps: Sequence[int], examples: int, loss: float) -> list[Reply]:
-        """Send each shard its slice of grad; steps[i] is the step pulled from the group's i-th shard."""
-        return self.request(dense.PUSH, array=grad, steps=steps, meta=dense.Update(examples=examples, loss=loss))
-
-    def push_and_pull(self, grad: np.ndarray, out: np.ndarray, *, steps: Sequence[int], examples: int,
-                      loss: float) -> list[Reply]:
-        """push, then fill out with the parameters that include it: one round trip, not two."""
-        return self.request(dense.PUSH_PULL, array=grad, receive_into=out, steps=steps,
-                            meta=dense.Update(examples=examples, loss=loss))
 
     # -- one request to every shard at once ------------------------------------------------------
 
@@ -213,39 +200,3 @@ class ShardGroup:
         if not received.frames:
             raise errors.ProtocolError(f"shard {shard} at {address} answered {op.name} without its payload")
         return Reply(header=header, meta=op.reply.unpack(received.frames[0]))
-
-
-class Bfloat16Dense:
-    """A group's pull, push and push_and_pull with bfloat16 arrays on the wire
-    (spec.parameterServers.wireFormat: bfloat16), for the caller's float32 arrays.
-
-    Pulls land in one half-size buffer and are widened into the caller's array. A pushed
-    gradient is narrowed into the first half of its own memory, which the replica has no
-    further use for (it zeroes or overwrites its gradient after a push): so this buffer
-    is the only one beyond the replica's float32 arrays."""
-
-    def __init__(self, group: ShardGroup) -> None:
-        self.group = group
-        self.codec = bfloat16.Codec(group.values)
-        self.wire = np.empty(group.values, dtype=protocol.BFLOAT16)
-
-    def pull(self, out: np.ndarray) -> list[Reply]:
-        replies = self.group.request(dense.PULL_BF16, receive_into=self.wire)
-        self.codec.widen(self.wire, out)
-        return replies
-
-    def push(self, grad: np.ndarray, *, steps: Sequence[int], examples: int, loss: float) -> list[Reply]:
-        """As ShardGroup.push; grad is left holding its bfloat16 form, not its values."""
-        return self.group.request(dense.PUSH_BF16, array=self._narrowed(grad), steps=steps,
-                                  meta=dense.Update(examples=examples, loss=loss))
-
-    def push_and_pull(self, grad: np.ndarray, out: np.ndarray, *, steps: Sequence[int], examples: int,
-                      loss: float) -> list[Reply]:
-        """As ShardGroup.push_and_pull; grad is left holding its bfloat16 form, not its values."""
-        replies = self.group.request(dense.PUSH_PULL_BF16, array=self._narrowed(grad), receive_into=self.wire,
-                                     steps=steps, meta=dense.Update(examples=examples, loss=loss))
-        self.codec.widen(self.wire, out)
-        return replies
-
-    def _narrowed(self, grad: np.ndarray) -> np.ndarray:
-        return self.codec.narrow(grad, grad.view(protocol.BFLOAT16)[:grad.size])

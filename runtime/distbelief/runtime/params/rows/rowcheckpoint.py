@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.rowtable import RowTable
+from distbelief.runtime.params.rows.rowtable import RowTable
 from distbelief.runtime.shard import checkpoint
 
 log = logging.getLogger(__name__)

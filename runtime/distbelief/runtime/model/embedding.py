@@ -8,7 +8,7 @@ Each example's id in field f becomes a row of dim values, looked up by its key:
 A missing id (-1) contributes a zero vector and no key. The rows of all fields are
 concatenated after the dense features x, and the result is the input of an ordinary Mlp
 (models.py), whose parameters are the dense, sharded ones. The rows live on the shards
-(sparse.py); a replica gets only the rows of its minibatch's keys, and
+(params/rows/sparse.py); a replica gets only the rows of its minibatch's keys, and
 loss_and_grads returns the gradient of exactly those rows.
 """
 
@@ -18,9 +18,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import errors, models
-from distbelief.runtime.data import Dataset
-from distbelief.runtime.rowtable import mix
+from distbelief.runtime import errors
+from distbelief.runtime.model import models
+from distbelief.runtime.model.data import Dataset
+from distbelief.runtime.wire.rowkeys import mix
 
 FIELD_SHIFT = 56
 

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from distbelief.runtime.wire.rowkeys import GOLDEN, mix
+
 EMPTY = np.int32(-1)          # an index slot without a row
 INIT_SCALE = 0.05
 EPSILON = 1e-8
@@ -51,27 +53,13 @@ MIN_LOAD, MAX_LOAD = 0.5, 0.75  # the index's load factor: rebuilt at MIN_LOAD w
 CHUNK = 1 << 20               # rows per pass of an index rebuild or a compaction
 COUNTERS = 1 << 20            # admission counters (4 MiB), shared by all not-yet-admitted keys
 ROW_ARRAYS = ("keys", "values", "accumulators", "touched", "dirty")
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _LOW32 = np.uint64(0xFFFFFFFF)
-
-
-def mix(keys: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser over an array: a well-spread 64-bit hash of each value."""
-    z = keys.astype(np.uint64, copy=True)
-    z += _GOLDEN
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
-    return z
 
 
 def initial_rows(keys: np.ndarray, dim: int, seed: int) -> np.ndarray:
     """Each key's initial row: uniform in [-INIT_SCALE, INIT_SCALE), deterministic in (key, seed)."""
     base = mix(keys.astype(np.uint64) ^ mix(np.array([seed], dtype=np.uint64)))
-    counters = base[:, None] + np.arange(1, dim + 1, dtype=np.uint64)[None, :] * _GOLDEN
+    counters = base[:, None] + np.arange(1, dim + 1, dtype=np.uint64)[None, :] * GOLDEN
     unit = (mix(counters) >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
     return (unit * np.float32(2 * INIT_SCALE) - np.float32(INIT_SCALE)).astype(np.float32)
 

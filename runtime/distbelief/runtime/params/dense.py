@@ -39,7 +39,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.optim import make_optimizer
+from distbelief.runtime.params.optim import make_optimizer
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.core import Shard
 from distbelief.runtime.shard.plugin import Answer, Handler

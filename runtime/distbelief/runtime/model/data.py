@@ -28,7 +28,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from distbelief.runtime import contract, errors, rowtable
+from distbelief.runtime import contract, errors
+from distbelief.runtime.wire import rowkeys
 
 MAX_ID = 1 << 56  # ids share a 63-bit key with their field's number (embedding.keys)
 DIGITS = "builtin:digits"
@@ -132,7 +133,7 @@ def _synthetic_ctr(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ids = _zipf_ranks(rng.random((samples, fields)), n, p["zipf"])
     # The planted model: a weight per (field, id), uniform with a logit spread of about 2.
     salted = ids + (np.arange(fields, dtype=np.int64) << 48)[None, :]
-    unit = (rowtable.mix(salted ^ seed) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    unit = (rowkeys.mix(salted ^ seed) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
     logits = ((unit * 2 - 1) * 2.0 * np.sqrt(3.0 / fields)).sum(axis=1)
     y = (rng.random(samples) < 1 / (1 + np.exp(-logits))).astype(np.int64)
     return np.zeros((samples, 0), np.float32), y, ids
