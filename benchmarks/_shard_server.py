@@ -37,6 +37,7 @@ import prometheus_client as prom
 import zmq
 
 from distbelief.runtime import keys
+from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard.core import Shard, ShardSettings
@@ -154,6 +155,7 @@ def main() -> int:
                       transport_=zmq_transport.ZmqTransport(context))
         shard.attach(DenseSlice(shard, initial, optimizer="sgd" if args.sgd else "adagrad",
                                 learning_rate=args.learning_rate))
+        shard.watch_updates(DownpourUpdates(shard))  # as a Downpour job's shard counts each push
         del initial
         shard.restore()
         instrument(shard)

@@ -46,7 +46,7 @@ from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.rows.row_client import RowClient
 from distbelief.runtime.params.rows.rowtable import RowTable
 from distbelief.runtime.params.rows.sparse import SparseRows
-from distbelief.runtime.roles import Job  # noqa: E402
+from distbelief.runtime.roles.common import Job
 from distbelief.runtime.shard.core import Shard, ShardSettings
 
 EXAMPLE = HERE.parent / "examples" / "ctr-sparse.yaml"

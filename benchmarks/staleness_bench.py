@@ -37,12 +37,12 @@ from figures import save, summarize  # noqa: E402
 
 from conftest import start_shards  # noqa: E402
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.wire.layout import Layout
-from distbelief.runtime.worker import Worker, WorkerSettings  # noqa: E402
 
 TARGET, EVAL_S, TIMEOUT_S, SLOWDOWN = 0.97, 0.1, 120.0, 3.0
 SHARDS, LEARNING_RATE = 2, 0.01

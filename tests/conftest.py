@@ -13,6 +13,7 @@ import pytest
 
 from distbelief.operator import local, spec
 from distbelief.runtime import keys
+from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.dense import DenseSlice
@@ -59,8 +60,10 @@ class LiveShards:
 
 def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
                  attach: Callable[[Shard], None] = lambda shard: None, **settings: Any) -> LiveShards:
-    """Shards with a dense slice of initial, and whatever attach adds to each."""
+    """Downpour's shards: a dense slice of initial and Downpour's update hook (warm-start with
+    warmstart_steps), and whatever attach adds to each."""
     shards, threads = [], []
+    warmstart_steps = settings.pop("warmstart_steps", 0)
     optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1),
                  "max_gradient_norm": settings.pop("max_gradient_norm", 1e4),
                  "wire_format": settings.pop("wire_format", "float32")}
@@ -68,6 +71,7 @@ def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
         options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
         shard = Shard(ShardSettings(shard=index, **options), layout, ShardMetrics(prom.CollectorRegistry(), index))
         shard.attach(DenseSlice(shard, initial, **optimizer))
+        shard.watch_updates(DownpourUpdates(shard, warmstart_steps=warmstart_steps))
         attach(shard)
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)

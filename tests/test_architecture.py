@@ -19,8 +19,8 @@ RUNTIME_FOR_THE_OPERATOR = {"distbelief.runtime", "distbelief.runtime.contract",
                             "distbelief.runtime.errors"}
 CORE = ("wire/protocol", "transport/zmq_transport", "transport/zmq_server", "transport/zmq_link", "transport/fanout",
         "transport/memory_transport", "shard/plugin", "shard/core", "shard/copies/replication")
-ALGORITHM_MODULES = ("distbelief.runtime.params", "distbelief.runtime.sandblaster", "distbelief.runtime.worker",
-                     "distbelief.runtime.algorithms")
+ALGORITHM_MODULES = ("distbelief.runtime.params", "distbelief.runtime.algorithms", "distbelief.runtime.roles",
+                     "distbelief.runtime.model")
 
 
 def imports(path: Path) -> set[str]:

@@ -44,10 +44,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from distbelief.runtime import keys
+from distbelief.runtime.algorithms.sandblaster import ops as sandblaster_ops
 from distbelief.runtime.params import dense
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.params.optim import make_optimizer
-from distbelief.runtime.sandblaster import ops as sandblaster_ops
 from distbelief.runtime.shard.core import RATE_WINDOW_SECONDS
 from distbelief.runtime.transport import zmq_server
 from distbelief.runtime.wire import protocol

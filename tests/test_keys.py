@@ -20,10 +20,11 @@ import pytest
 import zmq
 
 from distbelief.operator import local, spec
-from distbelief.runtime import contract, errors, keys, roles
+from distbelief.runtime import contract, errors, keys
 from distbelief.runtime.client.group import Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.roles import common
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import admission
 from distbelief.runtime.wire.layout import Layout
@@ -216,7 +217,7 @@ class _Job:
 
 def test_roles_without_keys_run_unauthenticated_and_say_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert roles.load_access(str(tmp_path / "absent"), contract.ROLE_PS, _Job()) == roles.Access()
+        assert common.load_access(str(tmp_path / "absent"), contract.ROLE_PS, _Job()) == common.Access()
     assert "event=unauthenticated role=ps" in caplog.text
     assert str(tmp_path / "absent") in caplog.text
 
@@ -226,14 +227,14 @@ def test_roles_take_the_jobs_choice_of_encryption_and_warn_when_it_is_off(
     made = keys.JobKeys.generate()
     made.write(str(tmp_path / "k"))
     with caplog.at_level(logging.WARNING):
-        shard = roles.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job())  # a config from before the field
-        worker = roles.load_access(str(tmp_path / "k"), contract.ROLE_WORKER, _Job(encryption=True))
+        shard = common.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job())  # a config from before the field
+        worker = common.load_access(str(tmp_path / "k"), contract.ROLE_WORKER, _Job(encryption=True))
     assert "event=unencrypted" not in caplog.text
-    assert shard == roles.Access(server=made.server_security(), client=made.client_options(role=keys.CHIEF))
-    assert worker == roles.Access(server=None, client=made.client_options())
+    assert shard == common.Access(server=made.server_security(), client=made.client_options(role=keys.CHIEF))
+    assert worker == common.Access(server=None, client=made.client_options())
     with caplog.at_level(logging.WARNING):
-        plain = roles.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job(encryption=False))
-    assert plain == roles.Access(server=made.server_security(encrypted=False),
+        plain = common.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job(encryption=False))
+    assert plain == common.Access(server=made.server_security(encrypted=False),
                                  client=made.client_options(role=keys.CHIEF, encrypted=False))
     assert "event=unencrypted role=ps" in caplog.text
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.sandblaster import ops as sandblaster_ops
 from distbelief.runtime.params import dense
-from distbelief.runtime.sandblaster import ops as sandblaster_ops
 from distbelief.runtime.shard.copies import replication  # noqa: F401  (defines the copies' ops)
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import HEADER, MAGIC, VERSION, ErrorCode, Header, OpSpec, Status

@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from distbelief.runtime import errors
-from distbelief.runtime.pipeline import rendezvous
-from distbelief.runtime.pipeline.ops import JOIN_GROUP
-from distbelief.runtime.pipeline.rendezvous import Groups, Rendezvous, RendezvousLink
+from distbelief.runtime.algorithms.pipeline import rendezvous
+from distbelief.runtime.algorithms.pipeline.ops import JOIN_GROUP
+from distbelief.runtime.algorithms.pipeline.rendezvous import Groups, Rendezvous, RendezvousLink
 from distbelief.runtime.transport import zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, Status

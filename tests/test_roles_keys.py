@@ -18,13 +18,13 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.runtime import errors, keys
+from distbelief.runtime.algorithms.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
+from distbelief.runtime.algorithms.sandblaster.vectors import ShardVectors, Slots
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params import dense
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.params.dense_client import Float32Dense
-from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
-from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
 from distbelief.runtime.shard.copies import replication
 from distbelief.runtime.shard.copies.watch import COPY_STATUS
 from distbelief.runtime.shard.core import Shard, ShardSettings

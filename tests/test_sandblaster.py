@@ -18,18 +18,18 @@ import zmq
 from conftest import load_example
 from distbelief.operator import local, render, report, scrape, spec
 from distbelief.runtime import contract, errors
+from distbelief.runtime.algorithms.sandblaster import ops
+from distbelief.runtime.algorithms.sandblaster.coordinator import Coordinator, CoordinatorSettings
+from distbelief.runtime.algorithms.sandblaster.lbfgs import Lbfgs, LbfgsSettings
+from distbelief.runtime.algorithms.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
+from distbelief.runtime.algorithms.sandblaster.replica import CoordinatorLink, Replica
+from distbelief.runtime.algorithms.sandblaster.vectors import ShardVectors, Slots
+from distbelief.runtime.algorithms.sandblaster.workqueue import WorkQueue
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.params.dense_client import Float32Dense
-from distbelief.runtime.sandblaster import ops
-from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
-from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings
-from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
-from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
-from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
-from distbelief.runtime.sandblaster.workqueue import WorkQueue
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout

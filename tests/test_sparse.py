@@ -14,6 +14,8 @@ import pytest
 import zmq
 
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.downpour.sparse_worker import SparseWorker, held_out_inputs
+from distbelief.runtime.algorithms.downpour.worker import WorkerSettings
 from distbelief.runtime.model import data, models
 from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.observe.metrics import WorkerMetrics
@@ -22,12 +24,10 @@ from distbelief.runtime.params.rows import rowcheckpoint, sparse
 from distbelief.runtime.params.rows.row_client import RowClient
 from distbelief.runtime.params.rows.rowtable import EPSILON, initial_rows
 from distbelief.runtime.params.rows.sparse import KeyCounts, Keys, SparseRows
-from distbelief.runtime.sparse_worker import SparseWorker, held_out_inputs
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import Header, Status
 from distbelief.runtime.wire.rowkeys import owner_of
-from distbelief.runtime.worker import WorkerSettings
 
 from conftest import LiveShards, start_shards
 

@@ -12,12 +12,12 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.operator import local, scrape, spec
+from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import ShardMetrics, WorkerMetrics
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.wire.layout import Layout
-from distbelief.runtime.worker import Worker, WorkerSettings
 
 from conftest import load_example, start_shards
 

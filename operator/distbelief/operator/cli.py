@@ -33,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(exc: Exception) -> int:
-    from distbelief.runtime import errors
     from distbelief.operator import spec
+    from distbelief.runtime import errors
 
     if isinstance(exc, spec.SpecError):
         for line in exc.errors:
@@ -199,18 +199,18 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _ps(args: argparse.Namespace) -> int:
-    from distbelief.runtime import roles
+    from distbelief.runtime.roles import ps
 
-    return roles.run_ps(config_path=args.config, shard=args.shard, port=args.port, metrics_port=args.metrics_port,
-                        listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger,
-                        keys_dir=args.keys_dir, coordinator_port=args.coordinator_port, bulk_port=args.bulk_port)
+    return ps.run_ps(config_path=args.config, shard=args.shard, port=args.port, metrics_port=args.metrics_port,
+                     listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger,
+                     keys_dir=args.keys_dir, coordinator_port=args.coordinator_port, bulk_port=args.bulk_port)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from distbelief.runtime import roles
+    from distbelief.runtime.roles import worker
 
-    return roles.run_worker(config_path=args.config, metrics_port=args.metrics_port, listen=args.listen,
-                            keys_dir=args.keys_dir)
+    return worker.run_worker(config_path=args.config, metrics_port=args.metrics_port, listen=args.listen,
+                             keys_dir=args.keys_dir)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ class Checked:
 def check(job: Mapping[str, Any]) -> Checked:
     """Load the job's data and build its model as every role will; raises ConfigError."""
     from distbelief.operator.spec import job_config
-    from distbelief.runtime import roles
     from distbelief.runtime.model import data, models
+    from distbelief.runtime.roles import common
 
     spec = job["spec"]
     dataset = data.load(spec["data"])
@@ -39,7 +39,7 @@ def check(job: Mapping[str, Any]) -> Checked:
     checked = Checked(examples=len(dataset.x_train) + len(dataset.x_test), features=dataset.n_features,
                       classes=dataset.n_classes, parameters=models.num_params(model),
                       shapes=[(name, tuple(shape)) for name, shape in model.shapes],
-                      layout=roles.model_layout(model, job_config(job))[1].hash)
+                      layout=common.model_layout(model, job_config(job))[1].hash)
     log.info("event=preflight_passed job=%s examples=%d features=%d classes=%d parameters=%d",
              job["metadata"]["name"], checked.examples, checked.features, checked.classes, checked.parameters)
     return checked

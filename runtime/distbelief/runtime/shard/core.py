@@ -7,7 +7,7 @@ optimizer (params/dense.py), Sandblaster's vectors, and whatever an algorithm ad
 
 - parses and checks every request against its op's spec (protocol.parse_request); a
   malformed one gets an error reply, or is dropped, and the shard keeps serving;
-- answers HELLO (the layout check, and the warm-start admission), STATS and DONE;
+- answers HELLO (the layout check; admission is the update hooks'), STATS and DONE;
 - answers a resent command (same peer, worker and seq) with its first reply, so an
   update is applied once however often the reply was lost;
 - writes atomic checkpoints of every plugin's state on an interval and at the end; a
@@ -15,6 +15,9 @@ optimizer (params/dense.py), Sandblaster's vectors, and whatever an algorithm ad
 
 Plugins (plugin.py) see the core through its members: index, layout, step, finished,
 metrics, settings.checkpoint_dir, applied(), count_examples(), checkpoint_now(), load().
+An algorithm's update hooks (plugin.UpdateHook, watch_updates) are asked at HELLO whether a
+replica may train now, told of every update applied, and add their figures to STATS and
+to the chief's record (Downpour's: warm-start, staleness, the replicas' loss).
 
 With backups, the role hands the core its copies (serve_copies, copies/replication.py): only
 the primary copy serves clients, and every command it applies reaches its backups before
@@ -36,8 +39,9 @@ import numpy as np
 from distbelief.runtime import errors, keys
 from distbelief.runtime.observe.metrics import RateWindow, ShardMetrics
 from distbelief.runtime.shard import checkpoint
-from distbelief.runtime.shard.plugin import Answer, Handler, RawHandler, Replication, ShardPlugin, SingleCopy
-from distbelief.runtime.shard.resends import REMEMBERED_PEERS, LastCommands
+from distbelief.runtime.shard.plugin import (
+    Answer, Handler, RawHandler, Replication, ShardPlugin, SingleCopy, UpdateHook)
+from distbelief.runtime.shard.resends import LastCommands
 from distbelief.runtime.shard.saves import CheckpointSchedule
 from distbelief.runtime.transport import interface, zmq_transport
 from distbelief.runtime.wire import protocol
@@ -47,9 +51,7 @@ from distbelief.runtime.wire.protocol import Header, Message, Status
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.1
-WARMSTART_LEASE_SECONDS = 10.0
 RATE_WINDOW_SECONDS = 5.0
-LOSS_EMA = 0.05
 
 
 @dataclasses.dataclass
@@ -59,7 +61,6 @@ class ShardSettings:
     checkpoint_dir: str
     checkpoint_every: float = 30.0
     checkpoint_keep: int = 3
-    warmstart_steps: int = 0
     linger_seconds: float = 60.0   # keep answering DONE this long, then exit
     security: keys.ServerSecurity | None = None  # who is admitted, when the job has keys
     bulk_bind: str | None = None  # where AES-GCM sessions' messages come in (CurveZMQ jobs)
@@ -87,14 +88,11 @@ class Shard:
         self._repeats: dict[int, Handler] = {}
         self.raw_ops: dict[int, RawHandler] = {}  # ops reading their own frames (the copies')
         self.copies: Replication = SingleCopy()
-        self._warm_owner: tuple[tuple, float] | None = None
+        self.update_hooks: list[UpdateHook] = []
         self._peer: tuple = ()  # who sent the request being handled: (ZAP user, routing id)
         self._rate = RateWindow(RATE_WINDOW_SECONDS)
-        self._staleness_max = 0
         self.last_commands = LastCommands()
         self.saves = CheckpointSchedule(self)
-        self._train_loss: float | None = None
-        self._pushed_at: dict[tuple, float] = {}  # peer -> when it last pushed (replicas at work)
 
     # -- plugins ---------------------------------------------------------------------------
 
@@ -119,6 +117,10 @@ class Shard:
                 raise errors.ConfigError(f"op {spec.name} is served twice on shard {self.index}")
             self.raw_ops[spec.code] = handler
         self.copies = copies
+
+    def watch_updates(self, hook: UpdateHook) -> None:
+        """Ask hook at every HELLO, tell it of every update, and report its figures."""
+        self.update_hooks.append(hook)
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -294,23 +296,12 @@ class Shard:
 
     def _hello(self, message: Message) -> Answer:
         size = sum(p.array_values() for p in self.plugins)
-        status = Status.OK if self._admit_warmstart() else Status.WAIT
-        return Answer(meta=protocol.ShardInfo(size=size), status=status)
-
-    def _admit_warmstart(self) -> bool:
-        """Shard 0 lets one replica train alone until warmstartSteps updates are applied."""
-        if self.index != 0 or self.step >= self.settings.warmstart_steps:
-            return True
-        now, worker = time.monotonic(), self._peer
-        if self._warm_owner and self._warm_owner[0] != worker and now - self._warm_owner[1] < WARMSTART_LEASE_SECONDS:
-            return False
-        self._warm_owner = (worker, now)
-        return True
+        admitted = all(hook.admit(self._peer) for hook in self.update_hooks)
+        return Answer(meta=protocol.ShardInfo(size=size), status=Status.OK if admitted else Status.WAIT)
 
     def _stats(self, message: Message) -> Answer:
         stats = {"shard": self.index, "step": self.step, "restarts": self.restarts, "startTime": self.start_time,
-                 "finished": self.finished, "trainLoss": self._train_loss,
-                 **self.copies.stats()}
+                 "finished": self.finished, **self._hook_figures(), **self.copies.stats()}
         return Answer(meta=protocol.JsonObject(stats))
 
     def _done(self, message: Message) -> Answer:
@@ -327,32 +318,27 @@ class Shard:
     # -- what plugins report -----------------------------------------------------------------
 
     def applied(self, header: Header, *, examples: int, loss: float) -> None:
-        """One update applied: the step advances; staleness, examples and loss are counted."""
-        staleness = self.step - header.step if header.step <= self.step else 0
+        """One update applied (header: its request's; examples and their mean loss behind it):
+        the update hooks are told first, while the step is still the one before it; then the
+        step advances and the examples are counted."""
+        for hook in self.update_hooks:
+            hook.applied(self._peer, header, examples=examples, loss=loss)
         self.step += 1
-        if self._warm_owner and self._warm_owner[0] == self._peer:
-            self._warm_owner = (self._peer, time.monotonic())
         self.metrics.global_step.set(self.step)
-        self.metrics.staleness.observe(staleness)
-        if staleness > self._staleness_max:
-            self._staleness_max = staleness
-            self.metrics.staleness_max.set(staleness)
         self.count_examples(examples)
-        self._train_loss = loss if self._train_loss is None else (1 - LOSS_EMA) * self._train_loss + LOSS_EMA * loss
-        self._pushed_at[self._peer] = time.monotonic()
-        if len(self._pushed_at) > REMEMBERED_PEERS:
-            self._pushed_at = dict(sorted(self._pushed_at.items(), key=lambda kv: kv[1])[-REMEMBERED_PEERS // 2:])
-        self.metrics.train_loss.set(self._train_loss)
         self.step_reached(self.step)
 
     def training_figures(self) -> dict[str, Any]:
-        """Examples so far and per second, the replicas' mean minibatch loss, and how many
-        replicas pushed within the rate window (for the chief's history)."""
-        now = time.monotonic()
-        replicas = sum(now - at <= RATE_WINDOW_SECONDS for at in list(self._pushed_at.values()))
-        rate = self.examples_per_second
-        return {"examples": self.examples_total, "examplesPerSecond": rate, "trainLoss": self._train_loss,
-                "replicas": replicas, "examplesPerSecondPerReplica": rate / replicas if replicas else None}
+        """Examples so far and per second, and the update hooks' figures (Downpour's: the
+        replicas' mean minibatch loss, how many pushed lately), for the chief's history."""
+        return {"examples": self.examples_total, "examplesPerSecond": self.examples_per_second,
+                **self._hook_figures()}
+
+    def _hook_figures(self) -> dict[str, Any]:
+        figures: dict[str, Any] = {}
+        for hook in self.update_hooks:
+            figures.update(hook.figures())
+        return figures
 
     def count_examples(self, examples: int) -> None:
         """Examples trained on, for the totals and the examples/s rate."""

@@ -5,6 +5,10 @@
                   back on restore. A handler gets the parsed request (protocol.Message) and
                   returns an Answer; the core adds the header with the shard's step, and
                   keeps the reply of a command for resends.
+    UpdateHook    an algorithm's view of the updates a shard applies: whether a replica
+                  that says HELLO may train now, each update as it is applied, and the
+                  figures it adds to STATS and to the chief's history (Downpour's:
+                  algorithms/downpour/updates.py)
     Replication   the shard's copies (copies/replication.py): whether this copy serves
                   clients, the commands it forwards to its backups, the copies' own ops.
                   SingleCopy, a shard without backups, is the core's default.
@@ -55,6 +59,24 @@ class ShardPlugin(Protocol):
         ...
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None: ...
+
+
+class UpdateHook(Protocol):
+    """An algorithm's view of the updates a shard applies. A peer is (its authenticated user,
+    its connection's routing id), as the core tells them apart."""
+
+    def admit(self, peer: tuple) -> bool:
+        """Whether a replica that says HELLO may train now (no: it is told to WAIT)."""
+        ...
+
+    def applied(self, peer: tuple, header: Header, *, examples: int, loss: float) -> None:
+        """An update from peer was applied, computed from header.step; the shard's step is
+        still the one before it."""
+        ...
+
+    def figures(self) -> dict[str, Any]:
+        """What it adds to STATS and to the chief's record of training."""
+        ...
 
 
 RawHandler = Callable[[Header, Incoming], list]  # an op that reads its own frames -> the reply's frames

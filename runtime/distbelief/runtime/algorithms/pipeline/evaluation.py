@@ -18,12 +18,12 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from distbelief.runtime.chief import Score
+from distbelief.runtime.algorithms.chief import Score
+from distbelief.runtime.algorithms.pipeline.stages import Plan, Stage
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset
 from distbelief.runtime.params.dense_client import Float32Dense
-from distbelief.runtime.pipeline.stages import Plan, Stage
 
 
 class StagedModel:

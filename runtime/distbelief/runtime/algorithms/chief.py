@@ -34,6 +34,9 @@ from distbelief.runtime.params.dense_client import Float32Dense
 log = logging.getLogger(__name__)
 
 SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
+# What a history line says of the replicas when the algorithm's shards report nothing of
+# them (Sandblaster's; Downpour's shard 0 reports these: algorithms/downpour/updates.py).
+REPLICA_FIGURES = {"trainLoss": None, "replicas": 0, "examplesPerSecondPerReplica": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +89,15 @@ class Scorer(Protocol):
     def close(self) -> None: ...
 
 
+# The model the chief scores and its held-out inputs, when they are not the model and the data's x.
+HeldOut = Callable[[], tuple[models.Model, np.ndarray]]
+
+
 class WholeModel:
     """Scores the whole flat vector, pulled from every shard at once."""
 
     def __init__(self, group: ShardGroup, model: models.Model, dataset: Dataset, max_eval_examples: int,
-                 held_out: Callable[[], tuple[models.Model, np.ndarray]] | None = None) -> None:
+                 held_out: HeldOut | None = None) -> None:
         """held_out: the model to score and its held-out inputs, when they are not the data's x
         (a model with embeddings scores its MLP on inputs built from the shards' rows)."""
         self.group, self.model = group, model
@@ -191,6 +198,8 @@ class Chief:
         self.metrics.evaluated_step.set(step)
         line = {"time": time.time(), "elapsed": round(elapsed, 3), "step": step, "loss": loss,
                 "accuracy": accuracy, **self.training()}
+        for key, value in REPLICA_FIGURES.items():
+            line.setdefault(key, value)
         if auc is not None:
             line["auc"] = auc
             self.metrics.auc.set(auc)

@@ -18,18 +18,18 @@ are not updated locally, as the dense parameters are not).
 from __future__ import annotations
 
 import threading
-from typing import Callable
 
 import numpy as np
 
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.chief import HeldOut
+from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset, batch_indices
 from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.params.rows.row_client import RowClient
-from distbelief.runtime.worker import Worker, WorkerSettings
 
 
 class SparseWorker(Worker):
@@ -115,9 +115,6 @@ class RowGradients:
         np.add.at(grads, inverse, np.concatenate([p[1] for p in parts]))
         occurrences = np.bincount(inverse, weights=np.concatenate([p[2] for p in parts]), minlength=keys.size)
         return keys, grads, occurrences.astype(np.int64)
-
-
-HeldOut = Callable[[], tuple[models.Model, np.ndarray]]
 
 
 def held_out_inputs(model: EmbeddingModel, group: ShardGroup, x: np.ndarray, ids: np.ndarray) -> HeldOut:

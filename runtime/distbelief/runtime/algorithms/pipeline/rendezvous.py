@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from distbelief.runtime import errors, keys
-from distbelief.runtime.pipeline.ops import JOIN_GROUP
+from distbelief.runtime.algorithms.pipeline.ops import JOIN_GROUP
 from distbelief.runtime.transport import fanout, interface, zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, Status

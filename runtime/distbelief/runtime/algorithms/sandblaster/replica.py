@@ -19,12 +19,12 @@ import time
 import numpy as np
 
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.sandblaster import ops
+from distbelief.runtime.algorithms.sandblaster.ops import SandblasterShards, UnitResult, WorkUnit
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.data import Dataset
 from distbelief.runtime.model.models import Model
 from distbelief.runtime.observe.metrics import WorkerMetrics
-from distbelief.runtime.sandblaster import ops
-from distbelief.runtime.sandblaster.ops import SandblasterShards, UnitResult, WorkUnit
 from distbelief.runtime.transport import fanout, interface, zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, Status

@@ -1,16 +1,16 @@
-"""Entry points of the roles the containers run: `distbelief ps` and `distbelief worker`.
+"""What every role derives from the job's config in the same way, and what each role's
+process sets up: the job (data, model, the cut into stages, the layout), its keys as the
+role's sockets use them, a client of its shards, a metrics registry, and the stop event
+set by SIGTERM.
 
-Each reads the resolved job config (the ConfigMap's file), builds the model and the
-layout from it exactly as every other role does, serves metrics, and runs until the
-job is done. Exit codes: 0 when the job is done or the role was asked to stop, 1 when
-a shard stayed unreachable, 2 for a config or layout the role cannot work with.
+The roles themselves are ps.py (`distbelief ps`) and worker.py (`distbelief worker`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import faulthandler
+import logging
 import os
 import signal
 import threading
@@ -18,16 +18,12 @@ from typing import Any
 
 import prometheus_client as prom
 
-from distbelief.runtime import algorithms, contract, errors, keys
-from distbelief.runtime.chief import Chief, Scorer, StoppingRules, WholeModel
+from distbelief.runtime import contract, errors, keys
+from distbelief.runtime.algorithms import interface
+from distbelief.runtime.algorithms.pipeline import stages
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.model import data, embedding, models
-from distbelief.runtime.observe.metrics import (
-    ChiefMetrics, MetricsServer, ShardMetrics, TrafficCollector, WorkerMetrics)
-from distbelief.runtime.pipeline import stages
-from distbelief.runtime.pipeline.evaluation import StagedModel
-from distbelief.runtime.shard.copies import replication
-from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.observe.metrics import TrafficCollector
 from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -99,101 +95,12 @@ def load_access(keys_dir: str, role: str, job: Job) -> Access:
                   stage_client=job_keys.stage_client_options(encrypted=encrypted))
 
 
-def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
-           checkpoint_dir: str, linger: float, keys_dir: str = contract.KEYS_DIR,
-           coordinator_port: int = contract.COORDINATOR_PORT, bulk_port: int = contract.BULK_PORT) -> int:
-    stop = _stop_on_termination()
-    job = Job.load(config_path)
-    access = load_access(keys_dir, contract.ROLE_PS, job)
-    algorithm = algorithms.of(job)
-    ordinal = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
-    index, rank = job.config.copy_of(ordinal)
-    training, checkpointing = job.spec["training"], job.spec["parameterServers"]["checkpoint"]
-    settings = ShardSettings(
-        shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
-        checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
-        warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger, security=access.server,
-        bulk_bind=f"tcp://{listen}:{bulk_port}")
-    registry = _registry()
-    server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
-    algorithm.attach(server, job)
-    if job.config.copies > 1:
-        server.serve_copies(replication.Copies(server, rank=rank, addresses=job.config.copy_addresses()[index],
-                                               security=access.client))
-    server.restore()
-    metrics = MetricsServer(registry, metrics_port, ready=server.ready.is_set, host=listen).start()
-    helpers: list[tuple[str, algorithms.Helper]] = []
-    if ordinal == 0:  # the chief runs beside the first copy of shard 0
-        context = algorithms.ChiefContext(
-            job=job, shard=server, registry=registry, server_security=access.server,
-            group=lambda shards=None, stop=None: shard_group(job, security=access.client, shards=shards, stop=stop),
-            coordinator_bind=f"tcp://{listen}:{coordinator_port}")
-        helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm)))
-        beside = algorithm.beside_chief(context)
-        if beside is not None:
-            helpers.append((algorithm.name, beside))
-    try:
-        server.serve()
-    finally:
-        for _, helper in reversed(helpers):
-            helper.stop()
-        metrics.stop()
-    for name, helper in helpers:
-        if helper.failure:
-            raise errors.RuntimeFailure(f"the {name} stopped: {helper.failure}")
-    return 0
-
-
-def _start_chief(ctx: algorithms.ChiefContext, output_dir: str, algorithm: algorithms.Algorithm) -> Chief:
-    job, server, group = ctx.job, ctx.shard, ctx.group()
-    training = job.spec["training"]
-    max_eval = int(job.spec["data"]["maxEvalExamples"])
-    if job.plan is None:
-        scorer: Scorer = WholeModel(group, job.model, job.dataset, max_eval, held_out=algorithm.held_out(job, group))
-    else:
-        scorer = StagedModel(job.plan, [ctx.group(job.stage_shards(k), group.stop) for k in range(len(job.plan.stages))],
-                             job.dataset, max_eval)
-    chief = Chief(group=group, scorer=scorer, rules=StoppingRules.from_spec(training),
-                  eval_every=float(training["evalEverySeconds"]), output_dir=output_dir,
-                  start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
-                  optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1)
-    server.step_reached = chief.step_reached
-    chief.on_failure = server.stop
-    chief.start()
-    return chief
-
-
-def run_worker(*, config_path: str, metrics_port: int, listen: str, keys_dir: str = contract.KEYS_DIR) -> int:
-    stop = _stop_on_termination()
-    job = Job.load(config_path)
-    access = load_access(keys_dir, contract.ROLE_WORKER, job)
-    registry = _registry()
-    stage = stage_access(job, access, listen)
-    shards = job.stage_shards(stage.partition) if stage.partition > 0 else None
-    group = shard_group(job, stop=stop, security=access.client, shards=shards)
-    worker = algorithms.of(job).replica(algorithms.ReplicaContext(
-        job=job, group=group, metrics=WorkerMetrics(registry), client_security=access.client, stop=stop,
-        stage=stage))
-    metrics = MetricsServer(registry, metrics_port, ready=worker.joined.is_set, host=listen).start()
-    try:
-        ended = worker.run()
-    except errors.Stopped:
-        ended = "stopped"
-    finally:
-        group.close()
-        metrics.stop()
-    acknowledged = ",".join(str(n) for n in getattr(worker, "acknowledged", []))  # by shard
-    log.info("event=worker_exit worker=%08x steps=%d pushes_acknowledged=%s reason=%s", group.worker_id,
-             worker.steps, acknowledged or "-", ended)
-    return 0
-
-
 def stage_access(job: Job, access: Access, listen: str,
-                 environ: dict[str, str] | os._Environ = os.environ) -> algorithms.StageAccess:
+                 environ: dict[str, str] | os._Environ = os.environ) -> interface.StageAccess:
     """A partition pod's stage, from its environment (DISTBELIEF_PARTITION and the stage
     address, which the renderer sets); an unpartitioned job's worker has none."""
     if job.plan is None:
-        return algorithms.StageAccess()
+        return interface.StageAccess()
     text = environ.get(contract.ENV_PARTITION, "")
     if not text.isdigit() or int(text) >= len(job.plan.stages):
         raise errors.ConfigError(f"{contract.ENV_PARTITION}={text!r}: a partition pod of this job needs "
@@ -203,11 +110,11 @@ def stage_access(job: Job, access: Access, listen: str,
     if partition > 0 and not port.isdigit():
         raise errors.ConfigError(f"{contract.ENV_STAGE_ADDRESS}={address!r}: partition {partition} needs "
                                  "the tcp://host:port its group reaches it at")
-    return algorithms.StageAccess(partition=partition, bind=f"tcp://{listen}:{port}" if port.isdigit() else None,
+    return interface.StageAccess(partition=partition, bind=f"tcp://{listen}:{port}" if port.isdigit() else None,
                                   address=address or None, server=access.stage_server, client=access.stage_client)
 
 
-def _registry() -> prom.CollectorRegistry:
+def new_registry() -> prom.CollectorRegistry:
     """A role's metrics registry; it reports the process's traffic from the start."""
     registry = prom.CollectorRegistry()
     registry.register(TrafficCollector())
@@ -223,7 +130,7 @@ def shard_group(job: Job, **options: Any) -> ShardGroup:
                       **options)
 
 
-def _stop_on_termination() -> threading.Event:
+def stop_on_termination() -> threading.Event:
     """An event set by SIGTERM or SIGINT, installed before anything slow starts. SIGUSR2
     writes every thread's stack to stderr (the pod's log): what a role that does not stop is doing.
 

@@ -23,12 +23,12 @@ import time
 from typing import Callable
 
 from distbelief.runtime import errors, keys
+from distbelief.runtime.algorithms.sandblaster import ops
+from distbelief.runtime.algorithms.sandblaster.lbfgs import Lbfgs, LbfgsSettings, LbfgsState
+from distbelief.runtime.algorithms.sandblaster.ops import SandblasterShards, UnitResult, VectorCode, VectorCommand
+from distbelief.runtime.algorithms.sandblaster.workqueue import WorkQueue
 from distbelief.runtime.client.group import Reply, ShardGroup
 from distbelief.runtime.observe.metrics import CoordinatorMetrics
-from distbelief.runtime.sandblaster import ops
-from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings, LbfgsState
-from distbelief.runtime.sandblaster.ops import SandblasterShards, UnitResult, VectorCode, VectorCommand
-from distbelief.runtime.sandblaster.workqueue import WorkQueue
 from distbelief.runtime.transport import interface, zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, Status

@@ -14,7 +14,7 @@ import logging
 import math
 from typing import Protocol
 
-from distbelief.runtime.sandblaster.vectors import Slots
+from distbelief.runtime.algorithms.sandblaster.vectors import Slots
 
 log = logging.getLogger(__name__)
 

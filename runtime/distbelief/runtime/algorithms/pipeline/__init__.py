@@ -7,4 +7,5 @@
     neighbour.py  a stage's FORWARD to the next one, and the checks of one received
     replica.py    a partition pod's loop
     evaluation.py the chief's scorer of a partitioned model, one stage at a time
+    algorithm.py  the hooks registry.py gives a partitioned Downpour job
 """

@@ -23,8 +23,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, HOLD
 from distbelief.runtime.params.dense import DenseSlice
-from distbelief.runtime.pipeline.ops import APPLY_HELD, HOLD
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.plugin import Answer, Handler
 from distbelief.runtime.wire import protocol

@@ -18,9 +18,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.sandblaster import ops
+from distbelief.runtime.algorithms.sandblaster.ops import Accumulated, EvaluationId, VectorCode, VectorResult
 from distbelief.runtime.params.dense import DenseSlice
-from distbelief.runtime.sandblaster import ops
-from distbelief.runtime.sandblaster.ops import Accumulated, EvaluationId, VectorCode, VectorResult
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.core import Shard
 from distbelief.runtime.shard.plugin import Answer, Handler

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.pipeline.ops import FORWARD, Backward, Forward
+from distbelief.runtime.algorithms.pipeline.ops import FORWARD, Backward, Forward
 from distbelief.runtime.transport import interface
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, Message, Status

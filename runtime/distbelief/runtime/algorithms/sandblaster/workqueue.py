@@ -15,7 +15,7 @@ import time
 from typing import Hashable
 from collections import deque
 
-from distbelief.runtime.sandblaster.ops import WorkUnit
+from distbelief.runtime.algorithms.sandblaster.ops import WorkUnit
 
 
 @dataclasses.dataclass
