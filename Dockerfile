@@ -33,7 +33,7 @@ COPY runtime/ runtime/
 # operator/distbelief/operator/crds is a symlink to crds/: the wheel carries the CRD itself.
 RUN /opt/build/bin/python -m pip wheel --no-build-isolation --no-deps --wheel-dir /tmp/wheels . \
  && /opt/distbelief/bin/python -m pip install --no-deps --no-index /tmp/wheels/distbelief-*.whl \
- && /opt/distbelief/bin/python -c "from distbelief.operator import spec; spec.load_crd()" \
+ && /opt/distbelief/bin/python -c "from distbelief.operator.spec import spec; spec.load_crd()" \
  && /opt/distbelief/bin/python -m pip uninstall --yes pip setuptools
 
 FROM python:3.11-slim-bookworm

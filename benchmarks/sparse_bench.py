@@ -38,7 +38,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from figures import summarize  # noqa: E402
 
-from distbelief.operator import local, report, spec  # noqa: E402
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import data, models
 from distbelief.runtime.model.embedding import EmbeddingModel

@@ -11,7 +11,8 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.operator import local, spec
+from distbelief.operator.local import local
+from distbelief.operator.spec import spec
 from distbelief.runtime import keys
 from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
 from distbelief.runtime.client.group import ShardGroup, Timeouts

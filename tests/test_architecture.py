@@ -14,7 +14,8 @@ RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
 OPERATOR = REPO / "operator" / "distbelief" / "operator"
 MAX_LINES = 400
 # The operator process itself (kopf) needs only the contract from the runtime.
-CLUSTER_MODULES = ("handlers", "kube", "render", "podparts", "spec", "status", "scrape")
+CLUSTER_MODULES = ("cluster/handlers", "cluster/kube", "cluster/peering", "render/render", "render/podparts",
+                   "render/context", "spec/spec", "status/status", "status/scrape")
 RUNTIME_FOR_THE_OPERATOR = {"distbelief.runtime", "distbelief.runtime.contract", "distbelief.runtime.keys",
                             "distbelief.runtime.errors"}
 CORE = ("wire/protocol", "transport/zmq_transport", "transport/zmq_server", "transport/zmq_link", "transport/fanout",

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import prometheus_client as prom
 
-from distbelief.operator import curves, report, scrape
+from distbelief.operator.local import curves, report
+from distbelief.operator.status import scrape
 from distbelief.runtime.observe.metrics import ChiefMetrics, ShardMetrics
 
 

@@ -19,7 +19,8 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.operator import local, spec
+from distbelief.operator.local import local
+from distbelief.operator.spec import spec
 from distbelief.runtime import contract, errors, keys
 from distbelief.runtime.client.group import Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from distbelief.operator import local, preflight, scrape, spec
+from distbelief.operator.local import local, preflight
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
 from distbelief.runtime import contract, keys
 from distbelief.runtime.roles import common
 from distbelief.runtime.wire.layout import Layout

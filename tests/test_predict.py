@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief.operator import predict, spec
+from distbelief.operator import predict
+from distbelief.operator.spec import spec
 from distbelief.runtime import contract
 from distbelief.runtime.model import data, models
 

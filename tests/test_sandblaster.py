@@ -16,7 +16,10 @@ import scipy.optimize
 import zmq
 
 from conftest import load_example
-from distbelief.operator import local, render, report, scrape, spec
+from distbelief.operator.local import local, report
+from distbelief.operator.render import render
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
 from distbelief.runtime import contract, errors
 from distbelief.runtime.algorithms.sandblaster import ops
 from distbelief.runtime.algorithms.sandblaster.coordinator import Coordinator, CoordinatorSettings

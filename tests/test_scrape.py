@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from distbelief.operator import scrape
+from distbelief.operator.status import scrape
 
 METRICS = b"# TYPE distbelief_global_step gauge\ndistbelief_global_step 42.0\n"
 

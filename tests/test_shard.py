@@ -21,7 +21,7 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.operator import scrape
+from distbelief.operator.status import scrape
 from distbelief.runtime.roles import common
 
 from distbelief.runtime import errors

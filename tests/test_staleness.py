@@ -11,7 +11,9 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.operator import local, scrape, spec
+from distbelief.operator.local import local
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import ShardMetrics, WorkerMetrics

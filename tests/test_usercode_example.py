@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief.operator import spec
+from distbelief.operator.spec import spec
 from distbelief.runtime.model import data, models
 
 from conftest import REPO

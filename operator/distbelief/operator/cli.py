@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(exc: Exception) -> int:
-    from distbelief.operator import spec
+    from distbelief.operator.spec import spec
     from distbelief.runtime import errors
 
     if isinstance(exc, spec.SpecError):
@@ -133,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from distbelief.operator import sizing, spec
+    from distbelief.operator.render import sizing
+    from distbelief.operator.spec import spec
 
     failed = False
     for path in args.files:
@@ -153,7 +154,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from distbelief.operator import render, spec
+    from distbelief.operator.render import render
+    from distbelief.operator.spec import spec
 
     objects = []
     for doc in spec.load_manifests(args.file):
@@ -164,7 +166,7 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from distbelief.operator import local
+    from distbelief.operator.local import local
 
     return local.run_file(args.file, output=args.output, progress=not args.no_progress, fresh=args.fresh)
 
@@ -191,7 +193,7 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _operator(args: argparse.Namespace) -> int:
-    from distbelief.operator import handlers
+    from distbelief.operator.cluster import handlers
 
     handlers.run(namespaces=args.namespace, standalone=args.standalone, liveness=args.liveness or None,
                  peering=args.peering)

@@ -31,9 +31,12 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from distbelief.operator import curves, outputdir, podusage, preflight, render, report, scrape, sizing, spec
-from distbelief.operator.localpods import LocalPod, plan_pods, volume_dir
-from distbelief.operator.status import CHIEF_ENDED, SUSPENDED, TERMINAL, Observed, compute_status
+from distbelief.operator.local import curves, outputdir, podusage, preflight, report
+from distbelief.operator.local.localpods import LocalPod, plan_pods, volume_dir
+from distbelief.operator.render import render, sizing
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
+from distbelief.operator.status.status import CHIEF_ENDED, SUSPENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)

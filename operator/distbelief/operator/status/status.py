@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 from typing import Any, Mapping
 
-from distbelief.operator.scrape import Figures
+from distbelief.operator.status.scrape import Figures
 from distbelief.runtime import contract
 
 PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"

@@ -17,8 +17,8 @@ import os
 import shutil
 from typing import Any, Iterator, Mapping
 
-from distbelief.operator import report
-from distbelief.operator.localpods import volume_dir
+from distbelief.operator.local import report
+from distbelief.operator.local.localpods import volume_dir
 from distbelief.runtime import contract, errors
 from distbelief.runtime.shard import checkpoint
 

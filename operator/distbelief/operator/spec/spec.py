@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from distbelief.operator.manifests import SpecError, load_manifests, load_single
-from distbelief.operator.schemawalk import Problems, Walker, got, join, kind, show
+from distbelief.operator.spec.manifests import SpecError, load_manifests, load_single
+from distbelief.operator.spec.schemawalk import Problems, Walker, got, join, kind, show
 from distbelief.runtime import contract
 
 __all__ = ["SpecError", "load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]

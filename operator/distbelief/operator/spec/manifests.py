@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from distbelief.operator.schemawalk import kind
+from distbelief.operator.spec.schemawalk import kind
 
 
 class SpecError(ValueError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from distbelief.operator import podparts
+from distbelief.operator.render import podparts
 from distbelief.runtime import contract
 
 FLOAT_BYTES = 4

@@ -24,7 +24,8 @@ import threading
 import time
 from typing import Any, Mapping
 
-from distbelief.operator import podparts, podusage
+from distbelief.operator.local import podusage
+from distbelief.operator.render import podparts
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The parts every workload of a job shares: metadata and labels, the pod template and its
 container, volumes (config, keys, checkpoints, data), probes, hardening and resources.
 
-Pure functions of a RenderContext (render.py), as the renderer's are.
+Pure functions of a RenderContext (context.py), as the renderer's are.
 """
 
 from __future__ import annotations
@@ -9,13 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from distbelief.operator.spec import DATA_DIR
+from distbelief.operator.render.context import RenderContext
+from distbelief.operator.spec.spec import DATA_DIR
 from distbelief.runtime import contract, keys
-
-if TYPE_CHECKING:
-    from distbelief.operator.render import RenderContext
 
 Manifest = dict[str, Any]
 APP_NAME = "distbelief"

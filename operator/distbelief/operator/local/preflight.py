@@ -29,7 +29,7 @@ class Checked:
 
 def check(job: Mapping[str, Any]) -> Checked:
     """Load the job's data and build its model as every role will; raises ConfigError."""
-    from distbelief.operator.spec import job_config
+    from distbelief.operator.spec.spec import job_config
     from distbelief.runtime.model import data, models
     from distbelief.runtime.roles import common
 

@@ -26,7 +26,7 @@ import os
 import threading
 from typing import Any, Callable, Iterable
 
-from distbelief.operator import scrape
+from distbelief.operator.status import scrape
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,12 @@ from typing import Any, Literal, Mapping
 
 import kopf
 
-from distbelief.operator import peering as peering_watch, render, scrape, sizing, spec as job_spec
-from distbelief.operator.kube import Kube, KubeError
-from distbelief.operator.status import TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
+from distbelief.operator.cluster import peering as peering_watch
+from distbelief.operator.cluster.kube import Kube, KubeError
+from distbelief.operator.render import render, sizing
+from distbelief.operator.spec import spec as job_spec
+from distbelief.operator.status import scrape
+from distbelief.operator.status.status import TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)

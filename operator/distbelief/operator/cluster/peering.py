@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 
-from distbelief.operator.kube import Kube, KubeError
+from distbelief.operator.cluster.kube import Kube, KubeError
 
 log = logging.getLogger(__name__)
 

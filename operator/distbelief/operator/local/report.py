@@ -17,8 +17,9 @@ from typing import Any, Mapping
 
 from tqdm import tqdm
 
-from distbelief.operator import curves, scrape
-from distbelief.operator.podusage import OOM_KILLED
+from distbelief.operator.local import curves
+from distbelief.operator.local.podusage import OOM_KILLED
+from distbelief.operator.status import scrape
 
 from distbelief.runtime import contract
 

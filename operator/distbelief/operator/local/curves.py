@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any, Mapping
 
-from distbelief.operator.scrape import Figures
+from distbelief.operator.status.scrape import Figures
 
 CURVES_FILE = "curves.jsonl"
 RECORD_EVERY_SECONDS = 1.0
