@@ -3,6 +3,6 @@ keep its status (handlers.py), its few Kubernetes API calls (kube.py), and the w
 kopf's peering object (peering.py).
 
 The only part that imports kopf and the kubernetes client. It may use render, status and
-spec, and from the runtime only the contract, the keys and the errors: the operator
-process needs none of the runtime's roles.
+spec, and from the runtime only the contract, the keys, the key files and the errors (an
+import-linter contract in pyproject.toml): the operator process needs none of the roles.
 """
