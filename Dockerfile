@@ -37,7 +37,7 @@ COPY tools/check-install tools/
 # fails the build here instead of crash-looping every job pod.
 RUN /opt/build/bin/python -m pip wheel --no-build-isolation --no-deps --wheel-dir /tmp/wheels . \
  && /opt/distbelief/bin/python -m pip install --no-deps --no-index /tmp/wheels/distbelief-*.whl \
- && /opt/distbelief/bin/python -c "from distbelief.operator import spec; spec.load_crd()" \
+ && /opt/distbelief/bin/python -c "from distbelief.operator.spec import spec; spec.load_crd()" \
  && /opt/distbelief/bin/python tools/check-install \
  && /opt/distbelief/bin/python -m pip uninstall --yes pip setuptools
 

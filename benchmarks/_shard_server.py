@@ -1,6 +1,6 @@
 """One live parameter shard in its own process, for benchmarks/runtime_bench.py.
 
-This is what `distbelief ps` runs (a `Shard` from distbelief.runtime.shard, serving a
+This is what `distbelief ps` runs (a `Shard` from distbelief.runtime.shard.core, serving a
 ROUTER socket on loopback, single-threaded), minus the chief on shard 0 and the
 Prometheus HTTP server, which would only add noise to a throughput figure. The model is
 one flat tensor of --params float32 values split over --shards shards by the real
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 try:
-    import distbelief.runtime.shard  # noqa: F401
+    import distbelief.runtime.shard.core  # noqa: F401
 except ImportError:  # running from a checkout without the editable install
     sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "runtime")]
 
@@ -36,11 +36,14 @@ import numpy as np
 import prometheus_client as prom
 import zmq
 
-from distbelief.runtime import keys, protocol, transport
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime import keys
+from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.transport import zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
 
 perf = time.perf_counter
 
@@ -149,9 +152,10 @@ def main() -> int:
                                     checkpoint_every=1e9, security=security,
                                     bulk_bind="tcp://127.0.0.1:*" if args.sessions else None),
                       layout, ShardMetrics(prom.CollectorRegistry(), args.shard),
-                      transport_=transport.ZmqTransport(context))
+                      transport_=zmq_transport.ZmqTransport(context))
         shard.attach(DenseSlice(shard, initial, optimizer="sgd" if args.sgd else "adagrad",
                                 learning_rate=args.learning_rate))
+        shard.watch_updates(DownpourUpdates(shard))  # as a Downpour job's shard counts each push
         del initial
         shard.restore()
         instrument(shard)

@@ -36,7 +36,8 @@ sys.path[:0] = [str(HERE), str(REPO / "operator"), str(REPO / "runtime")]
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from distbelief.operator import local, spec  # noqa: E402
+from distbelief.operator.local import local
+from distbelief.operator.spec import spec
 from distbelief.runtime import contract  # noqa: E402
 
 import e2e_bench  # noqa: E402

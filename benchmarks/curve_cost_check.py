@@ -2,7 +2,7 @@
 """What authenticated encryption costs per message, against plain ZeroMQ over the same
 loopback TCP, at the sizes our shards send: CurveZMQ (the handshake of every encrypted
 job), and an AES-256-GCM session over a plain socket (what an encrypted job's bulk
-channel does with parameters and gradients: distbelief.runtime.sessions).
+channel does with parameters and gradients: distbelief.runtime.transport.sessions).
 
     python benchmarks/curve_cost_check.py [--messages 500]
 
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import zmq
 
-from distbelief.runtime import sessions
+from distbelief.runtime.transport import sessions
 
 SIZES = {"64 KB": 16_000, "1.3 MB (a shard's slice of the benchmark MLP)": 335_000}
 

@@ -65,7 +65,9 @@ sys.path[:0] = [str(REPO / "runtime")]
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from distbelief.runtime import contract, data, models, optim  # noqa: E402
+from distbelief.runtime import contract
+from distbelief.runtime.model import data, models
+from distbelief.runtime.params import optim
 
 import mnist_sized  # noqa: E402
 from figures import RunFailed, available_cores, fmt, interleaved, save, summarize  # noqa: E402

@@ -23,7 +23,7 @@ sys.path[:0] = [str(REPO / "runtime")]
 
 import numpy as np  # noqa: E402
 
-from distbelief.runtime.models import Mlp  # noqa: E402
+from distbelief.runtime.model.models import Mlp
 
 from figures import fmt, save, summarize  # noqa: E402
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distbelief.runtime import data
+from distbelief.runtime.model import data
 
 SAMPLES = 70_000
 TEST_FRACTION = 1 / 7

@@ -41,7 +41,8 @@ sys.path.insert(0, str(HERE))
 from figures import RunFailed, interleaved, save, summarize  # noqa: E402
 
 import e2e_bench  # noqa: E402
-from distbelief.operator import local, report, spec  # noqa: E402
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
 
 HIDDEN, FEATURES = [2500, 2500, 2500, 2500], 2000
 SOURCE = f"synthetic:features={FEATURES},classes=10,samples=2048,seed=1"

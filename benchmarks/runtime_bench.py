@@ -50,17 +50,20 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 try:
-    import distbelief.runtime.client  # noqa: F401
+    import distbelief.runtime.client.group  # noqa: F401
 except ImportError:  # running from a checkout without the editable install
     sys.path[:0] = [str(REPO / "runtime")]
 
 import numpy as np
 import zmq
 
-from distbelief.runtime import contract, keys, optim, transport
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.protocol import Status
+from distbelief.runtime import contract, keys
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.params import optim
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.transport import zmq_transport
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Status
 
 from figures import summarize
 
@@ -178,7 +181,7 @@ def shard_figures(params: int, shards: int, repeats: int, calls: int, io_threads
     servers = ShardProcesses(params, shards, security)
     context = zmq.Context(io_threads=io_threads)
     group = ShardGroup(servers.addresses, layout, timeouts=Timeouts(request=30.0, unavailable=120.0),
-                       transport_=transport.ZmqTransport(context),
+                       transport_=zmq_transport.ZmqTransport(context),
                        security=job_keys.client_options() if encryption else None)
     try:
         assert all(r.header.status == Status.OK for r in group.hello())
@@ -188,12 +191,12 @@ def shard_figures(params: int, shards: int, repeats: int, calls: int, io_threads
         steps = [0] * shards
 
         def pull() -> None:
-            replies = group.pull(out)
+            replies = Float32Dense(group).pull(out)
             assert all(r.header.status == Status.OK for r in replies), replies
             steps[:] = [r.header.step for r in replies]
 
         def push() -> None:
-            replies = group.push(grad, steps=steps, examples=1, loss=0.0)
+            replies = Float32Dense(group).push(grad, steps=steps, examples=1, loss=0.0)
             assert all(r.header.status == Status.OK for r in replies), replies
 
         def timed_with_faults(fn: Callable[[], None]) -> tuple[list[float], float]:

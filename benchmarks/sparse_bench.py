@@ -38,15 +38,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from figures import summarize  # noqa: E402
 
-from distbelief.operator import local, report, spec  # noqa: E402
-from distbelief.runtime import data, models  # noqa: E402
-from distbelief.runtime.embedding import EmbeddingModel  # noqa: E402
-from distbelief.runtime.roles import Job  # noqa: E402
-from distbelief.runtime.client import ShardGroup  # noqa: E402
-from distbelief.runtime.metrics import ShardMetrics  # noqa: E402
-from distbelief.runtime.rowtable import RowTable  # noqa: E402
-from distbelief.runtime.shard import Shard, ShardSettings  # noqa: E402
-from distbelief.runtime.sparse import RowClient, SparseRows  # noqa: E402
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import data, models
+from distbelief.runtime.model.embedding import EmbeddingModel
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.rows.row_client import RowClient
+from distbelief.runtime.params.rows.rowtable import RowTable
+from distbelief.runtime.params.rows.sparse import SparseRows
+from distbelief.runtime.roles.common import Job
+from distbelief.runtime.shard.core import Shard, ShardSettings
 
 EXAMPLE = HERE.parent / "examples" / "ctr-sparse.yaml"
 SHARD_ROWS, SHARD_BATCH, DIM = 1_000_000, 16_384, 16

@@ -36,12 +36,13 @@ from pathlib import Path
 import numpy as np
 import prometheus_client as prom
 
-from distbelief.runtime.client import ShardGroup
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.rowtable import initial_rows
-from distbelief.runtime.shard import Shard, ShardSettings
-from distbelief.runtime.sparse import RowClient, SparseRows, keys_per_request
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.rows.row_client import RowClient
+from distbelief.runtime.params.rows.rowtable import initial_rows
+from distbelief.runtime.params.rows.sparse import SparseRows, keys_per_request
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.wire.layout import Layout
 
 SEED, LEARNING_RATE = 7, 0.05
 _ODD = np.uint64(0x9E3779B97F4A7C15)

@@ -36,11 +36,13 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from figures import save, summarize  # noqa: E402
 
 from conftest import start_shards  # noqa: E402
-from distbelief.runtime import data, errors, models  # noqa: E402
-from distbelief.runtime.dense import DenseSlice  # noqa: E402
-from distbelief.runtime.layout import Layout  # noqa: E402
-from distbelief.runtime.metrics import WorkerMetrics  # noqa: E402
-from distbelief.runtime.worker import Worker, WorkerSettings  # noqa: E402
+from distbelief.runtime import errors
+from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.model import data, models
+from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.wire.layout import Layout
 
 TARGET, EVAL_S, TIMEOUT_S, SLOWDOWN = 0.97, 0.1, 120.0, 3.0
 SHARDS, LEARNING_RATE = 2, 0.01
@@ -101,7 +103,7 @@ def _until_target(live, model, dataset, started: float) -> tuple[int | None, flo
     params = np.empty(live.layout.total, np.float32)
     try:
         while time.monotonic() - started < TIMEOUT_S:
-            replies = group.pull(params)
+            replies = Float32Dense(group).pull(params)
             if models.evaluate(model, params, dataset.x_test, dataset.y_test)[1] >= TARGET:
                 return replies[0].step, time.monotonic() - started
             time.sleep(EVAL_S)

@@ -50,7 +50,7 @@ sys.path[:0] = [str(REPO / "runtime")]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from distbelief.runtime import data  # noqa: E402
+from distbelief.runtime.model import data
 
 import mnist_sized  # noqa: E402
 from figures import RunFailed, fmt, interleaved, save, summarize  # noqa: E402

@@ -21,16 +21,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 try:
-    import distbelief.runtime.protocol  # noqa: F401
+    import distbelief.runtime.wire.protocol  # noqa: F401
 except ImportError:
     sys.path[:0] = [str(HERE.parent / "runtime")]
 
 import numpy as np
 import zmq
 
-from distbelief.runtime import dense
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.protocol import Header, unpack_header
+from distbelief.runtime.params import dense
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header, unpack_header
 
 
 def main() -> int:

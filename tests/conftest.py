@@ -11,13 +11,15 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.operator import local, spec
+from distbelief.operator.local import local
+from distbelief.operator.spec import spec
 from distbelief.runtime import keys
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.wire.layout import Layout
 
 # `kube`: a Kubernetes API emulator on loopback; `control_plane`, `kubectl`, `helm`, `namespace`: the
 # real control plane of the cluster tier (support/cluster.py)
@@ -72,8 +74,10 @@ class LiveShards:
 
 def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
                  attach: Callable[[Shard], None] = lambda shard: None, **settings: Any) -> LiveShards:
-    """Shards with a dense slice of initial, and whatever attach adds to each."""
+    """Downpour's shards: a dense slice of initial and Downpour's update hook (warm-start with
+    warmstart_steps), and whatever attach adds to each."""
     shards, threads = [], []
+    warmstart_steps = settings.pop("warmstart_steps", 0)
     optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1),
                  "max_gradient_norm": settings.pop("max_gradient_norm", 1e4),
                  "wire_format": settings.pop("wire_format", "float32")}
@@ -81,6 +85,7 @@ def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
         options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
         shard = Shard(ShardSettings(shard=index, **options), layout, ShardMetrics(prom.CollectorRegistry(), index))
         shard.attach(DenseSlice(shard, initial, **optimizer))
+        shard.watch_updates(DownpourUpdates(shard, warmstart_steps=warmstart_steps))
         attach(shard)
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)

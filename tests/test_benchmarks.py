@@ -21,8 +21,8 @@ import plot_results  # noqa: E402
 import run_all  # noqa: E402
 import sparse_table_bench  # noqa: E402
 
-from distbelief.operator import spec  # noqa: E402
-from distbelief.runtime import data  # noqa: E402
+from distbelief.operator.spec import spec
+from distbelief.runtime.model import data
 
 
 def figure(median: float) -> dict:

@@ -9,11 +9,12 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from distbelief.runtime import dense, errors
-from distbelief.runtime.bfloat16 import WIRE_DTYPE, Codec
-from distbelief.runtime.client import Bfloat16Dense
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.optim import BLOCK, Adagrad
+from distbelief.runtime import errors
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense_client import Bfloat16Dense, Float32Dense
+from distbelief.runtime.params.optim import BLOCK, Adagrad
+from distbelief.runtime.wire.bfloat16 import WIRE_DTYPE, Codec
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, start_shards
 
@@ -119,7 +120,7 @@ def test_a_bfloat16_pull_brings_the_rounded_parameters_and_a_float32_pull_the_ex
     Bfloat16Dense(group).pull(out)
     np.testing.assert_array_equal(out, widen(narrow(INITIAL)))
     assert not np.array_equal(out, INITIAL)
-    group.pull(out)
+    Float32Dense(group).pull(out)
     np.testing.assert_array_equal(out, INITIAL)
 
 
@@ -142,7 +143,8 @@ def test_bfloat16_pushes_are_applied_in_float32_to_float32_master_weights(bfloat
 def test_a_bfloat16_shard_refuses_a_float32_push_and_applies_nothing(bfloat16_shards: LiveShards) -> None:
     with pytest.raises(errors.ShardRefused, match=r"PUSH carries a float32 gradient, but this job's "
                                                   r"spec.parameterServers.wireFormat is bfloat16"):
-        bfloat16_shards.group().push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+        Float32Dense(bfloat16_shards.group()).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1,
+                                                   loss=1.0)
     np.testing.assert_array_equal(master_weights(bfloat16_shards), INITIAL)
 
 

@@ -18,8 +18,11 @@ from typing import Any
 
 import pytest
 
-from distbelief.operator import local, report, scrape, spec
-from distbelief.runtime import checkpoint, contract
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
+from distbelief.runtime import contract
+from distbelief.runtime.shard import checkpoint
 
 from conftest import load_example, run_under_fire
 
@@ -163,7 +166,7 @@ def test_random_sigkills_of_shards_and_replicas_lose_nothing_but_the_last_interv
 WRITER = """
 import sys
 import numpy as np
-from distbelief.runtime import checkpoint
+from distbelief.runtime.shard import checkpoint
 folder, size = sys.argv[1], int(sys.argv[2])
 params = np.zeros(size, dtype=np.float32)
 step = 0

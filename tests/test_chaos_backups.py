@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from distbelief.operator import local, report, spec
-from distbelief.runtime import checkpoint, contract
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
+from distbelief.runtime import contract
+from distbelief.runtime.shard import checkpoint
 
 from conftest import load_example, run_under_fire
 

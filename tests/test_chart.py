@@ -32,7 +32,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distbelief.operator import podparts, render, spec
+from distbelief.operator.render import podparts, render
+from distbelief.operator.spec import spec
 from distbelief.runtime import contract
 from kube import KubeEmulator, RequestRecord
 from kube.catalog import kopf_peering_crds

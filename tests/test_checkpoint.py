@@ -1,4 +1,4 @@
-"""Unit tests of distbelief.runtime.checkpoint: round trip, pruning, atomic writes, and
+"""Unit tests of distbelief.runtime.shard.checkpoint: round trip, pruning, atomic writes, and
 what restore does with corrupt, foreign and unwritable checkpoints."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief.runtime import checkpoint, errors
-from distbelief.runtime.checkpoint import Checkpoint
+from distbelief.runtime import errors
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.checkpoint import Checkpoint
 
 LAYOUT = 0xFEDCBA9876543210  # uses all 64 bits
 SHARD = 3

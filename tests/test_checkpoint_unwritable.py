@@ -26,8 +26,9 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from distbelief.runtime import checkpoint
-from distbelief.runtime.layout import Layout
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, start_shards
 
@@ -128,7 +129,8 @@ def _push(live: LiveShards, times: int) -> int:
     group = live.group()
     try:
         for _ in range(times):
-            (reply,) = group.push(np.full(LAYOUT.total, 0.01, dtype=np.float32), steps=[0], examples=1, loss=1.0)
+            (reply,) = Float32Dense(group).push(np.full(LAYOUT.total, 0.01, dtype=np.float32), steps=[0], examples=1,
+                                                loss=1.0)
         return reply.header.step
     finally:
         group.close()
@@ -136,7 +138,7 @@ def _push(live: LiveShards, times: int) -> int:
 
 def test_an_unwritable_checkpoint_folder_is_reported_and_training_goes_on(
         tmp_path: Path, failure: DiskFull | FolderReplaced, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="distbelief.runtime.saves")  # the checkpoint schedule
+    caplog.set_level(logging.INFO, logger="distbelief.runtime.shard.saves")  # the checkpoint schedule
     live = start_shards(tmp_path, LAYOUT, np.zeros(LAYOUT.total, np.float32), checkpoint_every=EVERY,
                         checkpoint_keep=2)
     server = live.shards[0]
@@ -159,7 +161,7 @@ def test_an_unwritable_checkpoint_folder_is_reported_and_training_goes_on(
         # Training goes on: the shard answers and applies updates.
         assert _push(live, 2) == step + 2
         out = np.empty(LAYOUT.total, dtype=np.float32)
-        (reply,) = live.group().pull(out)
+        (reply,) = Float32Dense(live.group()).pull(out)
         assert reply.header.step == step + 2
         # What was written before is untouched and still verifies; no partial file is left.
         kept = {os.path.join(str(folder), os.path.basename(p)): Path(os.path.join(str(failure.files),

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from distbelief.operator import spec
+from distbelief.operator.spec import spec
 from support.cluster import Kubectl
 
 REPO = Path(__file__).resolve().parents[1]

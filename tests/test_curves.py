@@ -9,8 +9,9 @@ from pathlib import Path
 
 import prometheus_client as prom
 
-from distbelief.operator import curves, report, scrape
-from distbelief.runtime.metrics import ChiefMetrics, ShardMetrics
+from distbelief.operator.local import curves, report
+from distbelief.operator.status import scrape
+from distbelief.runtime.observe.metrics import ChiefMetrics, ShardMetrics
 
 
 def test_shard_0s_training_loss_is_read_from_its_metrics() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of distbelief.runtime.data (sources, split, minibatches) and of the parts of
+"""Unit tests of distbelief.runtime.model.data (sources, split, minibatches) and of the parts of
 distbelief.runtime.contract the roles parse at start-up."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from distbelief.runtime import contract, data, errors
+from distbelief.runtime import contract, errors
 from distbelief.runtime.contract import JobConfig
+from distbelief.runtime.model import data
 
 
 def ids_dataset(n: int = 200, test_fraction: float = 0.2, seed: int = 0) -> data.Dataset:

@@ -22,7 +22,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from distbelief.operator import podparts
+from distbelief.operator.render import podparts
 
 from conftest import REPO
 

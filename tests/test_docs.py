@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
-from distbelief.operator import spec
+from distbelief.operator.spec import spec
 
 from conftest import REPO
 

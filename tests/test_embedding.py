@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distbelief.runtime import data, embedding, errors, models
-from distbelief.runtime.embedding import EmbeddingModel
+from distbelief.runtime import errors
+from distbelief.runtime.model import data, embedding, models
+from distbelief.runtime.model.embedding import EmbeddingModel
 
 DIM, FIELDS, DENSE = 3, 4, 2
 

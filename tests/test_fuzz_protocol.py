@@ -43,12 +43,16 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from distbelief.runtime import dense, keys, protocol, transport
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.optim import make_optimizer
-from distbelief.runtime.protocol import HEADER, MAGIC, VERSION
-from distbelief.runtime.sandblaster import ops as sandblaster_ops
-from distbelief.runtime.shard import RATE_WINDOW_SECONDS
+from distbelief.runtime import keys
+from distbelief.runtime.algorithms.sandblaster import ops as sandblaster_ops
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.params.optim import make_optimizer
+from distbelief.runtime.shard.core import RATE_WINDOW_SECONDS
+from distbelief.runtime.transport import zmq_server
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import HEADER, MAGIC, VERSION
 
 from conftest import LiveShards, start_shards
 
@@ -59,7 +63,7 @@ MAX_GRADIENT_NORM = 100.0
 BATCH = 40
 EXAMPLES = 300                      # 300 batches of 40: 12,000 messages
 MIN_MESSAGES = 10_000
-MAX_FRAME = protocol.max_frame_bytes(SIZE) + transport.FRAME_OVERHEAD  # what libzmq lets in
+MAX_FRAME = protocol.max_frame_bytes(SIZE) + zmq_server.FRAME_OVERHEAD  # what libzmq lets in
 PUSH, PUSH_PULL, PULL = dense.PUSH.code, dense.PUSH_PULL.code, dense.PULL.code
 HELLO, STATS, DONE = protocol.HELLO.code, protocol.STATS.code, protocol.DONE.code
 PULL_MARKER = 0xFFFFFFFF            # the seq of the checking pull (batch messages count up from 1)
@@ -400,7 +404,7 @@ def test_fuzzed_messages_never_crash_the_shard_nor_apply_an_invalid_update(shard
     assert held < TRACED_GROWTH_LIMIT, f"{held} more bytes are allocated after the replay"
     assert rss_growth < RSS_GROWTH_LIMIT, f"RSS grew by {rss_growth} bytes while {sent} bytes were replayed"
     out = np.empty(SIZE, dtype=np.float32)
-    (reply,) = shard.group(security=REPLICA_OPTIONS).pull(out)  # and a regular client is still served
+    (reply,) = Float32Dense(shard.group(security=REPLICA_OPTIONS)).pull(out)  # and a regular client is still served
     assert reply.header.step == peer.step
     np.testing.assert_array_equal(out, peer.params)
 

@@ -19,12 +19,16 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.operator import local, spec
-from distbelief.runtime import admission, contract, errors, keys, roles
-from distbelief.runtime.client import Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.operator.local import local
+from distbelief.operator.spec import spec
+from distbelief.runtime import contract, errors, keys
+from distbelief.runtime.client.group import Timeouts
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.roles import common
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.transport import admission
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, load_example, start_shards
 
@@ -138,9 +142,9 @@ def test_a_peer_without_the_job_keys_can_neither_pull_nor_push(secured_shards: L
         outsider = secured_shards.group(security=options, timeouts=REFUSED)
         try:
             with pytest.raises(errors.ShardUnavailable):
-                outsider.pull(np.empty(layout.total, dtype=np.float32))
+                Float32Dense(outsider).pull(np.empty(layout.total, dtype=np.float32))
             with pytest.raises(errors.ShardUnavailable):
-                outsider.push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
+                Float32Dense(outsider).push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
             assert outsider.bytes_in == 0, f"{name} got bytes back"
         finally:
             outsider.close()
@@ -157,10 +161,10 @@ def test_a_peer_with_the_job_keys_pulls_and_pushes(secured_shards: LiveShards, j
     try:
         out = np.zeros(layout.total, dtype=np.float32)
         with caplog.at_level(logging.DEBUG):  # what --log-level debug would show
-            assert [r.header.step for r in group.pull(out)] == [0, 0]
+            assert [r.header.step for r in Float32Dense(group).pull(out)] == [0, 0]
         assert job_keys.plain_token().decode() not in caplog.text  # pyzmq logs PLAIN passwords at debug
         np.testing.assert_array_equal(out, np.arange(layout.total, dtype=np.float32) / 100)
-        replies = group.push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
+        replies = Float32Dense(group).push(np.ones(layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
         assert [r.header.step for r in replies] == [1, 1]
     finally:
         group.close()
@@ -178,7 +182,8 @@ def test_a_slice_of_exactly_the_largest_accepted_size_gets_through_the_cipher(
     try:
         out = np.empty(layout.total, np.float32)
         for step in (0, 1):
-            replies = group.push_and_pull(np.ones(layout.total, np.float32), out, steps=[step], examples=1, loss=1.0)
+            replies = Float32Dense(group).push_and_pull(np.ones(layout.total, np.float32), out, steps=[step], examples=1,
+                                                        loss=1.0)
             assert [r.step for r in replies] == [step + 1] and np.all(out < 0)
         assert (group._links[0]._session is not None) is encrypted
     finally:
@@ -213,7 +218,7 @@ class _Job:
 
 def test_roles_without_keys_run_unauthenticated_and_say_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert roles.load_access(str(tmp_path / "absent"), contract.ROLE_PS, _Job()) == roles.Access()
+        assert common.load_access(str(tmp_path / "absent"), contract.ROLE_PS, _Job()) == common.Access()
     assert "event=unauthenticated role=ps" in caplog.text
     assert str(tmp_path / "absent") in caplog.text
 
@@ -223,14 +228,14 @@ def test_roles_take_the_jobs_choice_of_encryption_and_warn_when_it_is_off(
     made = keys.JobKeys.generate()
     made.write(str(tmp_path / "k"))
     with caplog.at_level(logging.WARNING):
-        shard = roles.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job())  # a config from before the field
-        worker = roles.load_access(str(tmp_path / "k"), contract.ROLE_WORKER, _Job(encryption=True))
+        shard = common.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job())  # a config from before the field
+        worker = common.load_access(str(tmp_path / "k"), contract.ROLE_WORKER, _Job(encryption=True))
     assert "event=unencrypted" not in caplog.text
-    assert shard == roles.Access(server=made.server_security(), client=made.client_options(role=keys.CHIEF))
-    assert worker == roles.Access(server=None, client=made.client_options())
+    assert shard == common.Access(server=made.server_security(), client=made.client_options(role=keys.CHIEF))
+    assert worker == common.Access(server=None, client=made.client_options())
     with caplog.at_level(logging.WARNING):
-        plain = roles.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job(encryption=False))
-    assert plain == roles.Access(server=made.server_security(encrypted=False),
+        plain = common.load_access(str(tmp_path / "k"), contract.ROLE_PS, _Job(encryption=False))
+    assert plain == common.Access(server=made.server_security(encrypted=False),
                                  client=made.client_options(role=keys.CHIEF, encrypted=False))
     assert "event=unencrypted role=ps" in caplog.text
 

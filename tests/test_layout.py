@@ -1,4 +1,4 @@
-"""Unit tests of distbelief.runtime.layout: the partition of the flat vector over the
+"""Unit tests of distbelief.runtime.wire.layout: the partition of the flat vector over the
 shards and the layout hash every request carries."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from distbelief.runtime.layout import Layout
+from distbelief.runtime.wire.layout import Layout
 
 SHAPES = [("layer0.weight", (64, 32)), ("layer0.bias", (32,)), ("layer1.weight", (32, 10)), ("layer1.bias", (10,))]
 TOTAL = 64 * 32 + 32 + 32 * 10 + 10
@@ -69,7 +69,7 @@ def test_hash_is_a_stable_64_bit_number():
 def test_hash_is_the_same_in_another_process():
     """Every role derives it on its own: it must not depend on per-process state such as
     Python's randomised str hashing."""
-    code = ("import json, sys; from distbelief.runtime.layout import Layout; "
+    code = ("import json, sys; from distbelief.runtime.wire.layout import Layout; "
             "print(Layout.of([tuple(s) for s in json.loads(sys.argv[1])], 3).hash)")
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(SHAPES)], env=env,

@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from distbelief.operator import local, report, scrape, spec
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
 from distbelief.runtime import contract
 
 from conftest import load_example

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from distbelief.operator import local, preflight, scrape, spec
-from distbelief.runtime import contract, keys, roles
-from distbelief.runtime.layout import Layout
+from distbelief.operator.local import local, preflight
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
+from distbelief.runtime import contract, keys
+from distbelief.runtime.roles import common
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import load_example
 
@@ -82,5 +85,5 @@ def test_local_mode_checks_earlier_checkpoints_against_the_staged_layout() -> No
     ignored the cut would refuse the job's own checkpoints."""
     job = spec.validate_job(load_example("digits-partitioned.yaml"))
     checked = preflight.check(job)
-    assert checked.layout == roles.Job(spec.job_config(job)).layout.hash
+    assert checked.layout == common.Job(spec.job_config(job)).layout.hash
     assert checked.layout != Layout.of(checked.shapes, 2).hash

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distbelief.operator import report
+from distbelief.operator.local import report
 
 from conftest import load_example
 

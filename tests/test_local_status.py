@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from distbelief.operator import local, scrape, spec
-from distbelief.operator.status import timestamp
+from distbelief.operator.local import local
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
+from distbelief.operator.status.status import timestamp
 
 from conftest import load_example
 

@@ -13,8 +13,8 @@ from typing import Iterator
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime.httpserver import BoundedHTTPServer, Response
-from distbelief.runtime.metrics import MetricsServer
+from distbelief.runtime.observe.httpserver import BoundedHTTPServer, Response
+from distbelief.runtime.observe.metrics import MetricsServer
 
 
 @pytest.fixture

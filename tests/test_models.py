@@ -1,4 +1,4 @@
-"""Unit tests of distbelief.runtime.models: gradients by finite differences, the flat
+"""Unit tests of distbelief.runtime.model.models: gradients by finite differences, the flat
 parameter vector, evaluation, and building models from a spec (built-in or user code)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief.runtime import errors, models
-from distbelief.runtime.models import Mlp
+from distbelief.runtime import errors
+from distbelief.runtime.model import models
+from distbelief.runtime.model.models import Mlp
 
 TESTS = Path(__file__).resolve().parent
 

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from distbelief.runtime import keys
-from distbelief.runtime.metrics import ChiefMetrics, ShardMetrics
+from distbelief.runtime.observe.metrics import ChiefMetrics, ShardMetrics
 from kube import KubeEmulator
 from kube.plugin import project_emulator
 

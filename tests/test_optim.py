@@ -1,4 +1,4 @@
-"""Unit tests of distbelief.runtime.optim: SGD and Adagrad against a naive reference,
+"""Unit tests of distbelief.runtime.params.optim: SGD and Adagrad against a naive reference,
 their state, and the promise of no model-sized temporaries."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from distbelief.runtime import optim
-from distbelief.runtime.optim import BLOCK, EPSILON, Adagrad, Sgd
+from distbelief.runtime.params import optim
+from distbelief.runtime.params.optim import BLOCK, EPSILON, Adagrad, Sgd
 
 SIZES = [1, 10, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17]
 LR = 0.05
@@ -159,7 +159,7 @@ def test_an_unknown_optimizer_names_the_known_ones():
 
 
 def test_the_crd_offers_exactly_the_registered_optimizers():
-    from distbelief.operator import spec
+    from distbelief.operator.spec import spec
 
     training = spec.openapi_schema()["properties"]["spec"]["properties"]["training"]["properties"]
     assert sorted(training["optimizer"]["enum"]) == sorted(optim.OPTIMIZERS)

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import yaml
 
-from distbelief.operator import outputdir, preflight, report, spec
-from distbelief.operator.localpods import volume_dir
-from distbelief.runtime import checkpoint, contract, errors
-from distbelief.runtime.layout import Layout
+from distbelief.operator.local import outputdir, preflight, report
+from distbelief.operator.local.localpods import volume_dir
+from distbelief.operator.spec import spec
+from distbelief.runtime import contract, errors
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import EXAMPLES, REPO, load_example
 

@@ -13,21 +13,25 @@ import prometheus_client as prom
 import pytest
 
 from conftest import LiveShards, start_shards
-from distbelief.runtime import contract, data, errors, protocol, roles, transport
-from distbelief.runtime.chief import WholeModel
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import WorkerMetrics
-from distbelief.runtime.models import Mlp, evaluate
-from distbelief.runtime.pipeline import staged
-from distbelief.runtime.pipeline.evaluation import StagedModel
-from distbelief.runtime.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
-from distbelief.runtime.pipeline.rendezvous import Rendezvous, RendezvousLink
-from distbelief.runtime.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
-from distbelief.runtime.pipeline.stages import plan
-from distbelief.runtime.protocol import Status
-from distbelief.runtime.worker import Worker, WorkerSettings
+from distbelief.runtime import contract, errors
+from distbelief.runtime.algorithms.chief import WholeModel
+from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.algorithms.pipeline import staged
+from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
+from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
+from distbelief.runtime.algorithms.pipeline.rendezvous import Rendezvous, RendezvousLink
+from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
+from distbelief.runtime.algorithms.pipeline.stages import plan
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.model import data
+from distbelief.runtime.model.models import Mlp, evaluate
+from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.roles import common
+from distbelief.runtime.transport import zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Status
 
 TIMEOUTS = Timeouts(request=2.0, unavailable=20.0)
 
@@ -55,7 +59,7 @@ class Cluster:
         stage = stages[partition]
         own = self.layout.shards_of(stage.offset, stage.offset + stage.size)
         group = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop, shards=own)
-        tp = transport.default()
+        tp = zmq_transport.default()
         server = None
         if partition > 0:
             server = tp.server("tcp://127.0.0.1:*", who=f"stage {partition}",
@@ -208,7 +212,7 @@ def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluste
     me = RendezvousLink(c.rendezvous.endpoint, partition=0, me="tester", worker_id=1, layout=c.layout.hash,
                         security=None, stop=stop)
     view = me.wait_for_group()
-    tp = transport.default()
+    tp = zmq_transport.default()
     link = tp.link(view["downstream"], None, watch=False)
     width = later.stage.input_width
     good = np.concatenate([np.zeros(4 * width, np.float32), np.array([1, 2, 3, 4], np.float32)])
@@ -300,16 +304,16 @@ def partitioned_job(partitions: int = 2):
         "model": {"type": "mlp", "hiddenLayers": [32, 16], "partitions": partitions},
         "data": {"source": "builtin:digits", "testFraction": 0.2},
         "parameterServers": {"shards": 2, "port": 7070}})
-    return roles.Job(config)
+    return common.Job(config)
 
 
 def test_a_partition_pod_reads_its_partition_and_stage_address_from_its_environment() -> None:
     job = partitioned_job()
     env = {contract.ENV_PARTITION: "1", contract.ENV_STAGE_ADDRESS: "tcp://10.0.0.7:7172"}
-    stage = roles.stage_access(job, roles.Access(), "0.0.0.0", env)
+    stage = common.stage_access(job, common.Access(), "0.0.0.0", env)
     assert (stage.partition, stage.bind, stage.address) == (1, "tcp://0.0.0.0:7172", "tcp://10.0.0.7:7172")
     assert job.stage_shards(0) == [0] and job.stage_shards(1) == [1]
-    first = roles.stage_access(job, roles.Access(), "0.0.0.0", {contract.ENV_PARTITION: "0"})
+    first = common.stage_access(job, common.Access(), "0.0.0.0", {contract.ENV_PARTITION: "0"})
     assert first.partition == 0 and first.bind is None
 
 
@@ -318,7 +322,7 @@ def test_a_partition_pod_reads_its_partition_and_stage_address_from_its_environm
                                          ({contract.ENV_PARTITION: "1"}, "DISTBELIEF_STAGE_ADDRESS")])
 def test_a_partition_pod_without_a_usable_environment_stops_with_a_config_error(env, problem) -> None:
     with pytest.raises(errors.ConfigError, match=problem):
-        roles.stage_access(partitioned_job(), roles.Access(), "0.0.0.0", env)
+        common.stage_access(partitioned_job(), common.Access(), "0.0.0.0", env)
 
 
 def test_a_job_with_fewer_shards_than_partitions_is_a_config_error() -> None:

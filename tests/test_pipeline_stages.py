@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from distbelief.runtime import errors
-from distbelief.runtime.models import Mlp, build_model
-from distbelief.runtime.pipeline import stages
-from distbelief.runtime.pipeline.stages import cut, plan
+from distbelief.runtime.algorithms.pipeline import stages
+from distbelief.runtime.algorithms.pipeline.stages import cut, plan
+from distbelief.runtime.model.models import Mlp, build_model
 
 
 def chain_gradient(model, params, x, y, partitions):

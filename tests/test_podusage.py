@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from distbelief.operator import podusage, scrape
-from distbelief.operator.localpods import LocalPod
+from distbelief.operator.local import podusage
+from distbelief.operator.local.localpods import LocalPod
+from distbelief.operator.status import scrape
 
 MiB = 1 << 20
 

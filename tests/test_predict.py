@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief.operator import predict, spec
-from distbelief.runtime import contract, data, models
+from distbelief.operator import predict
+from distbelief.operator.spec import spec
+from distbelief.runtime import contract
+from distbelief.runtime.model import data, models
 
 from conftest import EXAMPLES, REPO, load_example
 

@@ -1,4 +1,4 @@
-"""Unit tests of distbelief.runtime.protocol: the header's round trip, every check a
+"""Unit tests of distbelief.runtime.wire.protocol: the header's round trip, every check a
 received header goes through, and the zero-copy payload views."""
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ import struct
 import numpy as np
 import pytest
 
-from distbelief.runtime import dense, errors, protocol
-from distbelief.runtime.protocol import HEADER, MAGIC, VERSION, ErrorCode, Header, OpSpec, Status
-from distbelief.runtime.sandblaster import ops as sandblaster_ops
+from distbelief.runtime import errors
+from distbelief.runtime.algorithms.sandblaster import ops as sandblaster_ops
+from distbelief.runtime.params import dense
+from distbelief.runtime.shard.copies import replication  # noqa: F401  (defines the copies' ops)
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import HEADER, MAGIC, VERSION, ErrorCode, Header, OpSpec, Status
 
 FULL = dict(op=dense.PUSH.code, shard=65535, layout=2**64 - 1, status=Status.WAIT, error=ErrorCode.STATE,
             seq=2**32 - 1, worker=2**32 - 2, step=2**64 - 2, count=10**12)

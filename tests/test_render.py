@@ -14,7 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distbelief.operator import podparts, render, spec
+from distbelief.operator.render import context, podparts, render
+from distbelief.operator.spec import spec
 from distbelief.runtime import contract, keys
 
 from conftest import load_example
@@ -381,7 +382,7 @@ def test_config_hash_is_of_the_config_and_the_same_on_every_pod() -> None:
     job = job_of()
     (value,) = _hashes(job)
     assert len(value) == 16 and int(value, 16) >= 0
-    assert value == render.config_hash(spec.job_config(job))
+    assert value == context.config_hash(spec.job_config(job))
     assert value != hashlib.sha256(b"").hexdigest()[:16]
 
 

@@ -7,11 +7,13 @@ import threading
 
 import pytest
 
-from distbelief.runtime import errors, protocol, transport
-from distbelief.runtime.pipeline import rendezvous
-from distbelief.runtime.pipeline.ops import JOIN_GROUP
-from distbelief.runtime.pipeline.rendezvous import Groups, Rendezvous, RendezvousLink
-from distbelief.runtime.protocol import Header, Status
+from distbelief.runtime import errors
+from distbelief.runtime.algorithms.pipeline import rendezvous
+from distbelief.runtime.algorithms.pipeline.ops import JOIN_GROUP
+from distbelief.runtime.algorithms.pipeline.rendezvous import Groups, Rendezvous, RendezvousLink
+from distbelief.runtime.transport import zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Header, Status
 
 
 def test_a_group_forms_once_every_partition_has_a_pod_waiting() -> None:
@@ -85,7 +87,7 @@ def test_pods_form_a_group_over_the_wire(live) -> None:
                                    {"address": "a", "partition": "0"}, {"address": "x" * 300, "partition": 0},
                                    {"address": "a", "partition": 0, "group": -1}])
 def test_a_malformed_join_gets_no_group_and_the_rendezvous_keeps_serving(live, value) -> None:
-    tp = transport.default()
+    tp = zmq_transport.default()
     link = tp.link(live.endpoint, None, watch=False)
     header = Header(op=JOIN_GROUP.code, shard=0, layout=42, seq=1)
     link.send([header.pack(), protocol.JsonObject(value).pack()])
@@ -96,7 +98,7 @@ def test_a_malformed_join_gets_no_group_and_the_rendezvous_keeps_serving(live, v
 
 
 def test_a_join_for_another_layout_is_dropped(live) -> None:
-    tp = transport.default()
+    tp = zmq_transport.default()
     link = tp.link(live.endpoint, None, watch=False)
     for seq, layout, address in ((1, 7, "other-model"), (2, 42, "this-model")):
         header = Header(op=JOIN_GROUP.code, shard=0, layout=layout, seq=seq)

@@ -14,17 +14,25 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import checkpoint, dense, errors, protocol, replication, rowcheckpoint, transport
-from distbelief.runtime.bfloat16 import WIRE_DTYPE, Codec
-from distbelief.runtime.client import Bfloat16Dense, ShardGroup, Timeouts
-from distbelief.runtime.copywatch import BACKUP, PRIMARY
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.optim import Adagrad
-from distbelief.runtime.protocol import Header, Status
-from distbelief.runtime.shard import Shard, ShardSettings
-from distbelief.runtime.sparse import RowClient, SparseRows
+from distbelief.runtime import errors
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Bfloat16Dense, Float32Dense
+from distbelief.runtime.params.optim import Adagrad
+from distbelief.runtime.params.rows import rowcheckpoint
+from distbelief.runtime.params.rows.row_client import RowClient
+from distbelief.runtime.params.rows.sparse import SparseRows
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.copies.watch import BACKUP, PRIMARY
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.transport import fanout, interface, zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.bfloat16 import WIRE_DTYPE, Codec
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header, Status
 
 LAYOUT = Layout.of([("w", (6, 5)), ("b", (5,))], shards=1)
 INITIAL = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
@@ -60,7 +68,7 @@ class Copies:
         shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
         shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1, wire_format=self.wire_format))
         self.attach(shard)
-        replication.Copies(shard, rank=rank, addresses=self.addresses, security=None)
+        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
         thread.start()
@@ -108,24 +116,24 @@ def _params(shard: Shard) -> np.ndarray:
     return shard.plugin(DenseSlice).params
 
 
-def _push(link: transport.Link, seq: int, grad: np.ndarray) -> Header:
+def _push(link: interface.Link, seq: int, grad: np.ndarray) -> Header:
     """One push from a fixed peer (one routing id), sent on to the next copy on a refusal or
     a silence, as a replica's link does; the header of the reply that took it."""
     request = [Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=seq, worker=7, count=grad.size).pack(),
                UPDATE, grad.tobytes()]
     taken: list[Header] = []
 
-    def accept(_: int, received: transport.Received) -> bool | str:
+    def accept(_: int, received: interface.Received) -> bool | str:
         header = protocol.unpack_header(received.header)
         if header.seq != seq:
             return False  # the answer to an earlier copy of an earlier push
         if header.status == Status.ERROR and header.error == protocol.ErrorCode.NOT_PRIMARY:
-            return transport.REDIRECT
+            return fanout.REDIRECT
         taken.append(header)
         return True
 
-    policy = transport.RetryPolicy(attempt=1.0, give_up=30.0)
-    transport.exchange(transport.default(), transport.Exchange([link], [request], policy, ["shard 0"]),
+    policy = fanout.RetryPolicy(attempt=1.0, give_up=30.0)
+    fanout.exchange(zmq_transport.default(), fanout.Exchange([link], [request], policy, ["shard 0"]),
                        accept=accept, stop=threading.Event())
     return taken[0]
 
@@ -135,7 +143,7 @@ def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -
     held, release = threading.Event(), threading.Event()
     forwarded = backup.raw_ops[replication.REPLICATE.code]
 
-    def slow_backup(header: Header, incoming: transport.Incoming) -> list:
+    def slow_backup(header: Header, incoming: interface.Incoming) -> list:
         held.set()
         release.wait(10)
         return forwarded(header, incoming)
@@ -144,7 +152,7 @@ def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -
     group = pair.group()
     replies: list = []
     pushing = threading.Thread(target=lambda: replies.append(
-        group.push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
     pushing.start()
     assert held.wait(10), "the primary did not forward the push"
     assert primary.step == 1 and backup.step == 0
@@ -156,14 +164,14 @@ def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -
     assert backup.step == 1
     np.testing.assert_array_equal(_params(backup), _params(primary))
     for _ in range(5):  # and every later push: each acknowledged update is on both copies
-        group.push(np.full(LAYOUT.total, 0.5, np.float32), steps=[0], examples=4, loss=1.0)
+        Float32Dense(group).push(np.full(LAYOUT.total, 0.5, np.float32), steps=[0], examples=4, loss=1.0)
         assert backup.step == primary.step
         np.testing.assert_array_equal(_params(backup), _params(primary))
     group.close()
 
 
 def test_a_push_resent_to_the_new_primary_is_answered_but_not_applied_again(pair: Copies) -> None:
-    link = transport.default().link(pair.addresses, None)
+    link = zmq_transport.default().link(pair.addresses, None)
     grad = np.full(LAYOUT.total, 0.25, np.float32)
     first = _push(link, seq=41, grad=grad)
     assert first.step == 1
@@ -202,7 +210,7 @@ def test_bfloat16_pushes_reach_every_copy_and_survive_a_failover(tmp_path: Path)
 
 
 def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, tmp_path: Path) -> None:
-    link = transport.default().link(pair.addresses, None)
+    link = zmq_transport.default().link(pair.addresses, None)
     rng = np.random.default_rng(3)
     for seq in range(1, 4):
         _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
@@ -230,7 +238,7 @@ def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, t
 def test_a_copy_that_is_not_the_primary_refuses_clients(pair: Copies) -> None:
     group = ShardGroup([pair.addresses[1]], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=5.0))
     with pytest.raises(errors.ShardUnavailable):  # refused every time, then given up
-        group.pull(np.empty(LAYOUT.total, np.float32))
+        Float32Dense(group).pull(np.empty(LAYOUT.total, np.float32))
     assert pair.copy(1).copies.role == BACKUP  # its primary answers: no takeover
     group.close()
 
@@ -242,7 +250,7 @@ def test_copies_starting_together_elect_the_one_with_the_newest_state(tmp_path: 
     _until(lambda: copies.in_sync(0, 1), "copy 0 leads")
     group = copies.group()
     for _ in range(3):
-        group.push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
     group.close()
     copies.kill(0)
     copies.kill(1)  # both checkpoint at step 3; now copy 0 loses its checkpoints
@@ -296,7 +304,7 @@ def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_ar
     copies.start(1)
     _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
     client, rng = RowClient(copies.group(), dim=4), np.random.default_rng(4)
-    link = transport.default().link(copies.addresses, None)
+    link = zmq_transport.default().link(copies.addresses, None)
     copies.kill(1)
     primary = copies.copy(0)
     for keys in (np.arange(0, 1000, 2), np.arange(1000, 1200, 2)):  # a base of 500 rows, a delta of 100
@@ -329,12 +337,12 @@ def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_ar
 
 def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies) -> None:
     backup = pair.copy(1)
-    link = transport.default().link(pair.addresses[1], None)
+    link = zmq_transport.default().link(pair.addresses[1], None)
     head = Header(op=replication.REPLICATE.code, shard=0, layout=LAYOUT.hash, seq=1).pack()
     push = Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=1, count=LAYOUT.total).pack()
     for envelope in (b"not json", b'{"view": "2", "peer": "00"}', b'{"view": 2, "peer": "zz", "user": null}'):
         link.send([head, envelope, push, UPDATE, np.ones(LAYOUT.total, np.float32).tobytes()])
-        assert transport.default().wait([link], 10), "no answer"
+        assert zmq_transport.default().wait([link], 10), "no answer"
         answer = protocol.unpack_header(link.receive().header)
         assert answer.status == Status.ERROR and answer.error == protocol.ErrorCode.MALFORMED
     assert backup.step == 0 and backup.copies.role == BACKUP
@@ -343,15 +351,15 @@ def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies)
 
 @pytest.mark.parametrize("payload", [b"[1, 2]", b'{"role": "primary", "view": [1], "step": 3}', b"not json"])
 def test_a_garbled_copy_status_answer_is_refused_and_the_watch_asks_again(payload: bytes) -> None:
-    from distbelief.runtime.copywatch import Watch
-    from distbelief.runtime.memory_transport import MemoryTransport
+    from distbelief.runtime.shard.copies.watch import Watch
+    from distbelief.runtime.transport.memory_transport import MemoryTransport
 
     watch = Watch(shard=0, layout=1, addresses={1: "inproc://nobody"}, security=None, transport_=MemoryTransport())
     header = memoryview(Header(op=30, shard=0, layout=1, seq=watch._seq, status=Status.OK).pack())
     with pytest.raises((errors.ProtocolError, TypeError)):
-        watch._take(1, transport.Received(header=header, frames=[memoryview(payload)]))
+        watch._take(1, interface.Received(header=header, frames=[memoryview(payload)]))
     assert 1 not in watch.latest  # nothing believed from it
-    watch._round = lambda: watch._take(1, transport.Received(header=header, frames=[memoryview(payload)]))
+    watch._round = lambda: watch._take(1, interface.Received(header=header, frames=[memoryview(payload)]))
     watch.start()
     time.sleep(0.1)
     assert watch._thread.is_alive()  # the round's error is logged; the watch goes on

@@ -15,8 +15,8 @@ import time
 # a signal to set it. It prints whether the event is set.
 ROLE = """
 import sys, time
-from distbelief.runtime import roles
-stop = roles._stop_on_termination()
+from distbelief.runtime.roles import common
+stop = common.stop_on_termination()
 print("ready", flush=True)
 if sys.argv[1] == "busy":
     deadline = time.monotonic() + 3

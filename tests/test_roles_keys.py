@@ -17,15 +17,19 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import dense, errors, keys, protocol, replication
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.copywatch import COPY_STATUS
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
-from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime import errors, keys
+from distbelief.runtime.algorithms.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
+from distbelief.runtime.algorithms.sandblaster.vectors import ShardVectors, Slots
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.copies.watch import COPY_STATUS
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, start_shards
 
@@ -54,7 +58,8 @@ def test_a_replica_s_key_cannot_end_the_job_but_the_chief_s_can(shards: LiveShar
         with pytest.raises(errors.ShardRefused, match="DONE is the chief's to send"):
             replica.done("MaxStepsReached\nevent=forged", "Succeeded")
         assert all(s.finished is None for s in shards.shards)
-        replica.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)  # it still trains
+        # it still trains
+        Float32Dense(replica).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
         assert all(r.done for r in chief.done("MaxStepsReached", "Succeeded"))
         assert all(s.finished["reason"] == "MaxStepsReached" for s in shards.shards)
     finally:
@@ -70,8 +75,8 @@ def test_a_forged_worker_id_and_seq_do_not_take_another_replica_s_push(shards: L
     attacker = _group(shards, job_keys, keys.REPLICA, encrypted, worker_id=7)
     try:
         attacker._seq = victim._seq  # the attacker's next request has the victim's next (worker, seq)
-        attacker.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
-        replies = victim.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+        Float32Dense(attacker).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+        replies = Float32Dense(victim).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
         assert [r.step for r in replies] == [2, 2]  # both applied: the victim's was not taken for a resend
     finally:
         victim.close()
@@ -154,7 +159,7 @@ def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: key
     and goes on serving others."""
     import zmq
 
-    from distbelief.runtime import protocol
+    from distbelief.runtime.wire import protocol
 
     layout = Layout.of([("w", (250_000,))], shards=1)
     live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32),
@@ -178,7 +183,7 @@ def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: key
             time.sleep(0.05)
         assert _count(pulls) >= 400
         out = np.empty(layout.total, np.float32)
-        assert [r.step for r in group.pull(out)] == [0]  # and others are still served
+        assert [r.step for r in Float32Dense(group).pull(out)] == [0]  # and others are still served
         grown = _rss_bytes() - before
         assert grown < 150 * 1024 * 1024, f"RSS grew by {grown} bytes"
     finally:
@@ -193,7 +198,8 @@ def test_only_the_chief_s_key_reaches_a_shard_copy_s_own_ops(tmp_path: Path, job
     """Copies forward requests under their first sender's identity and hand over their whole
     state: a replica's key may do neither (the shards, which hold the chief's key, may)."""
     def with_copies(shard: Shard) -> None:
-        replication.Copies(shard, rank=0, addresses=[shard.settings.bind, "tcp://127.0.0.1:9"], security=None)
+        shard.serve_copies(replication.Copies(shard, rank=0, addresses=[shard.settings.bind, "tcp://127.0.0.1:9"],
+                                              security=None))
 
     live = start_shards(tmp_path, Layout.of([("w", (6, 4))], shards=1), np.zeros(24, np.float32),
                         attach=with_copies, security=job_keys.server_security(encrypted=encrypted))

@@ -14,12 +14,14 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import checkpoint, errors, rowcheckpoint
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.rowtable import RowTable
-from distbelief.runtime.shard import Shard, ShardSettings
-from distbelief.runtime.sparse import SparseRows
+from distbelief.runtime import errors
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.rows import rowcheckpoint
+from distbelief.runtime.params.rows.rowtable import RowTable
+from distbelief.runtime.params.rows.sparse import SparseRows
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.wire.layout import Layout
 
 DIM, SEED, LR, KEEP = 4, 5, 0.3, 3
 FULL_ROWS = 100  # tables of more rows are written as a base and deltas

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from distbelief.runtime import rowtable
-from distbelief.runtime.rowtable import RowTable, initial_rows
+from distbelief.runtime.params.rows import rowtable
+from distbelief.runtime.params.rows.rowtable import RowTable, initial_rows
 
 DIM = 4
 

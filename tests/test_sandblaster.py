@@ -16,20 +16,26 @@ import scipy.optimize
 import zmq
 
 from conftest import load_example
-from distbelief.operator import local, render, report, scrape, spec
-from distbelief.runtime import contract, data, errors, models, protocol
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
-from distbelief.runtime.sandblaster.coordinator import Coordinator, CoordinatorSettings
-from distbelief.runtime.sandblaster import ops
-from distbelief.runtime.sandblaster.lbfgs import Lbfgs, LbfgsSettings
-from distbelief.runtime.sandblaster.replica import CoordinatorLink, Replica
-from distbelief.runtime.sandblaster.vectors import ShardVectors, Slots
-from distbelief.runtime.sandblaster.workqueue import WorkQueue
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.operator.local import local, report
+from distbelief.operator.render import render
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
+from distbelief.runtime import contract, errors
+from distbelief.runtime.algorithms.sandblaster import ops
+from distbelief.runtime.algorithms.sandblaster.coordinator import Coordinator, CoordinatorSettings
+from distbelief.runtime.algorithms.sandblaster.lbfgs import Lbfgs, LbfgsSettings
+from distbelief.runtime.algorithms.sandblaster.ops import SandblasterShards, VectorCode, VectorCommand
+from distbelief.runtime.algorithms.sandblaster.replica import CoordinatorLink, Replica
+from distbelief.runtime.algorithms.sandblaster.vectors import ShardVectors, Slots
+from distbelief.runtime.algorithms.sandblaster.workqueue import WorkQueue
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.model import data, models
+from distbelief.runtime.observe.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
 
 HISTORY = 5
 
@@ -227,9 +233,9 @@ def test_a_sandblaster_shard_applies_no_downpour_push(tmp_path, push):
     try:
         with pytest.raises(errors.ShardRefused, match="not served"):
             if push == "push":
-                group.push(ones, steps=[0], examples=1, loss=0.1)
+                Float32Dense(group).push(ones, steps=[0], examples=1, loss=0.1)
             else:
-                group.push_and_pull(ones, np.empty_like(ones), steps=[0], examples=1, loss=0.1)
+                Float32Dense(group).push_and_pull(ones, np.empty_like(ones), steps=[0], examples=1, loss=0.1)
         np.testing.assert_array_equal(shard.plugin(DenseSlice).params, initial)
         assert shard.step == 0
     finally:

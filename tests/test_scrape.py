@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from distbelief.operator import scrape
+from distbelief.operator.status import scrape
 
 METRICS = b"# TYPE distbelief_global_step gauge\ndistbelief_global_step 42.0\n"
 
@@ -141,7 +141,8 @@ def test_every_metric_the_operator_reads_is_one_a_role_exports() -> None:
     import prometheus_client as prom
 
     from distbelief.runtime import contract
-    from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics, TrafficCollector, WorkerMetrics
+    from distbelief.runtime.observe.metrics import (
+        ChiefMetrics, CoordinatorMetrics, ShardMetrics, TrafficCollector, WorkerMetrics)
 
     registry = prom.CollectorRegistry()
     ShardMetrics(registry, 0), ChiefMetrics(registry), CoordinatorMetrics(registry)

@@ -1,4 +1,4 @@
-"""The bulk channel of encrypted jobs (distbelief.runtime.sessions): AES-256-GCM sessions
+"""The bulk channel of encrypted jobs (distbelief.runtime.transport.sessions): AES-256-GCM sessions
 agreed over CurveZMQ, on a socket without CurveZMQ. Live shards on loopback; the attacker
 sends raw ZeroMQ messages to the bulk port, with or without a session's key."""
 
@@ -14,10 +14,13 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from distbelief.runtime import dense, errors, keys, sessions, transport
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.protocol import Header
+from distbelief.runtime import errors, keys
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.transport import sessions, zmq_transport
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header
 
 from conftest import LiveShards, start_shards
 
@@ -50,14 +53,14 @@ def _group(live: LiveShards, job_keys: keys.JobKeys, role: str = keys.REPLICA) -
 def _train(group: ShardGroup) -> list[np.ndarray]:
     """What a replica sees over a few steps: every pull, and the parameters after pushes."""
     seen, out = [], np.zeros(LAYOUT.total, np.float32)
-    steps = [r.step for r in group.pull(out)]
+    steps = [r.step for r in Float32Dense(group).pull(out)]
     seen.append(out.copy())
     for k in range(3):
         grad = np.sin(np.arange(LAYOUT.total, dtype=np.float32) + k)
-        steps = [r.step for r in group.push_and_pull(grad, out, steps=steps, examples=4, loss=0.5)]
+        steps = [r.step for r in Float32Dense(group).push_and_pull(grad, out, steps=steps, examples=4, loss=0.5)]
         seen.append(out.copy())
-    group.push(np.ones(LAYOUT.total, np.float32), steps=steps, examples=1, loss=0.1)
-    group.pull(out)
+    Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=steps, examples=1, loss=0.1)
+    Float32Dense(group).pull(out)
     seen.append(out.copy())
     return seen
 
@@ -117,7 +120,7 @@ def _still_serving(live: LiveShards, group: ShardGroup, step: int) -> None:
     params = live.params(0).copy()
     steps = [s.step for s in live.shards]
     assert steps[0] == step
-    replies = group.push(np.zeros(LAYOUT.total, np.float32), steps=steps, examples=1, loss=0.0)
+    replies = Float32Dense(group).push(np.zeros(LAYOUT.total, np.float32), steps=steps, examples=1, loss=0.0)
     assert replies[0].step == step + 1
     np.testing.assert_array_equal(live.params(0), params)  # a zero gradient moves nothing
 
@@ -126,7 +129,7 @@ def _still_serving(live: LiveShards, group: ShardGroup, step: int) -> None:
 def group(live: LiveShards, job_keys: keys.JobKeys) -> Iterator[ShardGroup]:
     """A replica's group whose links hold sessions (a first pull asked for them)."""
     replica = _group(live, job_keys)
-    replica.pull(np.zeros(LAYOUT.total, np.float32))
+    Float32Dense(replica).pull(np.zeros(LAYOUT.total, np.float32))
     yield replica
     replica.close()
 
@@ -173,7 +176,7 @@ def test_a_forged_or_altered_bulk_message_is_refused(live: LiveShards, job_keys:
         del sealed[2]
     else:  # a message sealed under one session, sent under another's id
         other = _group(live, job_keys)
-        other.pull(np.zeros(LAYOUT.total, np.float32))
+        Float32Dense(other).pull(np.zeros(LAYOUT.total, np.float32))
         sealed[0] = sessions.PREFIX.pack(_session_of(other)[0].id, 10**6)
         other.close()
     with caplog.at_level(logging.WARNING):
@@ -228,7 +231,7 @@ def test_the_bulk_port_admits_only_addresses_that_hold_a_session(
     replica = _group(live, job_keys)
     with caplog.at_level(logging.WARNING):
         try:
-            replica.pull(np.zeros(LAYOUT.total, np.float32))  # its links' sessions: from 127.0.0.1
+            Float32Dense(replica).pull(np.zeros(LAYOUT.total, np.float32))  # its links' sessions: from 127.0.0.1
             bulk_endpoint = _session_of(replica)[1]
             assert _refused_at_handshake(bulk_endpoint, "127.0.0.2")  # another host, without a session
             assert not _refused_at_handshake(bulk_endpoint, "127.0.0.1")
@@ -243,7 +246,7 @@ def test_a_session_has_the_role_of_the_key_that_asked_for_it(live: LiveShards, j
     replica, chief = _group(live, job_keys), _group(live, job_keys, keys.CHIEF)
     try:
         for group in (replica, chief):
-            group.pull(np.zeros(LAYOUT.total, np.float32))
+            Float32Dense(group).pull(np.zeros(LAYOUT.total, np.float32))
             assert all(link._session is not None for link in group._links)
         with pytest.raises(errors.ShardRefused, match="chief's to send"):
             replica.done("forged", "succeeded")
@@ -272,7 +275,7 @@ def test_a_server_bounds_the_sessions_one_connection_asks_for(live: LiveShards, 
     first, _ = _session_of(group)
     for _ in range(sessions.MAX_PER_PEER):
         group._links[0].reconnect()  # each fresh connection asks for a session anew
-        group.pull(np.zeros(LAYOUT.total, np.float32))
+        Float32Dense(group).pull(np.zeros(LAYOUT.total, np.float32))
     newest, _ = _session_of(group)
     with caplog.at_level(logging.WARNING):
         raw_peer.send(first.seal(sessions.TO_SERVER, _push_frames()))
@@ -289,7 +292,8 @@ def test_a_link_asks_for_a_fresh_key_once_a_session_has_carried_its_share(
     try:
         out, ids = np.zeros(LAYOUT.total, np.float32), set()
         for step in range(6):
-            group.push_and_pull(np.zeros(LAYOUT.total, np.float32), out, steps=[step, step], examples=1, loss=0.0)
+            Float32Dense(group).push_and_pull(np.zeros(LAYOUT.total, np.float32), out, steps=[step, step], examples=1,
+                                              loss=0.0)
             ids.add(group._links[0]._session.id if group._links[0]._session else None)
         assert len(ids - {None}) >= 2 and [s.step for s in live.shards] == [6, 6]
         np.testing.assert_array_equal(out, INITIAL)
@@ -303,7 +307,7 @@ def test_a_bulk_port_in_use_is_one_clear_error(job_keys: keys.JobKeys) -> None:
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
         with pytest.raises(errors.ConfigError, match=f"shard 0 cannot listen for bulk messages on .*:{port}"):
-            transport.ZmqTransport(context).server("tcp://127.0.0.1:*", who="shard 0", max_frame=1024,
+            zmq_transport.ZmqTransport(context).server("tcp://127.0.0.1:*", who="shard 0", max_frame=1024,
                                                    max_frames=3, security=job_keys.server_security(),
                                                    bulk=f"tcp://127.0.0.1:{port}")
     finally:

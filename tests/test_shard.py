@@ -21,16 +21,20 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.operator import scrape
+from distbelief.operator.status import scrape
+from distbelief.runtime.roles import common
 
-from distbelief.runtime import dense, errors, protocol, roles
+from distbelief.runtime import errors
+from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.contract import JobConfig
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import TrafficCollector
-from distbelief.runtime.optim import Adagrad
-from distbelief.runtime.protocol import Header, Status
-from distbelief.runtime.traffic import PROCESS_TRAFFIC
+from distbelief.runtime.observe.metrics import TrafficCollector
+from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.params.optim import Adagrad
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header, Status
 
 from conftest import LiveShards, start_shards
 
@@ -38,7 +42,7 @@ from conftest import LiveShards, start_shards
 def test_pull_returns_the_initial_parameters(two_shards: LiveShards) -> None:
     group = two_shards.group()
     out = np.zeros(two_shards.layout.total, dtype=np.float32)
-    replies = group.pull(out)
+    replies = Float32Dense(group).pull(out)
     assert [r.header.step for r in replies] == [0, 0]
     np.testing.assert_array_equal(out, np.arange(two_shards.layout.total, dtype=np.float32) / 100)
 
@@ -49,8 +53,8 @@ def test_every_socket_of_the_process_counts_its_traffic_and_the_metrics_report_i
     before = (PROCESS_TRAFFIC.bytes_in, PROCESS_TRAFFIC.bytes_out)
     group = two_shards.group()
     out = np.zeros(two_shards.layout.total, dtype=np.float32)
-    group.pull(out)
-    group.push(np.ones_like(out), steps=[0, 0], examples=1, loss=1.0)
+    Float32Dense(group).pull(out)
+    Float32Dense(group).push(np.ones_like(out), steps=[0, 0], examples=1, loss=1.0)
     # The shards and the client live in this process: each byte one of them sent, another got.
     moved = group.bytes_in + group.bytes_out
     assert moved > 2 * out.nbytes  # the parameters came and the gradient went
@@ -69,11 +73,11 @@ def test_push_applies_adagrad_on_every_shard(two_shards: LiveShards) -> None:
     rng = np.random.default_rng(1)
     for _ in range(3):
         grad = rng.standard_normal(layout.total).astype(np.float32)
-        replies = group.push(grad, steps=[0, 0], examples=8, loss=1.0)
+        replies = Float32Dense(group).push(grad, steps=[0, 0], examples=8, loss=1.0)
         reference.apply(expected, grad)
     assert [r.header.step for r in replies] == [3, 3]
     out = np.empty(layout.total, dtype=np.float32)
-    group.pull(out)
+    Float32Dense(group).pull(out)
     np.testing.assert_allclose(out, expected, rtol=1e-6)
     stats = group.stats()
     assert [s["step"] for s in stats] == [3, 3]
@@ -84,14 +88,16 @@ def test_push_and_pull_returns_the_parameters_with_the_push_applied(two_shards: 
     expected = np.arange(layout.total, dtype=np.float32) / 100
     Adagrad(layout.total, 0.5).apply(expected, np.full(layout.total, 2.0, np.float32))
     out = np.zeros(layout.total, dtype=np.float32)
-    replies = group.push_and_pull(np.full(layout.total, 2.0, np.float32), out, steps=[0, 0], examples=8, loss=1.0)
+    replies = Float32Dense(group).push_and_pull(np.full(layout.total, 2.0, np.float32), out, steps=[0, 0], examples=8,
+                                                loss=1.0)
     assert [r.header.step for r in replies] == [1, 1]
     np.testing.assert_allclose(out, expected, rtol=1e-6)
     pulled = np.empty_like(out)
-    group.pull(pulled)
+    Float32Dense(group).pull(pulled)
     np.testing.assert_array_equal(pulled, out)  # what came back is what the shards hold
     group.done("MaxStepsReached", "Succeeded")
-    assert all(r.done for r in group.push_and_pull(np.ones_like(out), out, steps=[1, 1], examples=8, loss=1.0))
+    assert all(r.done for r in Float32Dense(group).push_and_pull(np.ones_like(out), out, steps=[1, 1], examples=8,
+                                                                 loss=1.0))
     np.testing.assert_array_equal(out, pulled)  # a finished job takes no more updates
 
 
@@ -129,7 +135,7 @@ def test_a_resent_push_is_answered_but_applied_once(two_shards: LiveShards, op: 
 def test_a_push_pull_repeated_after_the_job_finished_says_done(two_shards: LiveShards) -> None:
     layout, group = two_shards.layout, two_shards.group(worker_id=42)
     out = np.empty(layout.total, dtype=np.float32)
-    group.push_and_pull(np.ones(layout.total, np.float32), out, steps=[0, 0], examples=1, loss=1.0)
+    Float32Dense(group).push_and_pull(np.ones(layout.total, np.float32), out, steps=[0, 0], examples=1, loss=1.0)
     seq = group._seq
     group.done("MaxStepsReached", "Succeeded")
     peer = zmq.Context.instance().socket(zmq.DEALER)
@@ -154,7 +160,7 @@ def test_a_request_that_breaks_its_connection_is_resent_once_per_attempt(tmp_pat
     group = ShardGroup(live.addresses, bigger, timeouts=Timeouts(request=0.5, unavailable=1.4))
     try:
         with pytest.raises(errors.ShardUnavailable):
-            group.push(np.ones(bigger.total, np.float32), steps=[0], examples=1, loss=1.0)
+            Float32Dense(group).push(np.ones(bigger.total, np.float32), steps=[0], examples=1, loss=1.0)
     finally:
         group.close()
         live.stop()
@@ -192,7 +198,8 @@ def test_a_request_lost_with_its_shard_is_resent_when_the_connection_breaks(
         assert dying.poll(5000)
         dying.recv_multipart()
         pulled: list = []
-        puller = threading.Thread(target=lambda: pulled.append(group.pull(np.empty(layout.total, np.float32))),
+        dense = Float32Dense(group)
+        puller = threading.Thread(target=lambda: pulled.append(dense.pull(np.empty(layout.total, np.float32))),
                                   daemon=True)
         with caplog.at_level(logging.INFO, logger="distbelief.runtime.transport"):
             puller.start()
@@ -292,7 +299,7 @@ def test_hostile_frames_never_update_and_the_shard_keeps_serving(two_shards: Liv
         replies += 1
     attacker.close()
     out = np.empty(layout.total, dtype=np.float32)
-    pulled = two_shards.group().pull(out)
+    pulled = Float32Dense(two_shards.group()).pull(out)
     assert pulled[0].header.step == 0, "a hostile message was applied as an update"
     np.testing.assert_array_equal(two_shards.params(0), before)
     np.testing.assert_array_equal(out[: layout.size(0)], before)
@@ -302,10 +309,10 @@ def test_hostile_frames_never_update_and_the_shard_keeps_serving(two_shards: Liv
 
 def test_done_reaches_every_peer_and_survives_a_restart(tmp_path: Path, two_shards: LiveShards) -> None:
     group = two_shards.group()
-    group.push(np.ones(two_shards.layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
+    Float32Dense(group).push(np.ones(two_shards.layout.total, dtype=np.float32), steps=[0, 0], examples=1, loss=1.0)
     group.done("MaxStepsReached", "Succeeded")
     out = np.empty(two_shards.layout.total, dtype=np.float32)
-    assert all(r.done for r in group.pull(out))
+    assert all(r.done for r in Float32Dense(group).pull(out))
     assert all(r.done for r in group.hello())
     assert group.stats()[0]["finished"]["reason"] == "MaxStepsReached"
     two_shards.stop()
@@ -320,7 +327,7 @@ def test_done_reaches_every_peer_and_survives_a_restart(tmp_path: Path, two_shar
 def test_a_restarted_shard_continues_from_its_checkpoint(tmp_path: Path, two_shards: LiveShards) -> None:
     layout, group = two_shards.layout, two_shards.group()
     for _ in range(5):
-        group.push(np.full(layout.total, 0.1, dtype=np.float32), steps=[0, 0], examples=4, loss=0.5)
+        Float32Dense(group).push(np.full(layout.total, 0.1, dtype=np.float32), steps=[0, 0], examples=4, loss=0.5)
     trained = np.concatenate([two_shards.params(i).copy() for i in range(2)])
     two_shards.stop()  # writes the final checkpoint
     again = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), learning_rate=0.5)
@@ -328,7 +335,7 @@ def test_a_restarted_shard_continues_from_its_checkpoint(tmp_path: Path, two_sha
         assert [s.step for s in again.shards] == [5, 5]
         assert [s.restarts for s in again.shards] == [1, 1]
         out = np.empty(layout.total, dtype=np.float32)
-        replies = again.group().pull(out)
+        replies = Float32Dense(again.group()).pull(out)
         assert [r.header.step for r in replies] == [5, 5]
         np.testing.assert_array_equal(out, trained)
     finally:
@@ -343,7 +350,7 @@ def test_warmstart_admits_one_replica_until_its_steps_are_applied(tmp_path: Path
         assert first.hello()[0].header.status == Status.OK
         assert second.hello()[0].header.status == Status.WAIT
         for _ in range(3):
-            first.push(np.ones(layout.total, np.float32), steps=[0], examples=1, loss=1.0)
+            Float32Dense(first).push(np.ones(layout.total, np.float32), steps=[0], examples=1, loss=1.0)
         assert second.hello()[0].header.status == Status.OK
     finally:
         live.stop()
@@ -392,9 +399,9 @@ def test_a_shard_resumed_with_another_optimizer_stops_in_one_line_and_keeps_its_
         "training": {"learningRate": 0.1, "optimizer": "adagrad", "warmstartSteps": 0, "seed": 0, "maxGradientNorm": 100,
                      "maxSteps": 10, "evalEverySeconds": 5, "sandblaster": {"historySize": 4}},
         "parameterServers": {"shards": 1, "port": 7070, "checkpoint": {"everySeconds": 30, "keep": 3}}}}
-    job = roles.Job(JobConfig.from_json(json.dumps(config)))
+    job = common.Job(JobConfig.from_json(json.dumps(config)))
     written = start_shards(tmp_path, job.layout, job.model.init_params(0), optimizer="sgd")
-    written.group().push(np.ones(job.layout.total, np.float32), steps=[0], examples=1, loss=1.0)
+    Float32Dense(written.group()).push(np.ones(job.layout.total, np.float32), steps=[0], examples=1, loss=1.0)
     written.stop()  # its final checkpoint records sgd
     saved = sorted(os.listdir(tmp_path / "shard-0"))
     (tmp_path / "job.json").write_text(json.dumps(config))
@@ -418,14 +425,14 @@ def test_a_huge_gradient_is_clipped_to_the_bound_and_counted(tmp_path: Path, poi
     grad = np.zeros(layout.total, np.float32)
     grad[:2] = (3e6, 4e6) if poison == "huge" else (1.8e19, 0.0)  # the second overflows a float32 dot
     try:
-        live.group().push(grad, steps=[0], examples=1, loss=1.0)
+        Float32Dense(live.group()).push(grad, steps=[0], examples=1, loss=1.0)
         params = live.params(0)
         assert np.isfinite(params).all()
         assert np.linalg.norm(params) == pytest.approx(0.1 * 10.0, rel=1e-5)  # lr x the bound, in grad's direction
         np.testing.assert_allclose(params[:2] / np.linalg.norm(params), -grad[:2] / np.linalg.norm(grad[:2]),
                                    rtol=1e-5)
         assert live.shards[0].metrics.clipped._value.get() == 1
-        live.group().push(np.full(layout.total, 0.01, np.float32), steps=[1], examples=1, loss=1.0)
+        Float32Dense(live.group()).push(np.full(layout.total, 0.01, np.float32), steps=[1], examples=1, loss=1.0)
         assert live.shards[0].metrics.clipped._value.get() == 1  # an honest push is applied as it is
     finally:
         live.stop()
@@ -436,10 +443,10 @@ def test_a_non_finite_state_never_reaches_a_checkpoint_and_is_restored(tmp_path:
     live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), optimizer="sgd", learning_rate=0.1)
     shard, folder = live.shards[0], tmp_path / "shard-0"
     try:
-        live.group().push(np.ones(layout.total, np.float32), steps=[0], examples=1, loss=1.0)
+        Float32Dense(live.group()).push(np.ones(layout.total, np.float32), steps=[0], examples=1, loss=1.0)
         shard.checkpoint_now()
         good = live.params(0).copy()
-        live.group().push(np.ones(layout.total, np.float32), steps=[1], examples=1, loss=1.0)
+        Float32Dense(live.group()).push(np.ones(layout.total, np.float32), steps=[1], examples=1, loss=1.0)
         live.params(0)[3] = np.inf  # as an overflowing update would leave it
         written = sorted(os.listdir(folder))
         shard.checkpoint_now()

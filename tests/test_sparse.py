@@ -13,15 +13,21 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.runtime import data, errors, models, protocol, rowcheckpoint, sparse
-from distbelief.runtime.embedding import EmbeddingModel
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import WorkerMetrics
-from distbelief.runtime.protocol import Header, Status
-from distbelief.runtime.rowtable import EPSILON, initial_rows
-from distbelief.runtime.sparse import KeyCounts, Keys, RowClient, SparseRows, owner_of
-from distbelief.runtime.sparse_worker import SparseWorker, held_out_inputs
-from distbelief.runtime.worker import WorkerSettings
+from distbelief.runtime import errors
+from distbelief.runtime.algorithms.downpour.sparse_worker import SparseWorker, held_out_inputs
+from distbelief.runtime.algorithms.downpour.worker import WorkerSettings
+from distbelief.runtime.model import data, models
+from distbelief.runtime.model.embedding import EmbeddingModel
+from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.params.rows import rowcheckpoint, sparse
+from distbelief.runtime.params.rows.row_client import RowClient
+from distbelief.runtime.params.rows.rowtable import EPSILON, initial_rows
+from distbelief.runtime.params.rows.sparse import KeyCounts, Keys, SparseRows
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header, Status
+from distbelief.runtime.wire.rowkeys import owner_of
 
 from conftest import LiveShards, start_shards
 
@@ -183,7 +189,8 @@ def test_a_restarted_shard_gets_its_rows_back_from_the_checkpoint(tmp_path: Path
     keys = _keys(2000)
     client = RowClient(first.group(), DIM)
     client.push(keys, np.random.default_rng(2).standard_normal((keys.size, DIM)).astype(np.float32))
-    first.group().push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)  # a step to save
+    # a step to save
+    Float32Dense(first.group()).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
     rows, _ = client.pull(keys)
     saved = [(t.keys[: t.n].copy(), t.accumulators[: t.n].copy(), t.touched[: t.n].copy()) for t in _tables(first)]
     first.stop()  # each shard writes its final checkpoint
@@ -228,7 +235,7 @@ def test_admission_counts_and_rows_survive_a_restart(tmp_path: Path) -> None:
     client = RowClient(first.group(), DIM)
     for _ in range(2):  # two of the three pushes a key needs
         client.push(keys, np.ones((keys.size, DIM), np.float32))
-    first.group().push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
+    Float32Dense(first.group()).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=1.0)
     assert sum(t.n for t in _tables(first)) == 0
     first.stop()
     second = _start(tmp_path, admit_after=3)
@@ -287,7 +294,7 @@ def test_a_sparse_replica_moves_only_its_minibatches_rows_and_learns(tmp_path: P
         params = np.empty(layout.total, np.float32)
 
         def held_out_loss() -> float:
-            live.group().pull(params)
+            Float32Dense(live.group()).pull(params)
             mlp, inputs = score()
             return models.evaluate(mlp, params, inputs, dataset.y_test)[0]
 

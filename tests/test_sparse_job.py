@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from distbelief.operator import local, report, scrape, spec
-from distbelief.runtime import contract, data, models
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
+from distbelief.runtime import contract
+from distbelief.runtime.model import data, models
 
 from conftest import load_example, run_under_fire
 

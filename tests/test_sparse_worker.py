@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import prometheus_client as prom
 
-from distbelief.runtime import data, models
-from distbelief.runtime.embedding import EmbeddingModel
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import WorkerMetrics
-from distbelief.runtime.sparse import SparseRows
-from distbelief.runtime.sparse_worker import SparseWorker
-from distbelief.runtime.worker import WorkerSettings
+from distbelief.runtime.algorithms.downpour.sparse_worker import SparseWorker
+from distbelief.runtime.algorithms.downpour.worker import WorkerSettings
+from distbelief.runtime.model import data, models
+from distbelief.runtime.model.embedding import EmbeddingModel
+from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.rows.sparse import SparseRows
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import LiveShards, start_shards
 

@@ -13,8 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distbelief.operator import cli, spec
-from distbelief.operator.spec import SpecError
+from distbelief.operator import cli
+from distbelief.operator.spec import spec
+from distbelief.operator.spec.spec import SpecError
 from distbelief.runtime import contract
 
 pytestmark = pytest.mark.floors  # also run against the lowest dependency versions

@@ -10,25 +10,26 @@ from typing import Any, Iterator
 import pytest
 import zmq
 
-from distbelief.runtime import errors, keys, transport
+from distbelief.runtime import errors, keys
+from distbelief.runtime.transport import interface, zmq_server, zmq_transport
 
 ANSWER_SECONDS = 5.0    # a peer that got in has its answer by then
 REFUSED_SECONDS = 0.5   # how long a refused peer is watched for a message getting through
 
 
 @pytest.fixture
-def stage(job_keys: keys.JobKeys, encrypted: bool) -> Iterator[transport.ZmqServer]:
+def stage(job_keys: keys.JobKeys, encrypted: bool) -> Iterator[zmq_server.ZmqServer]:
     """A stage's ROUTER in a context of its own: a ZAP handler stopped and started again at
     once in one context can find its inproc endpoint not yet released."""
     context = zmq.Context()
-    server = transport.ZmqTransport(context).server("tcp://127.0.0.1:*", who="stage test", max_frame=1024,
+    server = zmq_transport.ZmqTransport(context).server("tcp://127.0.0.1:*", who="stage test", max_frame=1024,
                                                     max_frames=4, security=job_keys.stage_security(encrypted=encrypted))
     yield server
     server.close()
     context.term()
 
 
-def _send(stage: transport.ZmqServer, options: dict[int, Any] | None, text: bytes) -> zmq.Socket:
+def _send(stage: zmq_server.ZmqServer, options: dict[int, Any] | None, text: bytes) -> zmq.Socket:
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
     for option, value in (options or {}).items():
@@ -38,7 +39,7 @@ def _send(stage: transport.ZmqServer, options: dict[int, Any] | None, text: byte
     return peer
 
 
-def _serve_one(stage: transport.ZmqServer, seconds: float) -> transport.Incoming | None:
+def _serve_one(stage: zmq_server.ZmqServer, seconds: float) -> interface.Incoming | None:
     """The next message, answered with its own bytes; None if none came in time."""
     if not stage.poll(seconds):
         return None
@@ -48,7 +49,7 @@ def _serve_one(stage: transport.ZmqServer, seconds: float) -> transport.Incoming
     return incoming
 
 
-def test_a_stage_answers_a_replica_of_its_job(stage: transport.ZmqServer, job_keys: keys.JobKeys,
+def test_a_stage_answers_a_replica_of_its_job(stage: zmq_server.ZmqServer, job_keys: keys.JobKeys,
                                               encrypted: bool) -> None:
     peer = _send(stage, job_keys.stage_client_options(encrypted=encrypted), b"activations")
     try:
@@ -75,7 +76,7 @@ def _outsiders(job_keys: keys.JobKeys, encrypted: bool) -> dict[str, dict[int, A
 
 
 def test_a_stage_refuses_a_foreign_key_the_chief_and_an_unsecured_peer(
-        stage: transport.ZmqServer, job_keys: keys.JobKeys, encrypted: bool) -> None:
+        stage: zmq_server.ZmqServer, job_keys: keys.JobKeys, encrypted: bool) -> None:
     for name, options in _outsiders(job_keys, encrypted).items():
         peer = _send(stage, options, b"forged activations")
         try:

@@ -11,12 +11,15 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.operator import local, scrape, spec
-from distbelief.runtime import data, models
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.metrics import ShardMetrics, WorkerMetrics
-from distbelief.runtime.worker import Worker, WorkerSettings
+from distbelief.operator.local import local
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
+from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.model import data, models
+from distbelief.runtime.observe.metrics import ShardMetrics, WorkerMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.wire.layout import Layout
 
 from conftest import load_example, start_shards
 
@@ -26,12 +29,13 @@ def test_a_push_staler_than_the_bound_is_not_applied_and_brings_fresh_parameters
     live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), optimizer="sgd", learning_rate=0.1)
     live.shards[0].plugin(DenseSlice).max_staleness = 1
     group, ones = live.group(), np.ones(layout.total, np.float32)
+    dense = Float32Dense(group)
     try:
-        assert [r.step for r in group.push(ones, steps=[0], examples=1, loss=1.0)] == [1]  # 0 behind
-        assert [r.step for r in group.push(ones, steps=[0], examples=1, loss=1.0)] == [2]  # 1 behind: in bound
+        assert [r.step for r in dense.push(ones, steps=[0], examples=1, loss=1.0)] == [1]  # 0 behind
+        assert [r.step for r in dense.push(ones, steps=[0], examples=1, loss=1.0)] == [2]  # 1 behind: in bound
         held = live.params(0).copy()
         out = np.empty(layout.total, np.float32)
-        [reply] = group.push_and_pull(ones, out, steps=[0], examples=1, loss=1.0)  # 2 behind
+        [reply] = dense.push_and_pull(ones, out, steps=[0], examples=1, loss=1.0)  # 2 behind
         assert reply.stale and reply.step == 2
         np.testing.assert_array_equal(live.params(0), held)  # not applied...
         np.testing.assert_array_equal(out, held)             # ...and the fresh slice came back

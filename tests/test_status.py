@@ -7,9 +7,10 @@ from typing import Any
 
 import prometheus_client as prom
 
-from distbelief.operator import scrape, spec
-from distbelief.operator.status import Observed, compute_status, pod_failures, timestamp
-from distbelief.runtime.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics
+from distbelief.operator.spec import spec
+from distbelief.operator.status import scrape
+from distbelief.operator.status.status import Observed, compute_status, pod_failures, timestamp
+from distbelief.runtime.observe.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics
 
 from conftest import load_example
 

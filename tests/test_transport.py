@@ -10,13 +10,14 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.runtime import errors
-from distbelief.runtime.client import ShardGroup, Timeouts
-from distbelief.runtime.dense import DenseSlice
-from distbelief.runtime.layout import Layout
-from distbelief.runtime.memory_transport import MemoryTransport
-from distbelief.runtime.metrics import ShardMetrics
-from distbelief.runtime.optim import Sgd
-from distbelief.runtime.shard import Shard, ShardSettings
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.params.optim import Sgd
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.transport.memory_transport import MemoryTransport
+from distbelief.runtime.wire.layout import Layout
 
 LAYOUT = Layout.of([("w", (5, 4)), ("b", (4,))], shards=2)
 
@@ -45,7 +46,7 @@ def test_shards_and_a_replica_train_through_the_in_process_transport(tmp_path) -
         assert all(r.meta.size == LAYOUT.size(i) for i, r in enumerate(group.hello()))
         grad = np.arange(LAYOUT.total, dtype=np.float32)
         out = np.empty(LAYOUT.total, np.float32)
-        replies = group.push_and_pull(grad, out, steps=[0, 0], examples=4, loss=0.25)
+        replies = Float32Dense(group).push_and_pull(grad, out, steps=[0, 0], examples=4, loss=0.25)
         expected = np.zeros(LAYOUT.total, np.float32)
         Sgd(LAYOUT.total, 0.5).apply(expected, grad)
         np.testing.assert_array_equal(out, expected)
@@ -66,7 +67,7 @@ def test_an_error_reply_is_told_apart_by_its_code_not_its_text(tmp_path) -> None
                        timeouts=Timeouts(request=2.0, unavailable=5.0))
     try:
         with pytest.raises(errors.ShardRefused, match="PUSH: op PUSH is not served") as refused:
-            group.push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=0.1)
+            Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0, 0], examples=1, loss=0.1)
         assert not isinstance(refused.value, errors.LayoutMismatch)
         with pytest.raises(errors.LayoutMismatch):
             other.hello()

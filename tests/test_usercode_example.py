@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief.operator import spec
-from distbelief.runtime import data, models
+from distbelief.operator.spec import spec
+from distbelief.runtime.model import data, models
 
 from conftest import REPO
 

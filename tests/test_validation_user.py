@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distbelief.operator import sizing, spec
-from distbelief.operator.spec import SpecError
+from distbelief.operator.render import sizing
+from distbelief.operator.spec import spec
+from distbelief.operator.spec.spec import SpecError
 
 from conftest import EXAMPLES, REPO, load_example
 
@@ -93,7 +94,7 @@ def test_a_model_too_large_for_its_pods_is_a_warning_not_an_error(tmp_path: Path
 
 
 def test_parameter_count_from_the_spec_matches_the_built_model() -> None:
-    from distbelief.runtime import data, models
+    from distbelief.runtime.model import data, models
 
     job = spec.validate_job(load_example("digits-mlp.yaml"))
     dataset = data.load(job["spec"]["data"])
@@ -146,7 +147,7 @@ def test_run_and_predict_take_one_job_per_file(tmp_path: Path) -> None:
 
 def test_every_pattern_of_the_crd_is_explained_with_an_example() -> None:
     """A pattern the CRD gains without an explanation would show users a raw regex."""
-    from distbelief.operator import schemawalk
+    from distbelief.operator.spec import schemawalk
 
     def patterns(node: object) -> set[str]:
         if isinstance(node, dict):

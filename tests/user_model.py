@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.runtime import models
+from distbelief.runtime.model import models
 
 
 class WrappedMlp:

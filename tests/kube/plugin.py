@@ -21,7 +21,7 @@ JOB_RESOURCE = "distbelief.io/v1alpha1/distbeliefjobs"
 def project_emulator(**kwargs: object) -> KubeEmulator:
     """An emulator (not started) that serves DistBeliefJobs as the CRD in crds/ defines them:
     defaulted and validated by the project's own validator, ``spec.validate_job``."""
-    from distbelief.operator import spec
+    from distbelief.operator.spec import spec
 
     return KubeEmulator(crds=[JOB_CRD], validators={JOB_RESOURCE: spec.validate_job}, **kwargs)  # type: ignore[arg-type]
 

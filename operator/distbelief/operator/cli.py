@@ -33,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(exc: Exception) -> int:
+    from distbelief.operator.spec import spec
     from distbelief.runtime import errors
-    from distbelief.operator import spec
 
     if isinstance(exc, spec.SpecError):
         for line in exc.errors:
@@ -133,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from distbelief.operator import sizing, spec
+    from distbelief.operator.render import sizing
+    from distbelief.operator.spec import spec
 
     failed = False
     for path in args.files:
@@ -153,7 +154,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from distbelief.operator import render, spec
+    from distbelief.operator.render import render
+    from distbelief.operator.spec import spec
 
     objects = []
     for doc in spec.load_manifests(args.file):
@@ -164,7 +166,7 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from distbelief.operator import local
+    from distbelief.operator.local import local
 
     return local.run_file(args.file, output=args.output, progress=not args.no_progress, fresh=args.fresh)
 
@@ -191,7 +193,7 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _operator(args: argparse.Namespace) -> int:
-    from distbelief.operator import handlers
+    from distbelief.operator.cluster import handlers
 
     handlers.run(namespaces=args.namespace, standalone=args.standalone, liveness=args.liveness or None,
                  peering=args.peering)
@@ -199,18 +201,18 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _ps(args: argparse.Namespace) -> int:
-    from distbelief.runtime import roles
+    from distbelief.runtime.roles import ps
 
-    return roles.run_ps(config_path=args.config, shard=args.shard, port=args.port, metrics_port=args.metrics_port,
-                        listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger,
-                        keys_dir=args.keys_dir, coordinator_port=args.coordinator_port, bulk_port=args.bulk_port)
+    return ps.run_ps(config_path=args.config, shard=args.shard, port=args.port, metrics_port=args.metrics_port,
+                     listen=args.listen, checkpoint_dir=args.checkpoint_dir, linger=args.linger,
+                     keys_dir=args.keys_dir, coordinator_port=args.coordinator_port, bulk_port=args.bulk_port)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from distbelief.runtime import roles
+    from distbelief.runtime.roles import worker
 
-    return roles.run_worker(config_path=args.config, metrics_port=args.metrics_port, listen=args.listen,
-                            keys_dir=args.keys_dir)
+    return worker.run_worker(config_path=args.config, metrics_port=args.metrics_port, listen=args.listen,
+                             keys_dir=args.keys_dir)
 
 
 if __name__ == "__main__":

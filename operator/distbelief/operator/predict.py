@@ -16,9 +16,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from distbelief.operator import spec
-from distbelief.operator.localpods import volume_dir
-from distbelief.runtime import contract, data, errors, models
+from distbelief.operator.local.localpods import volume_dir
+from distbelief.operator.spec import spec
+from distbelief.runtime import contract, errors
+from distbelief.runtime.model import data, models
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@
     ├── ConfigError          a resolved config or data source the roles cannot use
     └── Diverged             a replica whose training loss stayed non-finite
 
-ZeroMQ's own errors are translated into these inside transport.py; nothing above it
+ZeroMQ's own errors are translated into these inside the transport (transport/); nothing above it
 sees a zmq exception. A shard's ProtocolError travels back as an error reply whose code
 (protocol.ErrorCode) names its kind.
 """

@@ -15,17 +15,17 @@ One shared replica keypair (rather than one per replica) is a deliberate choice:
 come and go under a Deployment and an autoscaler, so per-replica keys would need a key
 authority handing them out at run time. A replica cannot be told apart from another by
 its key; the shards tell connections apart by a random routing id each client keeps
-(transport.py), which a peer cannot guess.
+(transport/zmq_link.py), which a peer cannot guess.
 
 The keys are files in one folder (keyfiles.py: a mounted Secret on a cluster, OUTPUT/keys
 in local mode); a worker's copy holds only CLIENT_FILES (and STAGE_FILES when partitioned).
-The shards authenticate peers with a ZAP handler (admission.py) that admits, per serving
+The shards authenticate peers with a ZAP handler (transport/admission.py) that admits, per serving
 socket, only the job's client and chief public keys, and names the peer by its key (the
 ZAP User-Id) so that the shard can tell the chief apart.
 
 Encryption is the default: CurveZMQ authenticates every connection, and a replica's
 requests and the shards' replies then go sealed with AES-256-GCM under a session key
-agreed over it (sessions.py); the bulk port those travel on has no CurveZMQ, so the ZAP
+agreed over it (transport/sessions.py); the bulk port those travel on has no CurveZMQ, so the ZAP
 handler admits a connection there only from an address that holds a session. With
 spec.parameterServers.encryption false, sockets use
 ZeroMQ's PLAIN mechanism with a token per role derived from its secret key (user

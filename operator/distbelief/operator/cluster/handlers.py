@@ -1,0 +1,284 @@
+"""The kopf handlers: reconcile a DistBeliefJob's children, and keep its status current.
+
+    create / resume / spec update  ->  reconcile(): validate, create the key Secret once,
+                                                    render, apply every child
+    timer (every STATUS_INTERVAL)  ->  observe():   read children and the chief's metrics,
+                                                    compute the status, act on completion,
+                                                    delete the job when its TTL has passed
+
+The spec is the one source of truth: `kubectl scale` and the HPA both write
+spec.workers.replicas through the scale subresource, and reconcile() follows, for every
+partition's Deployment alike. The shard and partition counts are locked at creation
+(annotations distbelief.io/shards and distbelief.io/partitions): a later change is
+refused with a condition, because moving parameters between shards is not supported and
+the parameters' placement on the shards follows the partitions.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import logging
+import os
+import threading
+from typing import Any, Literal, Mapping
+
+import kopf
+
+from distbelief.operator.cluster import peering as peering_watch
+from distbelief.operator.cluster.kube import Kube, KubeError
+from distbelief.operator.render import render, sizing
+from distbelief.operator.spec import spec as job_spec
+from distbelief.operator.status import scrape
+from distbelief.operator.status.status import TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
+from distbelief.runtime import contract, keys
+
+log = logging.getLogger(__name__)
+
+RESOURCE = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
+SHARDS_ANNOTATION = f"{contract.API_GROUP}/shards"
+PARTITIONS_ANNOTATION = f"{contract.API_GROUP}/partitions"
+# The uid of the keys Secret this operator created for the job: the job's record that the
+# Secret of that name is its own (the operator may create Secrets, never read them).
+KEYS_ANNOTATION = f"{contract.API_GROUP}/keys-secret-uid"
+FOREIGN_KEYS_RETRY_SECONDS = 30
+STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
+# Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
+METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
+IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", render.DEFAULT_IMAGE)
+# The operator's own namespace (the chart sets it from the downward API): the jobs'
+# NetworkPolicies admit the operator's metrics scrapes from there.
+OPERATOR_NAMESPACE = os.environ.get("DISTBELIEF_OPERATOR_NAMESPACE") or None
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Progress and diff-base live in annotations: a structural schema would prune them
+    # from status (and we keep status for the user).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.distbelief.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kopf.distbelief.io", key="last-handled-configuration")
+    settings.posting.level = logging.INFO
+    settings.posting.loggers = False  # only the explicit transitions below become Events
+    settings.watching.server_timeout = 120
+    # A job deleted while its status timer runs: let kopf release its finalizer promptly
+    # (the default polls the timer's cancellation for 60 s).
+    settings.background.cancellation_polling = 1
+    _load_kube_config()
+
+
+@kopf.on.startup()
+def watch_peering(memo: kopf.Memo, **_: Any) -> None:
+    """Warn while kopf's peering object is missing (kopf itself pauses silently)."""
+    if memo.get("peering"):
+        memo["peering_stop"] = threading.Event()
+        peering_watch.watch(memo["peering"], memo["namespaces"], memo["peering_stop"])
+
+
+@kopf.on.cleanup()
+def stop_peering_watch(memo: kopf.Memo, **_: Any) -> None:
+    if memo.get("peering_stop"):
+        memo["peering_stop"].set()
+
+
+def _load_kube_config() -> None:
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+def _validated(body: Mapping[str, Any]) -> dict[str, Any]:
+    doc = {k: copy.deepcopy(body[k]) for k in ("apiVersion", "kind", "metadata", "spec")}
+    try:
+        return job_spec.validate_job(doc)
+    except job_spec.SpecError as exc:
+        raise kopf.PermanentError(f"invalid DistBeliefJob: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Lock:
+    """A count fixed at the job's creation, kept in an annotation; a change is refused."""
+
+    condition: str       # the status condition and the Warning's reason while a change is refused
+    annotation: str
+    path: tuple[str, str]
+    refusal: str         # why the change cannot be followed
+
+    def wanted(self, job: Mapping[str, Any]) -> int:
+        return int(job["spec"][self.path[0]].get(self.path[1], 1))
+
+
+LOCKS = (
+    Lock("ShardCountLocked", SHARDS_ANNOTATION, ("parameterServers", "shards"), "resharding a job is not supported"),
+    Lock("PartitionCountLocked", PARTITIONS_ANNOTATION, ("model", "partitions"),
+         "repartitioning a job is not supported (the parameters' places on the shards follow the partitions)"),
+)
+
+
+def _locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The job with its shard and partition counts as created, and a refusal message by
+    condition for each count the spec changed."""
+    annotations = job["metadata"].get("annotations") or {}
+    refusals: dict[str, str] = {}
+    for lock in LOCKS:
+        locked, wanted = annotations.get(lock.annotation), lock.wanted(job)
+        if locked is None or int(locked) == wanted:
+            continue
+        job = copy.deepcopy(job)
+        job["spec"][lock.path[0]][lock.path[1]] = int(locked)
+        field = f"spec.{'.'.join(lock.path)}"
+        refusals[lock.condition] = (f"{field} changed from {locked} to {wanted}: {lock.refusal}; the job keeps "
+                                    f"{locked} {lock.path[1]} (set it back, or create a new job)")
+    return job, refusals
+
+
+@kopf.on.create(*RESOURCE)
+@kopf.on.resume(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None:
+    job, refusals = _locked_job(_validated(body))
+    for lock in LOCKS:
+        if lock.condition in refusals:
+            kopf.warn(body, reason=lock.condition, message=refusals[lock.condition])
+        elif lock.annotation not in (body.metadata.annotations or {}):
+            patch.metadata.annotations[lock.annotation] = str(lock.wanted(job))
+    parameters = sizing.parameter_count(job["spec"])
+    for line in sizing.memory_warnings(job["spec"], parameters) if parameters else []:
+        kopf.warn(body, reason="MemoryLimitLow", message=line)
+    finished = (body.status or {}).get("phase") in TERMINAL
+    kube = Kube()
+    new = reason == "create"  # nothing of the job exists yet: create without reading first
+    secret = contract.JobNames(job["metadata"]["name"]).keys_secret
+    ownership = ensure_keys_secret(kube, job)
+    if ownership == "created":
+        kopf.info(body, reason="KeysCreated", message=f"Secret {secret} with the job's CurveZMQ keys")
+    elif ownership == "foreign":
+        message = (f"Secret {secret} exists but was not made for this job; the job will not use it "
+                   "(delete it, and the operator makes the job's own)")
+        kopf.warn(body, reason="KeysSecretForeign", message=message)
+        raise kopf.TemporaryError(message, delay=FOREIGN_KEYS_RETRY_SECONDS)
+    results = apply_children(kube, job, finished=finished, new=new)
+    changed = {name: result for name, result in results.items() if result != "unchanged"}
+    if changed:
+        kopf.info(body, reason="ChildrenApplied" if reason != "update" else "SpecApplied",
+                  message=", ".join(f"{name} {result}" for name, result in changed.items()))
+
+
+def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created", "own", "foreign"]:
+    """Make sure the job's key Secret exists and is its own: "foreign" if one exists that is not.
+
+    The operator only ever creates the Secret, and never reads one: the create answers
+    409 when the name is taken, and the taken name is the job's own only if the job
+    records (KEYS_ANNOTATION) that this operator created it. A Secret someone put there
+    before the job, or before the operator's first reconcile, is refused rather than
+    trusted, since whoever wrote it knows the keys. An existing own Secret is never
+    changed: keys are not rotated behind the user's back."""
+    meta = job["metadata"]
+    names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
+    created = kube.create(render.render_keys_secret(job, keys.JobKeys.generate().files()))
+    if created is None:
+        return "own" if KEYS_ANNOTATION in (meta.get("annotations") or {}) else "foreign"
+    uid = (created.get("metadata") or {}).get("uid", "")
+    # Recorded at once, not with the handler's patch: a crash in between would leave the
+    # job's own Secret looking foreign.
+    kube.patch(*_job_address(job), {"metadata": {"annotations": {KEYS_ANNOTATION: uid}}})
+    log.info("event=keys_created job=%s namespace=%s secret=%s uid=%s", names.job, namespace, names.keys_secret, uid)
+    return "created"
+
+
+def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool, new: bool = False) -> dict[str, str]:
+    """Create (a new job's: without reading first) or patch every rendered child; remove
+    an optional child (the HPA, the NetworkPolicy) that the spec no longer asks for. The
+    removal runs for a new job too: a retried create, or an orphaned child of an earlier
+    job of the same name, may have left one."""
+    children = render.render_children(job, image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
+    results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c, likely_absent=new) for c in children}
+    names = contract.JobNames(job["metadata"]["name"])
+    namespace = job["metadata"].get("namespace") or "default"
+    optional = {("autoscaling/v2", "HorizontalPodAutoscaler"): names.worker,
+                ("networking.k8s.io/v1", "NetworkPolicy"): names.ps}
+    rendered = {(c["apiVersion"], c["kind"]) for c in children}
+    for (api_version, kind), name in optional.items():
+        if (api_version, kind) not in rendered and kube.delete(api_version, kind, namespace, name):
+            results[f"{kind}/{name}"] = "deleted"
+    return results
+
+
+@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=min(1.0, STATUS_INTERVAL))
+def observe(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    kube = Kube()
+    job, refusals = _locked_job(_validated(body))
+    job["status"] = copy.deepcopy(dict(body.status or {}))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    status = compute_status(job, read_observed(kube, job, refusals), now)
+    before = job["status"].get("phase")
+    if status["phase"] in TERMINAL and before not in TERMINAL:
+        _finish(kube, body, job, status)
+    elif status["phase"] != before:
+        condition = next((c for c in status["conditions"] if c["type"] == status["phase"]), {})
+        kopf.info(body, reason=status["phase"], message=condition.get("message", status["phase"]))
+    if _ttl_expired(job, status, now):
+        kopf.info(body, reason="Deleted", message="ttlSecondsAfterFinished has passed since completion")
+        kube.delete(*_job_address(job))
+        return
+    current = {k: v for k, v in job["status"].items() if k != "kopf"}
+    if status != current:
+        patch.status.update(status)
+
+
+def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str]) -> Observed:
+    meta = job["metadata"]
+    names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
+    sts = kube.get("apps/v1", "StatefulSet", namespace, names.ps) or {}
+    deployments = [(kube.get("apps/v1", "Deployment", namespace, name) or {}).get("status") or {}
+                   for name in render.worker_deployment_names(job_spec.job_config(job))]
+    pods = kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: meta["name"]})
+    url = METRICS_URL.format(job=meta["name"], namespace=namespace, pod=names.shard_pod(0), service=names.ps,
+                             port=contract.METRICS_PORT)
+    return Observed(
+        shards_ready=int((sts.get("status") or {}).get("readyReplicas", 0)),
+        # A replica is one pod of each partition: count the partition with the fewest.
+        workers=min(int(d.get("replicas", 0)) for d in deployments),
+        workers_ready=min(int(d.get("readyReplicas", 0)) for d in deployments),
+        figures=scrape.read(url),
+        **pod_failures(pods),
+        children_created=bool(sts),
+        shard_lock_message=refusals.get("ShardCountLocked"),
+        partition_lock_message=refusals.get("PartitionCountLocked"),
+    )
+
+
+def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+    """Scale the finished job down (its objects and checkpoints stay) and say why."""
+    condition = next(c for c in status["conditions"] if c["type"] == status["phase"])
+    try:
+        apply_children(kube, job, finished=True)
+    except KubeError as exc:
+        raise kopf.TemporaryError(f"cannot scale the finished job down: {exc}", delay=5) from exc
+    post = kopf.info if status["phase"] == contract.SUCCEEDED else kopf.warn
+    post(body, reason=condition.get("reason", status["phase"]),
+         message=f"{status['phase']}: {condition.get('message', '')}; replicas scaled to 0")
+
+
+def _ttl_expired(job: Mapping[str, Any], status: Mapping[str, Any], now: datetime.datetime) -> bool:
+    ttl = job["spec"]["runPolicy"].get("ttlSecondsAfterFinished")
+    done = status.get("completionTime")
+    return ttl is not None and done is not None and (now - parse_timestamp(done)).total_seconds() >= ttl
+
+
+def _job_address(job: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    meta = job["metadata"]
+    return (f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, meta.get("namespace") or "default",
+            meta["name"])
+
+
+def run(*, namespaces: list[str], standalone: bool, liveness: str | None, peering: str) -> None:
+    """Run the operator until it is stopped (SIGTERM/SIGINT)."""
+    peering_name = None if standalone else peering
+    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=standalone,
+             liveness_endpoint=liveness, peering_name=peering_name,
+             memo=kopf.Memo(peering=peering_name, namespaces=list(namespaces)))

@@ -1,0 +1,103 @@
+"""Local mode's output folder: one run at a time, and what an earlier run left in it.
+
+A run holds an exclusive lock (flock) on a file in the folder for as long as it uses
+it, so a second run into the same folder is refused instead of interleaving logs and
+history. Before any pod starts, the folder's checkpoints are compared with the job: a
+changed model or shard count is refused, a run to resume is announced with its step,
+and a finished job is not trained again without --fresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import fcntl
+import os
+import shutil
+from typing import Any, Iterator, Mapping
+
+from distbelief.operator.local import report
+from distbelief.operator.local.localpods import volume_dir
+from distbelief.runtime import contract, errors
+from distbelief.runtime.shard import checkpoint
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def locked(output: str) -> Iterator[None]:
+    """Hold the folder's lock; refuse in one line when another run holds it."""
+    os.makedirs(output, exist_ok=True)
+    fd = os.open(os.path.join(output, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise errors.RuntimeFailure(f"{output} is in use by another distbelief run (pid {holder}): wait for it "
+                                        "to end, or give this run another --output DIR") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def clear(output: str) -> None:
+    """Everything an earlier run left (--fresh), but the lock this run holds."""
+    for name in os.listdir(output):
+        path = os.path.join(output, name)
+        if name == LOCK_FILE:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Earlier:
+    """What an earlier run left: the chief's result, and the newest checkpoint of shard 0."""
+
+    result: Mapping[str, Any] | None = None
+    step: int | None = None
+    saved_at: float | None = None
+
+    def announcement(self) -> str | None:
+        """The line that tells the user what this run will do with the folder."""
+        if self.result:
+            return (f"already {self.result['phase']} at step {self.result.get('globalStep', '?')}; "
+                    "--fresh to train again")
+        if self.step is not None and self.saved_at is not None:
+            when = datetime.datetime.fromtimestamp(self.saved_at).strftime("%Y-%m-%d %H:%M:%S")
+            return f"resuming from step {self.step} (checkpoints of {when})"
+        return None
+
+
+def earlier(output: str, job: Mapping[str, Any], layout: int) -> Earlier:
+    """What the folder holds for job, whose parameters have the given layout hash; a
+    ConfigError if its checkpoints belong to another model or shard count."""
+    names = contract.JobNames(job["metadata"]["name"])
+    newest = []
+    for index in range(int(job["spec"]["parameterServers"]["shards"])):
+        folder = volume_dir(output, names.shard_pod(index), contract.CHECKPOINT_VOLUME)
+        found = _newest(folder)
+        if found and found[0].layout != layout:
+            raise errors.ConfigError(
+                f"{folder}: the checkpoints there are of another model or shard count (layout "
+                f"{found[0].layout:016x}, this job's is {layout:016x}): --fresh to start over, or --output DIR")
+        newest.append(found)
+    chief = volume_dir(output, names.shard_pod(0), contract.CHECKPOINT_VOLUME)
+    ckpt, saved_at = newest[0] or (None, None)
+    return Earlier(result=report.read_result(chief), step=ckpt.step if ckpt else None, saved_at=saved_at)
+
+
+def _newest(folder: str) -> tuple[checkpoint.Checkpoint, float] | None:
+    """The newest checkpoint in folder that verifies, and when it was written."""
+    for path in checkpoint.list_checkpoints(folder):
+        try:
+            return checkpoint.load(path), os.path.getmtime(path)
+        except errors.CorruptCheckpoint:
+            continue  # the shard sets it aside when it starts
+    return None

@@ -1,0 +1,87 @@
+"""What every render_* function knows of one job (RenderContext), and the config hash that
+rolls its pods when the config changes.
+
+Pure values: render.py and podparts.py both build on these.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+from distbelief.operator.spec.spec import job_config
+from distbelief.runtime import contract
+
+# Fields that only size the job. They stay in the ConfigMap but not in the config hash,
+# so that scaling (by hand, or by the HPA through the scale subresource) and suspending
+# never restart the running shards and replicas.
+_SCALING_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("workers", "replicas"),
+    ("workers", "autoscaling"),
+    ("runPolicy",),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderContext:
+    """What every render_* function needs to know about one job."""
+
+    config: contract.JobConfig
+    image: str
+    uid: str | None
+    config_json: str
+    config_hash: str
+    finished: bool = False
+    operator_namespace: str | None = None   # None: the job's own
+
+    @classmethod
+    def of(cls, job: Mapping[str, Any], *, image: str, finished: bool = False,
+           operator_namespace: str | None = None) -> RenderContext:
+        config = job_config(job)
+        return cls(
+            config=config,
+            image=config.spec.get("image") or image,
+            uid=job["metadata"].get("uid"),
+            config_json=config.to_json(),
+            config_hash=config_hash(config),
+            finished=finished,
+            operator_namespace=operator_namespace,
+        )
+
+    @property
+    def names(self) -> contract.JobNames:
+        return self.config.names
+
+    @property
+    def spec(self) -> Mapping[str, Any]:
+        return self.config.spec
+
+    @property
+    def suspended(self) -> bool:
+        return bool(self.spec.get("runPolicy", {}).get("suspend"))
+
+    @property
+    def shard_replicas(self) -> int:
+        """0 while suspended, and once finished unless cleanPodPolicy keeps the shards."""
+        keep_shards = self.spec.get("runPolicy", {}).get("cleanPodPolicy") == "None"
+        stopped = self.suspended or (self.finished and not keep_shards)
+        return 0 if stopped else self.config.shards * self.config.copies
+
+    @property
+    def worker_replicas(self) -> int:
+        return 0 if self.suspended or self.finished else int(self.spec["workers"]["replicas"])
+
+
+def config_hash(config: contract.JobConfig) -> str:
+    """First 16 hex digits of the sha256 of the config, without the scaling-only fields."""
+    spec = copy.deepcopy(dict(config.spec))
+    for path in _SCALING_FIELDS:
+        parent = spec
+        for key in path[:-1]:
+            parent = parent.get(key, {})
+        parent.pop(path[-1], None)
+    text = dataclasses.replace(config, spec=spec).to_json()
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

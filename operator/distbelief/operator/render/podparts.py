@@ -1,0 +1,258 @@
+"""The parts every workload of a job shares: metadata and labels, the pod template and its
+container, volumes (config, keys, checkpoints, data), probes, hardening and resources.
+
+Pure functions of a RenderContext (context.py), as the renderer's are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+from distbelief.operator.render.context import RenderContext
+from distbelief.operator.spec.spec import DATA_DIR
+from distbelief.runtime import contract, keys
+
+Manifest = dict[str, Any]
+APP_NAME = "distbelief"
+MANAGED_BY = "distbelief-operator"
+CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
+RUN_AS_ID = 10001
+TERMINATION_GRACE_SECONDS = 30
+CONFIG_VOLUME = "config"
+SCRATCH_VOLUME = "tmp"
+# spec.data.volume's claim, read-only in every pod at DATA_DIR: npz:/data/... sources read from it.
+DATA_VOLUME = "data"
+# Owner-read only; with the pods' fsGroup the kubelet makes the files group-readable
+# (0440, group 10001), which is what lets the non-root roles read them.
+KEYS_MODE = 0o400
+DEFAULT_CPU_UTILIZATION = 80
+# A partitioned job's worker pods carry their partition's number (0..N-1) under this label,
+# so that the partitions' Deployments select disjoint pods.
+PARTITION_LABEL = f"{contract.API_GROUP}/partition"
+
+
+def labels(job: str, component: str) -> dict[str, str]:
+    """The labels of every object (and pod) of ``job`` playing ``component``."""
+    return {
+        "app.kubernetes.io/name": APP_NAME,
+        "app.kubernetes.io/instance": job,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **contract.selector_labels(job, component),
+    }
+
+
+def owner_references(ctx: RenderContext) -> list[dict[str, Any]]:
+    """The job as controller of a child; none when the job has no uid (not stored yet)."""
+    if not ctx.uid:
+        return []
+    return [{"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND, "name": ctx.config.name,
+             "uid": ctx.uid, "controller": True, "blockOwnerDeletion": True}]
+
+
+def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": ctx.config.namespace,
+                            "labels": labels(ctx.config.name, component)}
+    owners = owner_references(ctx)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+def pod_template(ctx: RenderContext, role: str, container: Manifest,
+                 extra_labels: Mapping[str, str] | None = None, *, affinity: Manifest | None = None) -> Manifest:
+    template: Manifest = {
+        "metadata": {
+            "labels": {**labels(ctx.config.name, role), **(extra_labels or {})},
+            "annotations": {CONFIG_HASH_ANNOTATION: ctx.config_hash},
+        },
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+            "securityContext": _pod_security(),
+            "containers": [container],
+            "volumes": [
+                {"name": CONFIG_VOLUME, "configMap": {"name": ctx.names.config_map}},
+                {"name": SCRATCH_VOLUME, "emptyDir": {}},
+                keys_volume(ctx, role),
+                *_data_volume(ctx),
+            ],
+        },
+    }
+    if affinity:
+        template["spec"]["affinity"] = affinity
+    return template
+
+
+def spread_copies(ctx: RenderContext) -> Manifest | None:
+    """With backups, the shard pods prefer distinct nodes, so that one node's loss takes at most
+    one copy of a shard where the cluster has the room (preferred: a small cluster still runs
+    the job). The pods of one StatefulSet share their labels, so all shard pods spread."""
+    if ctx.config.copies == 1:
+        return None
+    term = {"labelSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_PS)},
+            "topologyKey": "kubernetes.io/hostname"}
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}
+
+
+def container(ctx: RenderContext, role: str, *, args: list[str],
+               ports: list[dict[str, Any]], mounts: list[dict[str, Any]] | None = None,
+               env: list[dict[str, Any]] | None = None) -> Manifest:
+    """The one container of a role's pods: ``distbelief <role> --config ... <args>``; env
+    comes after the common variables (and may refer to them as $(NAME))."""
+    container: Manifest = {
+        "name": role,
+        "image": ctx.image,
+        "command": ["distbelief", role],
+        "args": ["--config", contract.CONFIG_PATH, *args],
+        "env": [{"name": contract.ENV_POD_NAME,
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items()),
+                *_thread_env(ctx.spec[_ROLE_SPEC[role]].get("resources")),
+                *(env or [])],
+        "ports": ports,
+        "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
+        "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
+        "securityContext": _container_security(),
+        # A role's one-line error (the tail of its log) becomes the terminated state's
+        # message, which the operator quotes when a config error fails the job.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": CONFIG_VOLUME, "mountPath": contract.CONFIG_DIR, "readOnly": True},
+            {"name": SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR},
+            {"name": contract.KEYS_VOLUME, "mountPath": contract.KEYS_DIR, "readOnly": True},
+            *_data_mount(ctx),
+            *(mounts or []),
+        ],
+    }
+    limits = resources(ctx.spec[_ROLE_SPEC[role]].get("resources"))
+    if limits:
+        container["resources"] = limits
+    return container
+
+
+_ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
+
+
+def _data_volume(ctx: RenderContext) -> list[dict[str, Any]]:
+    """spec.data.volume: the user's claim (npz files), read-only in every pod; none without it."""
+    claim = ctx.spec["data"].get("volume")
+    return [{"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}] if claim else []
+
+
+def _data_mount(ctx: RenderContext) -> list[dict[str, Any]]:
+    return [{"name": DATA_VOLUME, "mountPath": DATA_DIR, "readOnly": True}] if ctx.spec["data"].get("volume") else []
+
+
+def keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
+    """The job's keys: all of them for the shards (shard 0's chief is a client too),
+    never the server's secret for a replica; a partitioned job's replica pods also get the
+    stages' keypair (each serves its stage). Not optional: a pod waits for the Secret
+    rather than run unauthenticated."""
+    secret: dict[str, Any] = {"secretName": ctx.names.keys_secret, "defaultMode": KEYS_MODE}
+    if role == contract.ROLE_WORKER:
+        files = keys.CLIENT_FILES + (keys.STAGE_FILES if ctx.config.partitions > 1 else ())
+        secret["items"] = [{"key": name, "path": name} for name in files]
+    return {"name": contract.KEYS_VOLUME, "secret": secret}
+
+
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": contract.METRICS_PORT_NAME},
+            "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_ID, "runAsGroup": RUN_AS_ID,
+            "fsGroup": RUN_AS_ID, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
+# BLAS and OpenMP size their thread pools by the node's cores, not the pod's share: on a
+# shared node, replicas and shards then spin against each other (2.8x fewer examples/s,
+# measured with 4 pods on 2 cores). Each pod gets as many threads as it has CPUs.
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_SUFFIXES = {"m": Decimal("0.001"), "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
+             "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
+             "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
+             "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60}
+
+
+def _thread_env(resources: Mapping[str, Any] | None) -> list[dict[str, str]]:
+    """Threads = the CPU limit, else the CPU request, rounded up; nothing set without either."""
+    cpus = next((spec["cpu"] for key in ("limits", "requests")
+                 if (spec := (resources or {}).get(key)) and "cpu" in spec), None)
+    if cpus is None:
+        return []
+    threads = str(max(1, math.ceil(cpu_cores(cpus))))
+    return [{"name": name, "value": threads} for name in THREAD_ENV]
+
+
+def cpu_cores(quantity: str | int | float) -> Decimal:
+    """A Kubernetes quantity ("500m", "2", "1.5", 2 CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
+    text = str(quantity)
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            return Decimal(text[: -len(suffix)]) * _SUFFIXES[suffix]
+    return Decimal(text)
+
+
+def resources(spec: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {key: dict(spec[key]) for key in ("requests", "limits") if spec and spec.get(key)}
+
+
+def metrics_port() -> dict[str, Any]:
+    return {"name": contract.METRICS_PORT_NAME, "containerPort": contract.METRICS_PORT,
+            "protocol": "TCP"}
+
+
+def ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
+    """The shard port and metrics; with encryption the bulk port; under Sandblaster also the
+    coordinator's, and in a partitioned job the rendezvous's on the same port (shard 0
+    serves either)."""
+    ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port, "protocol": "TCP"},
+             metrics_port()]
+    if ctx.config.spec["parameterServers"].get("encryption", True):
+        ports.append({"name": contract.BULK_PORT_NAME, "containerPort": contract.BULK_PORT, "protocol": "TCP"})
+    if ctx.config.sandblaster or ctx.config.partitions > 1:
+        ports.append({"name": contract.COORDINATOR_PORT_NAME, "containerPort": contract.COORDINATOR_PORT,
+                      "protocol": "TCP"})
+    return ports
+
+
+def stage_port() -> dict[str, Any]:
+    return {"name": contract.STAGE_PORT_NAME, "containerPort": contract.STAGE_PORT, "protocol": "TCP"}
+
+
+def stage_env(partition: int) -> list[dict[str, Any]]:
+    """A partitioned job's worker pod: its partition, and where its stage serves, as its
+    group's other pods reach it (the kubelet expands $(POD_IP), defined just before)."""
+    return [{"name": contract.ENV_PARTITION, "value": str(partition)},
+            {"name": contract.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": contract.ENV_STAGE_ADDRESS, "value": f"tcp://$({contract.ENV_POD_IP}):{contract.STAGE_PORT}"}]
+
+
+def checkpoint_claim(ctx: RenderContext, storage: Mapping[str, Any]) -> Manifest:
+    claim: Manifest = {
+        "metadata": {"name": contract.CHECKPOINT_VOLUME,
+                     "labels": labels(ctx.config.name, contract.ROLE_PS)},
+        "spec": {"accessModes": ["ReadWriteOnce"],
+                 "resources": {"requests": {"storage": storage["size"]}}},
+    }
+    if storage.get("storageClassName"):
+        claim["spec"]["storageClassName"] = storage["storageClassName"]
+    return claim
+
+
+def cpu_metric() -> dict[str, Any]:
+    return {"type": "Resource",
+            "resource": {"name": "cpu", "target": {"type": "Utilization",
+                                                   "averageUtilization": DEFAULT_CPU_UTILIZATION}}}

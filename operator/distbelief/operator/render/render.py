@@ -1,0 +1,282 @@
+"""Render a validated DistBeliefJob into the Kubernetes objects that run it.
+
+Pure functions: the output of :func:`distbelief.operator.spec.spec.validate_job` in, plain
+manifest dicts out, no cluster access and no kopf or kubernetes imports. The operator
+applies what these return, ``distbelief render`` prints it and local mode runs the
+containers' commands, so there is exactly one renderer.
+
+Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless Service
+and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard copy: pod o is
+copy o // shards of shard o % shards), Deployment ``<job>-worker`` (the model replicas;
+with spec.model.partitions N > 1, one Deployment ``<job>-worker-p<k>`` per partition
+instead, each with spec.workers.replicas pods, so that a replica is one pod of each) and,
+when the spec asks, a HorizontalPodAutoscaler
+``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource, and,
+unless the spec turns it off, the NetworkPolicy ``<job>-ps`` around all the job's pods.
+
+Every pod mounts the Secret ``<job>-keys`` (the job's CurveZMQ keys) read-only. That
+Secret is not among the children: it holds key material that must be made once and
+never rewritten, so the operator creates it from :func:`render_keys_secret` only when it
+is absent, and local mode writes the same files into its output folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from distbelief.operator.render import podparts
+from distbelief.operator.render.context import RenderContext
+from distbelief.runtime import contract
+
+log = logging.getLogger(__name__)
+
+COMPONENT_CONFIG = "config"
+COMPONENT_KEYS = "keys"
+# The image the roles run when neither the job nor the operator's settings name one.
+DEFAULT_IMAGE = "distbelief/distbelief:0.1.0"
+# Set by the API server on every namespace, and only by it: a selector users cannot fake.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+Manifest = podparts.Manifest
+
+
+def render_children(job: Mapping[str, Any], *, image: str, finished: bool = False,
+                    operator_namespace: str | None = None) -> list[Manifest]:
+    """Every child object of ``job`` (validated), in the order they should be applied.
+
+    A finished job keeps its objects but runs no replicas (and no shards, unless
+    runPolicy.cleanPodPolicy is None) and no autoscaler. operator_namespace is where the
+    operator that reads the job's metrics runs (the NetworkPolicy admits it)."""
+    ctx = RenderContext.of(job, image=image, finished=finished, operator_namespace=operator_namespace)
+    children = [
+        render_config_map(ctx),
+        render_ps_service(ctx),
+        render_ps_statefulset(ctx),
+        *render_worker_deployments(ctx),
+    ]
+    children += [c for c in (render_worker_hpa(ctx), render_ps_network_policy(ctx)) if c is not None]
+    log.debug("rendered job=%s children=%d hash=%s", ctx.config.name, len(children),
+              ctx.config_hash)
+    return children
+
+
+def to_yaml(objs: Iterable[Mapping[str, Any]]) -> str:
+    """Multi-document YAML, keys in the order they were built, multi-line text as blocks."""
+    return yaml.dump_all([_plain(o) for o in objs], Dumper=_BlockDumper, sort_keys=False,
+                         explicit_start=True, default_flow_style=False, allow_unicode=True)
+
+
+# ------------------------------------------------------------------- the children
+
+
+def render_keys_secret(job: Mapping[str, Any], files: Mapping[str, str]) -> Manifest:
+    """The Secret ``<job>-keys`` holding ``files`` (distbelief.runtime.keys.JobKeys.files()).
+
+    Immutable: the API server refuses any change to it, so keys are never rotated by a
+    patch; rotating means deleting it and restarting the job's pods."""
+    ctx = RenderContext.of(job, image=DEFAULT_IMAGE)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": podparts.metadata(ctx, ctx.names.keys_secret, COMPONENT_KEYS),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {name: base64.b64encode(text.encode("ascii")).decode("ascii")
+                 for name, text in sorted(files.items())},
+    }
+
+
+def render_config_map(ctx: RenderContext) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": podparts.metadata(ctx, ctx.names.config_map, COMPONENT_CONFIG),
+        "data": {contract.CONFIG_KEY: ctx.config_json},
+    }
+
+
+def render_ps_service(ctx: RenderContext) -> Manifest:
+    """Headless: every shard pod gets a stable DNS name, ready or not."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": podparts.metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": contract.selector_labels(ctx.config.name, contract.ROLE_PS),
+            "ports": [
+                {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"],
+                 "protocol": "TCP"}
+                for p in podparts.ps_ports(ctx)
+            ],
+        },
+    }
+
+
+def render_ps_statefulset(ctx: RenderContext) -> Manifest:
+    ps = ctx.spec["parameterServers"]
+    storage = ps["checkpoint"]["storage"]
+    container = podparts.container(
+        ctx, contract.ROLE_PS,
+        args=["--checkpoint-dir", contract.CHECKPOINT_DIR, "--keys-dir", contract.KEYS_DIR],
+        ports=podparts.ps_ports(ctx),
+        mounts=[{"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR}],
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": podparts.metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "spec": {
+            "serviceName": ctx.names.ps,
+            "replicas": ctx.shard_replicas,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": contract.selector_labels(ctx.config.name,
+                                                                 contract.ROLE_PS)},
+            "persistentVolumeClaimRetentionPolicy": {
+                "whenDeleted": storage["retention"], "whenScaled": "Retain"},
+            "template": podparts.pod_template(ctx, contract.ROLE_PS, container,
+                                              affinity=podparts.spread_copies(ctx)),
+            "volumeClaimTemplates": [podparts.checkpoint_claim(ctx, storage)],
+        },
+    }
+
+
+def _worker_partitions(config: contract.JobConfig) -> list[int | None]:
+    """One Deployment per partition; None for an unpartitioned job's one Deployment."""
+    return [None] if config.partitions == 1 else list(range(config.partitions))
+
+
+def _worker_deployment_name(config: contract.JobConfig, partition: int | None) -> str:
+    return config.names.worker if partition is None else config.names.worker_partition(partition)
+
+
+def worker_deployment_names(config: contract.JobConfig) -> list[str]:
+    """The replicas' Deployments: <job>-worker, or <job>-worker-p<k> for each partition."""
+    return [_worker_deployment_name(config, p) for p in _worker_partitions(config)]
+
+
+def render_worker_deployments(ctx: RenderContext) -> list[Manifest]:
+    return [render_worker_deployment(ctx, p) for p in _worker_partitions(ctx.config)]
+
+
+def render_worker_deployment(ctx: RenderContext, partition: int | None = None) -> Manifest:
+    """The replicas, or one partition's pods of every replica; spec.workers.replicas is kept
+    even under autoscaling (the HPA scales the DistBeliefJob, whose scale subresource writes
+    that field, and every partition follows it)."""
+    ports, env, extra = [podparts.metrics_port()], [], {}
+    name = _worker_deployment_name(ctx.config, partition)
+    if partition is not None:
+        ports.append(podparts.stage_port())
+        env = podparts.stage_env(partition)
+        extra = {podparts.PARTITION_LABEL: str(partition)}
+    container = podparts.container(ctx, contract.ROLE_WORKER, args=["--keys-dir", contract.KEYS_DIR],
+                                   ports=ports, env=env)
+    metadata = podparts.metadata(ctx, name, contract.ROLE_WORKER)
+    metadata["labels"].update(extra)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": ctx.worker_replicas,
+            "selector": {"matchLabels": {**contract.selector_labels(ctx.config.name, contract.ROLE_WORKER),
+                                         **extra}},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
+            "template": podparts.pod_template(ctx, contract.ROLE_WORKER, container, extra),
+        },
+    }
+
+
+def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
+    """Unless the spec turns it off: every pod of the job (shards, chief, coordinator,
+    replicas) admits its ZeroMQ ports only from the job's own pods in its namespace, and
+    its metrics port only from the operator's pods in the operator's namespace; in a
+    partitioned job, the rendezvous's and the stages' ports only from the job's replica
+    pods. Every other port of those pods, and every other peer, is refused. (Named
+    <job>-ps, as when it covered the shards alone, so an upgrade replaces it rather than
+    adds one.)"""
+    if not ctx.spec["parameterServers"].get("networkPolicy", True):
+        return None
+    job = {contract.LABEL_JOB: ctx.config.name}
+    operator: dict[str, Any] = {"podSelector": {"matchLabels": dict(contract.OPERATOR_LABELS)}}
+    if ctx.operator_namespace:  # else the operator is taken to run in the job's namespace
+        operator["namespaceSelector"] = {"matchLabels": {NAMESPACE_NAME_LABEL: ctx.operator_namespace}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": podparts.metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "spec": {
+            "podSelector": {"matchLabels": job},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": job}}],
+                 "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in podparts.ps_ports(ctx)
+                           if p["name"] not in (contract.METRICS_PORT_NAME, *_replica_only_ports(ctx))]},
+                {"from": [operator], "ports": [{"protocol": "TCP", "port": contract.METRICS_PORT}]},
+                *_stage_ingress(ctx),
+            ],
+        },
+    }
+
+
+def _replica_only_ports(ctx: RenderContext) -> tuple[str, ...]:
+    """Ports only the replicas' pods reach: a partitioned job's rendezvous beside shard 0."""
+    return (contract.COORDINATOR_PORT_NAME,) if ctx.config.partitions > 1 else ()
+
+
+def _stage_ingress(ctx: RenderContext) -> list[dict[str, Any]]:
+    """A partitioned job's replica pods reach the rendezvous and each other's stages."""
+    if ctx.config.partitions == 1:
+        return []
+    replicas = {"podSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_WORKER)}}
+    return [{"from": [replicas], "ports": [{"protocol": "TCP", "port": contract.COORDINATOR_PORT},
+                                           {"protocol": "TCP", "port": contract.STAGE_PORT}]}]
+
+
+def render_worker_hpa(ctx: RenderContext) -> Manifest | None:
+    """An autoscaling/v2 HPA on the job's scale subresource, if the spec asks for one
+    and the job is running (an autoscaler must not revive a suspended or finished job)."""
+    autoscaling = ctx.spec["workers"].get("autoscaling")
+    if not autoscaling or ctx.suspended or ctx.finished:
+        return None
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": podparts.metadata(ctx, ctx.names.worker, contract.ROLE_WORKER),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND,
+                               "name": ctx.config.name},
+            "minReplicas": int(autoscaling["minReplicas"]),
+            "maxReplicas": int(autoscaling["maxReplicas"]),
+            "metrics": copy.deepcopy(list(autoscaling.get("metrics") or [])) or [podparts.cpu_metric()],
+        },
+    }
+
+
+# ------------------------------------------------------------------------- YAML
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """SafeDumper that writes multi-line strings (the config JSON) as literal blocks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_BlockDumper.add_representer(str, _represent_str)
+
+
+def _plain(obj: Any) -> Any:
+    """A JSON round trip: plain dicts and lists only, whatever mappings came in."""
+    return json.loads(json.dumps(obj))

@@ -1,0 +1,327 @@
+"""Validation of DistBeliefJob manifests, driven by the CustomResourceDefinition file.
+
+The CRD in ``crds/`` is the one source of truth of the job schema; this module never
+restates it. It reads the CRD's structural ``openAPIV3Schema`` and, like the API
+server, applies its defaults and checks its rules (types, bounds, enums, patterns,
+required and unknown fields). On top of that it checks what an OpenAPI schema cannot
+say: name lengths that derived child names must fit, min <= max, mutually exclusive
+fields, the data-source grammar and durations. Every problem is reported as one line,
+``<json path>: <rule>``, and all of them together in one :class:`SpecError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.resources
+import logging
+import os
+import posixpath
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distbelief.operator.spec.manifests import SpecError, load_manifests, load_single
+from distbelief.operator.spec.schemawalk import Problems, Walker, got, join, kind, show
+from distbelief.runtime import contract
+
+__all__ = ["SpecError", "load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]
+
+log = logging.getLogger(__name__)
+
+CRD_ENV = "DISTBELIEF_CRD"
+CRD_PACKAGE = "distbelief.operator"
+CRD_RESOURCE = "crds/distbelief.io_distbeliefjobs.yaml"
+
+DATA_DIR = "/data"  # where the renderer mounts spec.data.volume
+
+# Every schema keyword the validator understands. A CRD using any other keyword is
+# refused at load time, so that no rule is ever skipped silently.
+SUPPORTED_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "enum",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
+    "maxLength", "pattern", "minItems", "maxItems", "default", "nullable", "anyOf",
+    "format", "description", "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+})
+
+# Services and StatefulSets need RFC 1035 labels (start with a letter); namespaces are
+# RFC 1123 labels (may start with a digit).
+_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?\Z")
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
+
+
+# --------------------------------------------------------------------------- CRD
+
+
+def load_crd() -> dict[str, Any]:
+    """The CRD as a dict: ``$DISTBELIEF_CRD`` if set, else the copy shipped in the package."""
+    return copy.deepcopy(_cached_crd(os.environ.get(CRD_ENV) or None))
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The ``openAPIV3Schema`` of the served version (v1alpha1) of the CRD."""
+    return copy.deepcopy(_schema())
+
+
+def _schema() -> dict[str, Any]:
+    return _cached_schema(os.environ.get(CRD_ENV) or None)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_crd(override: str | None) -> dict[str, Any]:
+    if override:
+        text, origin = Path(override).read_text(encoding="utf-8"), override
+    else:
+        ref = importlib.resources.files(CRD_PACKAGE).joinpath(CRD_RESOURCE)
+        text, origin = ref.read_text(encoding="utf-8"), f"{CRD_PACKAGE}:{CRD_RESOURCE}"
+    crd = yaml.safe_load(text)
+    if not isinstance(crd, dict) or crd.get("kind") != "CustomResourceDefinition":
+        raise RuntimeError(f"{origin}: not a CustomResourceDefinition")
+    log.debug("loaded crd origin=%s", origin)
+    return crd
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_schema(override: str | None) -> dict[str, Any]:
+    for version in _cached_crd(override)["spec"]["versions"]:
+        if version.get("name") == contract.API_VERSION:
+            schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+            unsupported = sorted(set(_unsupported_keywords(schema, "")))
+            if unsupported:
+                raise RuntimeError("CRD uses schema keywords the validator does not "
+                                   f"support: {', '.join(unsupported)}")
+            return schema
+    raise RuntimeError(f"CRD has no version {contract.API_VERSION}")
+
+
+def _unsupported_keywords(schema: Mapping[str, Any], path: str) -> Iterator[str]:
+    for key in schema:
+        if key not in SUPPORTED_KEYWORDS:
+            yield f"{path or '(root)'}: {key}"
+    for name, sub in schema.get("properties", {}).items():
+        yield from _unsupported_keywords(sub, join(path, name))
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), Mapping):
+            yield from _unsupported_keywords(schema[key], f"{path}[*]")
+    for branch in schema.get("anyOf", []):
+        yield from _unsupported_keywords(branch, path)
+
+
+# ------------------------------------------------------------------ public checks
+
+
+def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``doc`` with the CRD's defaults applied; SpecError lists every problem."""
+    if not isinstance(doc, Mapping):
+        raise SpecError(f"manifest: must be a mapping (got {kind(doc)})")
+    problems = Problems()
+    job: dict[str, Any] = copy.deepcopy(dict(doc))
+    job = Walker(problems).walk(job, _schema(), "")
+    _check_identity(job, problems)
+    _check_metadata(job.get("metadata"), problems)
+    _check_model(doc, problems)
+    _check_partitions(job, problems)
+    _check_data(job, problems)
+    _check_training(job, problems)
+    _check_autoscaling(job, problems)
+    _check_backups(job, problems)
+    _check_wire_format(job, problems)
+    if problems.lines:
+        raise SpecError(problems.lines)
+    return job
+
+
+def job_config(
+    validated: Mapping[str, Any], namespace_default: str = "default"
+) -> contract.JobConfig:
+    """The resolved config the pods read, from the output of :func:`validate_job`."""
+    metadata = validated["metadata"]
+    return contract.JobConfig(
+        name=metadata["name"],
+        namespace=metadata.get("namespace") or namespace_default,
+        spec=copy.deepcopy(validated["spec"]),
+    )
+
+
+# ---------------------------------------------------- rules the schema cannot say
+
+
+def _get(doc: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(doc, Mapping):
+            return None
+        doc = doc.get(key)
+    return doc
+
+
+def _check_identity(job: Mapping[str, Any], problems: Problems) -> None:
+    for field, wanted in (("apiVersion", contract.JOB_API_VERSION), ("kind", contract.KIND)):
+        if field not in job:
+            problems.add(field, f"required, must be {wanted}")
+        elif not problems.at(field) and job[field] != wanted:
+            problems.add(field, f"must be {wanted} ({got(job[field])})")
+
+
+def _check_metadata(metadata: Any, problems: Problems) -> None:
+    if metadata is None:
+        problems.add("metadata", "required")
+        return
+    if not isinstance(metadata, Mapping) or problems.at("metadata"):
+        return
+    name = metadata.get("name")
+    if name is None:
+        problems.add("metadata.name", "required")
+    elif not isinstance(name, str):
+        problems.add("metadata.name", f"must be of type string ({got(name)})")
+    else:
+        _check_job_name(name, problems)
+    namespace = metadata.get("namespace")
+    if namespace is not None and not (
+        isinstance(namespace, str) and len(namespace) <= contract.DNS_LABEL_MAX
+        and _DNS1123_LABEL.match(namespace)
+    ):
+        problems.add("metadata.namespace", "must be a DNS-1123 label: at most "
+                     f"{contract.DNS_LABEL_MAX} lowercase alphanumerics or '-', starting "
+                     f"and ending alphanumeric ({got(namespace)})")
+
+
+def _check_job_name(name: str, problems: Problems) -> None:
+    if not _DNS1035_LABEL.match(name):
+        problems.add("metadata.name", "must be a DNS-1035 label: lowercase letters, digits or "
+                     f"'-', starting with a letter and ending alphanumeric (got {show(name)})")
+    if len(name) > contract.MAX_JOB_NAME:
+        problems.add("metadata.name", f"must be at most {contract.MAX_JOB_NAME} characters "
+                     f"(got {len(name)}) so that derived names such as "
+                     f"<name>{contract.PS_SUFFIX}-<i> and the StatefulSet's revision label fit "
+                     f"in {contract.DNS_LABEL_MAX}")
+
+
+def _check_model(raw: Mapping[str, Any], problems: Problems) -> None:
+    model = _get(raw, "spec", "model")
+    if isinstance(model, Mapping) and model.get("entrypoint") is not None \
+            and model.get("type") is not None:
+        problems.add("spec.model.entrypoint", "not allowed together with spec.model.type "
+                     "(a model is either built in or user code)")
+    if isinstance(model, Mapping) and model.get("entrypoint") is not None \
+            and model.get("embeddings") is not None:
+        problems.add("spec.model.embeddings", "not available with spec.model.entrypoint (user models "
+                     "see one flat parameter vector)")
+    if _get(raw, "spec", "model", "embeddings") is not None \
+            and _get(raw, "spec", "training", "algorithm") == "sandblaster":
+        problems.add("spec.model.embeddings", "needs spec.training.algorithm: downpour (Sandblaster's "
+                     "L-BFGS runs over the dense parameters only)")
+
+
+def _check_partitions(job: Mapping[str, Any], problems: Problems) -> None:
+    """A partitioned replica cuts a built-in mlp's layers into consecutive stages, trains
+    with Downpour, and places each stage's parameters on shards of its own."""
+    path = "spec.model.partitions"
+    partitions = _get(job, "spec", "model", "partitions")
+    if not isinstance(partitions, int) or partitions <= 1 or problems.at("spec.model"):
+        return
+    model = _get(job, "spec", "model")
+    if _get(job, "spec", "training", "algorithm") == "sandblaster":
+        problems.add(path, f"partitions > 1 is not supported with sandblaster (got {partitions}); "
+                     "use spec.training.algorithm: downpour")
+    if model.get("entrypoint") is not None:
+        problems.add(path, "partitions > 1 needs a built-in mlp: a user model (spec.model.entrypoint) "
+                     "cannot be cut into stages")
+    elif model.get("type", "mlp") != "mlp":
+        problems.add(path, f"partitions > 1 needs spec.model.type mlp (got {show(model['type'])}, "
+                     "a single layer)")
+    elif isinstance(model.get("hiddenLayers"), list) and len(model["hiddenLayers"]) + 1 < partitions:
+        problems.add(path, f"{partitions} partitions need at least {partitions} layers, and the mlp has "
+                     f"{len(model['hiddenLayers']) + 1} (spec.model.hiddenLayers plus the output layer)")
+    if model.get("embeddings") is not None:
+        problems.add(path, "partitions > 1 is not available with spec.model.embeddings")
+    shards = _get(job, "spec", "parameterServers", "shards")
+    if isinstance(shards, int) and shards < partitions:
+        problems.add(path, f"{partitions} partitions need at least {partitions} parameter shards, each "
+                     f"partition its own (spec.parameterServers.shards is {shards})")
+
+
+def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
+    path = "spec.data.source"
+    source = _get(job, "spec", "data", "source")
+    if not isinstance(source, str) or problems.at(path):
+        return
+    scheme, _, body = source.partition(":")
+    if scheme == "builtin" and body not in contract.BUILTIN_DATASETS:
+        problems.add(path, f"unknown builtin data set {show(body)} "
+                     f"(known: {', '.join(contract.BUILTIN_DATASETS)})")
+    elif scheme == "synthetic":
+        for problem in contract.synthetic_params(body)[1]:
+            problems.add(path, problem)
+    elif scheme == "synthetic-ctr":
+        for problem in contract.ctr_params(body)[1]:
+            problems.add(path, problem)
+        if _get(job, "spec", "model", "embeddings") is None:
+            problems.add(path, "synthetic-ctr data holds only ids: set spec.model.embeddings to embed them")
+    elif scheme == "npz" and not posixpath.isabs(body):
+        problems.add(path, f"npz path must be absolute inside the pod (got {show(body)})")
+    elif scheme == "npz" and _get(job, "spec", "data", "volume") and not body.startswith(DATA_DIR + "/"):
+        problems.add(path, f"with spec.data.volume the npz must be under {DATA_DIR}/, where the claim is "
+                     f"mounted (got {show(body)})")
+
+
+def _check_training(job: Mapping[str, Any], problems: Problems) -> None:
+    path = "spec.training.maxDuration"
+    text = _get(job, "spec", "training", "maxDuration")
+    if not isinstance(text, str) or problems.at(path):
+        return
+    try:
+        seconds = contract.parse_duration(text)
+    except ValueError as exc:
+        problems.add(path, str(exc))
+        return
+    if seconds <= 0:
+        problems.add(path, f"must be > 0 (got {show(text)})")
+
+
+def _check_autoscaling(job: Mapping[str, Any], problems: Problems) -> None:
+    path = "spec.workers.autoscaling"
+    autoscaling = _get(job, "spec", "workers", "autoscaling")
+    if not isinstance(autoscaling, Mapping) or problems.at(path):
+        return
+    low, high = autoscaling.get("minReplicas"), autoscaling.get("maxReplicas")
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        problems.add(f"{path}.minReplicas", f"must be <= maxReplicas (got {low} > {high})")
+
+
+def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
+    """What shard copies cannot cover yet: copies replay the same commands, so every state
+    change must be one (Sandblaster's rollbacks read each copy's own checkpoints, row expiry
+    reads each copy's clock, and model partitions commit stages apart)."""
+    path = "spec.parameterServers.backups"
+    backups = _get(job, "spec", "parameterServers", "backups")
+    if not isinstance(backups, int) or backups == 0 or problems.at(path):
+        return
+    if _get(job, "spec", "training", "algorithm") == "sandblaster":
+        problems.add(path, "not available with spec.training.algorithm: sandblaster (its rollbacks restore each "
+                     "copy's own checkpoints); use 0, or downpour")
+    if (_get(job, "spec", "model", "partitions") or 1) > 1:
+        problems.add(path, "not available with spec.model.partitions > 1 yet; use 0, or one partition")
+    if _get(job, "spec", "model", "embeddings", "expireAfterSeconds"):
+        problems.add(path, "not available with spec.model.embeddings.expireAfterSeconds (each copy would expire "
+                     "rows by its own clock); use 0, or leave rows unexpired")
+
+
+def _check_wire_format(job: Mapping[str, Any], problems: Problems) -> None:
+    """bfloat16 is carried by the dense Downpour ops alone (shard copies replay them as they
+    are): what else moves arrays (Sandblaster's vectors, embedding rows, stages' activations
+    and held gradients) stays float32, so refuse it there rather than have part of a job in
+    one format and part in the other."""
+    path = "spec.parameterServers.wireFormat"
+    if _get(job, "spec", "parameterServers", "wireFormat") != "bfloat16" or problems.at(path):
+        return
+    if _get(job, "spec", "training", "algorithm") == "sandblaster":
+        problems.add(path, "bfloat16 is not available with spec.training.algorithm: sandblaster; use float32, "
+                     "or downpour")
+    if _get(job, "spec", "model", "embeddings") is not None:
+        problems.add(path, "bfloat16 is not available with spec.model.embeddings; use float32")
+    if (_get(job, "spec", "model", "partitions") or 1) > 1:
+        problems.add(path, "bfloat16 is not available with spec.model.partitions > 1; use float32, or one partition")

@@ -1,0 +1,206 @@
+"""The job's status as one pure function of what the operator observed.
+
+`compute_status(job, observed, now)` takes the DistBeliefJob as stored, what the
+children and the chief's metrics show, and the time; it returns the whole new status.
+The operator writes it only when it differs from the stored one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any, Mapping
+
+from distbelief.operator.status.scrape import Figures
+from distbelief.runtime import contract
+
+PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"
+SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
+TERMINAL = (SUCCEEDED, FAILED)
+CONDITION_TYPES = ("Created", RUNNING, SUSPENDED, SUCCEEDED, FAILED)
+# Grace beyond maxDuration before the operator itself fails a job whose chief is silent.
+DEADLINE_GRACE_SECONDS = 60
+CHIEF_ENDED = "the chief ended the job"
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What the operator read from the cluster for one job."""
+
+    shards_ready: int = 0
+    workers: int = 0
+    workers_ready: int = 0
+    shard_restarts: int = 0        # the most restarts of any one shard container
+    figures: Figures = Figures()
+    children_created: bool = False
+    shard_lock_message: str | None = None  # set when a shard-count change was refused
+    partition_lock_message: str | None = None  # set when a partition-count change was refused
+    invalid_config: str | None = None      # "<pod>: <its last error>" of a pod that exited with a config error
+    shard_failure: str | None = None       # how the most restarted shard last ended, for the message
+    non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
+
+
+def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The fields of Observed that a job's pods show: the most restarts of one shard
+    container and how it last ended, and the first container that exited with a config
+    error, and the first replica whose loss went non-finite (neither can a restart fix)."""
+    invalid, diverged, restarts, failure = None, None, 0, None
+    for pod in pods:
+        name, role = pod["metadata"]["name"], (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
+        for container in (pod.get("status") or {}).get("containerStatuses", []):
+            ends = [(container.get(k) or {}).get("terminated") or {} for k in ("state", "lastState")]
+            bad = next((end for end in ends if end.get("exitCode") == contract.EXIT_INVALID_CONFIG), None)
+            if bad is not None and invalid is None:
+                invalid = f"{name}: {_last_line(bad.get('message')) or 'exited with a config error'}"
+            lost = next((end for end in ends if end.get("exitCode") == contract.EXIT_NON_FINITE_LOSS), None)
+            if lost is not None and diverged is None:
+                diverged = f"{name}: {_last_line(lost.get('message')) or 'its training loss went non-finite'}"
+            if role == contract.ROLE_PS and container.get("restartCount", 0) >= max(restarts, 1):
+                restarts, last = container["restartCount"], ends[1]
+                failure = _how_it_ended(name, last) if "exitCode" in last else None
+    return {"invalid_config": invalid, "non_finite_loss": diverged, "shard_restarts": restarts,
+            "shard_failure": failure}
+
+
+def _how_it_ended(pod: str, terminated: Mapping[str, Any]) -> str:
+    """A container's last end as its status tells it: an OOMKilled one says so (its message is empty)."""
+    killed = " (OOMKilled: over its memory limit)" if terminated.get("reason") == "OOMKilled" else ""
+    last = _last_line(terminated.get("message"))
+    return f"{pod} last exited with code {terminated['exitCode']}{killed}" + (f": {last}" if last else "")
+
+
+def _last_line(text: str | None) -> str:
+    """A role's one-line error ("error: ..."), else the last line of text."""
+    lines = (text or "").strip().splitlines()
+    return next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1] if lines else "")
+
+
+def timestamp(now: datetime.datetime) -> str:
+    return now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(text: str) -> datetime.datetime:
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+
+
+def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.datetime) -> dict[str, Any]:
+    spec, meta = job["spec"], job["metadata"]
+    previous: Mapping[str, Any] = job.get("status") or {}
+    phase, reason, message = _phase(spec, previous, observed, now)
+    status: dict[str, Any] = {
+        "phase": phase,
+        "observedGeneration": meta.get("generation", 0),
+        "workers": {"replicas": observed.workers, "ready": observed.workers_ready},
+        "parameterServers": {"shards": int(spec["parameterServers"]["shards"]), "ready": observed.shards_ready},
+        "selector": ",".join(f"{k}={v}" for k, v in
+                             contract.selector_labels(meta["name"], contract.ROLE_WORKER).items()),
+        "startTime": previous.get("startTime") or timestamp(now),
+    }
+    status.update(_training_figures(previous, observed.figures))
+    shards = _shard_copies(meta["name"], spec, observed.figures) or previous.get("shards")
+    if shards:
+        status["shards"] = shards
+    if phase in TERMINAL:
+        status["completionTime"] = previous.get("completionTime") or timestamp(now)
+    status["conditions"] = _conditions(previous.get("conditions", []), phase, reason, message, observed, now)
+    return status
+
+
+def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Observed,
+           now: datetime.datetime) -> tuple[str, str, str]:
+    """(phase, reason, message); a finished job stays finished."""
+    if previous.get("phase") in TERMINAL:
+        condition = _find(previous.get("conditions", []), previous["phase"]) or {}
+        return previous["phase"], condition.get("reason", previous["phase"]), condition.get("message", "")
+    figures = observed.figures
+    if figures.finished_outcome in TERMINAL:
+        return figures.finished_outcome, figures.finished_reason or figures.finished_outcome, \
+            f"{CHIEF_ENDED} at step {figures.global_step}"
+    if observed.invalid_config:
+        return FAILED, "InvalidConfig", observed.invalid_config
+    if observed.non_finite_loss:
+        return FAILED, "NonFiniteLoss", observed.non_finite_loss
+    limit = int(spec["runPolicy"]["backoffLimit"])
+    if observed.shard_restarts > limit:
+        detail = f"; {observed.shard_failure}" if observed.shard_failure else ""
+        return FAILED, "BackoffLimitExceeded", \
+            f"a parameter shard restarted {observed.shard_restarts} times (backoffLimit {limit}){detail}"
+    deadline = _deadline_passed(spec, previous, now)
+    if deadline:
+        return FAILED, "DeadlineExceeded", deadline
+    if spec["runPolicy"]["suspend"]:
+        return SUSPENDED, "Suspended", "runPolicy.suspend is true: no pods run, the checkpoints are kept"
+    shards = int(spec["parameterServers"]["shards"])
+    if observed.shards_ready >= shards and observed.workers_ready >= min(1, int(spec["workers"]["replicas"])):
+        return RUNNING, "Training", f"{shards} shards and {observed.workers_ready} replicas ready"
+    return PENDING, "WaitingForPods", f"{observed.shards_ready}/{shards} shards and " \
+        f"{observed.workers_ready}/{spec['workers']['replicas']} replicas ready"
+
+
+def _deadline_passed(spec: Mapping[str, Any], previous: Mapping[str, Any], now: datetime.datetime) -> str | None:
+    duration = spec["training"].get("maxDuration")
+    started = previous.get("startTime")
+    if not duration or not started or spec["runPolicy"]["suspend"]:
+        return None
+    elapsed = (now - parse_timestamp(started)).total_seconds()
+    if elapsed <= contract.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
+        return None
+    return f"running for {elapsed:.0f} s, past maxDuration {duration}, and the chief has not ended the job"
+
+
+def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str, Any]:
+    """The chief's figures when it answered, else the last ones known."""
+    keep = {k: previous[k] for k in ("globalStep", "loss", "accuracy", "auc", "examplesPerSecond", "objective",
+                                     "lastCheckpoint", "staleness") if k in previous}
+    if not figures.reachable:
+        return keep
+    fresh: dict[str, Any] = {"globalStep": figures.global_step}
+    for key, value in (("loss", figures.loss), ("accuracy", figures.accuracy), ("auc", figures.auc),
+                       ("examplesPerSecond", figures.examples_per_second), ("objective", figures.objective)):
+        if value is not None:
+            fresh[key] = round(float(value), 6)
+    if figures.checkpoint_step and figures.checkpoint_time:
+        when = datetime.datetime.fromtimestamp(figures.checkpoint_time, tz=datetime.timezone.utc)
+        fresh["lastCheckpoint"] = {"step": figures.checkpoint_step, "time": timestamp(when)}
+    if figures.staleness_max is not None and figures.staleness_p50 is not None:
+        fresh["staleness"] = {"max": figures.staleness_max, "p50": figures.staleness_p50}
+    return {**keep, **fresh}
+
+
+def _shard_copies(job: str, spec: Mapping[str, Any], figures: Figures) -> dict[str, Any] | None:
+    """With backups: each shard's copies in sync, its primary's pod and its failovers."""
+    if not figures.copies:
+        return None
+    shards, names = int(spec["parameterServers"]["shards"]), contract.JobNames(job)
+    return {str(shard): {"copies": seen.get("copies", 0), "failovers": seen.get("failovers", 0),
+                         "primary": names.shard_pod(seen.get("primary", 0) * shards + shard)}
+            for shard, seen in sorted(figures.copies.items())}
+
+
+def _conditions(previous: list[Mapping[str, Any]], phase: str, reason: str, message: str, observed: Observed,
+                now: datetime.datetime) -> list[dict[str, Any]]:
+    wanted = {kind: ("False", "", "") for kind in CONDITION_TYPES}
+    if phase in wanted:  # Pending has no condition of its own
+        wanted[phase] = ("True", reason, message)
+    wanted["Created"] = ("True", "ChildrenApplied", "the job's children exist") if observed.children_created \
+        else ("False", "Pending", "the job's children are being created")
+    if observed.shard_lock_message:
+        wanted["ShardCountLocked"] = ("True", "ReshardingUnsupported", observed.shard_lock_message)
+    if observed.partition_lock_message:
+        wanted["PartitionCountLocked"] = ("True", "RepartitioningUnsupported", observed.partition_lock_message)
+    conditions = []
+    for kind, (state, why, text) in wanted.items():
+        before = _find(previous, kind)
+        changed = before is None or before.get("status") != state
+        condition = {"type": kind, "status": state,
+                     "lastTransitionTime": timestamp(now) if changed else before["lastTransitionTime"]}
+        if why:
+            condition["reason"] = why
+        if text:
+            condition["message"] = text
+        conditions.append(condition)
+    return conditions
+
+
+def _find(conditions: list[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == kind), None)

@@ -1,0 +1,235 @@
+"""The chief: the one place that evaluates the model and decides that the job is done.
+
+It runs beside shard 0 (same process, its own thread and sockets) and talks to every
+shard through the same protocol as a replica, so it depends on no replica surviving.
+Every evalEverySeconds, or as soon as shard 0 reaches maxSteps, it pulls the current
+parameters, scores them on the held-out set, appends the figures to history.jsonl, and
+checks the stopping rules. When one holds it sends DONE to every shard (each writes a
+final checkpoint and tells its replicas to stop) and writes result.json.
+
+How the parameters are pulled and scored is a Scorer's: WholeModel pulls every shard's
+slice into one vector (a partitioned model's scorer holds one stage at a time instead,
+pipeline/evaluation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+
+from distbelief.runtime import contract, errors
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import models
+from distbelief.runtime.model.data import Dataset
+from distbelief.runtime.observe.metrics import ChiefMetrics
+from distbelief.runtime.params.dense_client import Float32Dense
+
+log = logging.getLogger(__name__)
+
+SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
+# What a history line says of the replicas when the algorithm's shards report nothing of
+# them (Sandblaster's; Downpour's shard 0 reports these: algorithms/downpour/updates.py).
+REPLICA_FIGURES = {"trainLoss": None, "replicas": 0, "examplesPerSecondPerReplica": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoppingRules:
+    max_steps: int
+    target_accuracy: float | None = None
+    target_loss: float | None = None
+    max_duration: float | None = None
+
+    @classmethod
+    def from_spec(cls, training: Mapping[str, Any]) -> "StoppingRules":
+        duration = training.get("maxDuration")
+        return cls(max_steps=int(training["maxSteps"]), target_accuracy=training.get("targetAccuracy"),
+                   target_loss=training.get("targetLoss"),
+                   max_duration=contract.parse_duration(duration) if duration else None)
+
+    def verdict(self, *, step: int, loss: float, accuracy: float, elapsed: float,
+                converged: bool = False) -> tuple[str, str] | None:
+        """(reason, outcome) if the job is done, else None."""
+        if self.target_accuracy is not None and accuracy >= self.target_accuracy:
+            return "TargetAccuracyReached", SUCCEEDED
+        if self.target_loss is not None and loss <= self.target_loss:
+            return "TargetLossReached", SUCCEEDED
+        if converged:
+            return "Converged", SUCCEEDED
+        if step >= self.max_steps:
+            return "MaxStepsReached", SUCCEEDED
+        if self.max_duration is not None and elapsed >= self.max_duration:
+            return "DeadlineExceeded", FAILED
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    step: int
+    loss: float
+    accuracy: float
+    auc: float | None = None   # two-class jobs
+
+
+class Scorer(Protocol):
+    def score(self) -> Score | None:
+        """Pull the parameters and score them; None if a shard says the job is done."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Write the parameters (one array per named tensor) to an .npz file."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# The model the chief scores and its held-out inputs, when they are not the model and the data's x.
+HeldOut = Callable[[], tuple[models.Model, np.ndarray]]
+
+
+class WholeModel:
+    """Scores the whole flat vector, pulled from every shard at once."""
+
+    def __init__(self, group: ShardGroup, model: models.Model, dataset: Dataset, max_eval_examples: int,
+                 held_out: HeldOut | None = None) -> None:
+        """held_out: the model to score and its held-out inputs, when they are not the data's x
+        (a model with embeddings scores its MLP on inputs built from the shards' rows)."""
+        self.group, self.model = group, model
+        x_test = dataset.x_test[:max_eval_examples]
+        self.y_test = dataset.y_test[:max_eval_examples]
+        self.held_out = held_out or (lambda: (model, x_test))
+        self.two_classes = dataset.n_classes == 2
+        self.params = np.empty(group.layout.total, dtype=np.float32)
+        self.dense = Float32Dense(group)
+
+    def score(self) -> Score | None:
+        replies = self.dense.pull(self.params)
+        if any(r.done for r in replies):
+            return None
+        model, x = self.held_out()
+        loss, accuracy = models.evaluate(model, self.params, x, self.y_test)
+        auc = models.held_out_auc(model, self.params, x, self.y_test) if self.two_classes else None
+        return Score(replies[0].header.step, loss, accuracy, auc)
+
+    def save(self, path: str) -> None:
+        """The parameters just scored: they are the trained model's."""
+        models.save_params(path, models.split_params(self.model, self.params).items())
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class Chief:
+    def __init__(self, *, group: ShardGroup, scorer: Scorer, rules: StoppingRules, eval_every: float,
+                 output_dir: str, start_time: float, metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
+                 optimiser_state: Callable[[], dict | None] = lambda: None, copies: bool = False) -> None:
+        """copies: the shards have backups, whose state each evaluation also reports."""
+        self.group, self.scorer, self.rules = group, scorer, rules
+        self.copies = copies
+        self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
+        self.metrics = metrics
+        self.training = training  # shard 0's training figures (examples, examples/s, train loss, replicas)
+        self.optimiser_state = optimiser_state  # Sandblaster's committed state on shard 0, if any
+        self.failure: BaseException | None = None
+        self.on_failure: Callable[[], None] = lambda: None
+        self._wake = threading.Event()
+        self._stop = group.stop  # also ends a round that waits for a silent shard
+        self._thread = threading.Thread(target=self._run, name="chief", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def step_reached(self, step: int) -> None:
+        """Called by shard 0 after each update: wake early when maxSteps is reached."""
+        if step == self.rules.max_steps or self._converged():
+            self._wake.set()
+
+    def _converged(self) -> bool:
+        return bool((self.optimiser_state() or {}).get("converged"))
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.evaluate_and_decide():
+                    return
+                self._wake.wait(self.eval_every)
+                self._wake.clear()
+        except errors.Stopped:
+            pass
+        except Exception as exc:  # a chief that dies must take its shard down: no job may hang
+            log.exception("event=chief_failed error=%r", str(exc))
+            self.failure = exc
+            self.on_failure()
+        finally:
+            self.scorer.close()
+            self.group.close()
+
+    def evaluate_and_decide(self) -> bool:
+        """One evaluation; True once the job is done."""
+        score = self.scorer.score()
+        if score is None:
+            return True  # finished before this chief started (a restarted shard 0)
+        step, loss, accuracy, auc = score.step, score.loss, score.accuracy, score.auc
+        elapsed = time.time() - self.start_time
+        self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
+        if self.copies:
+            self._record_copies()
+        verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed,
+                                     converged=self._converged())
+        if verdict is None:
+            return False
+        self._finish(*verdict, step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
+        return True
+
+    def _record(self, *, step: int, loss: float, accuracy: float, elapsed: float, auc: float | None) -> None:
+        self.metrics.loss.set(loss)
+        self.metrics.accuracy.set(accuracy)
+        self.metrics.evaluated_step.set(step)
+        line = {"time": time.time(), "elapsed": round(elapsed, 3), "step": step, "loss": loss,
+                "accuracy": accuracy, **self.training()}
+        for key, value in REPLICA_FIGURES.items():
+            line.setdefault(key, value)
+        if auc is not None:
+            line["auc"] = auc
+            self.metrics.auc.set(auc)
+        with open(os.path.join(self.output_dir, contract.HISTORY_FILE), "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        log.info("event=evaluated step=%d loss=%.4f accuracy=%.4f", step, loss, accuracy)
+
+    def _record_copies(self) -> None:
+        """Each shard's copies in sync, its primary's rank and its failovers, as its primary says."""
+        for shard, stats in enumerate(self.group.stats()):
+            self.metrics.shard_copies.labels(shard=str(shard)).set(stats.get("copies", 0))
+            self.metrics.shard_primary.labels(shard=str(shard)).set(stats.get("copy", 0))
+            self.metrics.shard_failovers.labels(shard=str(shard)).set(stats.get("failovers", 0))
+
+    def _finish(self, reason: str, outcome: str, *, step: int, loss: float, accuracy: float, elapsed: float,
+                auc: float | None) -> None:
+        self.metrics.finished.labels(reason=reason, outcome=outcome).set(1)
+        examples = self.training()["examples"]
+        result = {"phase": outcome, "reason": reason, "globalStep": step, "loss": loss, "accuracy": accuracy,
+                  "examples": examples, "examplesPerSecond": examples / elapsed if elapsed > 0 else 0.0,
+                  "trainingSeconds": round(elapsed, 3), "finishedAt": time.time()}
+        if auc is not None:
+            result["auc"] = auc
+        state = self.optimiser_state()
+        if state:
+            result["objective"] = state.get("objective")  # the training objective L-BFGS reached
+        self.scorer.save(os.path.join(self.output_dir, contract.PARAMS_FILE))
+        path = os.path.join(self.output_dir, contract.RESULT_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        os.replace(path + ".tmp", path)
+        log.info("event=job_done reason=%s outcome=%s step=%d accuracy=%.4f", reason, outcome, step, accuracy)
+        self.group.done(reason, outcome)

@@ -1,0 +1,128 @@
+"""A Downpour replica of a model with embeddings: it moves only the rows a minibatch touches.
+
+Each step:
+    dedupe the minibatch's keys (EmbeddingModel.keys)
+    SPARSE_PULL the rows of the keys it does not hold from their owners, all shards at once
+        (a row no shard holds yet comes back at its deterministic initial value)
+    compute the loss and the gradients of the dense parameters and of those rows
+    add the rows' gradients (and each key's occurrences) to the ones not pushed yet
+Every pushEvery steps the accumulated row gradients, one per key, are pushed to their
+owners (SPARSE_PUSH), then the dense gradient as by any Downpour replica (worker.Worker).
+The dense push comes after the rows' push, so the shard step (and the chief's
+evaluation) never counts a step whose rows have not arrived. Every fetchEvery steps,
+when the dense parameters are fetched, the rows held are dropped: in between, a key
+pulled earlier in the window reuses its row, and only keys not held are pulled (the rows
+are not updated locally, as the dense parameters are not).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from distbelief.runtime import errors
+from distbelief.runtime.algorithms.chief import HeldOut
+from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import models
+from distbelief.runtime.model.data import Dataset, batch_indices
+from distbelief.runtime.model.embedding import EmbeddingModel
+from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.rows.row_client import RowClient
+
+
+class SparseWorker(Worker):
+    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: EmbeddingModel, dataset: Dataset,
+                 metrics: WorkerMetrics, *, stop: threading.Event | None = None) -> None:
+        super().__init__(settings, group, model, dataset, metrics, stop=stop)
+        if dataset.ids_train is None:
+            raise errors.ConfigError("spec.model.embeddings: the data has no ids")
+        self.embedding, self.dataset, self.ids = model, dataset, dataset.ids_train
+        self.rows = RowClient(group, model.dim)
+        self.held = HeldRows(model.dim)
+        self.unpushed = RowGradients(model.dim)
+        self.indices = batch_indices(len(dataset.y_train), settings.batch_size, self.rng)
+
+    def _gradient(self, out: np.ndarray) -> tuple[float, int]:
+        idx = next(self.indices)
+        keys, index = self.embedding.keys(self.ids[idx])
+        if self.steps % self.settings.fetch_every == 0:
+            self.held.clear()
+        rows = self._rows(keys)
+        batch = (self.dataset.x_train[idx], index, self.dataset.y_train[idx])
+        loss, _, row_grads = self.embedding.loss_and_grads(self.params, rows, batch, out=out)
+        self.unpushed.add(keys, row_grads, np.bincount(index[index >= 0], minlength=keys.size))
+        return loss, len(idx)
+
+    def _rows(self, keys: np.ndarray) -> np.ndarray:
+        """The rows of keys: the ones held, and the others pulled now (then held too)."""
+        missing = self.held.missing(keys)
+        if missing.size:
+            pulled, _ = self.rows.pull(missing)
+            self.held.add(missing, pulled)
+        return self.held.get(keys)
+
+    def _push(self, examples: int, loss: float, *, fetch: bool) -> bool:
+        keys, grads, occurrences = self.unpushed.take()
+        if np.isfinite(loss) and keys.size:  # behind a non-finite loss the dense push drops its part too
+            self.rows.push(keys, grads, occurrences)  # a job that ended says DONE to the dense push that follows
+        return super()._push(examples, loss, fetch=fetch)
+
+
+class HeldRows:
+    """Rows pulled in the current fetchEvery window, by key (sorted, unique)."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.clear()
+
+    def clear(self) -> None:
+        self.keys = np.empty(0, dtype=np.int64)
+        self.values = np.empty((0, self.dim), dtype=np.float32)
+
+    def missing(self, keys: np.ndarray) -> np.ndarray:
+        return keys[~np.isin(keys, self.keys, assume_unique=True)]
+
+    def add(self, keys: np.ndarray, values: np.ndarray) -> None:
+        merged = np.concatenate([self.keys, keys])
+        order = np.argsort(merged, kind="stable")
+        self.keys, self.values = merged[order], np.concatenate([self.values, values])[order]
+
+    def get(self, keys: np.ndarray) -> np.ndarray:
+        return self.values[np.searchsorted(self.keys, keys)]
+
+
+class RowGradients:
+    """Row gradients and key occurrences of the steps since the last push, summed per key."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, keys: np.ndarray, grads: np.ndarray, occurrences: np.ndarray) -> None:
+        self.parts.append((keys, grads, occurrences))
+
+    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(unique keys, the sum of each key's gradients, its occurrences); empties the sums."""
+        parts, self.parts = self.parts, []
+        if len(parts) == 1:
+            return parts[0]  # one step's keys are unique already
+        if not parts:
+            return np.empty(0, np.int64), np.empty((0, self.dim), np.float32), np.empty(0, np.int64)
+        keys, inverse = np.unique(np.concatenate([p[0] for p in parts]), return_inverse=True)
+        grads = np.zeros((keys.size, self.dim), dtype=np.float32)
+        np.add.at(grads, inverse, np.concatenate([p[1] for p in parts]))
+        occurrences = np.bincount(inverse, weights=np.concatenate([p[2] for p in parts]), minlength=keys.size)
+        return keys, grads, occurrences.astype(np.int64)
+
+
+def held_out_inputs(model: EmbeddingModel, group: ShardGroup, x: np.ndarray, ids: np.ndarray) -> HeldOut:
+    """For the chief: the MLP and its held-out inputs, with the rows as the shards hold them now."""
+    keys, index = model.keys(ids)
+    client = RowClient(group, model.dim)
+
+    def inputs() -> tuple[models.Model, np.ndarray]:
+        rows, _ = client.pull(keys)
+        return model.mlp, model.inputs(x, rows, index)
+    return inputs

@@ -1,0 +1,174 @@
+"""One model replica running Downpour SGD.
+
+    pull every fetchEvery steps   -> params (all shards at once, straight into one buffer)
+    compute the minibatch gradient, accumulate it
+    push every pushEvery steps    -> each shard gets its slice of the accumulated gradient
+
+A push followed at once by a fetch is one PUSH_PULL round trip: the shards reply with
+their parameters, the push included, instead of waiting for a separate pull. A shard
+that found the push staler than maxStaleness did not apply it; the replica then
+computes its next gradient from fresh parameters.
+
+Warm-start: shard 0 admits one replica at a time until warmstartSteps updates are
+applied; the others wait. The replica stops (exit 0) as soon as any shard says the job
+is done, and on SIGTERM after its current step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+
+from distbelief.runtime import errors
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import models
+from distbelief.runtime.model.data import Dataset, minibatches
+from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params import dense_client
+
+log = logging.getLogger(__name__)
+
+WARMSTART_POLL_SECONDS = 0.5
+NON_FINITE_PUSHES = 3  # pushes in a row behind a non-finite loss before a replica gives up
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    batch_size: int
+    fetch_every: int = 1
+    push_every: int = 1
+    seed: int | None = None   # None: a fresh stream per process (replicas must differ)
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset,
+                 metrics: WorkerMetrics, *, stop: threading.Event | None = None, wire_format: str = "float32") -> None:
+        """wire_format: spec.parameterServers.wireFormat, the format of its pulls and pushes."""
+        self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
+        self.dense = dense_client.of(group, wire_format)
+        self.rng = np.random.default_rng(settings.seed)
+        self.batches = minibatches(dataset, settings.batch_size, self.rng)
+        total = group.layout.total
+        self.params = np.empty(total, dtype=np.float32)
+        self.accumulated = np.zeros(total, dtype=np.float32)
+        self._step_grad = np.empty(total, dtype=np.float32) if settings.push_every > 1 else None
+        self.pulled_steps = [0] * group.layout.shards
+        self.stop_requested = stop or threading.Event()
+        self.joined = threading.Event()
+        self.steps = 0
+        self.acknowledged = [0] * group.layout.shards  # pushes each shard said it applied
+        self._counted = (0, 0, 0)
+        self._non_finite = 0  # pushes in a row behind a non-finite loss
+
+    def run(self) -> str:
+        """Train until the job is done or stop is requested; returns why it ended."""
+        if not self._join():
+            return "stopped"
+        examples, loss_sum = 0, 0.0
+        fetched = False  # the last push brought the parameters back: this step's fetch is done
+        while not self.stop_requested.is_set():
+            if self.steps % self.settings.fetch_every == 0 and not fetched and self._pull():
+                return "done"
+            loss, n = self._compute()
+            examples, loss_sum = examples + n, loss_sum + loss * n
+            self.steps += 1
+            fetched = False
+            if self.steps % self.settings.push_every == 0:
+                fetched = self.steps % self.settings.fetch_every == 0
+                if self._push(examples, loss_sum / examples, fetch=fetched):
+                    return "done"
+                examples, loss_sum = 0, 0.0
+        return "stopped"
+
+    def _join(self) -> bool:
+        """Say hello to every shard (which checks the layout); wait out a warm-start."""
+        while not self.stop_requested.is_set():
+            replies = self.group.hello()
+            if any(r.done for r in replies):
+                return False
+            if all(r.header.status == 0 for r in replies):
+                self.joined.set()
+                log.info("event=joined worker=%08x shards=%d", self.group.worker_id, len(replies))
+                return True
+            self.stop_requested.wait(WARMSTART_POLL_SECONDS)
+        return False
+
+    def _pull(self) -> bool:
+        started = time.perf_counter()
+        replies = self.dense.pull(self.params)
+        self.metrics.pull_seconds.observe(time.perf_counter() - started)
+        self._count_traffic()
+        if any(r.done for r in replies):
+            return True
+        self.pulled_steps = [r.header.step for r in replies]
+        return False
+
+    def _compute(self) -> tuple[float, int]:
+        out = self.accumulated if self._step_grad is None else self._step_grad
+        loss, examples = self._gradient(out)
+        if self._step_grad is not None:
+            self.accumulated += self._step_grad
+        self.metrics.steps.inc()
+        self.metrics.examples.inc(examples)
+        self.metrics.loss.set(loss)
+        return loss, examples
+
+    def _gradient(self, out: np.ndarray) -> tuple[float, int]:
+        """One minibatch's loss, its dense gradient written into out, and its example count."""
+        x, y = next(self.batches)
+        loss, _ = self.model.loss_and_grad(self.params, (x, y), out=out)
+        return loss, len(x)
+
+    def _push(self, examples: int, loss: float, *, fetch: bool) -> bool:
+        """Push the accumulated gradient; with fetch, the replies also refill self.params.
+
+        A gradient behind a non-finite loss is dropped, not pushed (the shards would refuse
+        it); after NON_FINITE_PUSHES such pushes in a row the model has diverged, and the
+        replica stops with Diverged (its exit code fails the job as NonFiniteLoss)."""
+        if not np.isfinite(loss):
+            self._non_finite += 1
+            log.error("event=non_finite_loss worker=%08x step=%d action=gradient_dropped", self.group.worker_id,
+                      self.steps)
+            if self._non_finite >= NON_FINITE_PUSHES:
+                raise errors.Diverged(
+                    f"the training loss was {loss} for {self._non_finite} pushes in a row, at global step "
+                    f"{max(self.pulled_steps)} (this replica's minibatch {self.steps}): lower "
+                    "spec.training.learningRate, or check the data")
+            self.accumulated[...] = 0
+            return self._pull() if fetch else False
+        self._non_finite = 0
+        started = time.perf_counter()
+        if fetch:
+            replies = self.dense.push_and_pull(self.accumulated, self.params, steps=self.pulled_steps,
+                                               examples=examples, loss=loss)
+        else:
+            replies = self.dense.push(self.accumulated, steps=self.pulled_steps, examples=examples, loss=loss)
+        self.metrics.push_seconds.observe(time.perf_counter() - started)
+        self._count_traffic()
+        if self._step_grad is not None:
+            self.accumulated[...] = 0
+        for shard, (pulled, reply) in enumerate(zip(self.pulled_steps, replies)):
+            if reply.stale:
+                self.metrics.stale.inc()
+            elif not reply.done:  # applied: a shard that finished answers DONE instead
+                self.acknowledged[shard] += 1
+                self.metrics.acknowledged.labels(shard=str(shard)).inc()
+                self.metrics.staleness.observe(max(0, reply.header.step - 1 - pulled))
+        if any(r.done for r in replies):
+            return True
+        if fetch:
+            self.pulled_steps = [r.header.step for r in replies]
+        elif any(r.stale for r in replies):
+            return self._pull()  # a shard found the parameters too old: compute from fresh ones
+        return False
+
+    def _count_traffic(self) -> None:
+        now = (self.group.bytes_in, self.group.bytes_out, self.group.retries)
+        before, self._counted = self._counted, now
+        self.metrics.bytes_in.inc(now[0] - before[0])
+        self.metrics.bytes_out.inc(now[1] - before[1])
+        self.metrics.retries.inc(now[2] - before[2])

@@ -1,0 +1,11 @@
+"""Model-parallel replicas (spec.model.partitions > 1): one replica spread over N pods.
+
+    stages.py     the cut of the model into N consecutive stages, and a stage's compute
+    ops.py        the ops: stage to stage, replica to rendezvous, replica to shard
+    staged.py     the shards' side: gradients held until their step is committed
+    rendezvous.py beside shard 0: forms replica groups, one pod of each partition
+    neighbour.py  a stage's FORWARD to the next one, and the checks of one received
+    replica.py    a partition pod's loop
+    evaluation.py the chief's scorer of a partitioned model, one stage at a time
+    algorithm.py  the hooks registry.py gives a partitioned Downpour job
+"""

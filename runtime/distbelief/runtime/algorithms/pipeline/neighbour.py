@@ -1,0 +1,126 @@
+"""Stage to stage: a partition pod's FORWARD to the next stage of its group, and the
+checks of a FORWARD a stage receives.
+
+A FORWARD is not resent: a step whose downstream pod vanished is abandoned (its group
+breaks and nothing of the step is applied), so the link watches its connection and gives
+up as soon as it breaks, rather than after a timeout. While it waits, the pod keeps its
+group's lease at the rendezvous (heartbeat), which also tells it when the group broke
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from distbelief.runtime import errors
+from distbelief.runtime.algorithms.pipeline.ops import FORWARD, Backward, Forward
+from distbelief.runtime.transport import interface
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Header, Message, Status
+
+FORWARD_GIVE_UP_SECONDS = 120.0
+WAIT_SLICE_SECONDS = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Downstream:
+    """What came back from the stages after this one."""
+
+    status: int             # OK, STALE (a stage's shard found the step too stale) or DONE
+    loss: float = 0.0
+    grad: np.ndarray | None = None   # d(loss)/d(the activations sent)
+
+
+class Neighbour:
+    def __init__(self, tp: interface.Transport, address: str, *, security: dict | None, layout: int,
+                 worker_id: int, heartbeat: Callable[[], None]) -> None:
+        self._transport, self.address, self.layout, self.worker_id = tp, address, layout, worker_id
+        self._heartbeat = heartbeat
+        self._link = tp.link(address, security, watch=True)
+        self._seq = 0
+        self._shape: tuple[int, int] = (0, 0)  # the activations of the step in flight
+        self.bytes_in = self.bytes_out = 0
+
+    def forward(self, group: int, token: int, activations: np.ndarray, labels: np.ndarray, flags: int) -> Downstream:
+        rows, width = self._shape = activations.shape
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        body = np.empty(rows * width + rows, dtype=np.float32)
+        body[:rows * width] = activations.ravel()
+        body[rows * width:] = labels
+        header = Header(op=FORWARD.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id,
+                        count=body.size)
+        frames = [header.pack(), Forward(group, token, rows, width, flags).pack(), memoryview(body)]
+        self._link.broke()  # a break before this request cost it nothing
+        if not self._link.send(frames):
+            raise errors.GroupBroken(f"the next stage at {self.address} is not taking requests")
+        self.bytes_out += interface.frames_nbytes(frames)
+        return self._answer(time.monotonic() + FORWARD_GIVE_UP_SECONDS)
+
+    def _answer(self, deadline: float) -> Downstream:
+        while time.monotonic() < deadline:
+            ready = self._transport.wait([self._link], WAIT_SLICE_SECONDS)
+            if self._link.readable(ready):
+                received = self._link.receive()
+                self.bytes_in += received.nbytes
+                answer = self._read(received)
+                if answer is not None:
+                    return answer
+            elif self._link.broke(ready):
+                raise errors.GroupBroken(f"the next stage at {self.address} disconnected")
+            self._heartbeat()
+        raise errors.GroupBroken(f"the next stage at {self.address} did not answer for {FORWARD_GIVE_UP_SECONDS:.0f} s")
+
+    def _read(self, received: interface.Received) -> Downstream | None:
+        try:
+            return self._parse(received)
+        except errors.ProtocolError as exc:
+            raise errors.GroupBroken(f"the next stage at {self.address} answered unreadably: {exc}") from exc
+
+    def _parse(self, received: interface.Received) -> Downstream | None:
+        header = protocol.unpack_header(received.header)
+        if header.seq != self._seq:
+            return None  # an answer to an abandoned step
+        if header.status == Status.ERROR:
+            text = protocol.decode_text(received.frames[0]) if received.frames else ""
+            raise errors.GroupBroken(f"the next stage at {self.address} refused the step: {text}")
+        if header.status == Status.DONE:
+            return Downstream(Status.DONE)
+        if len(received.frames) != 2:
+            raise errors.GroupBroken(f"the next stage at {self.address} answered without its gradient")
+        loss = Backward.unpack(received.frames[0]).loss
+        if header.count != self._shape[0] * self._shape[1]:
+            raise errors.ProtocolError(f"a gradient of {header.count} values for activations of shape {self._shape}")
+        return Downstream(header.status, loss, protocol.float_view(received.frames[1], header.count).reshape(self._shape))
+
+    def close(self) -> None:
+        self._link.close()
+
+
+def read_forward(message: Message, *, group: int, width: int, classes: int,
+                 layout: int) -> tuple[np.ndarray, np.ndarray]:
+    """(activations, labels) of a FORWARD to this stage; ProtocolError names what is wrong."""
+    meta: Forward = message.meta
+    if message.header.layout != layout:
+        raise errors.LayoutMismatch(f"layout mismatch: peer has {message.header.layout:016x}, this stage {layout:016x}")
+    if meta.group != group:
+        raise errors.StateConflict(f"a step of group {meta.group:016x}; this stage is in group {group:016x}")
+    if meta.width != width or message.header.count != meta.values:
+        raise errors.ProtocolError(f"a forward of width {meta.width} and {message.header.count} values; "
+                                   f"this stage takes width {width}")
+    rows = meta.rows
+    activations = message.array[:rows * width].reshape(rows, width)
+    raw = message.array[rows * width:]
+    labels = raw.astype(np.int64)
+    if not (labels == raw).all() or labels.min() < 0 or labels.max() >= classes:
+        raise errors.ProtocolError(f"labels must be integers within 0..{classes - 1}")
+    return activations, labels
+
+
+def forward_reply(request: Header, status: int, loss: float = 0.0, grad: np.ndarray | None = None) -> list:
+    meta = Backward(loss) if status != Status.DONE else None
+    return protocol.reply_frames(request, step=0, status=status, meta=meta,
+                                 array=None if grad is None else np.ascontiguousarray(grad, dtype=np.float32).ravel())

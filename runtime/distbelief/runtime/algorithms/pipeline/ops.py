@@ -1,0 +1,91 @@
+"""The ops of partitioned replicas, and their payloads.
+
+Between the pods of one replica group (stage k to stage k+1, on the stage port):
+
+    FORWARD   stage k's output activations and the minibatch's labels
+              -> d(loss)/d(those activations), and the loss of the stages after k
+
+Between a partition pod and the shards of its stage, and partition 0 and every shard:
+
+    HOLD        a gradient the shard holds under the step's token, not yet applied
+    APPLY_HELD  apply the gradient held under this token (sent by partition 0 once every
+                stage's gradient is held: a step's update is applied everywhere or nowhere)
+
+Between a partition pod and the rendezvous beside shard 0:
+
+    JOIN_GROUP  "I am partition k, serving at this address; put me in a group", asked again
+              as a heartbeat while in one -> the group, or WAIT
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+from distbelief.runtime import errors
+from distbelief.runtime.params.dense import Update
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import OpSpec
+
+FETCH = 1   # Forward.flags: pull the stage's parameters before computing this step
+PUSH = 2    # Forward.flags: hold the accumulated gradient on the shards after this step
+MAX_ROWS = 1 << 20
+MAX_WIDTH = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward(protocol.Payload):
+    """One minibatch's activations: rows x width values, then rows labels (in the array)."""
+
+    group: int
+    token: int
+    rows: int
+    width: int
+    flags: int
+    FORMAT = struct.Struct("<QQIIB")
+
+    def check(self) -> None:
+        if not (0 < self.rows <= MAX_ROWS and 0 < self.width <= MAX_WIDTH):
+            raise errors.ProtocolError(f"a forward of {self.rows} rows of width {self.width} is out of bounds")
+        if self.flags & ~(FETCH | PUSH):
+            raise errors.ProtocolError(f"unknown forward flags {self.flags:#x}")
+
+    @property
+    def values(self) -> int:
+        return self.rows * self.width + self.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward(protocol.Payload):
+    """The loss of the stages downstream (cross-entropy and their L2 terms)."""
+
+    loss: float
+    FORMAT = struct.Struct("<d")
+
+
+@dataclasses.dataclass(frozen=True)
+class Held(protocol.Payload):
+    """The token of the step a staged gradient belongs to."""
+
+    token: int
+    FORMAT = struct.Struct("<Q")
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyHeld(protocol.Payload):
+    """Apply the gradient held under token; the whole replica's examples and mean loss."""
+
+    token: int
+    examples: int
+    loss: float
+    FORMAT = struct.Struct("<QIf")
+
+    def check(self) -> None:
+        Update(self.examples, self.loss).check()  # what a step stands for, checked as a push's
+
+
+FORWARD = protocol.define(OpSpec(40, "FORWARD", request=Forward, reply=Backward, request_array=True,
+                                 reply_array=True))
+HOLD = protocol.define(OpSpec(41, "HOLD", request=Held, request_array=True, command=True))
+APPLY_HELD = protocol.define(OpSpec(42, "APPLY_HELD", request=ApplyHeld, command=True))
+JOIN_GROUP = protocol.define(OpSpec(43, "JOIN_GROUP", request=protocol.JsonObject, reply=protocol.JsonObject))

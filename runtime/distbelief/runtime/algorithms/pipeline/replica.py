@@ -1,0 +1,341 @@
+"""One pod of a partitioned replica: stage k of the model, in a group with one pod of
+every other partition.
+
+    partition 0 (drives the group's steps)      partition k > 0 (answers FORWARDs)
+    pull its stage every fetchEvery steps       pull when the FORWARD says FETCH
+    forward its minibatch -> FORWARD to 1 ...   forward -> FORWARD to k+1 (the last
+                                                stage computes the loss instead)
+    backward from the gradient that came back   backward, HOLD its gradient on a PUSH
+    HOLD, then APPLY_HELD on every shard        step, answer k-1 with d(loss)/d(input)
+
+Each pod pulls from and holds gradients on only the shards of its own stage. A step
+counts (its update applied on every shard) only once partition 0 sends APPLY_HELD, which
+it does after the backward pass reached it: every stage's gradient is then held. A group
+that breaks mid-step leaves nothing applied; its pods drop what they accumulated and join
+new groups.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import random
+import threading
+import time
+
+import numpy as np
+
+from distbelief.runtime import errors
+from distbelief.runtime.algorithms.pipeline import neighbour
+from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, FETCH, FORWARD, HOLD, PUSH, ApplyHeld, Held
+from distbelief.runtime.algorithms.pipeline.rendezvous import HEARTBEAT_SECONDS, RendezvousLink
+from distbelief.runtime.algorithms.pipeline.stages import Stage
+from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model.data import Dataset, minibatches
+from distbelief.runtime.observe.metrics import WorkerMetrics
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.transport import interface
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.protocol import Status
+
+log = logging.getLogger(__name__)
+
+NON_FINITE_STEPS = 3  # pushes in a row behind a non-finite loss before the replica gives up
+SERVE_POLL_SECONDS = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class PodSettings:
+    batch_size: int
+    fetch_every: int = 1
+    push_every: int = 1
+    classes: int = 2
+    seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PodLinks:
+    """A partition pod's peers: its stage's shards, the rendezvous, how to reach a
+    neighbour stage, and (partition 0) every shard, for the warm-start and APPLY_HELD."""
+
+    own: ShardGroup
+    rendezvous: RendezvousLink
+    transport: interface.Transport
+    stage_security: dict | None
+    everyone: ShardGroup | None = None
+
+
+class PartitionPod(abc.ABC):
+    """What both kinds of partition pod share: the stage's parameters and gradient, the
+    pulls and holds on its shards, the group and its heartbeat."""
+
+    def __init__(self, settings: PodSettings, stage: Stage, links: PodLinks, metrics: WorkerMetrics, *,
+                 stop: threading.Event) -> None:
+        self.settings, self.stage, self.links, self.metrics = settings, stage, links, metrics
+        self.params = np.empty(stage.size, dtype=np.float32)
+        self.accumulated = np.zeros(stage.size, dtype=np.float32)
+        self._step_grad = np.empty(stage.size, dtype=np.float32)
+        self.pulled_steps = [0] * len(links.own.indices)
+        self.stop_requested = stop
+        self.joined = threading.Event()
+        self.steps = 0
+        self.group = 0
+        self._beat = 0.0
+        self._downstream: neighbour.Neighbour | None = None
+        self._counted = (0, 0)
+        self._closed_links = [0, 0]  # bytes in and out of the neighbour links of earlier groups
+
+    def run(self) -> str:
+        """Train in groups until the job is done or stop is requested; returns why it ended."""
+        try:
+            if not self._hello():
+                return "done"
+            while not self.stop_requested.is_set():
+                view = self.links.rendezvous.wait_for_group()
+                if view is None:
+                    return "done"
+                if self._in_group(view):
+                    return "done"
+        except errors.Stopped:
+            pass
+        finally:
+            self.close()
+        return "stopped"
+
+    def close(self) -> None:
+        self.links.rendezvous.close()
+
+    def _in_group(self, view: dict) -> bool:
+        """Train in one group until it breaks (False) or the job is done (True)."""
+        self.group, self._beat = int(view["group"]), time.monotonic()
+        downstream = view.get("downstream")
+        self._downstream = neighbour.Neighbour(
+            self.links.transport, downstream, security=self.links.stage_security, layout=self.links.own.layout.hash,
+            worker_id=self.links.own.worker_id, heartbeat=self.heartbeat) if downstream else None
+        log.info("event=group_joined partition=%d group=%016x downstream=%s", self.stage.index, self.group, downstream)
+        try:
+            return self.train()
+        except errors.GroupBroken as exc:
+            log.warning("event=group_broken partition=%d group=%016x reason=%r", self.stage.index, self.group, str(exc))
+            self.accumulated[...] = 0
+            return False
+        finally:
+            if self._downstream is not None:
+                self._closed_links[0] += self._downstream.bytes_in
+                self._closed_links[1] += self._downstream.bytes_out
+                self._downstream.close()
+                self._downstream = None
+            self.group = 0
+
+    @abc.abstractmethod
+    def train(self) -> bool:
+        """Train in the current group: True when the job is done, False when stopped."""
+
+    def heartbeat(self) -> None:
+        """Keep the group's lease; GroupBroken if the group broke elsewhere."""
+        if time.monotonic() - self._beat < HEARTBEAT_SECONDS:
+            return
+        self._beat = time.monotonic()
+        status, view = self.links.rendezvous.ask(self.group)
+        if status == Status.DONE:
+            raise errors.GroupBroken("the job is done")
+        if status != Status.OK or view is None or view.get("group") != self.group:
+            raise errors.GroupBroken("the rendezvous dissolved the group")
+
+    def _hello(self) -> bool:
+        """Check the layout with the shards (partition 0: every shard, for the warm-start)."""
+        shards = self.links.everyone or self.links.own
+        while not self.stop_requested.is_set():
+            replies = shards.hello()
+            if any(r.done for r in replies):
+                return False
+            if all(r.header.status == Status.OK for r in replies):
+                self.joined.set()
+                return True
+            self.stop_requested.wait(0.5)
+        raise errors.Stopped("stopped before joining")
+
+    def pull(self) -> bool:
+        """This stage's parameters from its shards; True if the job is done."""
+        started = time.perf_counter()
+        replies = Float32Dense(self.links.own).pull(self.params)
+        self.metrics.pull_seconds.observe(time.perf_counter() - started)
+        if any(r.done for r in replies):
+            return True
+        self.pulled_steps = [r.step for r in replies]
+        return False
+
+    def compute(self, activations: list[np.ndarray], upstream: np.ndarray) -> tuple[float, np.ndarray | None]:
+        """Backward through the stage, the step's gradient added to the accumulated one."""
+        loss, input_grad = self.stage.backward(self.params, activations, upstream, self._step_grad)
+        self.accumulated += self._step_grad
+        self.steps += 1
+        self.metrics.steps.inc()
+        self._count_traffic()
+        return loss, input_grad
+
+    def hold(self, token: int) -> int:
+        """Hold the accumulated gradient on this stage's shards: OK, STALE or DONE."""
+        started = time.perf_counter()
+        replies = self.links.own.request(HOLD, meta=Held(token), array=self.accumulated, steps=self.pulled_steps)
+        self.metrics.push_seconds.observe(time.perf_counter() - started)
+        self.accumulated[...] = 0
+        if any(r.done for r in replies):
+            return Status.DONE
+        return Status.STALE if any(r.stale for r in replies) else Status.OK
+
+    def _count_traffic(self) -> None:
+        """What this pod's clients moved since the last count, into its metrics."""
+        clients = [c for c in (self.links.own, self.links.everyone, self._downstream) if c is not None]
+        now = (self._closed_links[0] + sum(c.bytes_in for c in clients),
+               self._closed_links[1] + sum(c.bytes_out for c in clients))
+        before, self._counted = self._counted, now
+        self.metrics.bytes_in.inc(now[0] - before[0])
+        self.metrics.bytes_out.inc(now[1] - before[1])
+
+
+class FirstPartition(PartitionPod):
+    """Partition 0: reads the data and drives its group's steps."""
+
+    def __init__(self, settings: PodSettings, stage: Stage, links: PodLinks, metrics: WorkerMetrics,
+                 dataset: Dataset, *, stop: threading.Event) -> None:
+        super().__init__(settings, stage, links, metrics, stop=stop)
+        self.rng = np.random.default_rng(settings.seed)
+        self.batches = minibatches(dataset, settings.batch_size, self.rng)
+        self._tokens = random.Random()
+        self._non_finite = 0
+
+    def close(self) -> None:
+        super().close()
+        self.links.own.close()  # its own subset of the shards; `everyone` is the role's to close
+
+    def train(self) -> bool:
+        step, fetch = 0, True
+        examples, loss_sum = 0, 0.0
+        while not self.stop_requested.is_set():
+            fetch = fetch or step % self.settings.fetch_every == 0
+            push = (step + 1) % self.settings.push_every == 0
+            if fetch and self.pull():
+                return True
+            token = self._tokens.getrandbits(64)
+            downstream, loss, n = self._step(token, (FETCH if fetch else 0) | (PUSH if push else 0))
+            if downstream.status == Status.DONE:
+                return True
+            examples, loss_sum, step, fetch = examples + n, loss_sum + loss * n, step + 1, False
+            if push:
+                outcome = self._commit(token, downstream.status, examples, loss_sum / examples)
+                if outcome == Status.DONE:
+                    return True
+                fetch, examples, loss_sum = outcome != Status.OK, 0, 0.0
+            self.heartbeat()
+        return False
+
+    def _step(self, token: int, flags: int) -> tuple[neighbour.Downstream, float, int]:
+        x, y = next(self.batches)
+        activations = self.stage.forward(self.params, x)
+        downstream = self._downstream.forward(self.group, token, activations[-1], y, flags)
+        if downstream.status == Status.DONE:
+            return downstream, 0.0, 0
+        loss, _ = self.compute(activations, downstream.grad)
+        loss += downstream.loss
+        self.metrics.examples.inc(len(x))
+        self.metrics.loss.set(loss)
+        return downstream, loss, len(x)
+
+    def _commit(self, token: int, downstream: int, examples: int, loss: float) -> int:
+        """Apply the step everywhere, once every stage holds its gradient: OK, STALE (not
+        applied: the parameters were too old somewhere) or DONE."""
+        if not np.isfinite(loss):
+            self._drop_non_finite(loss)
+            return Status.STALE
+        self._non_finite = 0
+        held = self.hold(token)
+        if Status.DONE in (held, downstream):
+            return Status.DONE
+        if Status.STALE in (held, downstream):
+            self.metrics.stale.inc()
+            return Status.STALE
+        try:
+            replies = self.links.everyone.request(APPLY_HELD, meta=ApplyHeld(token, examples, loss))
+        except errors.ShardRefused as exc:  # a shard restarted between HOLD and APPLY_HELD: its part is lost
+            log.warning("event=apply_incomplete group=%016x reason=%r", self.group, str(exc))
+            return Status.STALE
+        return Status.DONE if any(r.done for r in replies) else Status.OK
+
+    def _drop_non_finite(self, loss: float) -> None:
+        self._non_finite += 1
+        self.accumulated[...] = 0
+        log.error("event=non_finite_loss partition=0 step=%d action=step_not_applied", self.steps)
+        if self._non_finite >= NON_FINITE_STEPS:
+            raise errors.Diverged(f"the training loss was {loss} for {self._non_finite} steps in a row: "
+                                  "lower spec.training.learningRate, or check the data")
+
+
+class LaterPartition(PartitionPod):
+    """Partition k > 0: answers its group's FORWARDs from partition k-1."""
+
+    def __init__(self, settings: PodSettings, stage: Stage, links: PodLinks, metrics: WorkerMetrics,
+                 server: interface.Server, *, stop: threading.Event) -> None:
+        super().__init__(settings, stage, links, metrics, stop=stop)
+        self.server = server
+
+    def close(self) -> None:
+        super().close()
+        self.server.close()
+
+    def train(self) -> bool:
+        if self.pull():  # whatever the group's first FORWARD says, this pod computes from its shards' state
+            return True
+        while not self.stop_requested.is_set():
+            if self.server.poll(SERVE_POLL_SECONDS):
+                incoming = self.server.receive()
+                if incoming is not None and self._answer(incoming):
+                    return True
+            self.heartbeat()
+        return False
+
+    def _answer(self, incoming: interface.Incoming) -> bool:
+        """Answer one FORWARD; True when the job is done."""
+        self.metrics.bytes_in.inc(incoming.nbytes)
+        try:
+            if not incoming.frames:
+                raise errors.ProtocolError("an empty message")
+            header = protocol.unpack_header(incoming.frames[0])
+        except errors.ProtocolError as exc:  # no header to address an answer to: dropped
+            log.warning("event=rejected role=stage partition=%d reason=%r", self.stage.index, str(exc))
+            return False
+        try:
+            message = protocol.parse_request(incoming.frames, header)
+            if message.spec is not FORWARD:
+                raise errors.NotServed(f"a stage serves FORWARD only, not {message.spec.name}")
+            x, labels = neighbour.read_forward(message, group=self.group, width=self.stage.input_width,
+                                               classes=self.settings.classes, layout=self.links.own.layout.hash)
+        except errors.ProtocolError as exc:
+            log.warning("event=rejected role=stage partition=%d reason=%r", self.stage.index, str(exc))
+            self._send(incoming.peer, protocol.error_frames(header, protocol.error_code(exc), str(exc)))
+            return False
+        status, loss, grad = self._step(message.meta, x, labels)
+        self._send(incoming.peer, neighbour.forward_reply(message.header, status, loss, grad))
+        return status == Status.DONE
+
+    def _step(self, meta, x: np.ndarray, labels: np.ndarray) -> tuple[int, float, np.ndarray | None]:
+        if meta.flags & FETCH and self.pull():
+            return Status.DONE, 0.0, None
+        activations = self.stage.forward(self.params, x)
+        if self._downstream is None:
+            status, downstream_loss, upstream = Status.OK, 0.0, labels
+        else:
+            answer = self._downstream.forward(self.group, meta.token, activations[-1], labels, meta.flags)
+            if answer.status == Status.DONE:
+                return Status.DONE, 0.0, None
+            status, downstream_loss, upstream = answer.status, answer.loss, answer.grad
+        loss, input_grad = self.compute(activations, upstream)
+        if meta.flags & PUSH:
+            held = self.hold(meta.token)
+            status = held if held != Status.OK else status
+        return status, loss + downstream_loss, input_grad
+
+    def _send(self, peer: bytes, frames: list) -> None:
+        if self.server.send(peer, frames):
+            self.metrics.bytes_out.inc(interface.frames_nbytes(frames))

@@ -1,0 +1,106 @@
+"""The coordinator's bookkeeping of one evaluation's work units, with backup tasks.
+
+A batch of `total` examples is cut into units of `unit_size`. Units go out in order to
+replicas as they ask. Once every unit is out, a replica that asks again gets a copy of an
+unfinished unit it does not hold (the one with the fewest copies, oldest first): a backup
+task. The first result for a unit counts; later ones are dropped. A unit whose every copy
+has been out longer than `reissue_after` seconds may go out again even with backups off,
+so a replica that died holding units never stalls the evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Hashable
+from collections import deque
+
+from distbelief.runtime.algorithms.sandblaster.ops import WorkUnit
+
+
+@dataclasses.dataclass
+class _Outstanding:
+    holders: set[Hashable]
+    issued_at: float
+
+
+@dataclasses.dataclass
+class QueueStats:
+    issued: int = 0
+    backups: int = 0          # copies handed out while the first was still unfinished
+    duplicates: int = 0       # results that arrived for a unit already done
+
+
+class WorkQueue:
+    def __init__(self, total: int, unit_size: int, *, backups: bool = True, reissue_after: float = 30.0,
+                 clock=time.monotonic) -> None:
+        if total <= 0 or unit_size <= 0:
+            raise ValueError("a batch needs examples and a unit size")
+        self.total, self.unit_size = total, unit_size
+        self.units = -(-total // unit_size)
+        self.backups, self.reissue_after, self.clock = backups, reissue_after, clock
+        self.stats = QueueStats()
+        self.evaluation = 0
+        self._pending: deque[int] = deque()
+        self._outstanding: dict[int, _Outstanding] = {}
+        self._done: set[int] = set()
+        self._handed: dict[int, set[Hashable]] = {}  # unit -> every replica it went to, this evaluation
+        self.objective = 0.0
+
+    def begin(self, evaluation: int) -> None:
+        self.evaluation = evaluation
+        self._pending = deque(range(self.units))
+        self._outstanding, self._done, self._handed = {}, set(), {}
+        self.objective = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return len(self._done) == self.units
+
+    def unit(self, index: int) -> WorkUnit:
+        start = index * self.unit_size
+        return WorkUnit(evaluation=self.evaluation, unit=index, start=start,
+                        stop=min(start + self.unit_size, self.total), total=self.total)
+
+    def assign(self, worker: Hashable) -> WorkUnit | None:
+        """The next unit for this replica, a backup copy, or None (nothing useful to do)."""
+        if self.finished or self.evaluation == 0:
+            return None
+        now = self.clock()
+        if self._pending:
+            index = self._pending.popleft()
+            self._outstanding[index] = _Outstanding({worker}, now)
+        else:
+            index = self._backup_for(worker, now)
+            if index is None:
+                return None
+            entry = self._outstanding[index]
+            entry.holders.add(worker)
+            entry.issued_at = now
+            self.stats.backups += 1
+        self.stats.issued += 1
+        self._handed.setdefault(index, set()).add(worker)
+        return self.unit(index)
+
+    def _backup_for(self, worker: Hashable, now: float) -> int | None:
+        candidates = [(len(e.holders), e.issued_at, i) for i, e in self._outstanding.items()
+                      if worker not in e.holders and (self.backups or now - e.issued_at >= self.reissue_after)]
+        if not candidates:
+            stale = [(e.issued_at, i) for i, e in self._outstanding.items() if now - e.issued_at >= self.reissue_after]
+            return min(stale)[1] if stale else None  # even the holder may retry a unit long gone quiet
+        return min(candidates)[2]
+
+    def holds(self, worker: Hashable, evaluation: int, unit: int) -> bool:
+        """Whether this replica was handed this unit of this evaluation."""
+        return evaluation == self.evaluation and worker in self._handed.get(unit, ())
+
+    def complete(self, worker: Hashable, evaluation: int, unit: int, loss: float) -> bool:
+        """Record a result; True if it was the first for its unit (it counts)."""
+        if evaluation != self.evaluation or unit not in self._outstanding:
+            if evaluation == self.evaluation and unit in self._done:
+                self.stats.duplicates += 1
+            return False
+        del self._outstanding[unit]
+        self._done.add(unit)
+        self.objective += loss
+        return True

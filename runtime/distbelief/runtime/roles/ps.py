@@ -1,0 +1,87 @@
+"""`distbelief ps`: one copy of one parameter shard, and beside the first copy of shard 0
+the chief (and the algorithm's helper: Sandblaster's coordinator, a partitioned job's
+rendezvous).
+
+It reads the resolved job config (the ConfigMap's file), builds the model and the layout
+from it exactly as every other role does, attaches the algorithm's plugins to the shard
+core, restores the newest checkpoint, serves metrics, and serves until the job is done.
+Exit codes: 0 when the job is done or the role was asked to stop, 1 when a shard stayed
+unreachable, 2 for a config or layout the role cannot work with.
+"""
+
+from __future__ import annotations
+
+import os
+
+from distbelief.runtime import contract, errors
+from distbelief.runtime.algorithms import interface, registry
+from distbelief.runtime.algorithms.chief import Chief, Scorer, StoppingRules, WholeModel
+from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
+from distbelief.runtime.observe.metrics import ChiefMetrics, MetricsServer, ShardMetrics
+from distbelief.runtime.roles.common import Job, load_access, new_registry, shard_group, stop_on_termination
+from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.core import Shard, ShardSettings
+
+
+def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_port: int, listen: str,
+           checkpoint_dir: str, linger: float, keys_dir: str = contract.KEYS_DIR,
+           coordinator_port: int = contract.COORDINATOR_PORT, bulk_port: int = contract.BULK_PORT) -> int:
+    stop = stop_on_termination()
+    job = Job.load(config_path)
+    access = load_access(keys_dir, contract.ROLE_PS, job)
+    algorithm = registry.of(job)
+    ordinal = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
+    index, rank = job.config.copy_of(ordinal)
+    checkpointing = job.spec["parameterServers"]["checkpoint"]
+    settings = ShardSettings(
+        shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
+        checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
+        linger_seconds=linger, security=access.server,
+        bulk_bind=f"tcp://{listen}:{bulk_port}")
+    metrics_registry = new_registry()
+    server = Shard(settings, job.layout, ShardMetrics(metrics_registry, index), stop=stop)
+    algorithm.attach(server, job)
+    if job.config.copies > 1:
+        server.serve_copies(replication.Copies(server, rank=rank, addresses=job.config.copy_addresses()[index],
+                                               security=access.client))
+    server.restore()
+    metrics = MetricsServer(metrics_registry, metrics_port, ready=server.ready.is_set, host=listen).start()
+    helpers: list[tuple[str, interface.Helper]] = []
+    if ordinal == 0:  # the chief runs beside the first copy of shard 0
+        context = interface.ChiefContext(
+            job=job, shard=server, registry=metrics_registry, server_security=access.server,
+            group=lambda shards=None, stop=None: shard_group(job, security=access.client, shards=shards, stop=stop),
+            coordinator_bind=f"tcp://{listen}:{coordinator_port}")
+        helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm)))
+        beside = algorithm.beside_chief(context)
+        if beside is not None:
+            helpers.append((algorithm.name, beside))
+    try:
+        server.serve()
+    finally:
+        for _, helper in reversed(helpers):
+            helper.stop()
+        metrics.stop()
+    for name, helper in helpers:
+        if helper.failure:
+            raise errors.RuntimeFailure(f"the {name} stopped: {helper.failure}")
+    return 0
+
+
+def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interface.Algorithm) -> Chief:
+    job, server, group = ctx.job, ctx.shard, ctx.group()
+    training = job.spec["training"]
+    max_eval = int(job.spec["data"]["maxEvalExamples"])
+    if job.plan is None:
+        scorer: Scorer = WholeModel(group, job.model, job.dataset, max_eval, held_out=algorithm.held_out(job, group))
+    else:
+        scorer = StagedModel(job.plan, [ctx.group(job.stage_shards(k), group.stop) for k in range(len(job.plan.stages))],
+                             job.dataset, max_eval)
+    chief = Chief(group=group, scorer=scorer, rules=StoppingRules.from_spec(training),
+                  eval_every=float(training["evalEverySeconds"]), output_dir=output_dir,
+                  start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
+                  optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1)
+    server.step_reached = chief.step_reached
+    chief.on_failure = server.stop
+    chief.start()
+    return chief

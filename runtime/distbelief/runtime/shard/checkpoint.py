@@ -1,0 +1,253 @@
+"""Atomic, self-checking checkpoints of one shard.
+
+File layout (one file per checkpoint, `step-<12 digits>.ckpt`):
+
+    b"DBCKPT01" | u64 header length | JSON header | raw float32 arrays, back to back
+
+The header names the step, the layout hash, the shard, each array and its length, free
+metadata, and a SHA-256 over the rest of the header (as JSON) and the array bytes, so a
+damaged header cannot pass for a checkpoint of another step, layout or shard. A file is
+written under a temporary name, fsynced, renamed into place and the folder fsynced, so a
+crash leaves either the old set or the new one. On restore the newest file that verifies
+(and whose plugins can load it: a file it names may be damaged) wins; one that does not is
+reported and renamed aside (never deleted), and the one before it is used. write() and
+load() also serve files of other names (params/rows/rowcheckpoint.py's row files); encode() and
+decode() the same bytes in memory (replication.py's state transfer). The temporary of a
+write that a crash interrupted is removed at restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import struct
+from typing import Any, Callable
+
+import numpy as np
+
+from distbelief.runtime import errors
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DBCKPT01"
+LENGTH = struct.Struct("<Q")
+MAX_HEADER_BYTES = 1 << 20
+SUFFIX = ".ckpt"
+TEMPORARY = ".tmp"
+DTYPE = np.dtype("<f4")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    step: int
+    layout: int
+    shard: int
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sha256: str = ""  # of a checkpoint read from a file
+
+
+def file_name(step: int) -> str:
+    return f"step-{step:012d}{SUFFIX}"
+
+
+def encode(ckpt: Checkpoint) -> list[bytes | memoryview]:
+    """ckpt in the file format, as consecutive parts (the arrays are not copied)."""
+    return _encoded(ckpt)[0]
+
+
+def _encoded(ckpt: Checkpoint) -> tuple[list[bytes | memoryview], str]:
+    """encode()'s parts and the SHA-256 its header holds."""
+    body = {
+        "step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
+        "arrays": [[name, int(a.size)] for name, a in ckpt.arrays.items()],
+    }
+    arrays = [memoryview(_as_f32(array)) for array in ckpt.arrays.values()]
+    digest = hashlib.sha256(json.dumps(body).encode())
+    for array in arrays:
+        digest.update(array)
+    header = json.dumps({**body, "sha256": digest.hexdigest()}).encode()
+    return [MAGIC + LENGTH.pack(len(header)) + header, *arrays], digest.hexdigest()
+
+
+def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
+    """Write ckpt atomically into folder and prune all but the newest `keep`."""
+    path = os.path.join(folder, file_name(ckpt.step))
+    write(path, ckpt)
+    _prune(folder, keep)
+    return path
+
+
+def write(path: str, ckpt: Checkpoint) -> str:
+    """Write ckpt atomically to path (in the checkpoint format); its SHA-256."""
+    folder = os.path.dirname(path)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}{TEMPORARY}")
+    parts, sha256 = _encoded(ckpt)
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise errors.CheckpointError(f"cannot write checkpoint {path}: {folder} is not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_folder(folder)
+    except OSError as exc:
+        _remove_quietly(tmp)
+        raise errors.CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
+    return sha256
+
+
+def load(path: str) -> Checkpoint:
+    """Read and verify one checkpoint; CorruptCheckpoint says why it cannot be trusted."""
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        raise errors.CorruptCheckpoint(f"{path}: unreadable: {exc}") from exc
+    return decode(blob, path)
+
+
+def decode(blob: bytes | memoryview, source: str) -> Checkpoint:
+    """A checkpoint from the bytes encode() made, verified; source names them in errors."""
+    blob = memoryview(blob)
+    header, start = _header(source, blob)
+    body = {k: v for k, v in header.items() if k != "sha256"}
+    try:
+        names_and_sizes = [(str(n), int(s)) for n, s in header["arrays"]]
+        step, layout, shard = int(header["step"]), int(header["layout"]), int(header["shard"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise errors.CorruptCheckpoint(f"{source}: unreadable header: {exc}") from exc
+    payload = blob[start:]
+    expected = sum(size for _, size in names_and_sizes) * DTYPE.itemsize
+    if len(payload) != expected:
+        raise errors.CorruptCheckpoint(f"{source}: {len(payload)} bytes of data, header declares {expected}")
+    digest = hashlib.sha256(json.dumps(body).encode())
+    digest.update(payload)
+    if digest.hexdigest() != header.get("sha256"):
+        raise errors.CorruptCheckpoint(f"{source}: checksum mismatch")
+    arrays, offset = {}, 0
+    for name, size in names_and_sizes:
+        arrays[name] = np.frombuffer(payload, dtype=DTYPE, count=size, offset=offset).copy()
+        offset += size * DTYPE.itemsize
+    return Checkpoint(step=step, layout=layout, shard=shard, arrays=arrays, meta=dict(header.get("meta", {})),
+                      sha256=digest.hexdigest())
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """The free metadata in a checkpoint's header, without reading (or verifying) its arrays."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + LENGTH.size)
+            length = LENGTH.unpack_from(head, len(MAGIC))[0] if len(head) == len(MAGIC) + LENGTH.size else 0
+            blob = head + f.read(min(length, MAX_HEADER_BYTES))
+    except OSError as exc:
+        raise errors.CorruptCheckpoint(f"{path}: unreadable: {exc}") from exc
+    meta = _header(path, blob)[0].get("meta", {})
+    if not isinstance(meta, dict):
+        raise errors.CorruptCheckpoint(f"{path}: unreadable header: meta is not an object")
+    return meta
+
+
+def _header(source: str, blob: bytes | memoryview) -> tuple[dict[str, Any], int]:
+    """The JSON header at the start of blob, and where the arrays start."""
+    if bytes(blob[:len(MAGIC)]) != MAGIC or len(blob) < len(MAGIC) + LENGTH.size:
+        raise errors.CorruptCheckpoint(f"{source}: not a checkpoint (bad magic)")
+    (length,) = LENGTH.unpack_from(blob, len(MAGIC))
+    start = len(MAGIC) + LENGTH.size
+    if length > MAX_HEADER_BYTES or start + length > len(blob):
+        raise errors.CorruptCheckpoint(f"{source}: truncated header")
+    try:
+        header = json.loads(bytes(blob[start:start + length]))
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise errors.CorruptCheckpoint(f"{source}: unreadable header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise errors.CorruptCheckpoint(f"{source}: unreadable header: not an object")
+    return header, start + length
+
+
+def step_of(path: str) -> int:
+    """The step a checkpoint file's name says it holds."""
+    return int(os.path.basename(path)[len("step-"):-len(SUFFIX)])
+
+
+def list_checkpoints(folder: str) -> list[str]:
+    """Checkpoint files in folder, newest first."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("step-") and n.endswith(SUFFIX)]
+    except (FileNotFoundError, NotADirectoryError):  # gone, or replaced while a write finished
+        return []
+    return [os.path.join(folder, n) for n in sorted(names, reverse=True)]
+
+
+def restore_latest(folder: str, *, layout: int, shard: int,
+                   accept: Callable[[Checkpoint], None] = lambda ckpt: None) -> Checkpoint | None:
+    """The newest checkpoint of this shard that verifies and that accept takes, or None.
+
+    A corrupt file, or one whose accept raised CorruptCheckpoint (a file it refers to is
+    damaged or missing), is renamed to *.corrupt and the previous one tried. A valid file
+    written for another layout or shard is an error: continuing would train a different
+    model on top of it, and discarding it would lose the user's work. Temporaries of
+    interrupted writes are deleted first: they are never complete checkpoints, and only
+    this shard, not yet serving, writes the folder."""
+    remove_partial_writes(folder)
+    for path in list_checkpoints(folder):
+        try:
+            ckpt = load(path)
+            _check_owner(path, ckpt, layout, shard)
+            accept(ckpt)
+        except errors.CorruptCheckpoint as exc:
+            log.error("event=checkpoint_corrupt path=%s reason=%r action=set_aside", path, str(exc))
+            os.replace(path, path + ".corrupt")
+            continue
+        return ckpt
+    return None
+
+
+def _check_owner(path: str, ckpt: Checkpoint, layout: int, shard: int) -> None:
+    if ckpt.layout != layout or ckpt.shard != shard:
+        raise errors.CheckpointError(
+            f"{path} belongs to shard {ckpt.shard} of layout {ckpt.layout:016x}, "
+            f"not shard {shard} of layout {layout:016x}: the model or shard count changed; "
+            "point the shard at another checkpoint folder")
+
+
+def remove_partial_writes(folder: str, suffix: str = SUFFIX) -> None:
+    """Delete the temporaries that writes of files named *suffix left when interrupted."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(".") and n.endswith(suffix + TEMPORARY)]
+    except FileNotFoundError:
+        return
+    for path in (os.path.join(folder, name) for name in names):
+        if os.path.isfile(path):
+            log.info("event=partial_checkpoint_removed path=%s", path)
+            _remove_quietly(path)
+
+
+def _as_f32(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=DTYPE).reshape(-1)
+
+
+def _prune(folder: str, keep: int) -> None:
+    for old in list_checkpoints(folder)[keep:]:
+        _remove_quietly(old)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _fsync_folder(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

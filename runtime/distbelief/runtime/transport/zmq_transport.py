@@ -1,0 +1,47 @@
+"""The roles' transport: ZeroMQ over tcp:// (or ipc://), one context per process.
+
+    ZmqTransport   makes ZmqServers (zmq_server.py) and ZmqLinks (zmq_link.py), and waits
+                   on several links at once; default() is what the roles use
+
+ZeroMQ is imported by this package alone (admission.py registers the ZAP handler for it;
+keys.py, beside the layers, makes the keys), and its errors are translated here into
+distbelief.runtime.errors and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import zmq
+
+from distbelief.runtime import keys
+from distbelief.runtime.transport.zmq_link import ZmqLink
+from distbelief.runtime.transport.zmq_server import ZmqServer
+
+
+class ZmqTransport:
+    """ZeroMQ over tcp:// (or ipc://), one context per process by default."""
+
+    def __init__(self, context: zmq.Context | None = None) -> None:
+        self.context = context or zmq.Context.instance()
+
+    def server(self, address: str, *, who: str, max_frame: int, max_frames: int,
+               security: keys.ServerSecurity | None, bulk: str | None = None) -> ZmqServer:
+        return ZmqServer(self.context, address, who=who, max_frame=max_frame, max_frames=max_frames,
+                         security=security, bulk=bulk)
+
+    def link(self, address: str | Sequence[str], options: dict | None, *, watch: bool = True,
+             bulk: bool = False) -> ZmqLink:
+        return ZmqLink(self.context, address, options, watch=watch, bulk=bulk)
+
+    def wait(self, links: Sequence[ZmqLink], seconds: float) -> dict:
+        poller = zmq.Poller()
+        for link in links:
+            for pollable in link.pollables():
+                poller.register(pollable, zmq.POLLIN)
+        return dict(poller.poll(seconds * 1000))
+
+
+def default() -> ZmqTransport:
+    return ZmqTransport()
+
