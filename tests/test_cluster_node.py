@@ -140,6 +140,16 @@ def test_deleting_a_pod_stops_its_process_and_the_pod_goes(kubectl: Kubectl, loc
     assert not alive(pid)
 
 
+def test_kubectl_logs_reads_a_containers_log_through_the_api_server(kubectl: Kubectl, local_node: LocalNode,
+                                                                     namespace: str) -> None:
+    apply(kubectl, namespace, pod("talker", "import time\nfor i in range(3):\n    print('line', i, flush=True)\n"
+                                            "    time.sleep(0.5)"))
+    eventually(lambda: phase(kubectl, namespace, "talker") in ("Running", "Succeeded"), 30)
+    followed = kubectl("logs", "-f", "talker", "-n", namespace, timeout=60)  # until the container ends
+    assert followed.splitlines() == ["line 0", "line 1", "line 2"]
+    assert kubectl("logs", "talker", "-n", namespace, "--tail=1").splitlines() == ["line 2"]
+
+
 def test_memory_limits_are_held_as_a_cluster_holds_them(kubectl: Kubectl, local_node: LocalNode,
                                                         namespace: str) -> None:
     grow = "import time\nblocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n    time.sleep(0.05)"

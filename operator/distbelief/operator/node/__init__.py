@@ -6,6 +6,7 @@ fresh (registration), runs each bound pod's containers with local mode's pod run
 (pods, containers, volumes; localpods.LocalPod), probes them (probes), writes their
 status as a kubelet does (podstatus), gives every pod an IP of its own on loopback and
 maps the cluster's DNS names to them (addresses, roles), provisions folders for volume
-claims (provisioner), and serves pods by name over HTTP (proxy). Not a product role:
-`tools/local-node --kubeconfig FILE [--name NAME]` or `python -m distbelief.operator.node`.
+claims (provisioner), and serves logs and pods by name over HTTP(S) (endpoint, logs).
+Not a product role: `tools/local-node --kubeconfig FILE [--name NAME]`, or
+`python -m distbelief.operator.node`.
 """

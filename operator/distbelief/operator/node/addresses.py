@@ -10,7 +10,7 @@ address again, and two clusters on one machine (two test sessions) do not collid
 There is no cluster DNS here: a name of a headless Service's pod,
 `<pod>.<service>.<namespace>.svc[.cluster.local]`, maps to that pod's address through
 resolve(), which the agent uses to tell pods where their peers are (roles.py) and to
-proxy requests to pods by name (proxy.py).
+proxy requests to pods by name (endpoint.py).
 """
 
 from __future__ import annotations

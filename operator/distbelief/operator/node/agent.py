@@ -26,11 +26,11 @@ from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
 
 from distbelief.operator import localpods, podusage
-from distbelief.operator.node import api as node_api, probes
+from distbelief.operator.node import api as node_api, logs, probes
 from distbelief.operator.node.addresses import PodNetwork, cluster_identity
 from distbelief.operator.node.pods import NodeContext, NodePod
 from distbelief.operator.node.provisioner import Provisioner
-from distbelief.operator.node.proxy import Endpoint
+from distbelief.operator.node.endpoint import Endpoint
 from distbelief.operator.node.registration import Registration
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Agent:
         self.ctx = NodeContext(api=self.api, network=self.network, root=options.root, capacity=options.capacity,
                                prober=self.prober, backoff_start=options.backoff_start,
                                backoff_max=options.backoff_max)
-        self.endpoint = Endpoint(self.network, options.root, port=options.port)
+        self.endpoint = Endpoint(self.network, self._find_log, options.root, port=options.port)
         self.registration = Registration(self.api, options.name, options.capacity, port=self.endpoint.port)
         self.provisioner = Provisioner(self.api, options.name, options.root)
         self.pods: dict[str, NodePod] = {}
@@ -121,6 +121,14 @@ class Agent:
 
     def _processes(self) -> list[localpods.LocalPod]:
         return [process for pod in list(self.pods.values()) for process in pod.processes]
+
+    def _find_log(self, namespace: str, name: str, container: str) -> logs.LogSource | None:
+        """The log of a container of a pod here, else of one that was (kept under root)."""
+        for pod in list(self.pods.values()):
+            run = next((r for r in pod.runs if r.spec["name"] == container and r.process), None)
+            if (pod.namespace, pod.name) == (namespace, name) and run is not None:
+                return logs.LogSource(run.process.log_path, lambda run=run: run.running)
+        return logs.on_disk(self.options.root, namespace, name, container)
 
     def _write(self, pod: NodePod) -> None:
         try:

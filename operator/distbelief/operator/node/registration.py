@@ -2,8 +2,8 @@
 
 register() creates the Node (or takes over an existing one of the name) with its labels
 (kubernetes.io/hostname, os, arch), capacity and allocatable (cpu, memory, pods: this
-machine's unless overridden), addresses (InternalIP 127.0.0.1, Hostname), nodeInfo, the
-agent's HTTP port as the kubelet endpoint, and a Ready condition. heartbeat() renews the
+machine's unless overridden), its address (InternalIP 127.0.0.1), nodeInfo, the agent's
+endpoint (endpoint.py) as the kubelet's, and a Ready condition. heartbeat() renews the
 Lease in kube-node-lease (what the node lifecycle controller watches) and writes the
 conditions again with a fresh lastHeartbeatTime; the agent calls it every few seconds.
 A Node deleted meanwhile is registered again, as a kubelet does.
@@ -52,7 +52,7 @@ class Registration:
     api: node_api.Api
     name: str
     capacity: Mapping[str, str]
-    port: int = 0                 # the agent's HTTP endpoint (proxy.py), 0 if none
+    port: int = 0                 # the agent's endpoint (endpoint.py), 0 if none
     uid: str = ""
     ready_since: str = ""
 
@@ -100,7 +100,8 @@ class Registration:
                      "message": "local-node is running pods" if ready else "local-node stopped",
                      "lastHeartbeatTime": now, "lastTransitionTime": self.ready_since or now if ready else now}
         return {"capacity": dict(self.capacity), "allocatable": dict(self.capacity),
-                "addresses": [{"type": "InternalIP", "address": HOST_IP}, {"type": "Hostname", "address": self.name}],
+                # No Hostname address: the API server would dial it first, and nothing resolves it.
+                "addresses": [{"type": "InternalIP", "address": HOST_IP}],
                 "conditions": [*pressure, readiness],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": self.port}},
                 "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": platform.release(),
