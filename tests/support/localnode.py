@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import pytest
 
 from support import controlplane
-from support.cluster import Kubectl
+from support.cluster import Kubectl, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -80,7 +80,7 @@ def _exited_early(process: subprocess.Popen, log_path: Path) -> None:
 def local_node(control_plane: controlplane.ControlPlane, kubectl: Kubectl,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
     if not control_plane.has("kube-scheduler") or not control_plane.has("kube-controller-manager"):
-        pytest.skip("the node agent's tests need kube-scheduler and kube-controller-manager beside the API server")
+        unavailable("the node agent's tests need kube-scheduler and kube-controller-manager beside the API server")
     name = f"node-{uuid.uuid4().hex[:6]}"
     root = tmp_path_factory.mktemp("local-node")
     log_path = root.parent / f"{name}.log"
