@@ -160,6 +160,15 @@ def test_a_crash_looping_shard_says_how_it_last_ended() -> None:
     assert "digits-ps-1 last exited with code 1: error: gone" in message
 
 
+def test_the_status_counts_every_container_restart_and_keeps_the_count_once_the_pods_are_gone() -> None:
+    pods = [_pod("digits-ps-0", "ps", restarts=1), _pod("digits-worker-a", "worker", restarts=2)]
+    running = compute_status(job(), Observed(shards_ready=2, workers_ready=2, **pod_failures(pods)), NOW)
+    assert running["restarts"] == 3
+    finished = compute_status(job(**running), Observed(**pod_failures([])), LATER)
+    assert finished["restarts"] == 3
+    assert "restarts" not in compute_status(job(), Observed(), NOW)
+
+
 def test_a_shard_the_oom_killer_keeps_ending_says_so() -> None:
     pods = [_pod("digits-ps-0", "ps", restarts=4, last={"terminated": {"exitCode": 137, "reason": "OOMKilled"}})]
     failed = compute_status(job(), Observed(**pod_failures(pods)), NOW)

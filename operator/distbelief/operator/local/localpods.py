@@ -215,7 +215,7 @@ def _pod(node: LocalNode, workload: Mapping[str, Any], name: str, ports: dict[st
          extra_args: list[str]) -> LocalPod:
     container = _container(workload)
     mounts = _mount_volumes(workload, name, node.output, node.sources)
-    args = [_local_path(a, mounts) for a in container.get("args", [])]
+    args = [local_path(a, mounts) for a in container.get("args", [])]
     for port_name, flag in PORT_FLAGS.items():
         if port_name in ports:
             args += [flag, str(ports[port_name])]
@@ -224,13 +224,13 @@ def _pod(node: LocalNode, workload: Mapping[str, Any], name: str, ports: dict[st
     if contract.STAGE_PORT_NAME in ports:  # every local pod shares the one loopback address
         env[contract.ENV_STAGE_ADDRESS] = f"tcp://{LOOPBACK}:{ports[contract.STAGE_PORT_NAME]}"
     return LocalPod(name=name, role=workload["metadata"]["labels"][contract.LABEL_ROLE],
-                    argv=_local_command(container["command"]) + args + extra_args, env=env,
+                    argv=local_command(container["command"]) + args + extra_args, env=env,
                     log_path=os.path.join(node.output, "logs", f"{name}.log"), ports=ports,
                     workload=workload["metadata"]["name"],
                     memory_limit=(container.get("resources") or {}).get("limits", {}).get("memory"))
 
 
-def _local_command(command: list[str]) -> list[str]:
+def local_command(command: list[str]) -> list[str]:
     """The image's `distbelief` entry point is this interpreter's copy of the CLI."""
     if command and command[0] == "distbelief":
         return [sys.executable, "-m", "distbelief.operator.cli", *command[1:]]
@@ -270,12 +270,12 @@ def _mount_volumes(workload: Mapping[str, Any], pod_name: str, output: str,
                     f.write(text)
         secret = volumes.get(mount["name"], {}).get("secret")
         if secret:
-            _write_secret(folder, sources[secret["secretName"]], secret.get("items"))
+            write_secret(folder, sources[secret["secretName"]], secret.get("items"))
         mounts[mount["mountPath"]] = folder
     return mounts
 
 
-def _write_secret(folder: str, secret: Mapping[str, Any], items: list[Mapping[str, str]] | None) -> None:
+def write_secret(folder: str, secret: Mapping[str, Any], items: list[Mapping[str, str]] | None) -> None:
     os.chmod(folder, 0o700)
     data = secret["data"]
     for item in items or [{"key": key, "path": key} for key in data]:
@@ -286,7 +286,7 @@ def _write_secret(folder: str, secret: Mapping[str, Any], items: list[Mapping[st
         os.chmod(path, 0o600)
 
 
-def _local_path(arg: str, mounts: Mapping[str, str]) -> str:
+def local_path(arg: str, mounts: Mapping[str, str]) -> str:
     for mount_path, folder in mounts.items():
         if arg == mount_path or arg.startswith(mount_path.rstrip("/") + "/"):
             return folder + arg[len(mount_path.rstrip("/")):]

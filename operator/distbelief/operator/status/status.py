@@ -38,13 +38,16 @@ class Observed:
     invalid_config: str | None = None      # "<pod>: <its last error>" of a pod that exited with a config error
     shard_failure: str | None = None       # how the most restarted shard last ended, for the message
     non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
+    restarts: int | None = None            # container restarts over the job's pods; None: no pods seen
 
 
 def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
     """The fields of Observed that a job's pods show: the most restarts of one shard
     container and how it last ended, and the first container that exited with a config
-    error, and the first replica whose loss went non-finite (neither can a restart fix)."""
+    error, and the first replica whose loss went non-finite (neither can a restart fix); and
+    the restarts of all the job's containers (None without pods)."""
     invalid, diverged, restarts, failure = None, None, 0, None
+    total = sum(c.get("restartCount", 0) for pod in pods for c in (pod.get("status") or {}).get("containerStatuses", []))
     for pod in pods:
         name, role = pod["metadata"]["name"], (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
         for container in (pod.get("status") or {}).get("containerStatuses", []):
@@ -59,7 +62,7 @@ def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
                 restarts, last = container["restartCount"], ends[1]
                 failure = _how_it_ended(name, last) if "exitCode" in last else None
     return {"invalid_config": invalid, "non_finite_loss": diverged, "shard_restarts": restarts,
-            "shard_failure": failure}
+            "shard_failure": failure, "restarts": total if pods else None}
 
 
 def _how_it_ended(pod: str, terminated: Mapping[str, Any]) -> str:
@@ -100,6 +103,9 @@ def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.dat
     shards = _shard_copies(meta["name"], spec, observed.figures) or previous.get("shards")
     if shards:
         status["shards"] = shards
+    restarts = observed.restarts if observed.restarts is not None else previous.get("restarts")
+    if restarts is not None:  # the last count seen while the job had pods
+        status["restarts"] = restarts
     if phase in TERMINAL:
         status["completionTime"] = previous.get("completionTime") or timestamp(now)
     status["conditions"] = _conditions(previous.get("conditions", []), phase, reason, message, observed, now)

@@ -1,0 +1,114 @@
+"""A pod's volumes as folders of this machine, and its containers' mounts as paths into them.
+
+    configMap, secret   the object's keys written out as files (the items the volume lists,
+                        or all), a Secret's 0600 in a 0700 folder (localpods.write_secret)
+    emptyDir            a folder of the pod's own, gone with the pod
+    persistentVolumeClaim  the folder of the PersistentVolume bound to the claim (a local
+                        or hostPath volume: what provisioner.py makes)
+    hostPath            the path itself
+
+The folders are written once, before the pod's first container starts (a kubelet would
+also refresh ConfigMaps and Secrets later). A container reaches them only where its
+command, args or environment name a mount path: mounts() tells the agent which local
+folder stands for which mount path (localpods.local_path rewrites them).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from typing import Any, Mapping
+
+from distbelief.operator.local import localpods
+from distbelief.operator.node import api as node_api
+
+Manifest = dict[str, Any]
+
+
+class VolumeError(Exception):
+    """A volume that cannot be made yet (its ConfigMap, Secret or claim is missing or unbound)."""
+
+
+def prepare(api: node_api.Api, pod: Manifest, folder: str) -> dict[str, str]:
+    """Every volume of the pod made under folder (or found); volume name -> local folder."""
+    namespace = pod["metadata"]["namespace"]
+    made = {}
+    for volume in pod["spec"].get("volumes") or []:
+        target = os.path.join(folder, volume["name"])
+        made[volume["name"]] = _make(api, namespace, volume, target)
+    return made
+
+
+def mounts(container: Mapping[str, Any], volumes: Mapping[str, str]) -> dict[str, str]:
+    """The container's mount paths -> local folders (subPath included)."""
+    found = {}
+    for mount in container.get("volumeMounts") or []:
+        if mount["name"] not in volumes:
+            raise VolumeError(f"volumeMount {mount['mountPath']}: no volume named {mount['name']!r}")
+        local = volumes[mount["name"]]
+        found[mount["mountPath"]] = os.path.join(local, mount["subPath"]) if mount.get("subPath") else local
+    return found
+
+
+def _make(api: node_api.Api, namespace: str, volume: Mapping[str, Any], target: str) -> str:
+    if "hostPath" in volume:
+        os.makedirs(volume["hostPath"]["path"], exist_ok=True)
+        return volume["hostPath"]["path"]
+    if "persistentVolumeClaim" in volume:
+        return _claim_folder(api, namespace, volume["persistentVolumeClaim"]["claimName"])
+    os.makedirs(target, exist_ok=True)
+    if "configMap" in volume:
+        _write_config_map(api, namespace, volume["configMap"], target)
+    elif "secret" in volume:
+        _write_secret(api, namespace, volume["secret"], target)
+    elif "emptyDir" not in volume:
+        kinds = sorted(set(volume) - {"name"})
+        raise VolumeError(f"volume {volume['name']!r}: local-node does not make {', '.join(kinds)} volumes")
+    return target
+
+
+def _source(api: node_api.Api, namespace: str, plural: str, name: str, optional: bool) -> Manifest | None:
+    found = api.get_path(node_api.path("v1", plural, namespace, name))
+    if found is None and not optional:
+        raise VolumeError(f"{plural[:-1]} {namespace}/{name} not found")
+    return found
+
+
+def _write_config_map(api: node_api.Api, namespace: str, source: Mapping[str, Any], target: str) -> None:
+    found = _source(api, namespace, "configmaps", source["name"], source.get("optional", False))
+    data = {**(found or {}).get("data", {})}
+    data.update({k: base64.b64decode(v).decode(errors="replace")
+                 for k, v in (found or {}).get("binaryData", {}).items()})
+    for item in _items(source, data):
+        path = os.path.join(target, item["path"])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(data[item["key"]])
+
+
+def _write_secret(api: node_api.Api, namespace: str, source: Mapping[str, Any], target: str) -> None:
+    found = _source(api, namespace, "secrets", source["secretName"], source.get("optional", False))
+    data = (found or {}).get("data") or {}
+    localpods.write_secret(target, {"data": data}, _items(source, data))
+
+
+def _items(source: Mapping[str, Any], data: Mapping[str, Any]) -> list[Mapping[str, str]]:
+    items = source.get("items") or [{"key": key, "path": key} for key in data]
+    missing = [item["key"] for item in items if item["key"] not in data]
+    if missing:
+        raise VolumeError(f"volume keys not found: {', '.join(missing)}")
+    return items
+
+
+def _claim_folder(api: node_api.Api, namespace: str, claim: str) -> str:
+    found = api.get_path(node_api.path("v1", "persistentvolumeclaims", namespace, claim))
+    volume_name = ((found or {}).get("spec") or {}).get("volumeName")
+    if not volume_name:
+        raise VolumeError(f"persistentvolumeclaim {namespace}/{claim} is not bound")
+    volume = api.get_path(node_api.path("v1", "persistentvolumes", name=volume_name)) or {}
+    spec = volume.get("spec") or {}
+    local = (spec.get("local") or spec.get("hostPath") or {}).get("path")
+    if not local:
+        raise VolumeError(f"persistentvolume {volume_name} is neither local nor hostPath")
+    os.makedirs(local, exist_ok=True)
+    return local

@@ -1,0 +1,141 @@
+"""pytest fixtures of a node agent on the cluster tier's control plane, and the operator beside it.
+
+    local_node    tools/local-node running against the session's control plane (module-scoped):
+                  a Ready Node that runs the pods bound to it as processes
+    chart         the chart installed (the CRD), its operator Deployment scaled to 0
+    operator      `distbelief operator` as a local process watching the test's namespace, with
+                  the admin kubeconfig, reading the chief's metrics through the node's endpoint
+    eventually    eventually(predicate, timeout): poll until predicate() is truthy, return it
+
+They need what support/cluster.py needs, and skip or fail (CI=true) the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import pytest
+
+from support import controlplane
+from support.cluster import Kubectl, unavailable
+
+REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+# The test node offers more CPUs than a small CI machine has, so that the examples' CPU
+# requests fit it: the scheduler packs by requests, the processes share what there is.
+NODE_CPUS = "16"
+METRICS_URL = "http://127.0.0.1:{port}/api/v1/namespaces/{{namespace}}/pods/{{pod}}:{{port}}/proxy/metrics"
+
+
+def eventually(predicate: Callable[[], T], timeout: float, interval: float = 0.2, what: str = "") -> T:
+    """predicate()'s first truthy value within timeout seconds; AssertionError otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what or predicate}; last value {value!r}")
+        time.sleep(interval)
+
+
+@dataclasses.dataclass
+class LocalNode:
+    name: str
+    root: Path
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def terminate(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, and SIGKILL when it has not ended within timeout seconds."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _exited_early(process: subprocess.Popen, log_path: Path) -> None:
+    if process.poll() is not None:
+        raise AssertionError(f"local-node exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def local_node(control_plane: controlplane.ControlPlane, kubectl: Kubectl,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+    if not control_plane.has("kube-scheduler") or not control_plane.has("kube-controller-manager"):
+        unavailable("the node agent's tests need kube-scheduler and kube-controller-manager beside the API server")
+    name = f"node-{uuid.uuid4().hex[:6]}"
+    root = tmp_path_factory.mktemp("local-node")
+    log_path = root.parent / f"{name}.log"
+    command = [str(REPO / "tools" / "local-node"), "--kubeconfig", str(control_plane.kubeconfig), "--name", name,
+               "--root", str(root), "--cpu", NODE_CPUS, "--heartbeat", "2"]
+    with open(log_path, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHON": sys.executable}, start_new_session=True)
+
+    def ready() -> int | None:
+        _exited_early(process, log_path)
+        done = kubectl.run("get", "node", name, "-o", "json")
+        if done.returncode != 0:
+            return None
+        node = json.loads(done.stdout)
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+        tainted = any(t["key"].startswith("node.kubernetes.io/not-ready") for t in node["spec"].get("taints") or [])
+        return node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"] if ready and not tainted else None
+
+    try:
+        port = eventually(ready, 60, what=f"Node {name} Ready and untainted")
+        yield LocalNode(name=name, root=root, port=port, process=process, log_path=log_path)
+    finally:
+        terminate(process)
+        kubectl("delete", "node", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def chart(helm: Callable[..., str], kubectl: Kubectl) -> str:
+    """The chart as a release of its own (its crds/ folder brings the CRD when absent), with
+    no operator pod: the tests run the operator as a process."""
+    helm("upgrade", "--install", "distbelief-node", str(REPO / "charts" / "distbelief"), "--namespace",
+         "distbelief-node", "--create-namespace", "--set", "operator.replicas=0", "--set", "peering.enabled=false")
+    kubectl("wait", "--for=condition=Established", "crd/distbeliefjobs.distbelief.io", "--timeout=60s")
+    return "distbelief-node"
+
+
+@pytest.fixture
+def operator(chart: str, control_plane: controlplane.ControlPlane, local_node: LocalNode, namespace: str,
+             tmp_path: Path) -> Iterator[Path]:
+    """The operator watching the test's namespace; yields the path of its log."""
+    log_path = tmp_path / "operator.log"
+    env = control_plane.env(DISTBELIEF_METRICS_URL=METRICS_URL.format(port=local_node.port),
+                            DISTBELIEF_STATUS_INTERVAL="1")
+    with open(log_path, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "distbelief.operator.cli", "operator", "--namespace",
+                                    namespace, "--standalone", "--liveness", ""], stdout=out,
+                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield log_path
+    finally:
+        terminate(process)
+
+
+def get(kubectl: Kubectl, *args: str) -> Any:
+    """kubectl get ... -o json, None when absent."""
+    done = kubectl.run("get", *args, "-o", "json")
+    return json.loads(done.stdout) if done.returncode == 0 else None
