@@ -13,20 +13,10 @@ import pytest
 import yaml
 
 from distbelief.operator import spec
-from support.cluster import Kubectl
+from support.cluster import CRD_NAME, Kubectl
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.yaml"))
-CRD_NAME = "distbeliefjobs.distbelief.io"
-
-
-@pytest.fixture(scope="module")
-def chart(helm: Callable[..., str], kubectl: Kubectl) -> str:
-    """The chart, installed (its crds/ folder brings the CRD): the release's namespace."""
-    helm("install", "distbelief", str(REPO / "charts" / "distbelief"), "--namespace", "distbelief-system",
-         "--create-namespace")
-    kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
-    return "distbelief-system"
 
 
 def test_the_chart_installs_the_crd_and_the_operator(chart: str, kubectl: Kubectl, helm: Callable[..., str]) -> None:

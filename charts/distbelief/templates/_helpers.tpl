@@ -84,6 +84,13 @@ ClusterRole (all namespaces) and the per-namespace Roles. */}}
 - apiGroups: [distbelief.io]
   resources: [distbeliefjobs/status]
   verbs: [patch]
+# The children's owner references set blockOwnerDeletion (the garbage collector deletes
+# them before the job in a foreground deletion). A server with the admission plugin
+# OwnerReferencesPermissionEnforcement (OpenShift, hardened clusters) admits that only from a
+# client that may update the owner's finalizers; the operator never calls this itself.
+- apiGroups: [distbelief.io]
+  resources: [distbeliefjobs/finalizers]
+  verbs: [update]
 # The children of a job: read, created when missing, patched toward the spec.
 - apiGroups: [""]
   resources: [configmaps, services]
