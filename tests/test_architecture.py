@@ -14,7 +14,7 @@ RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
 OPERATOR = REPO / "operator" / "distbelief" / "operator"
 MAX_LINES = 400
 # The operator process itself (kopf) needs only the contract from the runtime.
-CLUSTER_MODULES = ("handlers", "kube", "render", "podparts", "spec", "status", "scrape")
+CLUSTER_MODULES = ("handlers", "children", "kube", "render", "podparts", "sizing", "spec", "status", "scrape")
 RUNTIME_FOR_THE_OPERATOR = {"distbelief.runtime", "distbelief.runtime.contract", "distbelief.runtime.keys",
                             "distbelief.runtime.errors"}
 CORE = ("protocol", "transport", "memory_transport", "plugin", "shard")

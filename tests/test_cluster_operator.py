@@ -13,8 +13,11 @@ import base64
 import copy
 import json
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -22,7 +25,7 @@ import yaml
 
 from distbelief.runtime import keys
 from support.chiefs import Chiefs
-from support.cluster import JOBS, Api, Kubectl, Operator
+from support.cluster import JOBS, Api, ApiError, Kubectl, Operator, stop_process
 
 from conftest import load_example
 
@@ -85,9 +88,14 @@ def kubelet_runs(api: Api, namespace: str, job: str, *, role: str | None = None,
         container = pod["spec"]["containers"][0]["name"]
         status = {"name": container, "ready": True, "started": True, "restartCount": 0, "image": "x", "imageID": "",
                   "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}, **(container_status or {})}
-        api.patch("v1/pods", namespace, pod["metadata"]["name"], {"status": {
-            "phase": "Running", "conditions": READY if status["ready"] else READY[:2],
-            "containerStatuses": [status]}}, subresource="status")
+        try:
+            api.patch("v1/pods", namespace, pod["metadata"]["name"], {"status": {
+                "phase": "Running", "conditions": READY if status["ready"] else READY[:2],
+                "containerStatuses": [status]}}, subresource="status")
+        except ApiError as exc:
+            if exc.code != 404:  # gone meanwhile (a rollout, a scale-down): no kubelet runs it
+                raise
+            continue
         names.append(pod["metadata"]["name"])
     return names
 
@@ -446,3 +454,32 @@ def test_an_operator_killed_mid_job_picks_up_without_duplicates(operator: Operat
     for resource, _ in CHILDREN:
         assert len(api.list(resource, namespace, "distbelief.io/job=restart")) == 1, resource
     assert [e["reason"] for e in api.events(namespace, "restart")].count("Running") == 1
+
+
+def test_a_missing_peering_object_is_warned_about_then_and_again(
+        control_plane: Any, kubectl: Kubectl, chart: str, namespace: str, tmp_path: Any) -> None:
+    """A developer's operator, for one namespace, with peering: kopf pauses it silently while
+    the KopfPeering is missing; the operator warns at once and again, and stops once it is there."""
+    log_path = tmp_path / "operator.log"
+    env = control_plane.env(DISTBELIEF_PEERING_CHECK_SECONDS="1")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([str(Path(sys.executable).parent / "distbelief"), "operator", "--namespace",
+                                    namespace, "--liveness", ""], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline and log_path.read_text().count("event=peering_missing") < 2:
+            time.sleep(0.2)
+        warnings = [line for line in log_path.read_text().splitlines() if "event=peering_missing" in line]
+        kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
+            "apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "distbelief"}}))
+        time.sleep(1.5)  # one check may have been under way
+        settled = log_path.read_text().count("event=peering_missing")
+        time.sleep(3)  # three more checks: none may warn now
+        after = log_path.read_text().count("event=peering_missing") - settled
+        failures = log_path.read_text().count("event=peering_check_failed")
+    finally:
+        stop_process(process)
+    assert len(warnings) >= 2, log_path.read_text()[-3000:]
+    assert " WARNING " in warnings[0]
+    assert f"KopfPeering {namespace}/distbelief" in warnings[0] and "--standalone" in warnings[0]
+    assert after == 0 and failures == 0

@@ -48,8 +48,12 @@ WAIT = 45.0
 
 
 class Kubectl:
-    def __init__(self, plane: controlplane.ControlPlane, binary: str) -> None:
-        self.plane, self.binary = plane, binary
+    def __init__(self, plane: controlplane.ControlPlane, binary: str, *args: str) -> None:
+        self.plane, self.binary, self.args = plane, binary, args   # args: before every command's own
+
+    def as_user(self, token: str) -> "Kubectl":
+        """kubectl authenticated by token instead of as the admin."""
+        return Kubectl(self.plane, self.binary, "--token", token)
 
     def __call__(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
         done = self.run(*args, input=input, timeout=timeout)
@@ -58,7 +62,7 @@ class Kubectl:
         return done.stdout
 
     def run(self, *args: str, input: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([self.binary, *args], input=input, capture_output=True, text=True,
+        return subprocess.run([self.binary, *self.args, *args], input=input, capture_output=True, text=True,
                               env=self.plane.env(), timeout=timeout)
 
     def json(self, *args: str) -> Any:
@@ -238,11 +242,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Send sig, wait for the end; SIGKILL after timeout seconds."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class Operator:
     """`distbelief operator` as a local process, run as the chart's Deployment runs it: its
     arguments and environment, as its ServiceAccount (a token from the TokenRequest API),
     so with exactly the chart's RBAC. Only the liveness port moves to a free loopback port,
-    the status interval is shortened, and the chiefs' metrics are read from `chiefs`.
+    the status interval and the retries of a refused job are shortened, and the chiefs'
+    metrics are read from `chiefs`.
 
     It keeps one POD_ID across restarts, as a container restarted in its pod does: kopf
     then knows its own peering entry and does not wait for it to lapse."""
@@ -280,7 +296,8 @@ class Operator:
     def environment(self) -> dict[str, str]:
         values = {e["name"]: e["value"] for e in self.container.get("env", []) if "value" in e}
         values.update(POD_ID=self.POD_ID, DISTBELIEF_OPERATOR_NAMESPACE=self.namespace,
-                      DISTBELIEF_STATUS_INTERVAL="1", DISTBELIEF_METRICS_URL=self.chiefs.url)
+                      DISTBELIEF_STATUS_INTERVAL="1", DISTBELIEF_BLOCKED_RETRY_SECONDS="2",
+                      DISTBELIEF_METRICS_URL=self.chiefs.url)
         return {**{k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "DISTBELIEF_"))},
                 **values, "KUBECONFIG": str(self.kubeconfig)}
 
@@ -301,13 +318,8 @@ class Operator:
                 time.sleep(0.2)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process:
+            stop_process(self.process, sig)
 
     def restart(self, sig: int = signal.SIGTERM) -> None:
         """Stop it (SIGKILL: without its clean-up) and start it again."""
@@ -317,9 +329,11 @@ class Operator:
     def log_tail(self, chars: int = 6000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
-    def calls(self, since: int = 0) -> tuple[list[dict[str, Any]], int]:
-        """The operator's requests the API server answered, from the audit log (offset since)."""
-        return self.plane.audit(self.user, since)
+    def calls(self, since: int = 0, *, started: bool = False) -> tuple[list[dict[str, Any]], int]:
+        """The operator's requests the API server answered, from the audit log (offset since);
+        started: the watches under way too."""
+        stages = ("ResponseComplete", "ResponseStarted") if started else ("ResponseComplete",)
+        return self.plane.audit(self.user, since, stages)
 
 
 @pytest.fixture(scope="session")

@@ -142,9 +142,11 @@ class ControlPlane:
                     process.wait()
         self.processes.clear()
 
-    def audit(self, user: str, since: int = 0) -> tuple[list[dict], int]:
-        """The audit log's completed requests by user from byte offset since on, and the
-        offset to read on from next time."""
+    def audit(self, user: str, since: int = 0, stages: tuple[str, ...] = ("ResponseComplete",),
+              ) -> tuple[list[dict], int]:
+        """The audit log's requests by user from byte offset since on (by default the
+        completed ones; a watch completes only when it ends: add "ResponseStarted" for those
+        under way), and the offset to read on from next time."""
         try:
             with open(self.audit_log, "rb") as log:
                 log.seek(since)
@@ -153,7 +155,7 @@ class ControlPlane:
             return [], since
         complete = data[:data.rfind(b"\n") + 1]   # a line being written is read next time
         events = [json.loads(line) for line in complete.splitlines() if line.strip()]
-        return ([e for e in events if e.get("stage") == "ResponseComplete" and e["user"]["username"] == user],
+        return ([e for e in events if e.get("stage") in stages and e["user"]["username"] == user],
                 since + len(complete))
 
     def log(self, component: str, lines: int = 30) -> str:
