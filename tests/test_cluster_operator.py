@@ -483,3 +483,62 @@ def test_a_missing_peering_object_is_warned_about_then_and_again(
     assert " WARNING " in warnings[0]
     assert f"KopfPeering {namespace}/distbelief" in warnings[0] and "--standalone" in warnings[0]
     assert after == 0 and failures == 0
+
+
+# ------------------------------------------------------------------ a job re-created under the same name
+
+
+def claims_of(api: Api, namespace: str, job: str) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in api.list("v1/persistentvolumeclaims", namespace,
+                                                       f"distbelief.io/job={job}")}
+
+
+def test_a_job_re_created_under_the_same_name_never_resumes_the_old_ones_checkpoints(
+        operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    """retention: Retain keeps a deleted job's checkpoint claims, and the StatefulSet of a new
+    job of that name would mount them. The operator refuses to start it, naming the claims,
+    until they are gone; then the job starts afresh on claims of its own."""
+    first = apply(kubectl, namespace, new_job("again"))
+    pods_of(api, namespace, "again", 2, "ps")
+    old = claims_of(api, namespace, "again")
+    assert len(old) == 2 and {c["metadata"]["labels"]["distbelief.io/job-uid"] for c in old.values()} == {
+        first["metadata"]["uid"]}
+    kubectl("delete", "dbj", "again", "-n", namespace, "--wait=true", timeout=90)
+    api.wait(STS, namespace, "again-ps", lambda o: o is None)
+    second = apply(kubectl, namespace, new_job("again"))
+    job = api.wait(JOBS, namespace, "again", lambda j: bool((j.get("status") or {}).get("conditions"))
+                   and condition(j, "Created")["reason"] == "CheckpointsOfAnotherJob")
+    message = condition(job, "Created")["message"]
+    assert all(name in message for name in old) and f"kubectl -n {namespace} delete pvc" in message
+    assert job["status"]["phase"] == "Pending"
+    warning = api.wait_event(namespace, "again", "CheckpointsOfAnotherJob")
+    assert warning["type"] == "Warning" and all(name in warning["message"] for name in old)
+    for resource, pattern in CHILDREN:  # nothing is made, not even the keys
+        assert api.get(resource, namespace, pattern.format("again")) is None, resource
+    kubectl("delete", "pvc", *old, "-n", namespace, "--wait=true", timeout=90)
+    api.wait(STS, namespace, "again-ps")
+    pods_of(api, namespace, "again", 2, "ps")
+    api.wait(JOBS, namespace, "again", lambda j: condition(j, "Created")["status"] == "True")
+    fresh = claims_of(api, namespace, "again")
+    assert {c["metadata"]["labels"]["distbelief.io/job-uid"] for c in fresh.values()} == {second["metadata"]["uid"]}
+    # The job's uid reaches the shards (in the config), which record it in their checkpoints.
+    config = json.loads(api.get("v1/configmaps", namespace, "again-config")["data"]["job.json"])
+    assert config["uid"] == second["metadata"]["uid"]
+
+
+def test_a_job_made_before_claims_were_labelled_keeps_resuming(operator: Operator, api: Api, kubectl: Kubectl,
+                                                               namespace: str) -> None:
+    """An upgrade: a job an older operator reconciled (its shard count recorded) has claims
+    without the job's uid. They are its own; it is not refused."""
+    for ordinal in (0, 1):
+        api.create("v1/persistentvolumeclaims", namespace, {
+            "metadata": {"name": f"checkpoints-legacy-ps-{ordinal}", "labels": {
+                "distbelief.io/job": "legacy", "distbelief.io/role": "ps"}},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    doc = new_job("legacy")
+    doc["metadata"]["annotations"] = {"distbelief.io/shards": "2", "distbelief.io/partitions": "1"}
+    apply(kubectl, namespace, doc)
+    api.wait(STS, namespace, "legacy-ps")
+    api.wait(JOBS, namespace, "legacy", lambda j: bool((j.get("status") or {}).get("conditions"))
+             and condition(j, "Created")["status"] == "True")
+    assert "CheckpointsOfAnotherJob" not in {e["reason"] for e in api.events(namespace, "legacy")}

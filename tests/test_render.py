@@ -696,3 +696,16 @@ def test_the_checkpoint_claims_carry_the_uid_of_the_job_that_made_them() -> None
     assert claim["metadata"]["labels"][render.JOB_UID_LABEL] == "6f1c-uid"
     unstored = children(job_of())["StatefulSet"]["spec"]["volumeClaimTemplates"][0]
     assert render.JOB_UID_LABEL not in unstored["metadata"]["labels"]  # distbelief render: no job yet
+
+
+def test_the_config_carries_the_jobs_uid_and_its_hash_leaves_it_out() -> None:
+    """The shards record the uid in their checkpoints (a job of the same name never resumes
+    another's); jobs made before the config carried it keep their pods on an upgrade."""
+    import dataclasses
+    import json
+
+    stored = children(job_of(variant="stored"))
+    assert json.loads(stored["ConfigMap"]["data"][contract.CONFIG_KEY])["uid"] == "6f1c-uid"
+    assert "uid" not in json.loads(children(job_of())["ConfigMap"]["data"][contract.CONFIG_KEY])  # no job yet
+    config = spec.job_config(job_of(variant="stored"))
+    assert render.config_hash(config) == render.config_hash(dataclasses.replace(config, uid=None))

@@ -142,12 +142,14 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
 def job_config(
     validated: Mapping[str, Any], namespace_default: str = "default"
 ) -> contract.JobConfig:
-    """The resolved config the pods read, from the output of :func:`validate_job`."""
+    """The resolved config the pods read, from the output of :func:`validate_job` (with the
+    job's uid when the API server stored it)."""
     metadata = validated["metadata"]
     return contract.JobConfig(
         name=metadata["name"],
         namespace=metadata.get("namespace") or namespace_default,
         spec=copy.deepcopy(validated["spec"]),
+        uid=metadata.get("uid") or None,
     )
 
 

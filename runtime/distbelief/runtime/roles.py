@@ -110,7 +110,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
         warmstart_steps=int(training["warmstartSteps"]), linger_seconds=linger, security=access.server,
-        bulk_bind=f"tcp://{listen}:{bulk_port}")
+        bulk_bind=f"tcp://{listen}:{bulk_port}", job_uid=job.config.uid)
     registry = _registry()
     server = Shard(settings, job.layout, ShardMetrics(registry, index), stop=stop)
     algorithm.attach(server, job)
