@@ -27,6 +27,8 @@ from support.cluster import CHART, JOBS, Api, Kubectl, Operator, refused
 from test_chart import Grant, operator_grants
 from test_cluster_operator import apply, kubelet_runs, new_job, patch_job, phase_is, pods_of, replicas_are
 
+pytestmark = pytest.mark.floors  # the operator's API calls, also against the lowest dependency versions
+
 # Grants no request uses, (group, resource, verb) -> why they stay. Keep it this short: an
 # entry is a permission that only a test of its own shows the operator needs.
 CHECKED_BY_ADMISSION = {

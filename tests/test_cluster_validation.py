@@ -258,6 +258,7 @@ def crd_without_rules(api: Api, kubectl: Kubectl, chart: str) -> Iterator[None]:
         api.request("PUT", api.path(crds, None, CRD_NAME), original)
 
 
+@pytest.mark.floors  # the operator's API calls, also against the lowest dependency versions
 def test_a_job_only_the_operator_can_judge_fails_visibly(operator: Operator, api: Api, kubectl: Kubectl,
                                                           crd_without_rules: None, namespace: str) -> None:
     doc = example(also(SANDBLASTER, BACKUPS))
