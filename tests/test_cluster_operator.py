@@ -220,6 +220,9 @@ def test_status_follows_the_children_and_the_chief(operator: Operator, api: Api,
     assert status["workers"] == {"replicas": 3, "ready": 3}
     assert status["parameterServers"] == {"shards": 2, "ready": 2}
     assert status["observedGeneration"] == job["metadata"]["generation"]
+    for item in status["conditions"]:  # the metav1.Condition shape, which the CRD's status schema requires
+        assert set(item) == {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
+        assert item["observedGeneration"] == job["metadata"]["generation"]
     assert status["selector"] == "distbelief.io/job=status,distbelief.io/role=worker"
     api.wait_event(namespace, "status", "Running")
     table = kubectl("get", "dbj", "status", "-n", namespace)
@@ -315,6 +318,7 @@ def test_suspend_scales_to_zero_and_resume_comes_back(operator: Operator, api: A
                                                       namespace: str) -> None:
     apply(kubectl, namespace, new_job("pause"))
     pods_of(api, namespace, "pause", 3, "worker")
+    api.wait(JOBS, namespace, "pause", phase_is("Pending"))
     patch_job(kubectl, namespace, "pause", {"spec": {"runPolicy": {"suspend": True}}})
     api.wait(STS, namespace, "pause-ps", replicas_are(0))
     api.wait(DEPLOY, namespace, "pause-worker", replicas_are(0))
@@ -330,6 +334,12 @@ def test_suspend_scales_to_zero_and_resume_comes_back(operator: Operator, api: A
     api.wait(STS, namespace, "pause-ps", replicas_are(2))
     api.wait(DEPLOY, namespace, "pause-worker", replicas_are(3))
     api.wait(JOBS, namespace, "pause", phase_is("Pending"))
+    # An Event for every phase change, in order.
+    deadline = time.monotonic() + 45
+    while (phases := [e["reason"] for e in api.events(namespace, "pause")
+                      if e["reason"] in ("Pending", "Running", "Suspended")]) != ["Pending", "Suspended", "Pending"]:
+        assert time.monotonic() < deadline, phases
+        time.sleep(0.2)
 
 
 def test_completion_succeeds_and_scales_down(operator: Operator, api: Api, kubectl: Kubectl, chiefs: Chiefs,

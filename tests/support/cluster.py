@@ -196,7 +196,7 @@ class Api:
     def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
         """The core Events about the object name in namespace, oldest first."""
         found = [e for e in self.list("v1/events", namespace) if e["involvedObject"].get("name") == name]
-        return sorted(found, key=lambda e: e["metadata"]["creationTimestamp"])
+        return sorted(found, key=lambda e: int(e["metadata"]["resourceVersion"]))  # etcd's order of writes
 
     def wait_event(self, namespace: str, name: str, reason: str, timeout: float = WAIT) -> dict[str, Any]:
         """The first Event about name with that reason, once there is one (kopf posts Events
@@ -346,6 +346,9 @@ def chiefs() -> Iterator[Chiefs]:
 @pytest.fixture(scope="session")
 def operator_process(control_plane: controlplane.ControlPlane, kubectl: Kubectl, chart: str, chiefs: Chiefs,
                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    if not control_plane.has("kube-controller-manager"):
+        unavailable("the operator's tests need kube-controller-manager (pods, garbage collection) beside "
+                    f"the API server in {control_plane.bin}")
     running = Operator(control_plane, kubectl, chart, chiefs, tmp_path_factory.mktemp("operator")).start()
     try:
         yield running
