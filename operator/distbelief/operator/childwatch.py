@@ -76,12 +76,30 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
 
 
 def _drifted(job: Mapping[str, Any], child: kopf.Body, *, gone: bool) -> bool:
-    try:
-        valid, _ = handlers.locked_job(handlers.validated(job))
-    except job_spec.SpecError:
-        return False
-    finished = (job.get("status") or {}).get("phase") in TERMINAL
-    return children.drifted(valid, handlers.desired_children(valid, finished=finished), dict(child), gone=gone)
+    wanted = _rendered(job)
+    return wanted is not None and children.drifted(wanted[0], wanted[1], dict(child), gone=gone)
+
+
+# The children each indexed version of a job wants, by (uid, resourceVersion): every
+# child's every event is compared against them, and a job's version renders once.
+_RENDERED: dict[tuple[str, str], tuple[dict[str, Any], list[dict[str, Any]]] | None] = {}
+_RENDERED_MAX = 512
+
+
+def _rendered(job: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """(the job validated, its children), or None for a job whose spec is invalid."""
+    key = (job["metadata"].get("uid", ""), job["metadata"].get("resourceVersion", ""))
+    if key not in _RENDERED:
+        if len(_RENDERED) >= _RENDERED_MAX:
+            _RENDERED.clear()
+        try:
+            valid, _ = handlers.locked_job(handlers.validated(job))
+        except job_spec.SpecError:
+            _RENDERED[key] = None
+        else:
+            finished = (job.get("status") or {}).get("phase") in TERMINAL
+            _RENDERED[key] = (valid, handlers.desired_children(valid, finished=finished))
+    return _RENDERED[key]
 
 
 for _group_version, _plural in CHILD_RESOURCES:
