@@ -21,8 +21,9 @@ from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire.layout import Layout
 
-# `kube`: a Kubernetes API emulator on loopback; `control_plane`, `kubectl`, `helm`, `namespace`: the
-# real control plane of the cluster tier (support/cluster.py)
+# `control_plane`, `kubectl`, `api`, `helm`, `namespace`, `chart`, `operator`, `chiefs`: the real
+# control plane of the cluster tier (support/cluster.py); `kube`: the Kubernetes API emulator on
+# loopback that benchmarks/operator_bench.py measures the operator against (tests/kube)
 pytest_plugins = ["kube.plugin", "support.cluster"]
 
 REPO = Path(__file__).resolve().parents[1]

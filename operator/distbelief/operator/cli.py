@@ -193,10 +193,10 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _operator(args: argparse.Namespace) -> int:
-    from distbelief.operator.cluster import handlers
+    from distbelief.operator.cluster import process
 
-    handlers.run(namespaces=args.namespace, standalone=args.standalone, liveness=args.liveness or None,
-                 peering=args.peering)
+    process.run(namespaces=args.namespace, standalone=args.standalone, liveness=args.liveness or None,
+                peering=args.peering)
     return 0
 
 

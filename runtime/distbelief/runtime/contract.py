@@ -177,11 +177,14 @@ def selector_labels(job: str, role: str) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-    """The resolved job the roles read: the spec with every default applied."""
+    """The resolved job the roles read: the spec with every default applied, and on a
+    cluster the job's uid (which the shards write into their checkpoints, so that a job of
+    the same name never resumes another's training; local mode has none)."""
 
     name: str
     namespace: str
     spec: Mapping[str, Any]
+    uid: str | None = None
 
     @property
     def names(self) -> JobNames:
@@ -243,14 +246,15 @@ class JobConfig:
     def to_json(self) -> str:
         return json.dumps(
             {"apiVersion": JOB_API_VERSION, "kind": "JobConfig",
-             "name": self.name, "namespace": self.namespace, "spec": self.spec},
+             "name": self.name, "namespace": self.namespace, "spec": self.spec,
+             **({"uid": self.uid} if self.uid else {})},
             indent=2, sort_keys=True,
         )
 
     @classmethod
     def from_json(cls, text: str) -> "JobConfig":
         doc = json.loads(text)
-        return cls(name=doc["name"], namespace=doc["namespace"], spec=doc["spec"])
+        return cls(name=doc["name"], namespace=doc["namespace"], spec=doc["spec"], uid=doc.get("uid"))
 
     @classmethod
     def load(cls, path: str) -> "JobConfig":

@@ -39,13 +39,17 @@ CRD_RESOURCE = "crds/distbelief.io_distbeliefjobs.yaml"
 DATA_DIR = "/data"  # where the renderer mounts spec.data.volume
 
 # Every schema keyword the validator understands. A CRD using any other keyword is
-# refused at load time, so that no rule is ever skipped silently.
+# refused at load time, so that no rule is ever skipped silently. The CRD's CEL rules
+# (x-kubernetes-validations) are this module's rules that a schema cannot say, written
+# again for the API server; tests/test_cluster_validation.py shows the two agree on
+# every rule's examples. The list keywords describe status only.
 SUPPORTED_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "enum",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
     "maxLength", "pattern", "minItems", "maxItems", "default", "nullable", "anyOf",
     "format", "description", "x-kubernetes-int-or-string",
-    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-preserve-unknown-fields", "x-kubernetes-validations",
+    "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 })
 
 # Services and StatefulSets need RFC 1035 labels (start with a letter); namespaces are
@@ -138,12 +142,14 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
 def job_config(
     validated: Mapping[str, Any], namespace_default: str = "default"
 ) -> contract.JobConfig:
-    """The resolved config the pods read, from the output of :func:`validate_job`."""
+    """The resolved config the pods read, from the output of :func:`validate_job` (with the
+    job's uid when the API server stored it)."""
     metadata = validated["metadata"]
     return contract.JobConfig(
         name=metadata["name"],
         namespace=metadata.get("namespace") or namespace_default,
         spec=copy.deepcopy(validated["spec"]),
+        uid=metadata.get("uid") or None,
     )
 
 

@@ -37,7 +37,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
         checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
         linger_seconds=linger, security=access.server,
-        bulk_bind=f"tcp://{listen}:{bulk_port}")
+        bulk_bind=f"tcp://{listen}:{bulk_port}", job_uid=job.config.uid)
     metrics_registry = new_registry()
     server = Shard(settings, job.layout, ShardMetrics(metrics_registry, index), stop=stop)
     algorithm.attach(server, job)
