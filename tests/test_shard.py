@@ -22,11 +22,11 @@ import pytest
 import zmq
 
 from distbelief.operator.status import scrape
-from distbelief.runtime.roles import common
 
 from distbelief.runtime import errors
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.contract import JobConfig
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.observe.metrics import TrafficCollector
 from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
 from distbelief.runtime.params import dense
@@ -399,7 +399,7 @@ def test_a_shard_resumed_with_another_optimizer_stops_in_one_line_and_keeps_its_
         "training": {"learningRate": 0.1, "optimizer": "adagrad", "warmstartSteps": 0, "seed": 0, "maxGradientNorm": 100,
                      "maxSteps": 10, "evalEverySeconds": 5, "sandblaster": {"historySize": 4}},
         "parameterServers": {"shards": 1, "port": 7070, "checkpoint": {"everySeconds": 30, "keep": 3}}}}
-    job = common.Job(JobConfig.from_json(json.dumps(config)))
+    job = Job(JobConfig.from_json(json.dumps(config)))
     written = start_shards(tmp_path, job.layout, job.model.init_params(0), optimizer="sgd")
     Float32Dense(written.group()).push(np.ones(job.layout.total, np.float32), steps=[0], examples=1, loss=1.0)
     written.stop()  # its final checkpoint records sgd

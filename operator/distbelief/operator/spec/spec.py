@@ -26,7 +26,7 @@ import yaml
 
 from distbelief.operator.spec.manifests import SpecError, load_manifests, load_single
 from distbelief.operator.spec.schemawalk import Problems, Walker, got, join, kind, show
-from distbelief.runtime import contract
+from distbelief.runtime import contract, jobspec
 
 __all__ = ["SpecError", "load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]
 
@@ -274,7 +274,7 @@ def _check_training(job: Mapping[str, Any], problems: Problems) -> None:
     if not isinstance(text, str) or problems.at(path):
         return
     try:
-        seconds = contract.parse_duration(text)
+        seconds = jobspec.parse_duration(text)
     except ValueError as exc:
         problems.add(path, str(exc))
         return
