@@ -16,6 +16,7 @@ import pytest
 import yaml
 from sklearn.metrics import roc_auc_score
 
+from distbelief.operator import errors
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
@@ -38,22 +39,22 @@ def test_embeddings_get_their_defaults_and_bounds() -> None:
     assert job["spec"]["model"]["embeddings"] == {"dim": 16, "hashBuckets": 0, "admitAfter": 1}
     for field, value in [("dim", 0), ("dim", 5000), ("hashBuckets", -1), ("admitAfter", 0),
                          ("expireAfterSeconds", 0)]:
-        with pytest.raises(spec.SpecError, match=f"spec.model.embeddings.{field}"):
+        with pytest.raises(errors.SpecError, match=f"spec.model.embeddings.{field}"):
             spec.validate_job(_job(embeddings={field: value}))
 
 
 def test_ids_only_data_without_embeddings_and_embeddings_under_sandblaster_are_refused() -> None:
     doc = _job()
     del doc["spec"]["model"]["embeddings"]
-    with pytest.raises(spec.SpecError, match="set spec.model.embeddings"):
+    with pytest.raises(errors.SpecError, match="set spec.model.embeddings"):
         spec.validate_job(doc)
     doc = _job()
     doc["spec"]["training"]["algorithm"] = "sandblaster"
-    with pytest.raises(spec.SpecError, match="spec.model.embeddings: needs spec.training.algorithm: downpour"):
+    with pytest.raises(errors.SpecError, match="spec.model.embeddings: needs spec.training.algorithm: downpour"):
         spec.validate_job(doc)
     doc = _job()
     doc["spec"]["data"]["source"] = "synthetic-ctr:fields=2,ids=10,samples=100,zipf=0.1"
-    with pytest.raises(spec.SpecError, match="zipf must be within"):
+    with pytest.raises(errors.SpecError, match="zipf must be within"):
         spec.validate_job(doc)
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from distbelief.operator.errors import SpecError
 from distbelief.operator.render import sizing
 from distbelief.operator.spec import spec
-from distbelief.operator.spec.spec import SpecError
 
 from conftest import EXAMPLES, REPO, load_example
 

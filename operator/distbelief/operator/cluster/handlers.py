@@ -27,7 +27,8 @@ from typing import Any, Literal, Mapping
 import kopf
 
 from distbelief.operator.cluster import peering as peering_watch
-from distbelief.operator.cluster.kube import Kube, KubeError
+from distbelief.operator import errors
+from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.render import render, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.status import scrape
@@ -95,7 +96,7 @@ def _validated(body: Mapping[str, Any]) -> dict[str, Any]:
     doc = {k: copy.deepcopy(body[k]) for k in ("apiVersion", "kind", "metadata", "spec")}
     try:
         return job_spec.validate_job(doc)
-    except job_spec.SpecError as exc:
+    except errors.SpecError as exc:
         raise kopf.PermanentError(f"invalid DistBeliefJob: {exc}") from exc
 
 
@@ -257,7 +258,7 @@ def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping
     condition = next(c for c in status["conditions"] if c["type"] == status["phase"])
     try:
         apply_children(kube, job, finished=True)
-    except KubeError as exc:
+    except errors.KubeError as exc:
         raise kopf.TemporaryError(f"cannot scale the finished job down: {exc}", delay=5) from exc
     post = kopf.info if status["phase"] == contract.SUCCEEDED else kopf.warn
     post(body, reason=condition.get("reason", status["phase"]),
