@@ -4,8 +4,12 @@
     ├── SpecError      a manifest the user wrote is wrong; `errors` holds one line per
     │                  problem (also a ValueError, as a validation failure)
     ├── KubeError      a call to the Kubernetes API failed; `status` is its HTTP status
-    └── ScrapeError    a pod's metrics endpoint gave no 200 answer within the size and
-                       time bounds
+    ├── ScrapeError    a pod's metrics endpoint gave no 200 answer within the size and
+    │                  time bounds
+    ├── VolumeError    tools/local-node: a pod's volume that cannot be made yet (its
+    │                  ConfigMap, Secret or claim is missing or unbound)
+    └── ContainerConfigError  tools/local-node: a container that cannot be made (what a
+                       kubelet reports as CreateContainerConfigError)
 
 Low-level errors are translated where they arise, once: the Kubernetes client's
 ApiException into KubeError in cluster/kube.py, a YAML parser's error into SpecError in
@@ -47,3 +51,11 @@ class KubeError(OperatorError):
 
 class ScrapeError(OperatorError):
     """The endpoint did not give a 200 answer within the size and time bounds."""
+
+
+class VolumeError(OperatorError):
+    """A volume that cannot be made yet (its ConfigMap, Secret or claim is missing or unbound)."""
+
+
+class ContainerConfigError(OperatorError):
+    """What a kubelet reports as CreateContainerConfigError: the container cannot be made."""
