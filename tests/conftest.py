@@ -13,7 +13,7 @@ import pytest
 
 from distbelief.operator.local import local
 from distbelief.operator.spec import spec
-from distbelief.runtime import keys
+from distbelief.runtime import jobspec, keys
 from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
@@ -44,6 +44,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def load_example(name: str) -> dict[str, Any]:
     (doc,) = spec.load_manifests(str(EXAMPLES / name))
     return doc
+
+
+def typed_model(written: dict[str, Any]) -> jobspec.Model:
+    """A spec.model as the runtime takes it, resolved from a dict as a job's config is."""
+    return jobspec.resolve({"data": {"source": "builtin:digits"}, "model": written}).model
 
 
 @dataclasses.dataclass

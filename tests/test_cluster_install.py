@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
+from distbelief.operator import errors
 from distbelief.operator.spec import spec
 from support.cluster import CRD_NAME, Kubectl
 
@@ -108,7 +109,7 @@ def test_every_bound_of_the_schema_is_one_the_api_server_holds(
     assert bound_complaints(with_value(path, edge_value(schema, edge, beyond=False))) == []
     outside = with_value(path, edge_value(schema, edge, beyond=True))
     assert bound_complaints(outside), f"the server accepts {field} beyond its {edge}"
-    with pytest.raises(spec.SpecError, match=field):
+    with pytest.raises(errors.SpecError, match=field):
         spec.validate_job(outside)
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
+from distbelief.operator import errors
 from distbelief.operator.spec import spec
 from distbelief.runtime import contract
 from support.cluster import CRD_NAME, JOBS, Api, ApiError, Kubectl, Operator
@@ -181,7 +182,7 @@ def server_refusal(api: Api, namespace: str, doc: dict[str, Any]) -> str | None:
 def local_refusal(doc: dict[str, Any]) -> list[str]:
     try:
         spec.validate_job(doc)
-    except spec.SpecError as exc:
+    except errors.SpecError as exc:
         return list(exc.errors)
     return []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import data, embedding, models
 from distbelief.runtime.model.embedding import EmbeddingModel
 
@@ -76,7 +76,7 @@ def test_a_row_no_example_uses_gets_no_gradient_and_missing_ids_embed_as_zeros()
 def test_embeddings_need_data_with_ids() -> None:
     ds = data.split(np.zeros((20, 2), np.float32), np.arange(20) % 2, test_fraction=0.2, seed=0)
     with pytest.raises(errors.ConfigError, match="no ids"):
-        embedding.build({"type": "mlp", "hiddenLayers": [4], "embeddings": {"dim": 4}}, ds)
+        embedding.build(jobspec.Model(hidden_layers=(4,), embeddings=jobspec.Embeddings(dim=4)), ds)
 
 
 def test_synthetic_ctr_ids_are_zipf_and_labels_follow_the_planted_model() -> None:

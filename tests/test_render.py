@@ -14,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from distbelief.operator import errors
 from distbelief.operator.render import context, podparts, render, sizing
 from distbelief.operator.spec import spec
 from distbelief.runtime import contract, keys
@@ -511,7 +512,7 @@ def test_a_data_volume_is_mounted_read_only_in_every_pod() -> None:
 def test_a_data_volume_is_validated(data: dict, fragment: str) -> None:
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["data"] = data
-    with pytest.raises(spec.SpecError) as caught:
+    with pytest.raises(errors.SpecError) as caught:
         spec.validate_job(doc)
     assert [line for line in caught.value.errors if fragment in line], caught.value.errors
 

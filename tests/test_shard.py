@@ -22,11 +22,11 @@ import pytest
 import zmq
 
 from distbelief.operator.status import scrape
-from distbelief.runtime.roles import common
 
 from distbelief.runtime import errors
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.contract import JobConfig
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.observe.metrics import TrafficCollector
 from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
 from distbelief.runtime.params import dense
@@ -413,7 +413,7 @@ def run_shard_zero(folder: Path, config: dict) -> subprocess.CompletedProcess[st
 
 def test_a_shard_resumed_with_another_optimizer_stops_in_one_line_and_keeps_its_checkpoints(tmp_path: Path) -> None:
     config = SOFTMAX_JOB
-    job = common.Job(JobConfig.from_json(json.dumps(config)))
+    job = Job(JobConfig.from_json(json.dumps(config)))
     written = start_shards(tmp_path, job.layout, job.model.init_params(0), optimizer="sgd")
     Float32Dense(written.group()).push(np.ones(job.layout.total, np.float32), steps=[0], examples=1, loss=1.0)
     written.stop()  # its final checkpoint records sgd
@@ -432,7 +432,7 @@ def test_a_shard_of_a_new_job_refuses_the_checkpoints_a_deleted_job_of_its_name_
     with a config error (InvalidConfig) naming both, never resumes the old training, and
     keeps the files; the same job (an upgrade, a restart) resumes."""
     config = {**SOFTMAX_JOB, "uid": "new-job-uid"}
-    job = common.Job(JobConfig.from_json(json.dumps(config)))
+    job = Job(JobConfig.from_json(json.dumps(config)))
     assert job.config.uid == "new-job-uid"
     old = start_shards(tmp_path, job.layout, job.model.init_params(0), job_uid="old-job-uid")
     Float32Dense(old.group()).push(np.ones(job.layout.total, np.float32), steps=[0], examples=1, loss=1.0)

@@ -65,7 +65,7 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
         return
     try:
         job, _ = handlers.locked_job(handlers.validated(fresh))
-    except job_spec.SpecError:
+    except errors.SpecError:
         return
     finished = (fresh.get("status") or {}).get("phase") in TERMINAL
     result = children.put_back(kube, job, handlers.desired_children(job, finished=finished), dict(body), gone=gone)
@@ -96,7 +96,7 @@ def _rendered(job: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, An
             _RENDERED.clear()
         try:
             valid, _ = handlers.locked_job(handlers.validated(job))
-        except job_spec.SpecError:
+        except errors.SpecError:
             _RENDERED[key] = None
         else:
             finished = (job.get("status") or {}).get("phase") in TERMINAL

@@ -35,8 +35,9 @@ from typing import Any, Literal, Mapping, NoReturn
 
 import kopf
 
+from distbelief.operator import errors
 from distbelief.operator.cluster import children, peering as peering_watch
-from distbelief.operator.cluster.kube import Kube, KubeError, controller_uid
+from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.render import render, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.status import scrape
@@ -153,7 +154,7 @@ def locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
 def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, **_: Any) -> None:
     try:
         job, refusals = locked_job(validated(body))
-    except job_spec.SpecError as exc:  # the CRD let it through (a server without its rules): observe() fails it
+    except errors.SpecError as exc:  # the CRD let it through (a server without its rules): observe() fails it
         log.warning("event=invalid_spec job=%s problems=%r", body.metadata.name, str(exc))
         return
     locks = {}
@@ -238,7 +239,7 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     try:
         job, refusals = locked_job(validated(body))
         observed = read_observed(kube, job, refusals, blocked=memo.get("blocked"))
-    except job_spec.SpecError as exc:
+    except errors.SpecError as exc:
         job, observed = stored(body), Observed(invalid_spec=f"the spec breaks the job's rules: {exc}")
     job["status"] = copy.deepcopy(dict(body.status or {}))
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -304,7 +305,7 @@ def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping
             children.stop_workloads(kube, job)
         else:
             children.apply_all(kube, job, desired_children(job, finished=True))
-    except KubeError as exc:
+    except errors.KubeError as exc:
         raise kopf.TemporaryError(f"cannot scale the finished job down: {exc}", delay=5) from exc
     post = kopf.info if status["phase"] != FAILED else kopf.warn
     post(body, reason=condition.get("reason", status["phase"]),

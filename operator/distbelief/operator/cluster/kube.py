@@ -5,8 +5,8 @@ creates what is missing and merge-patches what differs, leaving fields the API s
 will not change (a StatefulSet's volume claim templates, selectors) out of the patch.
 It changes only what its owner controls: a live object of the same name without the
 desired object's controller reference (someone else's) is left alone and reported as
-"foreign"; `delete_owned` likewise. API errors are translated here into KubeError with
-the verb, the object and the reason.
+"foreign"; `delete_owned` likewise. API errors are translated here, and only here,
+into errors.KubeError with the verb, the object and the reason.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Literal, Mapping
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from distbelief.operator import errors
 from distbelief.operator.render import podparts
 from distbelief.runtime import contract
 
@@ -59,15 +60,15 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
     return next((ref.get("uid") for ref in refs if ref.get("controller")), None)
 
 
-class KubeError(RuntimeError):
-    def __init__(self, verb: str, what: str, exc: ApiException) -> None:
-        self.status = exc.status
-        reason = exc.reason
-        try:
-            reason = json.loads(exc.body).get("message", reason)
-        except (TypeError, ValueError):
-            pass
-        super().__init__(f"{verb} {what}: {exc.status} {reason}")
+def _failed(verb: str, what: str, exc: ApiException) -> errors.KubeError:
+    """The one translation of the client's ApiException: the API server's own message when
+    its body carries one, else the HTTP reason."""
+    reason = exc.reason
+    try:
+        reason = json.loads(exc.body).get("message", reason)
+    except (TypeError, ValueError, AttributeError):
+        pass
+    return errors.KubeError(verb, what, exc.status, reason)
 
 
 def path_of(api_version: str, kind: str, namespace: str | None, name: str | None = None,
@@ -102,14 +103,14 @@ class Kube:
         except ApiException as exc:
             if exc.status == 404:
                 return None
-            raise KubeError("get", f"{kind} {namespace}/{name}", exc) from exc
+            raise _failed("get", f"{kind} {namespace}/{name}", exc) from exc
 
     def list(self, api_version: str, kind: str, namespace: str | None, selector: Mapping[str, str]) -> list[Manifest]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))]
         try:
             return self._call("GET", path_of(api_version, kind, namespace), query=query).get("items", [])
         except ApiException as exc:
-            raise KubeError("list", f"{kind} in {namespace}", exc) from exc
+            raise _failed("list", f"{kind} in {namespace}", exc) from exc
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
         """Delete in the background (the garbage collector takes the children); False if absent.
@@ -122,7 +123,7 @@ class Kube:
         except ApiException as exc:
             if exc.status == 404:
                 return False
-            raise KubeError("delete", f"{kind} {namespace}/{name}", exc) from exc
+            raise _failed("delete", f"{kind} {namespace}/{name}", exc) from exc
         return True
 
     def create(self, desired: Manifest) -> Manifest | None:
@@ -135,7 +136,7 @@ class Kube:
         except ApiException as exc:
             if exc.status == 409:
                 return None
-            raise KubeError("create", f"{kind} {namespace}/{name}", exc) from exc
+            raise _failed("create", f"{kind} {namespace}/{name}", exc) from exc
 
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Manifest, *,
               subresource: str | None = None) -> None:
@@ -144,7 +145,7 @@ class Kube:
             self._call("PATCH", path_of(api_version, kind, namespace, name, subresource), body=patch,
                        content_type="application/merge-patch+json")
         except ApiException as exc:
-            raise KubeError("patch", f"{kind} {namespace}/{name}", exc) from exc
+            raise _failed("patch", f"{kind} {namespace}/{name}", exc) from exc
 
     def delete_owned(self, api_version: str, kind: str, namespace: str, name: str,
                      owner_uid: str) -> Literal["deleted", "absent", "foreign"]:

@@ -17,7 +17,7 @@ import datetime
 from typing import Any, Mapping
 
 from distbelief.operator.status.scrape import Figures
-from distbelief.runtime import contract
+from distbelief.runtime import contract, jobspec
 
 PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"
 SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
@@ -163,7 +163,7 @@ def _deadline_passed(spec: Mapping[str, Any], previous: Mapping[str, Any], now: 
     if not duration or not started or spec["runPolicy"]["suspend"]:
         return None
     elapsed = (now - parse_timestamp(started)).total_seconds()
-    if elapsed <= contract.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
+    if elapsed <= jobspec.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
         return None
     return f"running for {elapsed:.0f} s, past maxDuration {duration}, and the chief has not ended the job"
 

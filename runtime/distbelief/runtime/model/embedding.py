@@ -14,11 +14,11 @@ loss_and_grads returns the gradient of exactly those rows.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
 
 import numpy as np
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset
 from distbelief.runtime.wire.rowkeys import mix
@@ -69,17 +69,18 @@ class EmbeddingModel:
         return loss, grad, row_grads
 
 
-def build(model_spec: Mapping[str, Any], dataset: Dataset) -> EmbeddingModel:
+def build(spec: jobspec.Model, dataset: Dataset) -> EmbeddingModel:
     """The model of a spec.model with embeddings, over a data set with ids."""
-    options = model_spec["embeddings"]
+    if spec.embeddings is None:
+        raise errors.ConfigError("spec.model.embeddings: not set")
     if dataset.fields == 0:
         raise errors.ConfigError("spec.model.embeddings: the data has no ids to embed (an npz array 'ids', "
                                  "or a synthetic-ctr: source)")
-    if model_spec.get("entrypoint"):
+    if spec.entrypoint:
         raise errors.ConfigError("spec.model.embeddings: not available with spec.model.entrypoint")
-    dim = int(options.get("dim", 16))
+    dim = spec.embeddings.dim
     inputs = dataset.n_features + dataset.fields * dim
-    mlp = models.build_model({**model_spec, "embeddings": None}, inputs, dataset.n_classes)
+    mlp = models.build_model(dataclasses.replace(spec, embeddings=None), inputs, dataset.n_classes)
     assert isinstance(mlp, models.Mlp)
     return EmbeddingModel(mlp, dense_features=dataset.n_features, fields=dataset.fields, dim=dim,
-                          hash_buckets=int(options.get("hashBuckets", 0)))
+                          hash_buckets=spec.embeddings.hash_buckets)

@@ -18,7 +18,8 @@ from distbelief.runtime.algorithms import interface, registry
 from distbelief.runtime.algorithms.chief import Chief, Scorer, StoppingRules, WholeModel
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
 from distbelief.runtime.observe.metrics import ChiefMetrics, MetricsServer, ShardMetrics
-from distbelief.runtime.roles.common import Job, load_access, new_registry, shard_group, stop_on_termination
+from distbelief.runtime.model.job import Job
+from distbelief.runtime.roles.common import load_access, new_registry, shard_group, stop_on_termination
 from distbelief.runtime.shard.copies import replication
 from distbelief.runtime.shard.core import Shard, ShardSettings
 
@@ -32,10 +33,10 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     algorithm = registry.of(job)
     ordinal = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
     index, rank = job.config.copy_of(ordinal)
-    checkpointing = job.spec["parameterServers"]["checkpoint"]
+    checkpointing = job.spec.parameter_servers.checkpoint
     settings = ShardSettings(
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
-        checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
+        checkpoint_every=checkpointing.every_seconds, checkpoint_keep=checkpointing.keep,
         linger_seconds=linger, security=access.server,
         bulk_bind=f"tcp://{listen}:{bulk_port}", job_uid=job.config.uid)
     metrics_registry = new_registry()
@@ -70,15 +71,14 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
 
 def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interface.Algorithm) -> Chief:
     job, server, group = ctx.job, ctx.shard, ctx.group()
-    training = job.spec["training"]
-    max_eval = int(job.spec["data"]["maxEvalExamples"])
+    training, max_eval = job.spec.training, job.spec.data.max_eval_examples
     if job.plan is None:
         scorer: Scorer = WholeModel(group, job.model, job.dataset, max_eval, held_out=algorithm.held_out(job, group))
     else:
         scorer = StagedModel(job.plan, [ctx.group(job.stage_shards(k), group.stop) for k in range(len(job.plan.stages))],
                              job.dataset, max_eval)
-    chief = Chief(group=group, scorer=scorer, rules=StoppingRules.from_spec(training),
-                  eval_every=float(training["evalEverySeconds"]), output_dir=output_dir,
+    chief = Chief(group=group, scorer=scorer, rules=StoppingRules.of(training),
+                  eval_every=training.eval_every_seconds, output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
                   optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1)
     server.step_reached = chief.step_reached
