@@ -25,7 +25,8 @@ from distbelief.runtime.params.rows import rowcheckpoint
 from distbelief.runtime.params.rows.row_client import RowClient
 from distbelief.runtime.params.rows.sparse import SparseRows
 from distbelief.runtime.shard import checkpoint
-from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.copies import forwarding, replication
+from distbelief.runtime.shard.copies.viewstore import FileViewStore
 from distbelief.runtime.shard.copies.watch import BACKUP, PRIMARY
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import fanout, interface, zmq_transport
@@ -35,6 +36,7 @@ from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import Header, Status
 
 LAYOUT = Layout.of([("w", (6, 5)), ("b", (5,))], shards=1)
+LEASE_SECONDS = 1.5
 INITIAL = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
 UPDATE = dense.Update(examples=4, loss=1.0).pack()
 
@@ -61,6 +63,7 @@ class Copies:
         self.addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(count)]
         self.shards: list[Shard | None] = [None] * count
         self.threads: list[threading.Thread | None] = [None] * count
+        self.store = FileViewStore(str(folder / "views" / "shard-0.json"))
 
     def start(self, rank: int, *, folder: str | None = None) -> Shard:
         settings = ShardSettings(shard=0, bind=self.addresses[rank], checkpoint_every=3600,
@@ -68,7 +71,8 @@ class Copies:
         shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
         shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1, wire_format=self.wire_format))
         self.attach(shard)
-        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None))
+        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None,
+                                              store=self.store, lease_seconds=LEASE_SECONDS))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
         thread.start()
@@ -95,8 +99,9 @@ class Copies:
         return shard
 
     def in_sync(self, primary: int, backups: int) -> bool:
+        """Copy `primary` leads, with `backups` other copies in the in-sync set of its view."""
         shard = self.shards[primary]
-        return shard is not None and shard.copies.role == PRIMARY and len(shard.copies.chain) == backups
+        return shard is not None and shard.copies.role == PRIMARY and shard.copies.stats()["copies"] == backups + 1
 
     def group(self) -> ShardGroup:
         return ShardGroup([self.addresses], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=30.0))
@@ -141,14 +146,14 @@ def _push(link: interface.Link, seq: int, grad: np.ndarray) -> Header:
 def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -> None:
     primary, backup = pair.copy(0), pair.copy(1)
     held, release = threading.Event(), threading.Event()
-    forwarded = backup.raw_ops[replication.REPLICATE.code]
+    forwarded = backup.raw_ops[forwarding.REPLICATE.code]
 
     def slow_backup(header: Header, incoming: interface.Incoming) -> list:
         held.set()
         release.wait(10)
         return forwarded(header, incoming)
 
-    backup.raw_ops[replication.REPLICATE.code] = slow_backup
+    backup.raw_ops[forwarding.REPLICATE.code] = slow_backup
     group = pair.group()
     replies: list = []
     pushing = threading.Thread(target=lambda: replies.append(
@@ -179,7 +184,7 @@ def test_a_push_resent_to_the_new_primary_is_answered_but_not_applied_again(pair
     pair.kill(0)  # the reply was lost with the primary: the replica sends the push again
     again = _push(link, seq=41, grad=grad)
     backup = pair.copy(1)
-    assert backup.copies.role == PRIMARY and backup.copies.failovers == 1
+    assert backup.copies.role == PRIMARY and backup.copies.stats()["failovers"] == 1
     assert again.step == 1 and backup.step == 1
     np.testing.assert_array_equal(_params(backup), after_first)
     assert _push(link, seq=42, grad=grad).step == 2  # a new push is applied
@@ -203,7 +208,7 @@ def test_bfloat16_pushes_reach_every_copy_and_survive_a_failover(tmp_path: Path)
         assert reply.step == step + 1
         if step < 3:
             np.testing.assert_array_equal(_params(copies.copy(1)), _params(copies.copy(0)))
-    assert copies.copy(1).copies.failovers == 1
+    assert copies.copy(1).copies.stats()["failovers"] == 1
     np.testing.assert_allclose(_params(copies.copy(1)), expected, rtol=1e-6)
     wire.group.close()
     copies.stop()
@@ -218,7 +223,7 @@ def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, t
     for seq in range(4, 9):  # the primary drops its backup, which is gone, and goes on alone
         _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
     primary = pair.copy(0)
-    assert primary.step == 8 and primary.copies.chain == {}
+    assert primary.step == 8 and primary.copies.stats()["copies"] == 1
     returned = pair.start(1, folder=str(tmp_path / "empty"))  # a new node: nothing on disk
     _until(lambda: pair.in_sync(0, 1), "the returned copy rejoins")
     _until(lambda: returned.step == 8, "the returned copy loaded the state its primary sent")
@@ -338,7 +343,7 @@ def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_ar
 def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies) -> None:
     backup = pair.copy(1)
     link = zmq_transport.default().link(pair.addresses[1], None)
-    head = Header(op=replication.REPLICATE.code, shard=0, layout=LAYOUT.hash, seq=1).pack()
+    head = Header(op=forwarding.REPLICATE.code, shard=0, layout=LAYOUT.hash, seq=1).pack()
     push = Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=1, count=LAYOUT.total).pack()
     for envelope in (b"not json", b'{"view": "2", "peer": "00"}', b'{"view": 2, "peer": "zz", "user": null}'):
         link.send([head, envelope, push, UPDATE, np.ones(LAYOUT.total, np.float32).tobytes()])
@@ -364,3 +369,71 @@ def test_a_garbled_copy_status_answer_is_refused_and_the_watch_asks_again(payloa
     time.sleep(0.1)
     assert watch._thread.is_alive()  # the round's error is logged; the watch goes on
     watch.close()
+
+
+def _push_for(group: ShardGroup, seconds: float) -> int:
+    """Push ones for `seconds`; how many pushes the shard acknowledged."""
+    acked, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
+        acked += 1
+    return acked
+
+
+def test_a_backup_stalled_in_a_forward_costs_no_acknowledged_update(tmp_path: Path) -> None:
+    """Issue 31's reproduction: copy 2's REPLICATE handler hangs 7 s while a replica pushes for
+    9 s. The primary goes on serving, takes copy 2 out of the in-sync set once it is slow, and
+    every push it acknowledged is in the final state; copy 2 then catches up again."""
+    copies = Copies(tmp_path, count=3)
+    for rank in range(3):
+        copies.start(rank)
+    _until(lambda: copies.in_sync(0, 2), "copy 0 leads with two backups")
+    stalled = copies.copy(2)
+    forwarded, hung = stalled.raw_ops[forwarding.REPLICATE.code], threading.Event()
+
+    def hang(header: Header, incoming: interface.Incoming) -> list:
+        if not hung.is_set():
+            hung.set()
+            time.sleep(7)
+        return forwarded(header, incoming)
+
+    stalled.raw_ops[forwarding.REPLICATE.code] = hang
+    group = ShardGroup([copies.addresses], LAYOUT, timeouts=Timeouts(request=2.0, unavailable=30.0))
+    acked = _push_for(group, 9.0)
+    group.close()
+    assert hung.is_set()
+    primary = copies.copy(0)
+    assert primary.copies.role == PRIMARY, "the primary stalled by its backup must not be replaced"
+    assert primary.step == acked
+    _until(lambda: copies.in_sync(0, 2), "copy 2 catches up and rejoins", seconds=30)
+    _until(lambda: all(copies.copy(r).step == acked for r in range(3)), "every copy holds every push")
+    for rank in (1, 2):
+        np.testing.assert_array_equal(_params(copies.copy(rank)), _params(primary))
+    copies.stop()
+
+
+def test_a_primary_stalled_in_a_request_is_slow_not_dead(tmp_path: Path) -> None:
+    """The primary's serving thread hangs 4 s (more than its lease): its lease is renewed by a
+    thread of its own, so no backup takes over, and nothing is lost."""
+    copies = Copies(tmp_path)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    primary = copies.copy(0)
+    pull, hung = primary._handlers[dense.PULL.code], threading.Event()
+
+    def hang(message: protocol.Message) -> object:
+        if not hung.is_set():
+            hung.set()
+            time.sleep(4)
+        return pull(message)
+
+    primary._handlers[dense.PULL.code] = hang
+    group = copies.group()
+    Float32Dense(group).pull(np.empty(LAYOUT.total, np.float32))
+    acked = _push_for(group, 2.0)
+    group.close()
+    assert hung.is_set() and primary.copies.role == PRIMARY and copies.copy(1).copies.role == BACKUP
+    assert primary.copies.stats()["failovers"] == 0
+    assert primary.step == copies.copy(1).step == acked
+    copies.stop()

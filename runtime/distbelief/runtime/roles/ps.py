@@ -19,7 +19,7 @@ from distbelief.runtime.algorithms.chief import Chief, Scorer, StoppingRules, Wh
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
 from distbelief.runtime.observe.metrics import ChiefMetrics, MetricsServer, ShardMetrics
 from distbelief.runtime.roles.common import Job, load_access, new_registry, shard_group, stop_on_termination
-from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.copies import replication, stores
 from distbelief.runtime.shard.core import Shard, ShardSettings
 
 
@@ -42,8 +42,8 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     server = Shard(settings, job.layout, ShardMetrics(metrics_registry, index), stop=stop)
     algorithm.attach(server, job)
     if job.config.copies > 1:
-        server.serve_copies(replication.Copies(server, rank=rank, addresses=job.config.copy_addresses()[index],
-                                               security=access.client))
+        server.serve_copies(replication.Copies(server, rank=rank, addresses=copy_routes(job.config, index),
+                                               security=access.client, store=stores.open_store(job.config, index)))
     server.restore()
     metrics = MetricsServer(metrics_registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     helpers: list[tuple[str, interface.Helper]] = []
@@ -66,6 +66,18 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         if helper.failure:
             raise errors.RuntimeFailure(f"the {name} stopped: {helper.failure}")
     return 0
+
+
+def copy_routes(config: contract.JobConfig, shard: int) -> list[str]:
+    """How this copy reaches each copy of its shard, by rank: their shard addresses, or
+    DISTBELIEF_COPY_ROUTES (a fault-injecting proxy between copies, a network of their own)."""
+    routes = [a.strip() for a in os.environ.get(contract.ENV_COPY_ROUTES, "").split(",") if a.strip()]
+    if not routes:
+        return config.copy_addresses()[shard]
+    if len(routes) != config.copies:
+        raise errors.ConfigError(f"{contract.ENV_COPY_ROUTES} lists {len(routes)} addresses for the "
+                                 f"{config.copies} copies of shard {shard}")
+    return routes
 
 
 def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interface.Algorithm) -> Chief:
