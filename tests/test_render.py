@@ -293,7 +293,8 @@ def test_every_pod_and_container_is_hardened(name: str, variant: str) -> None:
         assert pod["securityContext"] == {
             "runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
             "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
-        assert pod["automountServiceAccountToken"] is False
+        # No token, but for the shard copies' own ServiceAccount (render_ps_access).
+        assert pod["automountServiceAccountToken"] is (pod.get("serviceAccountName") == "digits-ps")
         assert pod["enableServiceLinks"] is False
         assert pod["terminationGracePeriodSeconds"] == 30
         for c in pod["containers"]:
@@ -651,3 +652,27 @@ def test_backups_give_each_shard_copy_its_own_pod_and_spread_them_over_nodes() -
                                             "tcp://digits-ps-3.digits-ps.default.svc:7070"]
     plain = children(job_of())["StatefulSet"]
     assert plain["spec"]["replicas"] == 2 and "affinity" not in plain["spec"]["template"]["spec"]
+
+
+def test_backups_give_the_shard_pods_an_account_that_may_keep_their_view_leases_only() -> None:
+    doc = example("digits-mlp.yaml")
+    doc["spec"]["parameterServers"]["backups"] = 2
+    objs = render.render_children(spec.validate_job(doc), image=IMAGE)
+    kinds = [o["kind"] for o in objs]
+    assert kinds.index("RoleBinding") < kinds.index("StatefulSet")  # the account exists before its pods
+    account, role, binding = (next(o for o in objs if o["kind"] == k) for k in ("ServiceAccount", "Role", "RoleBinding"))
+    assert account["metadata"]["name"] == role["metadata"]["name"] == binding["metadata"]["name"] == "digits-ps"
+    assert account["automountServiceAccountToken"] is False
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": ["digits-shard-0", "digits-shard-1"], "verbs": ["get", "update"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "digits-ps"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "digits-ps", "namespace": "default"}]
+    pod = next(o for o in objs if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "digits-ps" and pod["automountServiceAccountToken"] is True
+    workers = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in workers and workers["automountServiceAccountToken"] is False
+    for obj in (account, role, binding):
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+    assert not [o for o in render.render_children(job_of(), image=IMAGE) if o["kind"] in ("Role", "ServiceAccount")]

@@ -63,7 +63,10 @@ def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
 
 
 def pod_template(ctx: RenderContext, role: str, container: Manifest,
-                 extra_labels: Mapping[str, str] | None = None, *, affinity: Manifest | None = None) -> Manifest:
+                 extra_labels: Mapping[str, str] | None = None, *, affinity: Manifest | None = None,
+                 service_account: str | None = None) -> Manifest:
+    """service_account: the pods run as it, with its token mounted (the shard copies keep
+    their view Leases with it); otherwise they get no token at all."""
     template: Manifest = {
         "metadata": {
             "labels": {**labels(ctx.config.name, role), **(extra_labels or {})},
@@ -85,7 +88,14 @@ def pod_template(ctx: RenderContext, role: str, container: Manifest,
     }
     if affinity:
         template["spec"]["affinity"] = affinity
+    if service_account:
+        template["spec"].update(serviceAccountName=service_account, automountServiceAccountToken=True)
     return template
+
+
+def copies_account(ctx: RenderContext) -> str | None:
+    """With backups, the shard pods' ServiceAccount (render.render_ps_access)."""
+    return ctx.names.ps_access if ctx.config.copies > 1 else None
 
 
 def spread_copies(ctx: RenderContext) -> Manifest | None:

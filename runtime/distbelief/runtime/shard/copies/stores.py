@@ -12,7 +12,7 @@ import os
 from typing import Mapping
 
 from distbelief.runtime import contract, errors
-from distbelief.runtime.shard.copies.kubeapi import KubeApi
+from distbelief.runtime.shard.copies.kubeapi import SERVICE_ACCOUNT, KubeApi
 from distbelief.runtime.shard.copies.kubelease import LeaseViewStore, service_account_owner
 from distbelief.runtime.shard.copies.viewstore import FileViewStore, ViewStore
 
@@ -20,12 +20,14 @@ FILE_PREFIX = "file:"
 KUBERNETES = "kubernetes"
 
 
-def open_store(config: contract.JobConfig, shard: int, environ: Mapping[str, str] = os.environ) -> ViewStore:
+def open_store(config: contract.JobConfig, shard: int, environ: Mapping[str, str] = os.environ, *,
+               service_account: str = SERVICE_ACCOUNT) -> ViewStore:
+    """service_account: where the pod's token, the cluster's CA and its namespace are."""
     setting = environ.get(contract.ENV_VIEW_STORE, "").strip()
     if setting.startswith(FILE_PREFIX) and setting[len(FILE_PREFIX):]:
         return FileViewStore(os.path.join(setting[len(FILE_PREFIX):], f"shard-{shard}.json"))
     if setting == KUBERNETES or (not setting and environ.get("KUBERNETES_SERVICE_HOST")):
-        api, namespace = KubeApi.in_cluster(environ=environ)
+        api, namespace = KubeApi.in_cluster(service_account, environ=environ)
         return LeaseViewStore(api, namespace=namespace, name=config.names.shard_lease(shard),
                               labels=contract.selector_labels(config.name, contract.ROLE_PS),
                               owner=service_account_owner(api))
