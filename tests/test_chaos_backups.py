@@ -13,21 +13,24 @@ import logging
 import random
 import re
 import signal
+import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
 from distbelief.runtime import contract
 from distbelief.runtime.shard import checkpoint
 
-from conftest import load_example, run_under_fire
+from conftest import REPO, load_example, run_under_fire
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import copycheck  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -50,23 +53,10 @@ def chaos_job() -> dict[str, Any]:
     return doc
 
 
-def copy_figures(pod: local.LocalPod) -> dict[str, float] | None:
-    """A shard pod's role, copies in sync and step, or None while it does not answer."""
-    try:
-        with urllib.request.urlopen(pod.metrics_url, timeout=1) as response:
-            text = response.read().decode()
-    except OSError:
-        return None
-    wanted = {"distbelief_copy_role": "role", "distbelief_copies_in_sync": "copies",
-              contract.Metric.GLOBAL_STEP: "step"}
-    return {wanted[s.name]: s.value for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name in wanted}
-
-
 def shard_in_sync(run: local.LocalRun, shard: int) -> dict[str, dict[str, float]] | None:
     """The figures of both copies of shard, when one is primary with both copies in sync."""
     pods = [pod for pod in run.shards if run_config(run).copy_of(_ordinal(pod))[0] == shard]
-    seen = {pod.name: copy_figures(pod) for pod in pods if pod.running}
+    seen = {pod.name: copycheck.figures(pod) for pod in pods if pod.running}
     if len(seen) != len(pods) or any(f is None or "role" not in f for f in seen.values()):
         return None
     roles = sorted(f["role"] for f in seen.values())

@@ -40,7 +40,7 @@ REPLICATE = protocol.define(OpSpec(32, "REPLICATE", privileged=True))
 FORWARD_SECONDS = 3.0       # a message unacknowledged this long: the copy is too slow, given up
 HEARTBEAT_SECONDS = 0.5     # the transport pings each stream's copy; 3 missed: dead
 WINDOW_BYTES = 256 << 20    # unacknowledged bytes to an installed copy before the primary stops taking requests
-WINDOW_MESSAGES = 4096
+WINDOW_MESSAGES = 512      # below the transport's send queue (1000 messages): it never fills first
 
 
 @dataclasses.dataclass

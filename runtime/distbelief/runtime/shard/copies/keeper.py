@@ -10,6 +10,8 @@ Every `lease / RENEWALS` seconds it either
   someone else wrote: if the record is no longer this copy's, the lease is lost;
 - or makes the serving thread's claim (a takeover or an election): one compare-and-swap
   naming the version the claim was decided on;
+  A primary whose serving loop has not turned for STUCK_SECONDS (a handler that never
+  returns) stops renewing, so that a backup takes over: slow is tolerated, stuck is not;
 - or reads, and notes when the version last changed by this copy's clock (observed()): a
   backup judges the primary's lease expired once the version it saw has not changed for
   the lease's length (the standard leader-election pattern: no clock is compared with
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RENEWALS = 6      # store calls per lease length
 DRIFT = 0.1       # a primary stops acknowledging this fraction of its lease early
+STUCK_SECONDS = 120.0  # a primary whose serving loop has not turned this long stops renewing: it is dead
 LOG_EVERY_SECONDS = 10.0
 
 
@@ -61,6 +64,7 @@ class Keeper:
         self._outcome: ViewRecord | bool | None = None  # a claim's: the record won, False lost, None pending
         self.lost = False            # set when this copy's lease turned out to be someone else's
         self.unavailable_since: float | None = None
+        self._serving_at = time.monotonic()
         self._logged = 0.0
         self._thread = threading.Thread(target=self._run, name=f"copy-keeper-{shard}", daemon=True)
 
@@ -78,6 +82,10 @@ class Keeper:
         """The record this copy wrote last as primary (its in-sync set is the confirmed one)."""
         with self._lock:
             return self._holding
+
+    def serving(self) -> None:
+        """The serving loop turned (called at every turn)."""
+        self._serving_at = time.monotonic()
 
     def lease_valid(self) -> bool:
         with self._lock:
@@ -156,6 +164,9 @@ class Keeper:
             holding, want, generation = self._holding, self._want, self._want_generation
         if claim is not None:
             self._decide_claim(*claim)
+        elif holding is not None and time.monotonic() - self._serving_at > STUCK_SECONDS:
+            log.error("event=lease_not_renewed shard=%d copy=%d reason=serving_loop_stuck stuck_s=%.0f", self.shard,
+                      self.rank, time.monotonic() - self._serving_at)
         elif holding is not None:
             self._renew(holding, want, generation)
         else:

@@ -139,6 +139,7 @@ class Copies:
             self._started = True
             self.keeper.start()
             self.watch.start()
+        self.keeper.serving()
         if self.chain is not None:
             try:
                 self.chain.pump()
