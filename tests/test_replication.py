@@ -4,6 +4,8 @@ comes back catches up from the primary and rejoins as its backup."""
 
 from __future__ import annotations
 
+import logging
+import re
 import socket
 import threading
 import time
@@ -436,4 +438,62 @@ def test_a_primary_stalled_in_a_request_is_slow_not_dead(tmp_path: Path) -> None
     assert hung.is_set() and primary.copies.role == PRIMARY and copies.copy(1).copies.role == BACKUP
     assert primary.copies.stats()["failovers"] == 0
     assert primary.step == copies.copy(1).step == acked
+    copies.stop()
+
+
+def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The state goes over in many parts, one at a time, while sparse and dense pushes keep
+    coming (some creating rows, some only counted for admission): the copy applies them from
+    the transfer's start and writes each part where it comes, and ends with the primary's
+    every row, admission counter and parameter."""
+    from distbelief.runtime.params.rows import rowparts
+
+    monkeypatch.setattr(forwarding, "PARTS_WINDOW_BYTES", 1)  # a part goes only once the previous is acknowledged
+    monkeypatch.setattr(rowparts, "PART_BYTES", 4096)          # 256 parts of rows
+    monkeypatch.setattr(dense, "PART_VALUES", 4)               # 9 parts of the dense slice
+    caplog.set_level(logging.INFO, logger="distbelief.runtime.shard.copies")
+
+    def rows(shard: Shard) -> None:
+        shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5, admit_after=2))
+
+    copies = Copies(tmp_path, attach=rows)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    copies.kill(1)
+    client, rng = RowClient(copies.group(), dim=4), np.random.default_rng(8)
+    wire = Float32Dense(client.group)
+
+    def push_once() -> None:
+        keys = rng.choice(60000, size=300, replace=False).astype(np.int64)
+        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+        wire.push(rng.standard_normal(LAYOUT.total).astype(np.float32), steps=[0], examples=4, loss=1.0)
+
+    for _ in range(60):  # thousands of rows admitted, more only counted, before the copy comes
+        push_once()
+    pushing, stop = threading.Thread(target=lambda: [push_once() for _ in iter(stop.is_set, True)]), threading.Event()
+    pushing.start()
+    joined = copies.start(1, folder=str(tmp_path / "empty"))
+    _until(lambda: copies.in_sync(0, 1), "the copy caught up while pushes went on", seconds=60)
+    time.sleep(0.5)
+    stop.set()
+    pushing.join(timeout=30)
+    primary = copies.copy(0)
+    _until(lambda: joined.step == primary.step, "the copy applied the last pushes")
+    begun = re.findall(r"event=backup_joining .* step=(\d+) view=\d+ parts=(\d+)", caplog.text)[-1]
+    installed = re.findall(r"event=caught_up shard=0 copy=1 view=\d+ step=(\d+)", caplog.text)[-1]
+    assert int(begun[1]) > 9 + 16, "the rows went in too few parts"
+    assert int(installed) > int(begun[0]), "no push came during the transfer"
+    tables = [copies.copy(r).plugin(SparseRows).table for r in (0, 1)]
+    state = []
+    for t in tables:
+        order = np.argsort(t.keys[:t.n])
+        state.append({"keys": t.keys[:t.n][order], "values": t.values[:t.n][order],
+                      "accumulators": t.accumulators[:t.n][order], "counters": t.counts})
+    assert state[0]["keys"].size > 3000
+    for name in state[0]:
+        np.testing.assert_array_equal(state[1][name], state[0][name], err_msg=name)
+    np.testing.assert_array_equal(_params(joined), _params(primary))
+    client.group.close()
     copies.stop()

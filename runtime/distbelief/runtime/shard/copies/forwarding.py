@@ -41,6 +41,7 @@ FORWARD_SECONDS = 3.0       # a message unacknowledged this long: the copy is to
 HEARTBEAT_SECONDS = 0.5     # the transport pings each stream's copy; 3 missed: dead
 WINDOW_BYTES = 256 << 20    # unacknowledged bytes to an installed copy before the primary stops taking requests
 WINDOW_MESSAGES = 512      # below the transport's send queue (1000 messages): it never fills first
+PARTS_WINDOW_BYTES = 64 << 20  # unacknowledged bytes to a copy catching up before its next part waits
 
 
 @dataclasses.dataclass

@@ -40,7 +40,8 @@ from typing import Any, Mapping, Sequence
 
 from distbelief.runtime import errors
 from distbelief.runtime.shard.copies.following import JOIN, Follower
-from distbelief.runtime.shard.copies.forwarding import REPLICATE, WINDOW_BYTES, Chain
+from distbelief.runtime.shard.copies import forwarding
+from distbelief.runtime.shard.copies.forwarding import REPLICATE, Chain
 from distbelief.runtime.shard.copies.keeper import Keeper, Seen
 from distbelief.runtime.shard.copies.transfer import COPY_STATE, MAX_ARRAYS, PART_BYTES, Sender
 from distbelief.runtime.shard.copies.viewstore import ViewRecord, ViewStore
@@ -146,7 +147,7 @@ class Copies:
             except errors.NotPrimary as exc:
                 self._catch_up_again(str(exc))
             else:
-                self.chain.send_parts(self.shard.step, WINDOW_BYTES // 4)
+                self.chain.send_parts(self.shard.step, forwarding.PARTS_WINDOW_BYTES)
         self.follower.read_join_answers()
         if self._claiming:
             outcome = self.keeper.claim_outcome()
