@@ -101,6 +101,7 @@ ENV_STAGE_ADDRESS = "DISTBELIEF_STAGE_ADDRESS"
 # copy reaches its shard's other copies, by rank (default: their shard addresses).
 ENV_VIEW_STORE = "DISTBELIEF_VIEW_STORE"
 ENV_COPY_ROUTES = "DISTBELIEF_COPY_ROUTES"
+ENV_COPY_LEASE = "DISTBELIEF_COPY_LEASE_SECONDS"  # the primary's lease (default 3): shorter fails over sooner
 
 # Files the chief (shard 0) writes beside its checkpoints.
 HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation

@@ -43,7 +43,8 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     algorithm.attach(server, job)
     if job.config.copies > 1:
         server.serve_copies(replication.Copies(server, rank=rank, addresses=copy_routes(job.config, index),
-                                               security=access.client, store=stores.open_store(job.config, index)))
+                                               security=access.client, store=stores.open_store(job.config, index),
+                                               lease_seconds=lease_seconds()))
     server.restore()
     metrics = MetricsServer(metrics_registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     helpers: list[tuple[str, interface.Helper]] = []
@@ -78,6 +79,20 @@ def copy_routes(config: contract.JobConfig, shard: int) -> list[str]:
         raise errors.ConfigError(f"{contract.ENV_COPY_ROUTES} lists {len(routes)} addresses for the "
                                  f"{config.copies} copies of shard {shard}")
     return routes
+
+
+def lease_seconds() -> float:
+    """The copies' lease: DISTBELIEF_COPY_LEASE_SECONDS, else replication.LEASE_SECONDS. A
+    longer one asks the view store less often (each copy calls it six times per lease) and
+    fails over later."""
+    text = os.environ.get(contract.ENV_COPY_LEASE, "").strip()
+    try:
+        seconds = float(text) if text else replication.LEASE_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not 0.5 <= seconds <= 300:
+        raise errors.ConfigError(f"{contract.ENV_COPY_LEASE}={text!r}: seconds from 0.5 to 300")
+    return seconds
 
 
 def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interface.Algorithm) -> Chief:

@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 from typing import Any, Protocol
 
 from distbelief.runtime import errors
@@ -110,7 +111,8 @@ class FileViewStore:
     exclusive flock on a lock file beside it while it reads, compares and writes a temporary
     that replaces the file (os.replace is atomic: a reader sees the old file or the new one,
     whole). Every copy runs on this machine (local mode), so flock is enough; the file is not
-    fsynced (a machine crash ends every copy anyway)."""
+    fsynced (a machine crash ends every copy anyway). A lock its holder keeps (frozen in the
+    middle of a write) makes the store unavailable, not the waiter stuck."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -140,7 +142,7 @@ class FileViewStore:
         except OSError as exc:
             raise StoreUnavailable(f"cannot open {self._lock_path}: {exc}") from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _locked(fd)
             _, current = self.read()
             if current != version:
                 return None
@@ -154,6 +156,23 @@ class FileViewStore:
             raise StoreUnavailable(f"cannot write {self.path}: {exc}") from exc
         finally:
             os.close(fd)  # releases the flock
+
+
+LOCK_SECONDS = 1.0  # a flock held longer (its holder frozen mid-write): the store is unavailable for now
+
+
+def _locked(fd: int) -> None:
+    """Take the exclusive flock, or StoreUnavailable after LOCK_SECONDS (never block for good
+    on a holder that was frozen while it held it)."""
+    deadline = time.monotonic() + LOCK_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(f"the view store's lock has been held for over {LOCK_SECONDS} s") from None
+            time.sleep(0.005)
 
 
 def _parse(text: str, where: str) -> tuple[ViewRecord | None, str]:
