@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import prometheus_client as prom
@@ -67,14 +67,14 @@ class Copies:
         self.threads: list[threading.Thread | None] = [None] * count
         self.store = FileViewStore(str(folder / "views" / "shard-0.json"))
 
-    def start(self, rank: int, *, folder: str | None = None) -> Shard:
+    def start(self, rank: int, *, folder: str | None = None, store: Any = None) -> Shard:
         settings = ShardSettings(shard=0, bind=self.addresses[rank], checkpoint_every=3600,
                                  checkpoint_dir=folder or str(self.folder / f"copy-{rank}"))
         shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
         shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1, wire_format=self.wire_format))
         self.attach(shard)
         shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None,
-                                              store=self.store, lease_seconds=LEASE_SECONDS))
+                                              store=store or self.store, lease_seconds=LEASE_SECONDS))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
         thread.start()
@@ -496,4 +496,57 @@ def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exac
         np.testing.assert_array_equal(state[1][name], state[0][name], err_msg=name)
     np.testing.assert_array_equal(_params(joined), _params(primary))
     client.group.close()
+    copies.stop()
+
+
+class CutOff:
+    """A view store as one copy sees it: cut off (unavailable) while `cut` is set."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.cut = store, False
+
+    def read(self) -> Any:
+        self._check()
+        return self.store.read()
+
+    def compare_and_swap(self, version: str, record: Any) -> Any:
+        self._check()
+        return self.store.compare_and_swap(version, record)
+
+    def describe(self) -> str:
+        return "cut off" if self.cut else self.store.describe()
+
+    def _check(self) -> None:
+        from distbelief.runtime.shard.copies.viewstore import StoreUnavailable
+        if self.cut:
+            raise StoreUnavailable("cut off")
+
+
+def test_a_primary_cut_off_from_the_view_store_stops_acknowledging_and_its_backup_takes_over(tmp_path: Path) -> None:
+    """A partition between the primary and the store alone: its lease runs out by its own
+    clock, so it holds its replies; the backup sees the lease expire by its clock and takes
+    the next view; a push the old primary applied is answered by the new one from its record,
+    never applied twice. Back in touch, the old primary finds its lease gone and catches up."""
+    copies = Copies(tmp_path)
+    seen_by_0 = CutOff(copies.store)
+    copies.start(0, store=seen_by_0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    old, new = copies.copy(0), copies.copy(1)
+    link = zmq_transport.default().link(copies.addresses, None)
+    grad = np.full(LAYOUT.total, 0.5, np.float32)
+    assert _push(link, seq=1, grad=grad).step == 1
+    seen_by_0.cut = True
+    acknowledged, seq, cut = [], 1, time.monotonic()
+    while time.monotonic() - cut < 3 * LEASE_SECONDS:
+        seq += 1
+        acknowledged.append(_push(link, seq=seq, grad=grad).step)
+    assert acknowledged == list(range(2, seq + 1))  # each once, whichever copy answered
+    assert new.copies.role == PRIMARY and new.copies.stats()["failovers"] == 1
+    assert new.step == seq and old.step <= seq
+    seen_by_0.cut = False
+    _until(lambda: copies.in_sync(1, 1), "the old primary stepped down and caught up")
+    assert old.step == new.step == seq
+    np.testing.assert_array_equal(_params(old), _params(new))
+    link.close()
     copies.stop()
