@@ -374,12 +374,11 @@ def copies_differ(cluster: Cluster) -> list[str]:
 
 
 def plans(runs: int, seconds: float, seed: int) -> list[Plan]:
-    """Dense and sparse, backups 1 and 2, seeded; and the stall of issue 31 (a backup of three
-    copies frozen for 7 s) on each kind."""
-    chosen = [Plan(kind="dense", backups=2, seed=seed, seconds=12.0, faults=("stall",), stall_seconds=(7.0, 7.0),
-                   target="backup", pause=(1.0, 1.0)),
-              Plan(kind="sparse", backups=2, seed=seed, seconds=12.0, faults=("stall",), stall_seconds=(7.0, 7.0),
-                   target="primary", pause=(1.0, 1.0))]
+    """Dense and sparse, backups 1 and 2, seeded; and issue 31's stalls (a copy of three
+    frozen for 7 s, again and again: backups on a dense job, primaries on a sparse one)."""
+    stalls = dict(backups=2, seed=seed, seconds=max(seconds, 50.0), faults=("stall",), stall_seconds=(7.0, 7.0),
+                  pause=(1.0, 1.0))
+    chosen = [Plan(kind="dense", target="backup", **stalls), Plan(kind="sparse", target="primary", **stalls)]
     kinds = [(kind, backups) for backups in (1, 2) for kind in ("dense", "sparse")]
     for run_index in range(runs):
         kind, backups = kinds[run_index % len(kinds)]

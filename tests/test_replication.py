@@ -29,7 +29,7 @@ from distbelief.runtime.params.rows.sparse import SparseRows
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.copies import forwarding, replication
 from distbelief.runtime.shard.copies.viewstore import FileViewStore
-from distbelief.runtime.shard.copies.watch import BACKUP, PRIMARY
+from distbelief.runtime.shard.copies.watch import BACKUP, COPY_STATUS, PRIMARY
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import fanout, interface, zmq_transport
 from distbelief.runtime.wire import protocol
@@ -163,12 +163,27 @@ def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -
     pushing.start()
     assert held.wait(10), "the primary did not forward the push"
     assert primary.step == 1 and backup.step == 0
+    # The primary serves on while the forward is out: a second replica's push is applied
+    # (its reply waits too), and the copies' status is answered at once.
+    other = ShardGroup([pair.addresses], LAYOUT, timeouts=Timeouts(request=5.0, unavailable=30.0))
+    second = threading.Thread(target=lambda: replies.append(
+        Float32Dense(other).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
+    second.start()
+    _until(lambda: primary.step == 2, "the primary applied the second push meanwhile", seconds=5)
+    status = zmq_transport.default().link(pair.addresses[0], None)
+    status.send([Header(op=COPY_STATUS.code, shard=0, layout=LAYOUT.hash, seq=9).pack()])
+    assert zmq_transport.default().wait([status], 2), "COPY_STATUS waited for the forward"
+    assert protocol.JsonObject.unpack(status.receive().frames[0]).value["role"] == PRIMARY
+    status.close()
     pushing.join(timeout=0.5)
-    assert not replies, "the push was acknowledged before the backup applied it"
+    assert not replies, "a push was acknowledged before the backup applied it"
     release.set()
     pushing.join(timeout=10)
-    assert [r.step for r in replies[0]] == [1]
-    assert backup.step == 1
+    second.join(timeout=10)
+    assert sorted(r.step for reply in replies for r in reply) == [1, 2]
+    other.close()
+    _until(lambda: backup.step == 2, "the backup applied both")
+    assert backup.step == 2
     np.testing.assert_array_equal(_params(backup), _params(primary))
     for _ in range(5):  # and every later push: each acknowledged update is on both copies
         Float32Dense(group).push(np.full(LAYOUT.total, 0.5, np.float32), steps=[0], examples=4, loss=1.0)
