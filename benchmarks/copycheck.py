@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -114,6 +115,7 @@ class Cluster:
         self.job = Job(self.config)
         self.net = netfault.Net().start()
         self.links: dict[tuple[str, str], netfault.Link] = {}  # (from pod, to pod) -> the proxy between
+        taken = {port for pod in self.run.pods for port in pod.ports.values()}  # chosen, not yet bound
         for pod in self.run.shards:
             shard, rank = self.config.copy_of(contract.shard_index_from_pod_name(pod.name))
             routes = []
@@ -121,7 +123,8 @@ class Cluster:
                 if other is pod:
                     routes.append(self.address(pod))
                 else:
-                    link = self.links[(pod.name, other.name)] = self.net.proxy(other.ports[contract.SHARD_PORT_NAME])
+                    link = self.links[(pod.name, other.name)] = self.net.proxy(other.ports[contract.SHARD_PORT_NAME],
+                                                                               avoid=taken)
                     routes.append(link.address)
             pod.env[contract.ENV_COPY_ROUTES] = ",".join(routes)
         smallest = min(b - a for a, b in (self.job.layout.bounds(s) for s in range(self.config.shards)))
@@ -294,8 +297,9 @@ class Nemesis(threading.Thread):
         self.faults.append(fault)
 
 
-def run(plan: Plan, output: str | None = None) -> dict[str, Any]:
-    """One checked run; its faults, history figures and verdict."""
+def run(plan: Plan, output: str | None = None, keep: str | None = None) -> dict[str, Any]:
+    """One checked run; its faults, history figures and verdict. keep: a folder where the
+    pods' logs of a run that failed are copied."""
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(plan, output or tmp)
         started = time.monotonic()
@@ -303,9 +307,20 @@ def run(plan: Plan, output: str | None = None) -> dict[str, Any]:
         try:
             if not cluster.wait_in_sync(120):
                 raise RuntimeError("the copies never came in sync")
-            return _checked(cluster, plan, started)
-        finally:
+            result = _checked(cluster, plan, started)
+        except BaseException:
             cluster.stop()
+            _keep_logs(cluster.output, keep, plan)
+            raise
+        cluster.stop()
+        if not result["ok"]:
+            _keep_logs(cluster.output, keep, plan)
+        return result
+
+
+def _keep_logs(output: str, keep: str | None, plan: Plan) -> None:
+    if keep:
+        shutil.copytree(os.path.join(output, "logs"), os.path.join(keep, plan.name), dirs_exist_ok=True)
 
 
 def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
@@ -409,19 +424,27 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None)
     p.add_argument("--strict", action="store_true", help="exit 1 when a run's verdict is not ok")
+    p.add_argument("--keep", default=os.path.join(tempfile.gettempdir(), "copycheck-logs"),
+                   help="where the pods' logs of a run that failed or could not be checked go")
     args = p.parse_args()
-    results = []
+    results, crashed = [], []
     for plan in plans(args.runs, args.seconds, args.seed):
-        result = run(plan)
+        try:
+            result = run(plan, keep=args.keep)
+        except Exception as exc:  # noqa: BLE001  a run that could not be checked is reported, the others go on
+            crashed.append({"run": plan.name, "error": repr(exc)})
+            print(f"{plan.name} could not be checked: {exc!r} (logs in {args.keep})", flush=True)
+            continue
         results.append(result)
         v = result["verdict"]
         print(f"{plan.name} faults={len(result['faults'])} acknowledged={v['acknowledged']} lost={v['lost']['count']} "
               f"duplicated={v['duplicated']['count']} ok={result['ok']}", flush=True)
-    report = {"copies_check": {"summary": summary(results), "runs": [brief(r) for r in results]}}
+    report = {"copies_check": {"summary": {**summary(results), "not_checked": crashed},
+                               "runs": [brief(r) for r in results]}}
     print(json.dumps(report["copies_check"]["summary"], indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if all(r["ok"] for r in results) or not args.strict else 1
+    return 0 if (all(r["ok"] for r in results) and not crashed) or not args.strict else 1
 
 
 def brief(result: dict[str, Any]) -> dict[str, Any]:

@@ -139,9 +139,15 @@ class Net:
     def call(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine(), self.loop).result(timeout=30)
 
-    def proxy(self, target_port: int) -> Link:
+    def proxy(self, target_port: int, avoid: set[int] = frozenset()) -> Link:  # type: ignore[assignment]
+        """A proxy to target_port, listening on a free port not in `avoid` (ports others chose
+        and have not bound yet)."""
         link = Link(self, target_port)
         self.call(link._listen)
+        while link.port in avoid:
+            self.call(link._close)
+            link = Link(self, target_port)
+            self.call(link._listen)
         self.links.append(link)
         return link
 

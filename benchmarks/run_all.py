@@ -99,8 +99,9 @@ def summary(results: dict) -> list[str]:
         lines.append(f"{row['figure']:<42} {ratio:>6}  target {row['target']:<7} {verdict}".rstrip())
     check = (results.get("copies_check") or {}).get("summary")
     if check:
-        lines.append(f"copies check: {check['ok']}/{check['runs']} runs ok, {check['acknowledged']} pushes acknowledged, "
-                     f"{check['lost']} lost, {check['duplicated']} applied twice, faults {check['faults']}")
+        lines.append(f"copies check: {check['ok']}/{check['runs']} runs ok ({len(check.get('not_checked', []))} could "
+                     f"not be checked), {check['acknowledged']} pushes acknowledged, {check['lost']} lost, "
+                     f"{check['duplicated']} applied twice, faults {check['faults']}")
     failures = results.get("failures", [])
     lines += [f"FAILED {f['run']}: exit code {f['exit_code']} after {f['attempts']} attempts ({f['reason']})"
               for f in failures]

@@ -24,6 +24,7 @@ from distbelief.runtime.wire.rowkeys import mix
 PART_BYTES = 2 << 20
 COUNTER_BITS = COUNTERS.bit_length() - 1   # the counters are indexed by the hash's top 20 bits
 ROW_ARRAYS = ("keys", "values", "accumulators", "touched")
+CHUNK_ROWS = 1 << 20
 
 
 def part_bits(rows: int, dim: int) -> int:
@@ -49,13 +50,17 @@ def counter_range(part: int, bits: int) -> slice:
 
 class PartIndex:
     """The primary's rows sorted by part, as the table is when a transfer begins; rows made
-    after are found when their part is read."""
+    after are found when their part is read. 4 bytes a row while the transfer lasts, about
+    14 a moment while it is made (the hashes go a chunk of rows at a time)."""
 
     def __init__(self, table: RowTable, bits: int) -> None:
         self.bits, self.first_new = bits, table.n
-        parts = parts_of(table.keys[:table.n], bits)
+        parts = np.empty(table.n, dtype=np.uint16 if bits <= 16 else np.uint32)
+        for start in range(0, table.n, CHUNK_ROWS):
+            stop = min(table.n, start + CHUNK_ROWS)
+            parts[start:stop] = parts_of(table.keys[start:stop], bits)
         self.order = np.argsort(parts, kind="stable").astype(np.int32)
-        self.bounds = np.searchsorted(parts[self.order], np.arange((1 << bits) + 1))
+        self.bounds = np.concatenate([[0], np.cumsum(np.bincount(parts, minlength=1 << bits))])
 
     def rows(self, table: RowTable, part: int) -> np.ndarray:
         old = self.order[self.bounds[part]:self.bounds[part + 1]].astype(np.int64)
