@@ -429,11 +429,17 @@ def main() -> int:
     args = p.parse_args()
     results, crashed = [], []
     for plan in plans(args.runs, args.seconds, args.seed):
-        try:
-            result = run(plan, keep=args.keep)
-        except Exception as exc:  # noqa: BLE001  a run that could not be checked is reported, the others go on
-            crashed.append({"run": plan.name, "error": repr(exc)})
-            print(f"{plan.name} could not be checked: {exc!r} (logs in {args.keep})", flush=True)
+        result = None
+        for attempt in (1, 2):  # a run whose job cannot start (a pod's port taken meanwhile) is tried again
+            try:
+                result = run(plan, keep=args.keep)
+                break
+            except Exception as exc:  # noqa: BLE001  a run that could not be checked is reported, the others go on
+                print(f"{plan.name} could not be checked (attempt {attempt}): {exc!r} (logs in {args.keep})",
+                      flush=True)
+                if attempt == 2:
+                    crashed.append({"run": plan.name, "error": repr(exc)})
+        if result is None:
             continue
         results.append(result)
         v = result["verdict"]

@@ -181,6 +181,9 @@ class Chain:
         except (errors.ProtocolError, IndexError):
             answer = {}
         number = answer.get("number")
+        if answer.get("applied") and not isinstance(number, int):
+            stream.failure = "an acknowledgement without its message's number"
+            return
         if not answer.get("applied"):
             view = answer.get("view")
             if isinstance(view, int) and view > self.view:
