@@ -4,6 +4,8 @@ refuses a new one (FULL), after which the group backs off and tries again."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -157,3 +159,28 @@ def test_a_group_refused_for_want_of_room_backs_off_and_gets_its_steps_applied(
     assert refused > 0 and sum(p.backoff.waited for p in firsts) > 0
     wait_for(lambda: len(set(c.steps())) == 1, timeout=10)
     assert c.steps()[0] >= sum(p.committed for p in firsts)
+
+
+def test_a_group_that_breaks_after_a_stage_held_its_step_frees_that_room(cluster) -> None:
+    """Partition 1 holds its gradient and dies before it answers: partition 0 sees the
+    break and drops the step on every shard, rather than leave its hold taking room for
+    HELD_SECONDS."""
+    c = cluster(2, 2)
+    doomed = threading.Event()
+    first, later = c.pod(0), c.pod(1, stop=doomed)
+    send = later._send
+
+    def die_after_holding(peer: bytes, frames: list) -> None:
+        if later.steps < 5:
+            send(peer, frames)
+        elif not doomed.is_set():
+            assert held(c, 1)  # its step's gradient is held
+            doomed.set()       # and it leaves without answering; run() closes its server
+    later._send = die_after_holding
+    threads = [run_in_thread(first), run_in_thread(later)]
+    threads[1].join(timeout=30)
+    assert not threads[1].is_alive()
+    wait_for(lambda: not held(c, 1), timeout=30)
+    assert c.steps() == [4, 4] and not held(c, 0)
+    c.stop.set()
+    threads[0].join(timeout=10)

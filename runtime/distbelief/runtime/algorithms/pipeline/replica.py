@@ -233,7 +233,12 @@ class FirstPartition(PartitionPod):
             if fetch and self.pull():
                 return True
             token = new_token()
-            downstream, loss, n = self._step(token, (FETCH if fetch else 0) | (PUSH if push else 0))
+            try:
+                downstream, loss, n = self._step(token, (FETCH if fetch else 0) | (PUSH if push else 0))
+            except errors.GroupBroken:
+                if push:  # the stages after the break may hold the step: free their room now
+                    self.commits.drop(self.group, token, Status.STALE)
+                raise
             if downstream.status == Status.DONE:
                 return True
             examples, loss_sum, step, fetch = examples + n, loss_sum + loss * n, step + 1, False
