@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from distbelief.operator.render import podparts, sizing
+from distbelief.operator.render import placement, podparts, sizing
 from distbelief.operator.render.context import RenderContext
 from distbelief.runtime import contract
 
@@ -145,11 +145,17 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
                                                                  contract.ROLE_PS)},
             "persistentVolumeClaimRetentionPolicy": {
                 "whenDeleted": storage["retention"], "whenScaled": "Retain"},
-            "template": podparts.pod_template(ctx, contract.ROLE_PS, container,
-                                              affinity=podparts.spread_copies(ctx)),
+            "template": role_pod_template(ctx, contract.ROLE_PS, podparts.pod_template(
+                ctx, contract.ROLE_PS, container, affinity=podparts.spread_copies(ctx))),
             "volumeClaimTemplates": [podparts.checkpoint_claim(ctx, storage)],
         },
     }
+
+
+def role_pod_template(ctx: RenderContext, role: str, rendered: Manifest) -> Manifest:
+    """The rendered pod template with the role's spec template and the job's pull secrets."""
+    template = ctx.spec[podparts.ROLE_SPEC[role]].get("template")
+    return placement.apply_template(rendered, template, ctx.spec.get("imagePullSecrets"))
 
 
 # How long a role may take to start serving: loading the data and building the model (a
@@ -231,7 +237,8 @@ def render_worker_deployment(ctx: RenderContext, partition: int | None = None) -
                                          **extra}},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
-            "template": podparts.pod_template(ctx, contract.ROLE_WORKER, container, extra),
+            "template": role_pod_template(ctx, contract.ROLE_WORKER,
+                                          podparts.pod_template(ctx, contract.ROLE_WORKER, container, extra)),
         },
     }
 

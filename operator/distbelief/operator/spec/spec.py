@@ -27,6 +27,7 @@ import yaml
 from distbelief.operator import errors
 from distbelief.operator.spec.manifests import load_manifests, load_single
 from distbelief.operator.spec.schemawalk import Problems, Walker, got, join, kind, show
+from distbelief.operator.spec.templates import check_templates
 from distbelief.runtime import contract, jobspec
 
 __all__ = ["load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]
@@ -135,6 +136,7 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     _check_autoscaling(job, problems)
     _check_backups(job, problems)
     _check_wire_format(job, problems)
+    check_templates(job, problems)
     if problems.lines:
         raise errors.SpecError(problems.lines)
     return job
