@@ -37,8 +37,9 @@ import kopf
 
 from distbelief.operator import errors
 from distbelief.operator.cluster import children, peering as peering_watch
+from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, controller_uid
-from distbelief.operator.render import render, sizing
+from distbelief.operator.render import queue, render, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import FAILED, TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
@@ -169,6 +170,8 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, 
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
     names, namespace = contract.JobNames(job["metadata"]["name"]), body.metadata.namespace
+    if queue.queue_name(job):
+        sync_queue(kube, body, job, finished=finished)
     if SHARDS_ANNOTATION not in (body.metadata.annotations or {}):  # the job's first reconcile
         stale = children.stale_claims(kube, job)
         if stale:
@@ -197,6 +200,29 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, 
                   message=", ".join(f"{name} {result}" for name, result in applied.changed.items()))
 
 
+def held(job: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A queue-labelled job not started under an admission renders suspended (render/queue.py)."""
+    if not queue.queue_name(job) or queue.ADMISSION_ANNOTATION in (job["metadata"].get("annotations") or {}):
+        return job
+    job = copy.deepcopy(job)
+    job["spec"]["runPolicy"]["suspend"] = True
+    return job
+
+
+def sync_queue(kube: Kube, body: kopf.Body, job: Mapping[str, Any], *, finished: bool) -> tuple[str, str] | None:
+    """One step of Kueue's contract (cluster/queue.py); an Event for each transition."""
+    try:
+        hold = QueuedJob(kube, job, IMAGE).sync(finished=finished)
+    except errors.KubeError as exc:  # Kueue's types absent, or a call refused: the job stays held
+        log.warning("event=queue_failed job=%s error=%r", job["metadata"]["name"], str(exc))
+        return ("QueueUnavailable", f"cannot follow the job's Kueue Workload ({exc}); is Kueue installed?")
+    if hold and hold[0].startswith("event:"):
+        reason = hold[0].removeprefix("event:")
+        (kopf.warn if reason == "Evicted" else kopf.info)(body, reason=reason, message=hold[1])
+        return (reason, hold[1]) if reason == "Evicted" else None
+    return hold
+
+
 def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoReturn:
     """Refuse to go on for now: the Created condition says why (observe() reads the memo), a
     Warning Event says so once, and kopf calls reconcile() again after a while."""
@@ -208,7 +234,7 @@ def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoRet
 
 
 def desired_children(job: Mapping[str, Any], *, finished: bool) -> list[dict[str, Any]]:
-    return render.render_children(job, image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
+    return render.render_children(held(job), image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
 
 
 def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created", "own", "foreign"]:
@@ -239,6 +265,9 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     try:
         job, refusals = locked_job(validated(body))
         observed = read_observed(kube, job, refusals, blocked=memo.get("blocked"))
+        if queue.queue_name(job):
+            finished = (body.status or {}).get("phase") in TERMINAL
+            observed = dataclasses.replace(observed, queued=sync_queue(kube, body, job, finished=finished))
     except errors.SpecError as exc:
         job, observed = stored(body), Observed(invalid_spec=f"the spec breaks the job's rules: {exc}")
     job["status"] = copy.deepcopy(dict(body.status or {}))

@@ -46,6 +46,7 @@ class Observed:
     shard_failure: str | None = None       # how the most restarted shard last ended, for the message
     non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
     restarts: int | None = None            # container restarts over the job's pods; None: no pods seen
+    queued: tuple[str, str] | None = None  # (reason, message) while a Kueue queue holds the job suspended
 
 
 def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -148,8 +149,9 @@ def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Obser
     deadline = _deadline_passed(spec, previous, now)
     if deadline:
         return FAILED, "DeadlineExceeded", deadline
-    if spec["runPolicy"]["suspend"]:
-        return SUSPENDED, "Suspended", "runPolicy.suspend is true: no pods run, the checkpoints are kept"
+    if spec["runPolicy"]["suspend"] or observed.queued:
+        return SUSPENDED, *(observed.queued or
+                            ("Suspended", "runPolicy.suspend is true: no pods run, the checkpoints are kept"))
     shards = int(spec["parameterServers"]["shards"])
     if observed.shards_ready >= shards and observed.workers_ready >= min(1, int(spec["workers"]["replicas"])):
         return RUNNING, "Training", f"{shards} shards and {observed.workers_ready} replicas ready"
