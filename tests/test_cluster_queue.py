@@ -72,11 +72,17 @@ def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
         assert any(t["key"] == TAINT for t in pod["spec"]["tolerations"])
     checkpoint = eventually(lambda: (job_status(kubectl, namespace, "digits").get("lastCheckpoint") or {}).get("step"),
                             90, what="a checkpoint")
+    # kubectl get shows how far the job is and when it will be done.
+    eventually(lambda: job_status(kubectl, namespace, "digits").get("eta"), 30, what="an ETA")
+    header, row = kubectl("get", "dbj", "digits", "-n", namespace).splitlines()
+    columns = dict(zip(header.split(), row.split()))
+    assert 0 < float(columns["PROGRESS"]) < 100 and columns["ETA"][-1] in "smhd", (header, row)
 
     # Evicted: suspended, no pods, the admission given back to Kueue.
     kueue.evict(kubectl, namespace, name)
     eventually(lambda: phase_reason(kubectl, namespace) == ("Suspended", "Evicted"), 30, what="Suspended, Evicted")
     eventually(lambda: not pods(kubectl, namespace), 60, what="the pods gone")
+    checkpoint = job_status(kubectl, namespace, "digits")["lastCheckpoint"]["step"]  # the last before the eviction
     given_back = eventually(lambda: (w := kueue.workload(kubectl, namespace, name))
                             and kueue.condition(w, "QuotaReserved").get("status") == "False" and w, 30)
     assert given_back["status"].get("admission") is None
@@ -95,7 +101,7 @@ def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
     print(f"checkpoint at step {checkpoint} before the eviction; lowest step after it {min(steps)}, "
           f"final {status['globalStep']}")
     assert min(steps) >= checkpoint, (checkpoint, steps[:20])
-    assert status["globalStep"] >= 4000
+    assert status["globalStep"] >= 4000 and status["progress"] == 100 and "eta" not in status
     finished = eventually(lambda: kueue.condition(kueue.workload(kubectl, namespace, name), "Finished")
                           .get("status") == "True", 30, what="the Workload Finished")
     assert finished

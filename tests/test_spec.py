@@ -692,7 +692,7 @@ def test_crd_names_and_subresources() -> None:
         "labelSelectorPath": ".status.selector",
     }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    for name in ("Phase", "Workers", "Shards", "Step", "Loss", "Accuracy", "Age"):
+    for name in ("Phase", "Workers", "Shards", "Step", "Progress", "ETA", "Loss", "Accuracy", "Age"):
         assert name in columns
 
 

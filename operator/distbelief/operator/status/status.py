@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 from typing import Any, Mapping
 
+from distbelief.operator.status.progress import parse_timestamp, progress_fields, timestamp
 from distbelief.operator.status.scrape import Figures
 from distbelief.runtime import contract, jobspec
 
@@ -86,14 +87,6 @@ def _last_line(text: str | None) -> str:
     return next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1] if lines else "")
 
 
-def timestamp(now: datetime.datetime) -> str:
-    return now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_timestamp(text: str) -> datetime.datetime:
-    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
-
-
 def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.datetime) -> dict[str, Any]:
     """The new status. job is the validated job, or with observed.invalid_spec the job as
     the API server stored it (its spec then holds the CRD's defaults, nothing more)."""
@@ -112,6 +105,8 @@ def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.dat
         "startTime": previous.get("startTime") or timestamp(now),
     }
     status.update(_training_figures(previous, observed.figures))
+    status.update(progress_fields(spec, previous, status, running=phase == RUNNING, succeeded=phase == SUCCEEDED,
+                                  now=now))
     shards = _shard_copies(meta["name"], spec, observed.figures) or previous.get("shards")
     if shards:
         status["shards"] = shards
