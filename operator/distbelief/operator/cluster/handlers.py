@@ -41,7 +41,7 @@ from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.render import queue, render, sizing
 from distbelief.operator.spec import spec as job_spec
-from distbelief.operator.status import scrape
+from distbelief.operator.status import events, scrape
 from distbelief.operator.status.status import FAILED, TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
 from distbelief.runtime import contract, keys
 
@@ -282,6 +282,7 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     elif status["phase"] != before:
         condition = next((c for c in status["conditions"] if c["type"] == status["phase"]), {})
         kopf.info(body, reason=status["phase"], message=condition.get("message") or status["phase"])
+    _post_shard_events(body, memo, observed, job["status"].get("shards"), status.get("shards"))
     if _ttl_expired(job, status, now):
         kopf.info(body, reason="Deleted", message="ttlSecondsAfterFinished has passed since completion")
         kube.delete(*job_address(job))
@@ -289,6 +290,16 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     current = {k: v for k, v in job["status"].items() if k != "kopf"}
     if status != current:
         patch.status.update(status)
+
+
+def _post_shard_events(body: kopf.Body, memo: kopf.Memo, observed: Observed, shards_before: Any,
+                       shards_now: Any) -> None:
+    """A Warning on every shard restart and failover since the last pass (status/events.py)."""
+    for reason, message in [*events.restart_events(memo.get("shard_restarts"), observed.shard_pods or {}),
+                            *events.failover_events(shards_before, shards_now)]:
+        kopf.warn(body, reason=reason, message=message)
+    if observed.shard_pods is not None:
+        memo["shard_restarts"] = {pod: count for pod, (count, _) in observed.shard_pods.items()}
 
 
 def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str],
@@ -312,6 +323,7 @@ def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str
         workers_ready=min(int(d.get("readyReplicas", 0)) for d in deployments),
         figures=scrape.read(url) if sts else scrape.Figures(),
         **pod_failures(pods),
+        shard_pods=events.shard_restarts(pods),
         children_created=bool(sts),
         shard_lock_message=refusals.get("ShardCountLocked"),
         partition_lock_message=refusals.get("PartitionCountLocked"),

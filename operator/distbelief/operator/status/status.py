@@ -48,6 +48,7 @@ class Observed:
     non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
     restarts: int | None = None            # container restarts over the job's pods; None: no pods seen
     queued: tuple[str, str] | None = None  # (reason, message) while a Kueue queue holds the job suspended
+    shard_pods: Mapping[str, tuple[int, str]] | None = None  # shard pod -> (restarts, how it last ended)
 
 
 def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -69,12 +70,12 @@ def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
                 diverged = f"{name}: {_last_line(lost.get('message')) or 'its training loss went non-finite'}"
             if role == contract.ROLE_PS and container.get("restartCount", 0) >= max(restarts, 1):
                 restarts, last = container["restartCount"], ends[1]
-                failure = _how_it_ended(name, last) if "exitCode" in last else None
+                failure = how_it_ended(name, last) if "exitCode" in last else None
     return {"invalid_config": invalid, "non_finite_loss": diverged, "shard_restarts": restarts,
             "shard_failure": failure, "restarts": total if pods else None}
 
 
-def _how_it_ended(pod: str, terminated: Mapping[str, Any]) -> str:
+def how_it_ended(pod: str, terminated: Mapping[str, Any]) -> str:
     """A container's last end as its status tells it: an OOMKilled one says so (its message is empty)."""
     killed = " (OOMKilled: over its memory limit)" if terminated.get("reason") == "OOMKilled" else ""
     last = _last_line(terminated.get("message"))
