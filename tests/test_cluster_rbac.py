@@ -124,8 +124,9 @@ def drive_a_job_through_its_life(api: Api, kubectl: Kubectl, chiefs: Chiefs, nam
 
 
 def drive_a_queued_job(api: Api, kubectl: Kubectl, namespace: str) -> None:
-    """A job in a Kueue queue: its Workload created and read, admitted (the ResourceFlavor
-    read), evicted (the admission given back in the Workload's status), deleted."""
+    """A job in a Kueue queue: its Workload created and read, made anew when the job is
+    scaled while it waits, admitted (the ResourceFlavor read), evicted (the admission given
+    back in the Workload's status), deleted."""
     kueue.install_crds(kubectl)
     kueue.flavor(kubectl, "rbac-flavor", {"example.com/pool": "rbac"}, [])
     doc = new_job("rbac-queued")
@@ -133,6 +134,8 @@ def drive_a_queued_job(api: Api, kubectl: Kubectl, namespace: str) -> None:
     apply(kubectl, namespace, doc)
     workloads, name = f"{kueue.GROUP}/{kueue.VERSION}/workloads", "distbeliefjob-rbac-queued"
     api.wait(workloads, namespace, name)
+    kubectl("scale", "dbj/rbac-queued", "--replicas=4", "-n", namespace)
+    api.wait(workloads, namespace, name, lambda w: w and {s["name"]: s["count"] for s in w["spec"]["podSets"]}["worker"] == 4)
     kueue.admit(kubectl, namespace, name, "rbac-flavor")
     api.wait(JOBS, namespace, "rbac-queued", lambda j: j and not j["spec"]["runPolicy"]["suspend"])
     kueue.evict(kubectl, namespace, name)

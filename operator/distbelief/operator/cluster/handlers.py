@@ -8,6 +8,10 @@
                                                     delete the job when its TTL has passed
     a child changed or deleted     ->  childwatch.put_back(): the child made to match its job again
 
+A job labelled kueue.x-k8s.io/queue-name also follows its Kueue Workload at every
+reconcile and status pass (cluster/queue.py): held suspended until admitted, placed where
+the admission says, suspended again by an eviction.
+
 Nothing is silent. A spec that the CRD let through but validate_job refuses fails the
 job (phase Failed, reason InvalidSpec, a Warning Event). While the operator refuses to
 create the children (another job's checkpoint claims, a foreign keys Secret, an object

@@ -11,8 +11,9 @@
                                     integrations do, so that Kueue queues it again
     finished                    ->  the Workload gets Finished True: Kueue releases the quota
 
-The Workload is created once, owned by the job (render.render_workload). `sync` runs at
-every reconcile and status pass; each call makes at most one transition.
+The Workload is owned by the job (render.render_workload), and made anew while it waits
+for admission if the job's pod counts change (a scaled job). `sync` runs at every
+reconcile and status pass; each call makes at most one transition.
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ class QueuedJob:
         """One step toward what the Workload says; returns (reason, message) while the job
         is held suspended by its queue, and the Event to post as ("event:<reason>", message)."""
         workload = self.kube.get(*WORKLOAD, self.namespace, self.workload_name)
-        if workload is None:
+        if workload is None or (not finished and self._outdated(workload)):
             if finished:
                 return None
+            if workload is not None:  # deleted first: the create below answers 409 while it exists
+                self.kube.delete(*WORKLOAD, self.namespace, self.workload_name, uid=workload["metadata"]["uid"])
             workload = self.kube.create(render.render_workload(self.job, image=self.image)) or {}
         if finished:
             if not _condition(workload, FINISHED):
@@ -90,6 +93,15 @@ class QueuedJob:
             self._patch_job(suspend=True, placement=None)
         return ("Queued", f"waiting for Kueue to admit Workload {self.workload_name} "
                           f"from queue {queue.queue_name(self.job)}")
+
+    def _outdated(self, workload: Mapping[str, Any]) -> bool:
+        """A Workload not admitted whose pod counts the job no longer has (scaled while queued):
+        made anew, as Kueue's own integrations do, so that the queue counts what will run."""
+        if (workload.get("status") or {}).get("admission") or self.started:
+            return False
+        wanted = render.render_workload(self.job, image=self.image)["spec"]["podSets"]
+        return [(s["name"], s["count"]) for s in workload["spec"]["podSets"]] != \
+            [(s["name"], s["count"]) for s in wanted]
 
     def _evict(self, workload: Mapping[str, Any], evicted: Mapping[str, Any],
                admission: Any) -> tuple[str, str]:
