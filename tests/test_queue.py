@@ -80,6 +80,18 @@ def test_the_placement_unites_the_node_labels_and_tolerations_of_the_assigned_fl
     assert len(placement["worker"]["tolerations"]) == 1
 
 
+
+def test_an_admission_checks_pod_set_updates_add_to_the_flavors_placement() -> None:
+    admission = {"podSetAssignments": [{"name": "worker", "flavors": {"cpu": "spot"}}, {"name": "ps", "flavors": {}}]}
+    checks = [{"name": "provisioning", "podSetUpdates": [
+        {"name": "worker", "nodeSelector": {"provisioned-by": "req-1"},
+         "tolerations": [{"key": "provisioned", "operator": "Exists"}]}]}]
+    placement = queue.placement_of(admission, {"spot": {"spec": {"nodeLabels": {"lifecycle": "spot"}}}}, checks)
+    assert placement["worker"] == {"nodeSelector": {"lifecycle": "spot", "provisioned-by": "req-1"},
+                                   "tolerations": [{"key": "provisioned", "operator": "Exists"}]}
+    assert placement["ps"] == {"nodeSelector": {}, "tolerations": []}
+
+
 class _NoKueue:
     """A cluster without Kueue's types: every call about a Workload is refused."""
 

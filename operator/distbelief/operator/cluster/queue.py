@@ -3,7 +3,8 @@
     not admitted                ->  the job is suspended (spec.runPolicy.suspend: true), also
                                     when created, and again if someone unsuspends it
     admitted (status.admission  ->  the admission's node labels and tolerations (its
-      and Admitted True)            ResourceFlavors') go into the job's admission annotation,
+      and Admitted True)            ResourceFlavors', and its admission checks' podSetUpdates)
+                                    go into the job's admission annotation,
                                     and the job is unsuspended: its pods start there
     evicted (Evicted True)      ->  the job is suspended (its checkpoints stay) and the
                                     annotation removed; then the Workload's admission is
@@ -86,7 +87,7 @@ class QueuedJob:
             return self._evict(workload, evicted, admission)
         if admission and _condition(workload, ADMITTED):
             if not self.started:
-                self._start(admission)
+                self._start(admission, (workload.get("status") or {}).get("admissionChecks") or [])
                 return ("event:Admitted", f"admitted by ClusterQueue {admission.get('clusterQueue', '')}")
             return None
         if not self.suspended:
@@ -115,10 +116,10 @@ class QueuedJob:
                              (ADMITTED, "False", "NoReservation", "the job was evicted"))
         return ("Evicted", message)
 
-    def _start(self, admission: Mapping[str, Any]) -> None:
+    def _start(self, admission: Mapping[str, Any], checks: list[Mapping[str, Any]]) -> None:
         names = {n for a in admission.get("podSetAssignments") or [] for n in (a.get("flavors") or {}).values()}
         flavors = {n: self.kube.get(*FLAVOR, None, n) or {} for n in sorted(names)}  # type: ignore[arg-type]
-        self._patch_job(suspend=False, placement=queue.placement_of(admission, flavors))
+        self._patch_job(suspend=False, placement=queue.placement_of(admission, flavors, checks))
 
     def _patch_job(self, *, suspend: bool, placement: Mapping[str, Any] | None) -> None:
         annotation = json.dumps(placement, sort_keys=True) if placement is not None else None

@@ -59,16 +59,22 @@ def render_workload(job: Mapping[str, Any], ctx: RenderContext, pod_templates: M
     }
 
 
-def placement_of(admission: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def placement_of(admission: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]],
+                 checks: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """role -> {nodeSelector, tolerations}: for each podSet the union of the node labels and
-    tolerations of the ResourceFlavors its resources were assigned (flavors: name -> object)."""
+    tolerations of the ResourceFlavors its resources were assigned (flavors: name -> object),
+    then those of the admission checks' podSetUpdates for it (status.admissionChecks)."""
     placement: dict[str, Any] = {}
     for assignment in admission.get("podSetAssignments") or []:
+        names = sorted(set((assignment.get("flavors") or {}).values()))
+        sources = [(flavors.get(n) or {}).get("spec") or {} for n in names]
+        sources = [{"nodeSelector": f.get("nodeLabels"), "tolerations": f.get("tolerations")} for f in sources]
+        sources += [update for check in checks or [] for update in check.get("podSetUpdates") or []
+                    if update.get("name") == assignment["name"]]
         selector: dict[str, str] = {}
         tolerations: list[Any] = []
-        for name in sorted(set((assignment.get("flavors") or {}).values())):
-            flavor = (flavors.get(name) or {}).get("spec") or {}
-            selector.update(flavor.get("nodeLabels") or {})
-            tolerations += [t for t in flavor.get("tolerations") or [] if t not in tolerations]
+        for source in sources:
+            selector.update(source.get("nodeSelector") or {})
+            tolerations += [t for t in source.get("tolerations") or [] if t not in tolerations]
         placement[assignment["name"]] = {"nodeSelector": selector, "tolerations": tolerations}
     return placement
