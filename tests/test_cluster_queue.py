@@ -62,6 +62,14 @@ def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
     eventually(lambda: phase_reason(kubectl, namespace) == ("Suspended", "Queued"), 30, what="Suspended, Queued")
     assert get(kubectl, "dbj", "digits", "-n", namespace)["spec"]["runPolicy"]["suspend"] is True
     assert not pods(kubectl, namespace)
+    # Unsuspended by hand, with an admission annotation of its own making: held all the same.
+    generation = get(kubectl, "statefulset", "digits-ps", "-n", namespace)["metadata"]["generation"]
+    kubectl("patch", "dbj", "digits", "-n", namespace, "--type=merge", "-p", json.dumps(
+        {"metadata": {"annotations": {"distbelief.io/admission": "{}"}}, "spec": {"runPolicy": {"suspend": False}}}))
+    eventually(lambda: (held := get(kubectl, "dbj", "digits", "-n", namespace))["spec"]["runPolicy"]["suspend"]
+               and "distbelief.io/admission" not in held["metadata"].get("annotations", {}), 30, what="held again")
+    statefulset = get(kubectl, "statefulset", "digits-ps", "-n", namespace)
+    assert (statefulset["spec"]["replicas"], statefulset["metadata"]["generation"]) == (0, generation)
 
     # Admitted: the pods start with the flavor's node selector and toleration, on the tainted node.
     kueue.admit(kubectl, namespace, name, spot_flavor)

@@ -174,8 +174,11 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, 
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
     names, namespace = contract.JobNames(job["metadata"]["name"]), body.metadata.namespace
-    if queue.queue_name(job):
-        sync_queue(kube, body, job, finished=finished)
+    if queue.queue_name(job) and sync_queue(kube, body, job, finished=finished):
+        # Held by its queue: rendered suspended even if its admission annotation says otherwise
+        # (written by hand, or left from an admission Kueue has withdrawn).
+        job["metadata"]["annotations"] = {k: v for k, v in (job["metadata"].get("annotations") or {}).items()
+                                          if k != queue.ADMISSION_ANNOTATION}
     if SHARDS_ANNOTATION not in (body.metadata.annotations or {}):  # the job's first reconcile
         stale = children.stale_claims(kube, job)
         if stale:
