@@ -49,7 +49,8 @@ def phase_reason(kubectl: Kubectl, namespace: str) -> tuple[str | None, str | No
 @pytest.mark.slow
 def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
         kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path, spot_flavor: str) -> None:
-    job = example("digits-mlp.yaml", training__maxSteps=6000, parameterServers__checkpoint__everySeconds=1)
+    job = example("digits-mlp.yaml", training__maxSteps=8000, training__maxDuration="5m",
+                  parameterServers__checkpoint__everySeconds=1)
     job["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team-a"}
     apply(kubectl, namespace, job)
     name = "distbeliefjob-digits"
@@ -78,8 +79,13 @@ def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
     for pod in running:
         assert pod["spec"]["nodeSelector"]["example.com/pool"] == spot_flavor
         assert any(t["key"] == TAINT for t in pod["spec"]["tolerations"])
-    checkpoint = eventually(lambda: (job_status(kubectl, namespace, "digits").get("lastCheckpoint") or {}).get("step"),
-                            90, what="a checkpoint")
+    eventually(lambda: (job_status(kubectl, namespace, "digits").get("lastCheckpoint") or {}).get("step"),
+               90, what="a checkpoint")
+    # kubectl get shows how far the job is and when it will be done.
+    eventually(lambda: job_status(kubectl, namespace, "digits").get("eta"), 30, interval=0.3, what="an ETA")
+    header, row = kubectl("get", "dbj", "digits", "-n", namespace).splitlines()
+    columns = dict(zip(header.split(), row.split()))
+    assert 0 < float(columns["PROGRESS"]) < 100 and columns["ETA"][-1] in "smhd", (header, row)
 
     # Evicted: suspended, no pods, the admission given back to Kueue.
     kueue.evict(kubectl, namespace, name)
@@ -98,11 +104,6 @@ def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
         status = job_status(kubectl, namespace, "digits")
         steps.append(int(status.get("globalStep") or 0))
         return status
-    # kubectl get shows how far the job is and when it will be done.
-    eventually(lambda: sampled().get("eta"), 60, interval=0.5, what="an ETA")
-    header, row = kubectl("get", "dbj", "digits", "-n", namespace).splitlines()
-    columns = dict(zip(header.split(), row.split()))
-    assert 0 < float(columns["PROGRESS"]) < 100 and columns["ETA"][-1] in "smhd", (header, row)
 
     eventually(lambda: sampled().get("phase") in ("Succeeded", "Failed"), 180, interval=0.5,
                what="the resumed job finished")
@@ -111,7 +112,7 @@ def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
     print(f"checkpoint at step {checkpoint} before the eviction; lowest step after it {min(steps)}, "
           f"final {status['globalStep']}")
     assert min(steps) >= checkpoint, (checkpoint, steps[:20])
-    assert status["globalStep"] >= 6000 and status["progress"] == 100 and "eta" not in status
+    assert status["globalStep"] >= 8000 and status["progress"] == 100 and "eta" not in status
     finished = eventually(lambda: kueue.condition(kueue.workload(kubectl, namespace, name), "Finished")
                           .get("status") == "True", 30, what="the Workload Finished")
     assert finished

@@ -125,8 +125,9 @@ def drive_a_job_through_its_life(api: Api, kubectl: Kubectl, chiefs: Chiefs, nam
 
 def drive_a_queued_job(api: Api, kubectl: Kubectl, namespace: str) -> None:
     """A job in a Kueue queue: its Workload created and read, made anew when the job is
-    scaled while it waits, admitted (the ResourceFlavor read), evicted (the admission given
-    back in the Workload's status), deleted."""
+    scaled while it waits, admitted (the ResourceFlavor read), scaled while it runs (suspended
+    and queued again), admitted again, evicted (the admission given back in the Workload's
+    status), deleted."""
     kueue.install_crds(kubectl)
     kueue.flavor(kubectl, "rbac-flavor", {"example.com/pool": "rbac"}, [])
     doc = new_job("rbac-queued")
@@ -136,6 +137,12 @@ def drive_a_queued_job(api: Api, kubectl: Kubectl, namespace: str) -> None:
     api.wait(workloads, namespace, name)
     kubectl("scale", "dbj/rbac-queued", "--replicas=4", "-n", namespace)
     api.wait(workloads, namespace, name, lambda w: w and {s["name"]: s["count"] for s in w["spec"]["podSets"]}["worker"] == 4)
+    kueue.admit(kubectl, namespace, name, "rbac-flavor")
+    api.wait(JOBS, namespace, "rbac-queued", lambda j: j and not j["spec"]["runPolicy"]["suspend"])
+    kubectl("scale", "dbj/rbac-queued", "--replicas=5", "-n", namespace)  # re-queued with a new Workload
+    api.wait(JOBS, namespace, "rbac-queued", lambda j: j["spec"]["runPolicy"]["suspend"])
+    api.wait(workloads, namespace, name, lambda w: w and {s["name"]: s["count"] for s in w["spec"]["podSets"]}["worker"] == 5)
+    api.wait("apps/v1/deployments", namespace, "rbac-queued-worker", lambda d: d["spec"]["replicas"] == 0)
     kueue.admit(kubectl, namespace, name, "rbac-flavor")
     api.wait(JOBS, namespace, "rbac-queued", lambda j: j and not j["spec"]["runPolicy"]["suspend"])
     kueue.evict(kubectl, namespace, name)

@@ -226,7 +226,7 @@ def sync_queue(kube: Kube, body: kopf.Body, job: Mapping[str, Any], *, finished:
     if hold and hold[0].startswith("event:"):
         reason = hold[0].removeprefix("event:")
         (kopf.warn if reason == "Evicted" else kopf.info)(body, reason=reason, message=hold[1])
-        return (reason, hold[1]) if reason == "Evicted" else None
+        return None if reason == "Admitted" else (reason, hold[1])
     return hold
 
 

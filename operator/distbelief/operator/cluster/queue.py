@@ -12,8 +12,11 @@
                                     integrations do, so that Kueue queues it again
     finished                    ->  the Workload gets Finished True: Kueue releases the quota
 
-The Workload is owned by the job (render.render_workload), and made anew while it waits
-for admission if the job's pod counts change (a scaled job). `sync` runs at every
+    scaled                      ->  the Workload is made anew with the new pod counts; a job
+                                    that was running is suspended and waits to be admitted
+                                    again (its checkpoints kept)
+
+The Workload is owned by the job (render.render_workload). `sync` runs at every
 reconcile and status pass; each call makes at most one transition.
 """
 
@@ -71,11 +74,11 @@ class QueuedJob:
         """One step toward what the Workload says; returns (reason, message) while the job
         is held suspended by its queue, and the Event to post as ("event:<reason>", message)."""
         workload = self.kube.get(*WORKLOAD, self.namespace, self.workload_name)
-        if workload is None or (not finished and self._outdated(workload)):
+        if workload is not None and not finished and self._outdated(workload):
+            return self._requeue(workload)
+        if workload is None:
             if finished:
                 return None
-            if workload is not None:  # deleted first: the create below answers 409 while it exists
-                self.kube.delete(*WORKLOAD, self.namespace, self.workload_name, uid=workload["metadata"]["uid"])
             workload = self.kube.create(render.render_workload(self.job, image=self.image)) or {}
         if finished:
             if not _condition(workload, FINISHED):
@@ -96,13 +99,22 @@ class QueuedJob:
                           f"from queue {queue.queue_name(self.job)}")
 
     def _outdated(self, workload: Mapping[str, Any]) -> bool:
-        """A Workload not admitted whose pod counts the job no longer has (scaled while queued):
-        made anew, as Kueue's own integrations do, so that the queue counts what will run."""
-        if (workload.get("status") or {}).get("admission") or self.started:
-            return False
+        """Whether the Workload's pod counts are not the job's (the job was scaled)."""
         wanted = render.render_workload(self.job, image=self.image)["spec"]["podSets"]
         return [(s["name"], s["count"]) for s in workload["spec"]["podSets"]] != \
             [(s["name"], s["count"]) for s in wanted]
+
+    def _requeue(self, workload: Mapping[str, Any]) -> tuple[str, str]:
+        """The job was scaled: as Kueue's own integrations do, its Workload is made anew with
+        the new counts, so that the queue counts what will run; a job that ran under the old
+        admission is suspended first (its checkpoints kept) and waits for the new one."""
+        message = f"the job's pod counts changed: Workload {self.workload_name} made anew"
+        if self.started or not self.suspended:
+            self._patch_job(suspend=True, placement=None)
+            message += ", the job suspended until it is admitted again"
+        self.kube.delete(*WORKLOAD, self.namespace, self.workload_name, uid=workload["metadata"]["uid"])
+        self.kube.create(render.render_workload(self.job, image=self.image))  # None (409) while the old one goes
+        return ("event:Requeued", message)
 
     def _evict(self, workload: Mapping[str, Any], evicted: Mapping[str, Any],
                admission: Any) -> tuple[str, str]:
