@@ -368,7 +368,7 @@ def operator_grants(docs: list[dict[str, Any]]) -> list[Grant]:
 
 def test_rbac_for_every_watched_namespace(values_dir: Path) -> None:
     """A Role (and binding) per watched namespace, each with the same rules; cluster-wide
-    only reading namespaces and CRDs."""
+    only reading namespaces, CRDs and Kueue's ResourceFlavors (cluster-scoped)."""
     docs = template(values_dir, "namespaced")
     grants = operator_grants(docs)
     by_namespace = {ns: {(g.group, g.resource, g.verb, g.name) for g in grants if g.namespace == ns}
@@ -376,7 +376,7 @@ def test_rbac_for_every_watched_namespace(values_dir: Path) -> None:
     assert by_namespace["ml"] == by_namespace["research"] and by_namespace["ml"]
     everywhere = {(g.group, g.resource, g.verb) for g in grants if g.namespace is None}
     assert everywhere == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} | {
-        ("", "namespaces", v) for v in ("list", "watch")}
+        ("", "namespaces", v) for v in ("list", "watch")} | {("kueue.x-k8s.io", "resourceflavors", "get")}
     # ... and the operator is told to watch exactly those namespaces.
     args = operator_container(docs)["args"]
     assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=ml", "--namespace=research"]

@@ -363,6 +363,29 @@ def test_completion_succeeds_and_scales_down(operator: Operator, api: Api, kubec
     assert api.get(DEPLOY, namespace, "finish-worker")["spec"]["replicas"] == 0
 
 
+def test_every_shard_restart_and_failover_is_a_warning_event(operator: Operator, api: Api, kubectl: Kubectl,
+                                                              chiefs: Chiefs, namespace: str) -> None:
+    apply(kubectl, namespace, new_job("events"))
+    pods_of(api, namespace, "events", 2, "ps")
+    pods_of(api, namespace, "events", 3, "worker")
+    kubelet_runs(api, namespace, "events")
+    shard, chief = chiefs.of(namespace, "events")
+    shard.global_step.set(10)
+    for index in (0, 1):
+        chief.shard_copies.labels(shard=str(index)).set(2)
+        chief.shard_primary.labels(shard=str(index)).set(0)
+        chief.shard_failovers.labels(shard=str(index)).set(0)
+    api.wait(JOBS, namespace, "events", lambda j: phase_is("Running")(j) and "shards" in j["status"])
+    (pod, *_) = kubelet_runs(api, namespace, "events", role="ps", container_status={
+        "restartCount": 1, "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}})
+    restarted = api.wait_event(namespace, "events", "ShardRestarted")
+    assert restarted["type"] == "Warning" and restarted["message"].startswith(f"{pod} last exited with code 137")
+    chief.shard_primary.labels(shard="1").set(1)
+    chief.shard_failovers.labels(shard="1").set(1)
+    failover = api.wait_event(namespace, "events", "ShardFailover")
+    assert failover["message"].startswith("shard 1: events-ps-3 took over from events-ps-1"), failover["message"]
+
+
 def test_a_crash_looping_shard_fails_the_job(operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
     apply(kubectl, namespace, new_job("crash"))
     pods_of(api, namespace, "crash", 2, "ps")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from support import controlplane
+from support import controlplane, kueue
 from support.chiefs import Chiefs
 from support.cluster import CHART, JOBS, Api, Kubectl, Operator, refused
 from test_chart import Grant, operator_grants
@@ -138,6 +138,33 @@ def drive_a_job_through_its_life(api: Api, kubectl: Kubectl, chiefs: Chiefs, nam
     api.wait(JOBS, namespace, name, lambda j: j is None or j["metadata"].get("deletionTimestamp"), timeout=60)
 
 
+def drive_a_queued_job(api: Api, kubectl: Kubectl, namespace: str) -> None:
+    """A job in a Kueue queue: its Workload created and read, made anew when the job is
+    scaled while it waits, admitted (the ResourceFlavor read), scaled while it runs (suspended
+    and queued again), admitted again, evicted (the admission given back in the Workload's
+    status), deleted."""
+    kueue.install_crds(kubectl)
+    kueue.flavor(kubectl, "rbac-flavor", {"example.com/pool": "rbac"}, [])
+    doc = new_job("rbac-queued")
+    doc["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team"}
+    apply(kubectl, namespace, doc)
+    workloads, name = f"{kueue.GROUP}/{kueue.VERSION}/workloads", "distbeliefjob-rbac-queued"
+    api.wait(workloads, namespace, name)
+    kubectl("scale", "dbj/rbac-queued", "--replicas=4", "-n", namespace)
+    api.wait(workloads, namespace, name, lambda w: w and {s["name"]: s["count"] for s in w["spec"]["podSets"]}["worker"] == 4)
+    kueue.admit(kubectl, namespace, name, "rbac-flavor")
+    api.wait(JOBS, namespace, "rbac-queued", lambda j: j and not j["spec"]["runPolicy"]["suspend"])
+    kubectl("scale", "dbj/rbac-queued", "--replicas=5", "-n", namespace)  # re-queued with a new Workload
+    api.wait(JOBS, namespace, "rbac-queued", lambda j: j["spec"]["runPolicy"]["suspend"])
+    api.wait(workloads, namespace, name, lambda w: w and {s["name"]: s["count"] for s in w["spec"]["podSets"]}["worker"] == 5)
+    api.wait("apps/v1/deployments", namespace, "rbac-queued-worker", lambda d: d["spec"]["replicas"] == 0)
+    kueue.admit(kubectl, namespace, name, "rbac-flavor")
+    api.wait(JOBS, namespace, "rbac-queued", lambda j: j and not j["spec"]["runPolicy"]["suspend"])
+    kueue.evict(kubectl, namespace, name)
+    api.wait(workloads, namespace, name, lambda w: w and not (w.get("status") or {}).get("admission"))
+    api.delete(JOBS, namespace, "rbac-queued")
+
+
 def session(operator: Operator, api: Api, kubectl: Kubectl, chiefs: Chiefs, namespace: str,
             release_namespace: str) -> tuple[list[Call], list[Grant]]:
     """The operator started afresh (its startup's lists and watches count) and a job's life:
@@ -145,6 +172,7 @@ def session(operator: Operator, api: Api, kubectl: Kubectl, chiefs: Chiefs, name
     _, start = operator.calls()
     operator.restart()
     drive_a_job_through_its_life(api, kubectl, chiefs, namespace)
+    drive_a_queued_job(api, kubectl, namespace)
     time.sleep(1)
     events, _ = operator.calls(start, started=True)
     assert not refused(events), f"refused: {refused(events)}\n{operator.log_tail(3000)}"
@@ -191,10 +219,11 @@ def test_every_grant_of_the_chart_is_used_watching_a_list_of_namespaces(
     calls, grants = session(operator, api, kubectl, chiefs, watched[0], operator.namespace)
     assert all(any(allows(g, c) for g in grants) for c in calls)
     assert not unused(grants, calls), f"the chart grants what the operator never used: {unused(grants, calls)}"
-    # Cluster-wide, only reading namespaces and CRDs; everything else in the watched namespaces' Roles.
+    # Cluster-wide, only reading namespaces, CRDs and Kueue's ResourceFlavors; everything else
+    # in the watched namespaces' Roles.
     assert {(g.group, g.resource, g.verb) for g in grants if g.namespace is None} == {
         ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} | {
-        ("", "namespaces", v) for v in ("list", "watch")}
+        ("", "namespaces", v) for v in ("list", "watch")} | {("kueue.x-k8s.io", "resourceflavors", "get")}
     assert {g.namespace for g in grants} == {None, *watched}
     assert {c.namespace for c in calls} <= {None, *watched}
     for name in watched:  # the operator reads jobs and keeps peering in both

@@ -64,6 +64,10 @@ BF16 = setting(spec__parameterServers__wireFormat="bfloat16")
 BACKUPS = setting(spec__parameterServers__backups=1)
 
 
+def worker_template(**template: Any) -> Edit:
+    return setting(spec__workers__template=template)
+
+
 def source(text: str) -> Edit:
     return setting(spec__data__source=text)
 
@@ -134,11 +138,41 @@ RULES: list[tuple[str, str, Edit, Edit]] = [
     ("backups need unexpired rows", "spec.parameterServers.backups",
      also(BACKUPS, EMBEDDINGS, setting(spec__model__embeddings={"dim": 4, "expireAfterSeconds": 60})),
      also(BACKUPS, EMBEDDINGS)),
+    ("backups run as their own account", "spec.parameterServers.backups",
+     also(BACKUPS, setting(spec__parameterServers__template={"spec": {"serviceAccountName": "mine"}})),
+     also(BACKUPS, setting(spec__parameterServers__template={"spec": {"priorityClassName": "high"}}))),
+    ("templates keep the shard copies' token", "spec.parameterServers.template.spec.volumes",
+     setting(spec__parameterServers__template={"spec": {"volumes": [{"name": "view-lease-token", "emptyDir": {}}]}}),
+     setting(spec__parameterServers__template={"spec": {"volumes": [{"name": "lease", "emptyDir": {}}]}})),
     ("bfloat16 needs downpour", "spec.parameterServers.wireFormat", also(BF16, SANDBLASTER), BF16),
     ("bfloat16 has no embeddings", "spec.parameterServers.wireFormat", also(BF16, EMBEDDINGS),
      also(EMBEDDINGS, setting(spec__parameterServers__wireFormat="float32"))),
     ("bfloat16 needs one partition", "spec.parameterServers.wireFormat", also(BF16, PARTITIONED),
      also(BF16, setting(spec__model__partitions=1))),
+    ("templates keep the operator's labels", "spec.workers.template.metadata.labels",
+     worker_template(metadata={"labels": {"distbelief.io/role": "ps"}}),
+     worker_template(metadata={"labels": {"team": "ml"}})),
+    ("templates keep the operator's annotations", "spec.workers.template.metadata.annotations",
+     worker_template(metadata={"annotations": {"distbelief.io/config-hash": "0"}}),
+     worker_template(metadata={"annotations": {"example.com/team": "ml"}})),
+    ("templates keep the pod's hardening", "spec.parameterServers.template.spec",
+     setting(spec__parameterServers__template={"spec": {"securityContext": {"runAsUser": 0}}}),
+     setting(spec__parameterServers__template={"spec": {"priorityClassName": "high"}})),
+    ("templates keep the operator's volumes", "spec.workers.template.spec.volumes",
+     worker_template(spec={"volumes": [{"name": "keys", "emptyDir": {}}]}),
+     worker_template(spec={"volumes": [{"name": "cache", "emptyDir": {}}]})),
+    ("templates keep the container's command", "spec.workers.template.spec.containers[0]",
+     worker_template(spec={"containers": [{"command": ["sh"]}]}),
+     worker_template(spec={"containers": [{"env": [{"name": "A", "value": "1"}]}]})),
+    ("templates keep the operator's env names", "spec.workers.template.spec.containers[0].env",
+     worker_template(spec={"containers": [{"env": [{"name": "DISTBELIEF_PARTITION", "value": "1"}]}]}),
+     worker_template(spec={"containers": [{"env": [{"name": "PARTITION", "value": "1"}]}]})),
+    ("templates keep the operator's mounts", "spec.workers.template.spec.containers[0].volumeMounts",
+     worker_template(spec={"containers": [{"volumeMounts": [{"name": "c", "mountPath": "/etc/distbelief/x"}]}]}),
+     worker_template(spec={"containers": [{"volumeMounts": [{"name": "c", "mountPath": "/etc/distbelief2"}]}]})),
+    ("a template's container is the role's", "spec.parameterServers.template.spec.containers",
+     setting(spec__parameterServers__template={"spec": {"containers": [{"name": "worker"}]}}),
+     setting(spec__parameterServers__template={"spec": {"containers": [{"name": "ps"}]}})),
 ]
 
 

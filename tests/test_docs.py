@@ -15,8 +15,8 @@ def _leaf_paths(node: dict[str, Any], path: str) -> Iterator[str]:
     if not properties or node.get("x-kubernetes-preserve-unknown-fields"):
         yield path
         return
-    if path.endswith(".resources"):
-        yield path  # requests/limits are documented together
+    if path.endswith((".resources", ".template")):
+        yield path  # requests/limits, and a role's pod template, are documented together
         return
     for name, child in properties.items():
         yield from _leaf_paths(child, f"{path}.{name}")

@@ -494,7 +494,7 @@ def test_kubectl_tables_come_from_the_printer_columns(kube):
                        accept="application/json;as=Table;v=v1;g=meta.k8s.io, application/json")
     assert code == 200 and table["kind"] == "Table"
     assert [c["name"] for c in table["columnDefinitions"]] == [
-        "Name", "Phase", "Workers", "Shards", "Step", "Loss", "Accuracy", "Age"]
+        "Name", "Phase", "Workers", "Shards", "Step", "Progress", "ETA", "Loss", "Accuracy", "Age"]
     (row,) = table["rows"]
     assert row["cells"][:5] == ["digits", "Running", 3, None, 12] and row["cells"][-1].endswith("s")
     assert row["object"]["metadata"]["name"] == "digits"
@@ -602,10 +602,11 @@ def test_kubectl_apply_get_scale_delete(kube):
         return done.stdout
 
     assert "distbeliefjob.distbelief.io/digits created" in kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
-    kube.patch_status(JOBS, "digits", {"phase": "Running", "globalStep": 7})
+    kube.patch_status(JOBS, "digits", {"phase": "Running", "globalStep": 7, "progress": 42.5, "eta": "3m20s"})
     header, row = kubectl("get", "dbj").splitlines()
-    assert header.split() == ["NAME", "PHASE", "WORKERS", "SHARDS", "STEP", "LOSS", "ACCURACY", "AGE"]
-    assert row.split()[:3] == ["digits", "Running", "7"]
+    assert header.split() == ["NAME", "PHASE", "WORKERS", "SHARDS", "STEP", "PROGRESS", "ETA", "LOSS", "ACCURACY",
+                              "AGE"]
+    assert row.split()[:5] == ["digits", "Running", "7", "42.5", "3m20s"]
 
     assert "scaled" in kubectl("scale", "dbj/digits", "--replicas=5")
     scaled = kube.get(JOBS, "digits")

@@ -141,4 +141,14 @@ ClusterRole (all namespaces) and the per-namespace Roles. */}}
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# A job labelled kueue.x-k8s.io/queue-name: its Workload (owned by the job, the garbage
+# collector deletes it with the job), created, read, and deleted and made anew when the job
+# is scaled while it waits; its status written at an eviction (the admission given back)
+# and at the end (Finished).
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, create, delete]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
 {{- end -}}

@@ -107,6 +107,7 @@ ENV_COPY_LEASE = "DISTBELIEF_COPY_LEASE_SECONDS"  # the primary's lease (default
 # The Lease store's credentials: the folder of the pod's ServiceAccount token, CA and
 # namespace (the operator mounts the shard copies' token there and names it).
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+SERVICE_ACCOUNT_VOLUME = "view-lease-token"
 ENV_SERVICE_ACCOUNT_DIR = "DISTBELIEF_SERVICE_ACCOUNT_DIR"
 
 # Files the chief (shard 0) writes beside its checkpoints.

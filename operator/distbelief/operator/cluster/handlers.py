@@ -8,6 +8,10 @@
                                                     delete the job when its TTL has passed
     a child changed or deleted     ->  childwatch.put_back(): the child made to match its job again
 
+A job labelled kueue.x-k8s.io/queue-name also follows its Kueue Workload at every
+reconcile and status pass (cluster/queue.py): held suspended until admitted, placed where
+the admission says, suspended again by an eviction.
+
 Nothing is silent. A spec that the CRD let through but validate_job refuses fails the
 job (phase Failed, reason InvalidSpec, a Warning Event). While the operator refuses to
 create the children (another job's checkpoint claims, a foreign keys Secret, an object
@@ -37,10 +41,11 @@ import kopf
 
 from distbelief.operator import errors
 from distbelief.operator.cluster import children, peering as peering_watch
+from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, controller_uid
-from distbelief.operator.render import render, sizing
+from distbelief.operator.render import queue, render, sizing
 from distbelief.operator.spec import spec as job_spec
-from distbelief.operator.status import scrape
+from distbelief.operator.status import events, scrape
 from distbelief.operator.status.status import FAILED, TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
 from distbelief.runtime import contract, keys
 
@@ -169,6 +174,11 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, 
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
     names, namespace = contract.JobNames(job["metadata"]["name"]), body.metadata.namespace
+    if queue.queue_name(job) and sync_queue(kube, body, job, finished=finished):
+        # Held by its queue: rendered suspended even if its admission annotation says otherwise
+        # (written by hand, or left from an admission Kueue has withdrawn).
+        job["metadata"]["annotations"] = {k: v for k, v in (job["metadata"].get("annotations") or {}).items()
+                                          if k != queue.ADMISSION_ANNOTATION}
     if SHARDS_ANNOTATION not in (body.metadata.annotations or {}):  # the job's first reconcile
         stale = children.stale_claims(kube, job)
         if stale:
@@ -197,6 +207,29 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, 
                   message=", ".join(f"{name} {result}" for name, result in applied.changed.items()))
 
 
+def held(job: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A queue-labelled job not started under an admission renders suspended (render/queue.py)."""
+    if not queue.queue_name(job) or queue.ADMISSION_ANNOTATION in (job["metadata"].get("annotations") or {}):
+        return job
+    job = copy.deepcopy(job)
+    job["spec"]["runPolicy"]["suspend"] = True
+    return job
+
+
+def sync_queue(kube: Kube, body: kopf.Body, job: Mapping[str, Any], *, finished: bool) -> tuple[str, str] | None:
+    """One step of Kueue's contract (cluster/queue.py); an Event for each transition."""
+    try:
+        hold = QueuedJob(kube, job, IMAGE).sync(finished=finished)
+    except errors.KubeError as exc:  # Kueue's types absent, or a call refused: the job stays held
+        log.warning("event=queue_failed job=%s error=%r", job["metadata"]["name"], str(exc))
+        return ("QueueUnavailable", f"cannot follow the job's Kueue Workload ({exc}); is Kueue installed?")
+    if hold and hold[0].startswith("event:"):
+        reason = hold[0].removeprefix("event:")
+        (kopf.warn if reason == "Evicted" else kopf.info)(body, reason=reason, message=hold[1])
+        return None if reason == "Admitted" else (reason, hold[1])
+    return hold
+
+
 def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoReturn:
     """Refuse to go on for now: the Created condition says why (observe() reads the memo), a
     Warning Event says so once, and kopf calls reconcile() again after a while."""
@@ -208,7 +241,7 @@ def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoRet
 
 
 def desired_children(job: Mapping[str, Any], *, finished: bool) -> list[dict[str, Any]]:
-    return render.render_children(job, image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
+    return render.render_children(held(job), image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
 
 
 def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created", "own", "foreign"]:
@@ -239,6 +272,9 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     try:
         job, refusals = locked_job(validated(body))
         observed = read_observed(kube, job, refusals, blocked=memo.get("blocked"))
+        if queue.queue_name(job):
+            finished = (body.status or {}).get("phase") in TERMINAL
+            observed = dataclasses.replace(observed, queued=sync_queue(kube, body, job, finished=finished))
     except errors.SpecError as exc:
         job, observed = stored(body), Observed(invalid_spec=f"the spec breaks the job's rules: {exc}")
     job["status"] = copy.deepcopy(dict(body.status or {}))
@@ -253,6 +289,7 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     elif status["phase"] != before:
         condition = next((c for c in status["conditions"] if c["type"] == status["phase"]), {})
         kopf.info(body, reason=status["phase"], message=condition.get("message") or status["phase"])
+    _post_shard_events(body, memo, observed, job["status"].get("shards"), status.get("shards"))
     if _ttl_expired(job, status, now):
         kopf.info(body, reason="Deleted", message="ttlSecondsAfterFinished has passed since completion")
         kube.delete(*job_address(job))
@@ -260,6 +297,16 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     current = {k: v for k, v in job["status"].items() if k != "kopf"}
     if status != current:
         patch.status.update(status)
+
+
+def _post_shard_events(body: kopf.Body, memo: kopf.Memo, observed: Observed, shards_before: Any,
+                       shards_now: Any) -> None:
+    """A Warning on every shard restart and failover since the last pass (status/events.py)."""
+    for reason, message in [*events.restart_events(memo.get("shard_restarts"), observed.shard_pods or {}),
+                            *events.failover_events(shards_before, shards_now)]:
+        kopf.warn(body, reason=reason, message=message)
+    if observed.shard_pods is not None:
+        memo["shard_restarts"] = {pod: count for pod, (count, _) in observed.shard_pods.items()}
 
 
 def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str],
@@ -283,6 +330,7 @@ def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str
         workers_ready=min(int(d.get("readyReplicas", 0)) for d in deployments),
         figures=scrape.read(url) if sts else scrape.Figures(),
         **pod_failures(pods),
+        shard_pods=events.shard_restarts(pods),
         children_created=bool(sts),
         shard_lock_message=refusals.get("ShardCountLocked"),
         partition_lock_message=refusals.get("PartitionCountLocked"),

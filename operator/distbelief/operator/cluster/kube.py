@@ -43,6 +43,8 @@ PLURALS = {
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (contract.JOB_API_VERSION, contract.KIND): contract.PLURAL,
+    ("kueue.x-k8s.io/v1beta1", "Workload"): "workloads",
+    ("kueue.x-k8s.io/v1beta1", "ResourceFlavor"): "resourceflavors",
     ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
     ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
 }

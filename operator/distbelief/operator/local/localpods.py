@@ -245,7 +245,7 @@ def _container_env(container: Mapping[str, Any], *, pod_name: str, namespace: st
     for item in container.get("env", []):
         if "value" in item:
             env[item["name"]] = str(item["value"])
-        elif "fieldRef" in item.get("valueFrom", {}):
+        elif item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") in fields:
             env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
     return env
 
@@ -266,12 +266,12 @@ def _mount_volumes(workload: Mapping[str, Any], pod_name: str, output: str,
         folder = volume_dir(output, pod_name, mount["name"])
         os.makedirs(folder, exist_ok=True)
         config_map = volumes.get(mount["name"], {}).get("configMap")
-        if config_map:
+        if config_map and config_map["name"] in sources:  # else a user's: an empty folder
             for key, text in sources[config_map["name"]]["data"].items():
                 with open(os.path.join(folder, key), "w", encoding="utf-8") as f:
                     f.write(text)
         secret = volumes.get(mount["name"], {}).get("secret")
-        if secret:
+        if secret and secret["secretName"] in sources:
             write_secret(folder, sources[secret["secretName"]], secret.get("items"))
         mounts[mount["mountPath"]] = folder
     return mounts

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,10 @@ _SCALING_FIELDS: tuple[tuple[str, ...], ...] = (
 )
 
 
+# The placement a queue's admission gave the job's pods (render/queue.py), by role.
+ADMISSION_ANNOTATION = f"{contract.API_GROUP}/admission"
+
+
 @dataclasses.dataclass(frozen=True)
 class RenderContext:
     """What every render_* function needs to know about one job."""
@@ -36,6 +41,7 @@ class RenderContext:
     config_hash: str
     finished: bool = False
     operator_namespace: str | None = None   # None: the job's own
+    placement: Mapping[str, Any] | None = None  # role -> {nodeSelector, tolerations} of an admission
 
     @classmethod
     def of(cls, job: Mapping[str, Any], *, image: str, finished: bool = False,
@@ -49,6 +55,7 @@ class RenderContext:
             config_hash=config_hash(config),
             finished=finished,
             operator_namespace=operator_namespace,
+            placement=admitted_placement(job),
         )
 
     @property
@@ -73,6 +80,12 @@ class RenderContext:
     @property
     def worker_replicas(self) -> int:
         return 0 if self.suspended or self.finished else int(self.spec["workers"]["replicas"])
+
+
+def admitted_placement(job: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The role -> {nodeSelector, tolerations} the job runs with, None when not admitted."""
+    text = ((job.get("metadata") or {}).get("annotations") or {}).get(ADMISSION_ANNOTATION)
+    return json.loads(text) if text else None
 
 
 def config_hash(config: contract.JobConfig) -> str:

@@ -98,7 +98,7 @@ def pod_template(ctx: RenderContext, role: str, container: Manifest,
 # the pod (not left to the ServiceAccount admission plugin): only the shard container gets
 # it, with a bounded lifetime the kubelet renews, and a node agent without that admission
 # plugin (tools/local-node) makes the same volume.
-ACCOUNT_TOKEN_VOLUME = "view-lease-token"
+ACCOUNT_TOKEN_VOLUME = contract.SERVICE_ACCOUNT_VOLUME
 ACCOUNT_TOKEN_SECONDS = 3607
 
 
@@ -148,7 +148,7 @@ def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds
         "env": [{"name": contract.ENV_POD_NAME,
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items()),
-                *_thread_env(ctx.spec[_ROLE_SPEC[role]].get("resources")),
+                *_thread_env(ctx.spec[ROLE_SPEC[role]].get("resources")),
                 *(env or [])],
         "ports": ports,
         "startupProbe": startup_probe(startup_seconds),
@@ -166,13 +166,13 @@ def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds
             *(mounts or []),
         ],
     }
-    limits = resources(ctx.spec[_ROLE_SPEC[role]].get("resources"))
+    limits = resources(ctx.spec[ROLE_SPEC[role]].get("resources"))
     if limits:
         container["resources"] = limits
     return container
 
 
-_ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
+ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
 
 
 def _data_volume(ctx: RenderContext) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from distbelief.operator.render import podparts, sizing
+from distbelief.operator.render import placement, podparts, queue, sizing
 from distbelief.operator.render.context import RenderContext
 from distbelief.runtime import contract
 
@@ -151,12 +151,32 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
                                                                  contract.ROLE_PS)},
             "persistentVolumeClaimRetentionPolicy": {
                 "whenDeleted": storage["retention"], "whenScaled": "Retain"},
-            "template": podparts.pod_template(ctx, contract.ROLE_PS, container,
-                                              affinity=podparts.spread_copies(ctx),
-                                              service_account=account),
+            "template": role_pod_template(ctx, contract.ROLE_PS, podparts.pod_template(
+                ctx, contract.ROLE_PS, container, affinity=podparts.spread_copies(ctx), service_account=account)),
             "volumeClaimTemplates": [podparts.checkpoint_claim(ctx, storage)],
         },
     }
+
+
+def role_pod_template(ctx: RenderContext, role: str, rendered: Manifest) -> Manifest:
+    """The rendered pod template with the role's spec template and the job's pull secrets."""
+    template = ctx.spec[podparts.ROLE_SPEC[role]].get("template")
+    merged = placement.apply_template(rendered, template, ctx.spec.get("imagePullSecrets"))
+    admitted = (ctx.placement or {}).get(role)
+    if admitted:
+        merged = placement.add_placement(merged, admitted.get("nodeSelector") or {}, admitted.get("tolerations") or [])
+    return merged
+
+
+def render_workload(job: Mapping[str, Any], *, image: str) -> Manifest:
+    """The Kueue Workload of a job labelled with a queue (render/queue.py): its podSets carry
+    the roles' pod templates as the job runs them before any admission."""
+    unplaced = copy.deepcopy(dict(job))
+    unplaced["metadata"] = {k: v for k, v in job["metadata"].items() if k != "annotations"}
+    ctx = RenderContext.of(unplaced, image=image)
+    templates = {contract.ROLE_PS: render_ps_statefulset(ctx)["spec"]["template"],
+                 contract.ROLE_WORKER: render_worker_deployment(ctx, _worker_partitions(ctx.config)[0])["spec"]["template"]}
+    return queue.render_workload(job, ctx, templates)
 
 
 # How long a role may take to start serving: loading the data and building the model (a
@@ -266,7 +286,8 @@ def render_worker_deployment(ctx: RenderContext, partition: int | None = None) -
                                          **extra}},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
-            "template": podparts.pod_template(ctx, contract.ROLE_WORKER, container, extra),
+            "template": role_pod_template(ctx, contract.ROLE_WORKER,
+                                          podparts.pod_template(ctx, contract.ROLE_WORKER, container, extra)),
         },
     }
 

@@ -27,6 +27,7 @@ import yaml
 from distbelief.operator import errors
 from distbelief.operator.spec.manifests import load_manifests, load_single
 from distbelief.operator.spec.schemawalk import Problems, Walker, got, join, kind, show
+from distbelief.operator.spec.templates import check_templates
 from distbelief.runtime import contract, jobspec
 
 __all__ = ["load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]
@@ -135,6 +136,7 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     _check_autoscaling(job, problems)
     _check_backups(job, problems)
     _check_wire_format(job, problems)
+    check_templates(job, problems)
     if problems.lines:
         raise errors.SpecError(problems.lines)
     return job
@@ -315,6 +317,9 @@ def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
     if _get(job, "spec", "model", "embeddings", "expireAfterSeconds"):
         problems.add(path, "not available with spec.model.embeddings.expireAfterSeconds (each copy would expire "
                      "rows by its own clock); use 0, or leave rows unexpired")
+    if _get(job, "spec", "parameterServers", "template", "spec", "serviceAccountName"):
+        problems.add(path, "not available with spec.parameterServers.template.spec.serviceAccountName (the shard "
+                     "copies run as their own account, <job>-ps, which keeps their view Leases); use 0, or drop it")
 
 
 def _check_wire_format(job: Mapping[str, Any], problems: Problems) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 from typing import Any, Mapping
 
+from distbelief.operator.status.progress import parse_timestamp, progress_fields, timestamp
 from distbelief.operator.status.scrape import Figures
 from distbelief.runtime import contract, jobspec
 
@@ -46,6 +47,8 @@ class Observed:
     shard_failure: str | None = None       # how the most restarted shard last ended, for the message
     non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
     restarts: int | None = None            # container restarts over the job's pods; None: no pods seen
+    queued: tuple[str, str] | None = None  # (reason, message) while a Kueue queue holds the job suspended
+    shard_pods: Mapping[str, tuple[int, str]] | None = None  # shard pod -> (restarts, how it last ended)
 
 
 def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -67,12 +70,12 @@ def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
                 diverged = f"{name}: {_last_line(lost.get('message')) or 'its training loss went non-finite'}"
             if role == contract.ROLE_PS and container.get("restartCount", 0) >= max(restarts, 1):
                 restarts, last = container["restartCount"], ends[1]
-                failure = _how_it_ended(name, last) if "exitCode" in last else None
+                failure = how_it_ended(name, last) if "exitCode" in last else None
     return {"invalid_config": invalid, "non_finite_loss": diverged, "shard_restarts": restarts,
             "shard_failure": failure, "restarts": total if pods else None}
 
 
-def _how_it_ended(pod: str, terminated: Mapping[str, Any]) -> str:
+def how_it_ended(pod: str, terminated: Mapping[str, Any]) -> str:
     """A container's last end as its status tells it: an OOMKilled one says so (its message is empty)."""
     killed = " (OOMKilled: over its memory limit)" if terminated.get("reason") == "OOMKilled" else ""
     last = _last_line(terminated.get("message"))
@@ -83,14 +86,6 @@ def _last_line(text: str | None) -> str:
     """A role's one-line error ("error: ..."), else the last line of text."""
     lines = (text or "").strip().splitlines()
     return next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1] if lines else "")
-
-
-def timestamp(now: datetime.datetime) -> str:
-    return now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_timestamp(text: str) -> datetime.datetime:
-    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
 
 
 def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.datetime) -> dict[str, Any]:
@@ -111,6 +106,8 @@ def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.dat
         "startTime": previous.get("startTime") or timestamp(now),
     }
     status.update(_training_figures(previous, observed.figures))
+    status.update(progress_fields(spec, previous, status, running=phase == RUNNING, succeeded=phase == SUCCEEDED,
+                                  now=now))
     shards = _shard_copies(meta["name"], spec, observed.figures) or previous.get("shards")
     if shards:
         status["shards"] = shards
@@ -148,8 +145,9 @@ def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Obser
     deadline = _deadline_passed(spec, previous, now)
     if deadline:
         return FAILED, "DeadlineExceeded", deadline
-    if spec["runPolicy"]["suspend"]:
-        return SUSPENDED, "Suspended", "runPolicy.suspend is true: no pods run, the checkpoints are kept"
+    if spec["runPolicy"]["suspend"] or observed.queued:
+        return SUSPENDED, *(observed.queued or
+                            ("Suspended", "runPolicy.suspend is true: no pods run, the checkpoints are kept"))
     shards = int(spec["parameterServers"]["shards"])
     if observed.shards_ready >= shards and observed.workers_ready >= min(1, int(spec["workers"]["replicas"])):
         return RUNNING, "Training", f"{shards} shards and {observed.workers_ready} replicas ready"
