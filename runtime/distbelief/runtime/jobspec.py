@@ -3,7 +3,8 @@
     JobSpec
     ├── model: Model                 type, hiddenLayers, activation, l2, entrypoint, partitions
     │   └── embeddings: Embeddings   dim, hashBuckets, admitAfter, expireAfterSeconds (or None)
-    ├── data: Data                   source, testFraction, seed, maxEvalExamples, volume
+    ├── data: Data                   source, testFraction, seed, maxEvalExamples, volume,
+    │                                test, label, features, ids, onBadFile
     ├── training: Training           algorithm, optimizer, rates, fetch/push, stopping rules
     │   └── sandblaster: Sandblaster historySize, workUnitSize, backupTasks, gradientTolerance
     └── parameter_servers: ParameterServers   shards, backups, port, encryption, wireFormat
@@ -63,6 +64,11 @@ class Data:
     seed: int = 0
     max_eval_examples: int = 10000
     volume: str | None = None                   # a PersistentVolumeClaim mounted at /data
+    test: str | None = None                     # a file source's held-out files (a glob)
+    label: str = "y"                            # a file source's label column
+    features: tuple[str, ...] | None = None     # its feature columns; None: every other numeric one
+    ids: tuple[str, ...] = ()                   # its id columns, for embeddings
+    on_bad_file: str = "fail"                   # fail | skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +164,12 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
             test_fraction=data.get("testFraction", float, Data.test_fraction),
             seed=data.get("seed", int, Data.seed),
             max_eval_examples=data.get("maxEvalExamples", int, Data.max_eval_examples),
-            volume=data.get("volume", str, None) or None),
+            volume=data.get("volume", str, None) or None,
+            test=data.get("test", str, None) or None,
+            label=data.get("label", str, Data.label),
+            features=_optional_names(data.get("features", _names, None)),
+            ids=tuple(data.get("ids", _names, [])),
+            on_bad_file=data.get("onBadFile", str, Data.on_bad_file)),
         training=Training(
             algorithm=training.get("algorithm", str, Training.algorithm),
             optimizer=training.get("optimizer", str, Training.optimizer),
@@ -232,6 +243,16 @@ def _ints(value: Any) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ValueError(f"must be a list of integers (got {value!r})")
     return value
+
+
+def _names(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"must be a list of column names (got {value!r})")
+    return value
+
+
+def _optional_names(value: list[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
 
 
 def parse_duration(text: str) -> float:

@@ -12,6 +12,7 @@ Sources (spec.data.source):
                                         from a planted logistic model over per-id weights
     npz:/path/file.npz                  y (n,) integer labels, with x (n, features) and/or
                                         ids (n, fields) int64 categorical ids, -1 = missing
+    parquet:, csv:, npy: and npz: globs many files, by column (files.py)
 
 Every role that loads a source gets the same arrays and the same split (by the spec's
 seed); each replica then draws its own random minibatches from the training part, so
@@ -29,6 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from distbelief.runtime import contract, errors, jobspec
+from distbelief.runtime.model import files
 from distbelief.runtime.wire import rowkeys
 
 MAX_ID = 1 << 56  # ids share a 63-bit key with their field's number (embedding.keys)
@@ -57,8 +59,18 @@ class Dataset:
 
 def load(spec: jobspec.Data) -> Dataset:
     """The split data set a job's spec.data describes."""
+    if files.is_file_set(spec.source):
+        return load_files(files.FileSet(spec))
     x, y, ids = read_source(spec.source)
     return split(x, y, ids=ids, test_fraction=spec.test_fraction, seed=spec.seed)
+
+
+def load_files(file_set: files.FileSet) -> Dataset:
+    """A file source's training and held-out files, read whole into memory."""
+    x_train, y_train, ids_train = file_set.read_all(file_set.train_units)
+    x_test, y_test, ids_test = file_set.read_all(file_set.test_units)
+    return Dataset(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test, n_classes=file_set.n_classes,
+                   ids_train=ids_train, ids_test=ids_test)
 
 
 def load_source(source: str) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,201 @@
+"""Sources of many files: Parquet, CSV (optionally gzipped), npz and npy, by glob.
+
+    parquet:/data/train/*.parquet      read row group by row group (pyarrow)
+    csv:/data/train/*.csv[.gz]         a header row names the columns
+    npz:/data/train/*.npz              every array a column (a 2-D array: a block of columns)
+    npy:/data/train/*.npy              a structured array: every field a column
+
+A file set is read in work units: one per Parquet row group, one per file otherwise. The
+label is the column spec.data.label (default y); the features are spec.data.features or
+else every other numeric column (not an id column); spec.data.ids name integer id columns
+for embeddings. Every file must have the first file's columns. The held-out files are
+spec.data.test's, or else whole files drawn by the split's seed (testFraction of them).
+
+Every problem is a ConfigError naming the file, and the column and row group where there
+is one (errors.BadData), so that spec.data.onBadFile can skip the file instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+from typing import Sequence
+
+import numpy as np
+
+from distbelief.runtime import errors, jobspec
+from distbelief.runtime.model.readers import READERS, Unit
+
+FILE_SCHEMES = ("parquet", "csv", "npz", "npy")
+GLOB_CHARS = "*?["
+MAX_ID = 1 << 56  # as data.MAX_ID: ids share a 63-bit key with their field's number
+
+
+def is_file_set(source: str) -> bool:
+    """A source this module reads: parquet:, csv:, npy:, or npz: with a glob."""
+    scheme, _, path = source.partition(":")
+    return scheme in ("parquet", "csv", "npy") or (scheme == "npz" and any(c in path for c in GLOB_CHARS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    label: str
+    features: tuple[str, ...]
+    ids: tuple[str, ...]
+
+
+Part = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]   # x float32, y int64, ids int64 | None
+
+
+class FileSet:
+    """A file source's training and held-out units, its columns and its classes."""
+
+    def __init__(self, spec: jobspec.Data, opener=None) -> None:
+        self.spec = spec
+        self.scheme, _, pattern = spec.source.partition(":")
+        self.reader = READERS[self.scheme](opener)
+        files = _expand(pattern)
+        if spec.test:
+            self.test_files = _expand(spec.test.partition(":")[2] if ":" in spec.test else spec.test)
+            self.train_files = [f for f in files if f not in set(self.test_files)]
+        else:
+            self.train_files, self.test_files = _hold_out(files, spec.test_fraction, spec.seed)
+        if not self.train_files:
+            raise errors.ConfigError(f"spec.data.source: {spec.source} leaves no file to train on "
+                                     "(all are held out by spec.data.test)")
+        names = self.reader.columns(self.train_files[0])
+        self.columns = _choose(spec, names, self.train_files[0], self.reader.numeric(self.train_files[0]))
+        self.train_units = self._units(self.train_files, names)
+        self.test_units = self._units(self.test_files, names)
+        self.n_classes = self._classes()
+
+    @property
+    def n_features(self) -> int:
+        return self.reader.width(self.train_files[0], self.columns.features)
+
+    @property
+    def fields(self) -> int:
+        return self.reader.width(self.train_files[0], self.columns.ids)
+
+    def _units(self, files: Sequence[str], names: Sequence[str]) -> list[Unit]:
+        units = []
+        for path in files:
+            if list(self.reader.columns(path)) != list(names):
+                raise errors.BadData(path, f"its columns {list(self.reader.columns(path))} differ from "
+                                     f"{self.train_files[0]}'s {list(names)}")
+            units.extend(self.reader.units(path))
+        return units
+
+    def _classes(self) -> int:
+        """Classes: the largest training label + 1 (Parquet: from the row groups' statistics)."""
+        top = max(self.reader.label_max(unit, self.columns.label) for unit in self.train_units)
+        if top < 1:
+            raise errors.ConfigError(f"spec.data.label: column {self.columns.label!r} of {self.spec.source} "
+                                     "holds a single class; training needs two or more")
+        return top + 1
+
+    def read(self, unit: Unit, *, n_classes: int | None = None) -> Part:
+        """A unit's features, labels (checked: 0..classes-1) and ids (checked), as training uses them."""
+        table = self.reader.read(unit, self.columns)
+        return check(unit, self.columns, table, n_classes or self.n_classes)
+
+    def read_all(self, units: Sequence[Unit], limit: int | None = None) -> Part:
+        """Units read one after another into one set of arrays, at most `limit` examples."""
+        parts, total = [], 0
+        for unit in units:
+            parts.append(self.read(unit))
+            total += len(parts[-1][1])
+            if limit is not None and total >= limit:
+                break
+        x, y, ids = (np.concatenate([p[i] for p in parts]) if parts[0][i] is not None else None for i in range(3))
+        return (x[:limit], y[:limit], None if ids is None else ids[:limit]) if limit else (x, y, ids)
+
+
+def check(unit: Unit, columns: Columns, table: dict[str, np.ndarray], n_classes: int) -> Part:
+    """The arrays of a unit's columns, checked: finite features, integer labels within the
+    classes, ids within 0..2**56-1 or -1 (missing)."""
+    x = np.column_stack([_numeric(unit, name, table[name]).astype(np.float32).reshape(len(table[name]), -1)
+                         for name in columns.features]) if columns.features else None
+    label = table[columns.label]
+    if not np.issubdtype(label.dtype, np.integer) and not _whole(label):
+        raise errors.BadData(unit.where(), f"column {columns.label!r} must hold integer class labels "
+                             f"(got {label.dtype})")
+    y = np.ascontiguousarray(label, dtype=np.int64)
+    bad = (y < 0) | (y >= n_classes)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise errors.BadData(unit.where(), f"column {columns.label!r} row {row}: label {int(y[row])} is outside "
+                             f"the classes 0..{n_classes - 1}")
+    if x is None:
+        x = np.zeros((len(y), 0), np.float32)
+    finite = np.isfinite(x)
+    if not finite.all():
+        row, col = (int(v) for v in np.argwhere(~finite)[0])
+        raise errors.BadData(unit.where(), f"column {_feature_name(columns, table, col)!r} row {row}: "
+                             f"{x[row, col]} is not a finite number")
+    return np.ascontiguousarray(x), y, _ids(unit, columns, table, len(y))
+
+
+def _ids(unit: Unit, columns: Columns, table: dict[str, np.ndarray], n: int) -> np.ndarray | None:
+    if not columns.ids:
+        return None
+    blocks = []
+    for name in columns.ids:
+        values = table[name]
+        if not np.issubdtype(values.dtype, np.integer) or values.size and (values.min() < -1 or values.max() >= MAX_ID):
+            raise errors.BadData(unit.where(), f"id column {name!r} must hold integers within 0..2**56-1 "
+                                 "or -1 (missing)")
+        blocks.append(values.astype(np.int64).reshape(n, -1))
+    return np.ascontiguousarray(np.column_stack(blocks))
+
+
+def _feature_name(columns: Columns, table: dict[str, np.ndarray], col: int) -> str:
+    for name in columns.features:
+        width = int(np.prod(table[name].shape[1:], dtype=np.int64))
+        if col < width:
+            return name
+        col -= width
+    return "?"
+
+
+def _numeric(unit: Unit, name: str, values: np.ndarray) -> np.ndarray:
+    if not (np.issubdtype(values.dtype, np.number) or values.dtype == np.bool_):
+        raise errors.BadData(unit.where(), f"feature column {name!r} must hold numbers (got {values.dtype})")
+    return values
+
+
+def _whole(values: np.ndarray) -> bool:
+    return np.issubdtype(values.dtype, np.floating) and bool(np.all(np.isfinite(values) & (values == np.round(values))))
+
+
+def _expand(pattern: str) -> list[str]:
+    files = sorted(glob.glob(pattern)) if any(c in pattern for c in GLOB_CHARS) else [pattern]
+    if not files:
+        raise errors.ConfigError(f"spec.data.source: no file matches {pattern}")
+    return files
+
+
+def _hold_out(files: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Whole files held out: testFraction of them (at least one), drawn by the seed."""
+    if len(files) < 2:
+        raise errors.ConfigError(f"spec.data.source: {files[0]} is a single file; holding out whole files "
+                                 "needs two or more, or name the held-out files in spec.data.test")
+    order = np.random.default_rng(seed).permutation(len(files))
+    held = {int(i) for i in order[:max(1, min(len(files) - 1, math.floor(len(files) * fraction + 0.5)))]}
+    return ([f for i, f in enumerate(files) if i not in held], [f for i, f in enumerate(files) if i in held])
+
+
+def _choose(spec: jobspec.Data, names: Sequence[str], first: str, numeric: Sequence[str]) -> Columns:
+    """The label, feature and id columns, each checked to exist in the first file."""
+    for field, wanted in (("label", [spec.label]), ("features", spec.features or ()), ("ids", spec.ids)):
+        missing = [n for n in wanted if n not in names]
+        if missing:
+            raise errors.ConfigError(f"spec.data.{field}: {first} has no column {missing[0]!r} "
+                                     f"(its columns: {', '.join(names)})")
+    features = tuple(spec.features) if spec.features is not None else tuple(
+        n for n in numeric if n != spec.label and n not in spec.ids)
+    if not features and not spec.ids:
+        raise errors.ConfigError(f"spec.data.features: {first} has no numeric column besides the label "
+                                 f"{spec.label!r}")
+    return Columns(label=spec.label, features=features, ids=tuple(spec.ids))
