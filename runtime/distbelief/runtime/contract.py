@@ -40,6 +40,7 @@ class Metric:
     HELDOUT_LOSS = "distbelief_heldout_loss"
     HELDOUT_ACCURACY = "distbelief_heldout_accuracy"
     HELDOUT_AUC = "distbelief_heldout_auc"
+    DATA_EPOCH = "distbelief_data_epoch"
     JOB_FINISHED = "distbelief_job_finished"
     SANDBLASTER_OBJECTIVE = "distbelief_sandblaster_objective"
     SANDBLASTER_EVALUATIONS = "distbelief_sandblaster_evaluations"

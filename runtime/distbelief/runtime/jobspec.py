@@ -70,6 +70,12 @@ class Data:
     ids: tuple[str, ...] = ()                   # its id columns, for embeddings
     on_bad_file: str = "fail"                   # fail | skip
 
+    @property
+    def is_file_set(self) -> bool:
+        """Many files read by column: parquet:, csv:, npy:, or npz: with a glob (model/files.py)."""
+        scheme, _, path = self.source.partition(":")
+        return scheme in ("parquet", "csv", "npy") or (scheme == "npz" and any(c in path for c in "*?["))
+
 
 @dataclasses.dataclass(frozen=True)
 class Sandblaster:
@@ -136,6 +142,14 @@ class JobSpec:
     model: Model = Model()
     training: Training = Training()
     parameter_servers: ParameterServers = ParameterServers()
+
+    @property
+    def streams_data(self) -> bool:
+        """The replicas stream the units the chief hands them (algorithms/feed/), rather than
+        each loading the data set: a file source under Downpour, unpartitioned, without
+        embeddings (the others load it whole)."""
+        return (self.data.is_file_set and self.training.algorithm == "downpour" and self.model.partitions == 1
+                and self.model.embeddings is None)
 
 
 def resolve(spec: Mapping[str, Any]) -> JobSpec:

@@ -229,13 +229,13 @@ def metrics_port() -> dict[str, Any]:
 
 def ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
     """The shard port and metrics; with encryption the bulk port; under Sandblaster also the
-    coordinator's, and in a partitioned job the rendezvous's on the same port (shard 0
-    serves either)."""
+    coordinator's, in a partitioned job the rendezvous's, and when the replicas stream a
+    file source the data dispenser's, on the same port (shard 0 serves one of them)."""
     ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port, "protocol": "TCP"},
              metrics_port()]
     if ctx.config.spec["parameterServers"].get("encryption", True):
         ports.append({"name": contract.BULK_PORT_NAME, "containerPort": contract.BULK_PORT, "protocol": "TCP"})
-    if ctx.config.sandblaster or ctx.config.partitions > 1:
+    if ctx.config.sandblaster or ctx.config.partitions > 1 or ctx.config.resolved.streams_data:
         ports.append({"name": contract.COORDINATOR_PORT_NAME, "containerPort": contract.COORDINATOR_PORT,
                       "protocol": "TCP"})
     return ports

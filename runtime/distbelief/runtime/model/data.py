@@ -73,6 +73,13 @@ def load_files(file_set: files.FileSet) -> Dataset:
                    ids_train=ids_train, ids_test=ids_test)
 
 
+def held_out_only(file_set: files.FileSet, limit: int) -> Dataset:
+    """A file source's held-out files, at most `limit` examples, and no training part."""
+    x_test, y_test, ids_test = file_set.read_all(file_set.test_units, limit=limit)
+    return Dataset(x_train=x_test[:0], y_train=y_test[:0], x_test=x_test, y_test=y_test,
+                   n_classes=file_set.n_classes, ids_train=None if ids_test is None else ids_test[:0], ids_test=ids_test)
+
+
 def load_source(source: str) -> tuple[np.ndarray, np.ndarray]:
     """A source's dense features, preprocessed as training uses them, and its labels."""
     x, y, _ = read_source(source)

@@ -34,8 +34,7 @@ MAX_ID = 1 << 56  # as data.MAX_ID: ids share a 63-bit key with their field's nu
 
 def is_file_set(source: str) -> bool:
     """A source this module reads: parquet:, csv:, npy:, or npz: with a glob."""
-    scheme, _, path = source.partition(":")
-    return scheme in ("parquet", "csv", "npy") or (scheme == "npz" and any(c in path for c in GLOB_CHARS))
+    return jobspec.Data(source=source).is_file_set
 
 
 @dataclasses.dataclass(frozen=True)
