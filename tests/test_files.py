@@ -122,3 +122,62 @@ def test_a_missing_column_names_the_file_and_its_columns(tmp_path):
     folder = write_parquet(tmp_path / "d")
     with pytest.raises(errors.ConfigError, match=r"spec.data.features: .*part-0.parquet has no column 'z'"):
         files.FileSet(spec(f"parquet:{folder}/*.parquet", features=["a", "z"]))
+
+
+# --- bad input: one error naming the file, the column and the row group -----------------------
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(errors.BadData, match=r"gone.parquet: no such file"):
+        files.FileSet(spec(f"parquet:{tmp_path}/gone.parquet", test=f"{tmp_path}/held-out.parquet"))
+    with pytest.raises(errors.ConfigError, match=r"no file matches .*/nothing-\*.csv"):
+        files.FileSet(spec(f"csv:{tmp_path}/nothing-*.csv"))
+
+
+def test_a_corrupt_parquet_file_is_named_and_skipped_with_on_bad_file_skip(tmp_path):
+    folder = write_parquet(tmp_path / "d")
+    (folder / "part-1.parquet").write_bytes(b"PAR1 garbage, not a footer")
+    source = f"parquet:{folder}/*.parquet"
+    with pytest.raises(errors.BadData, match=r"part-1.parquet: cannot be read"):
+        files.FileSet(spec(source, test=f"{folder}/part-3.parquet"))
+    skipping = files.FileSet(spec(source, test=f"{folder}/part-3.parquet", on_bad_file="skip"))
+    assert {u.file for u in skipping.train_units} == {f"{folder}/part-0.parquet", f"{folder}/part-2.parquet"}
+    assert len(skipping.skipped) == 1 and "part-1.parquet" in skipping.skipped[0]
+
+
+def test_a_file_whose_columns_differ_is_named_with_both_column_lists(tmp_path):
+    folder = write_parquet(tmp_path / "d")
+    table = rows(0, 5)
+    table["extra"] = np.zeros(5)
+    pq.write_table(pa.table(table), folder / "part-9.parquet")
+    with pytest.raises(errors.BadData, match=r"part-9.parquet: its columns \[.*'extra'\] differ from .*part-0.parquet's"):
+        files.FileSet(spec(f"parquet:{folder}/*.parquet", test=f"{folder}/part-3.parquet"))
+
+
+def test_a_nan_feature_names_the_file_column_row_and_row_group(tmp_path):
+    folder = write_parquet(tmp_path / "d")
+    table = rows(60, 30)
+    table["b"][17] = np.nan   # row group 1 (rows 10..19), its row 7
+    pq.write_table(pa.table(table), folder / "part-2.parquet", row_group_size=10)
+    file_set = files.FileSet(spec(f"parquet:{folder}/*.parquet", test=f"{folder}/part-3.parquet"))
+    bad = next(u for u in file_set.train_units if u.file.endswith("part-2.parquet") and u.group == 1)
+    with pytest.raises(errors.BadData, match=r"part-2.parquet row group 1: column 'b' row 7: nan is not a finite"):
+        file_set.read(bad)
+    with pytest.raises(errors.BadData, match=r"part-2.parquet row group 1: column 'b'"):
+        data.load(file_set.spec)
+
+
+def test_a_label_outside_the_classes_is_named(tmp_path):
+    folder = write_parquet(tmp_path / "d")
+    held_out = rows(90, 30)
+    held_out["y"][4] = 7        # the training labels make 3 classes
+    pq.write_table(pa.table(held_out), folder / "part-3.parquet", row_group_size=10)
+    with pytest.raises(errors.BadData, match=r"part-3.parquet row group 0: column 'y' row 4: label 7 is outside "
+                                             r"the classes 0..2"):
+        data.load(spec(f"parquet:{folder}/*.parquet", test=f"{folder}/part-3.parquet"))
+    negative = rows(0, 20)
+    negative["y"][3] = -1
+    write_csv(tmp_path / "c", gz=False)
+    lines = ["a,b,c,y,note"] + [f"{a},{b},{c},{y},{n}" for a, b, c, y, n in zip(*negative.values())]
+    (tmp_path / "c" / "part-0.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(errors.BadData, match=r"c/part-0.csv: column 'y' row 3: label -1 is outside"):
+        data.load(spec(f"csv:{tmp_path}/c/*.csv", test=f"{tmp_path}/c/part-2.csv"))

@@ -68,3 +68,13 @@ def test_a_corrupt_parquet_file_fails_the_job_as_invalid_config_naming_it(tmp_pa
     assert code == 1 and summary["phase"] == "Failed"
     assert summary["reason"].startswith("InvalidConfig") and "part-01.parquet" in summary["reason"]
     assert summary["restarts"] == 0
+
+
+def test_with_on_bad_file_skip_the_corrupt_file_is_left_out_and_the_job_trains(tmp_path: Path) -> None:
+    write_teacher_parquet(tmp_path / "train", files=4, per_file=300, group=100)
+    (tmp_path / "train" / "part-01.parquet").write_bytes(b"PAR1 this is not parquet")
+    doc = job(f"parquet:{tmp_path}/train/*.parquet", test=f"{tmp_path}/train/part-03.parquet", onBadFile="skip")
+    doc["spec"]["training"]["targetAccuracy"] = 0.9
+    code, summary = run_job(doc, tmp_path / "out")
+    assert code == 0 and summary["reason"] == "TargetAccuracyReached", summary["reason"]
+    assert "part-01.parquet" in (tmp_path / "out" / "logs" / "files-ps-0.log").read_text()  # said so

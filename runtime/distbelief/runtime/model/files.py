@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import math
 from typing import Sequence
 
@@ -29,6 +30,8 @@ from distbelief.runtime.model.readers import READERS, Unit
 
 FILE_SCHEMES = ("parquet", "csv", "npz", "npy")
 GLOB_CHARS = "*?["
+log = logging.getLogger(__name__)
+
 MAX_ID = 1 << 56  # as data.MAX_ID: ids share a 63-bit key with their field's number
 
 
@@ -63,32 +66,58 @@ class FileSet:
         if not self.train_files:
             raise errors.ConfigError(f"spec.data.source: {spec.source} leaves no file to train on "
                                      "(all are held out by spec.data.test)")
-        names = self.reader.columns(self.train_files[0])
-        self.columns = _choose(spec, names, self.train_files[0], self.reader.numeric(self.train_files[0]))
-        self.train_units = self._units(self.train_files, names)
-        self.test_units = self._units(self.test_files, names)
+        self.skip_bad = spec.on_bad_file == "skip"
+        self.skipped: list[str] = []                # what onBadFile: skip left out, and why
+        first = self._first_readable()
+        names = self.reader.columns(first)
+        self.columns = _choose(spec, names, first, self.reader.numeric(first))
+        self.n_features = self.reader.width(first, self.columns.features)
+        self.fields = self.reader.width(first, self.columns.ids)
+        self.train_units = self._units(self.train_files, first, names)
+        self.test_units = self._units(self.test_files, first, names)
         self.n_classes = self._classes()
 
-    @property
-    def n_features(self) -> int:
-        return self.reader.width(self.train_files[0], self.columns.features)
+    def _first_readable(self) -> str:
+        """The first training file, or with onBadFile: skip the first that can be read."""
+        for path in self.train_files:
+            try:
+                self.reader.columns(path)
+                return path
+            except errors.BadData as exc:
+                self._skip_or_raise(exc)
+        raise errors.ConfigError(f"spec.data.source: no file of {self.spec.source} can be read "
+                                 f"({'; '.join(self.skipped)})")
 
-    @property
-    def fields(self) -> int:
-        return self.reader.width(self.train_files[0], self.columns.ids)
+    def _skip_or_raise(self, exc: errors.BadData) -> None:
+        if not self.skip_bad:
+            raise exc
+        log.warning("event=bad_file_skipped reason=%r", str(exc))
+        self.skipped.append(str(exc))
 
-    def _units(self, files: Sequence[str], names: Sequence[str]) -> list[Unit]:
+    def _units(self, files: Sequence[str], first: str, names: Sequence[str]) -> list[Unit]:
         units = []
         for path in files:
-            if list(self.reader.columns(path)) != list(names):
-                raise errors.BadData(path, f"its columns {list(self.reader.columns(path))} differ from "
-                                     f"{self.train_files[0]}'s {list(names)}")
-            units.extend(self.reader.units(path))
+            try:
+                columns = list(self.reader.columns(path))
+                if columns != list(names):
+                    raise errors.BadData(path, f"its columns {columns} differ from {first}'s {list(names)}")
+                units.extend(self.reader.units(path))
+            except errors.BadData as exc:
+                self._skip_or_raise(exc)
         return units
 
     def _classes(self) -> int:
         """Classes: the largest training label + 1 (Parquet: from the row groups' statistics)."""
-        top = max(self.reader.label_max(unit, self.columns.label) for unit in self.train_units)
+        top, kept = -1, []
+        for unit in self.train_units:
+            try:
+                top = max(top, self.reader.label_max(unit, self.columns.label))
+                kept.append(unit)
+            except errors.BadData as exc:
+                self._skip_or_raise(exc)
+        self.train_units = kept
+        if not kept:
+            raise errors.ConfigError(f"spec.data.source: no unit of {self.spec.source} is left to train on")
         if top < 1:
             raise errors.ConfigError(f"spec.data.label: column {self.columns.label!r} of {self.spec.source} "
                                      "holds a single class; training needs two or more")
@@ -100,13 +129,20 @@ class FileSet:
         return check(unit, self.columns, table, n_classes or self.n_classes)
 
     def read_all(self, units: Sequence[Unit], limit: int | None = None) -> Part:
-        """Units read one after another into one set of arrays, at most `limit` examples."""
+        """Units read one after another into one set of arrays, at most `limit` examples
+        (with onBadFile: skip, without the units that cannot be used)."""
         parts, total = [], 0
         for unit in units:
-            parts.append(self.read(unit))
+            try:
+                parts.append(self.read(unit))
+            except errors.BadData as exc:
+                self._skip_or_raise(exc)
+                continue
             total += len(parts[-1][1])
             if limit is not None and total >= limit:
                 break
+        if not parts:
+            raise errors.ConfigError(f"spec.data.source: no usable examples in {len(units)} units of {self.spec.source}")
         x, y, ids = (np.concatenate([p[i] for p in parts]) if parts[0][i] is not None else None for i in range(3))
         return (x[:limit], y[:limit], None if ids is None else ids[:limit]) if limit else (x, y, ids)
 
