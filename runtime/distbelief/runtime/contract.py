@@ -54,6 +54,10 @@ class Metric:
     SHARD_PRIMARY = "distbelief_shard_primary_copy"
     SHARD_FAILOVERS = "distbelief_shard_failovers"
 
+# An s3:// source's credentials: the keys of the Secret spec.data.objectStore.secretRef,
+# which every pod gets as environment variables of the same names.
+OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
 # Ports inside every pod. The shard port comes from the spec; these are fixed.
 METRICS_PORT = 9100
 METRICS_PORT_NAME = "metrics"

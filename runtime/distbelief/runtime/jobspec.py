@@ -56,6 +56,16 @@ class Model:
 
 
 @dataclasses.dataclass(frozen=True)
+class ObjectStore:
+    """spec.data.objectStore: where an s3:// source's bucket is (its credentials are the
+    Secret's, in the pods' environment: never here)."""
+
+    endpoint: str | None = None                 # a URL; None: AWS
+    region: str | None = None
+    secret_ref: str | None = None               # the Secret the operator renders as env
+
+
+@dataclasses.dataclass(frozen=True)
 class Data:
     """spec.data."""
 
@@ -69,12 +79,14 @@ class Data:
     features: tuple[str, ...] | None = None     # its feature columns; None: every other numeric one
     ids: tuple[str, ...] = ()                   # its id columns, for embeddings
     on_bad_file: str = "fail"                   # fail | skip
+    object_store: ObjectStore | None = None     # an s3:// source's store
 
     @property
     def is_file_set(self) -> bool:
-        """Many files read by column: parquet:, csv:, npy:, or npz: with a glob (model/files.py)."""
+        """Many files read by column: parquet:, csv:, npy:, npz: with a glob, or s3:// (model/files.py)."""
         scheme, _, path = self.source.partition(":")
-        return scheme in ("parquet", "csv", "npy") or (scheme == "npz" and any(c in path for c in "*?["))
+        return (scheme in ("parquet", "csv", "npy", "s3") or
+                (scheme == "npz" and any(c in path for c in "*?[")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +171,7 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
     model, data, training, servers = (top.section(key) for key in ("model", "data", "training", "parameterServers"))
     sandblaster, checkpoint = training.section("sandblaster"), servers.section("checkpoint")
     embeddings = model.section("embeddings") if model.values.get("embeddings") is not None else None
+    store = data.section("objectStore") if data.values.get("objectStore") is not None else None
     return JobSpec(
         model=Model(
             type=model.get("type", str, Model.type),
@@ -183,7 +196,10 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
             label=data.get("label", str, Data.label),
             features=_optional_names(data.get("features", _names, None)),
             ids=tuple(data.get("ids", _names, [])),
-            on_bad_file=data.get("onBadFile", str, Data.on_bad_file)),
+            on_bad_file=data.get("onBadFile", str, Data.on_bad_file),
+            object_store=None if store is None else ObjectStore(
+                endpoint=store.get("endpoint", str, None), region=store.get("region", str, None),
+                secret_ref=store.get("secretRef", str, None))),
         training=Training(
             algorithm=training.get("algorithm", str, Training.algorithm),
             optimizer=training.get("optimizer", str, Training.optimizer),

@@ -100,6 +100,16 @@ def spread_copies(ctx: RenderContext) -> Manifest | None:
         {"weight": 100, "podAffinityTerm": term}]}}
 
 
+def object_store_env(data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An s3:// source's credentials, from the Secret spec.data.objectStore.secretRef names
+    (its keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY): never in the ConfigMap."""
+    secret = (data.get("objectStore") or {}).get("secretRef")
+    if not secret:
+        return []
+    return [{"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+            for key in contract.OBJECT_STORE_KEYS]
+
+
 def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds: int,
               ports: list[dict[str, Any]], mounts: list[dict[str, Any]] | None = None,
               env: list[dict[str, Any]] | None = None) -> Manifest:
@@ -115,6 +125,7 @@ def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items()),
                 *_thread_env(ctx.spec[_ROLE_SPEC[role]].get("resources")),
+                *object_store_env(ctx.spec["data"]),
                 *(env or [])],
         "ports": ports,
         "startupProbe": startup_probe(startup_seconds),

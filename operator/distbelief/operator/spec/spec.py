@@ -279,15 +279,20 @@ def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
 
 def _check_columns(job: Mapping[str, Any], scheme: str, body: str, problems: Problems) -> None:
     """test, label, features and ids are a file source's (parquet:, csv:, npy:, an npz: glob)."""
-    many = scheme in ("npy", "parquet", "csv") or (scheme == "npz" and any(c in body for c in "*?["))
+    data = _get(job, "spec", "data") or {}
+    test = data.get("test")
+    if data.get("objectStore") is not None and scheme != "s3":
+        problems.add("spec.data.objectStore", "is for an s3:// source")
+    if scheme == "s3" and isinstance(test, str) and not test.startswith("s3://"):
+        problems.add("spec.data.test", "the held-out files of an s3:// source are s3:// too")
+    many = scheme in ("npy", "parquet", "csv", "s3") or (scheme == "npz" and any(c in body for c in "*?["))
     if many:
         return
-    data = _get(job, "spec", "data") or {}
-    if data.get("test") is not None:
-        problems.add("spec.data.test", "names held-out files of a file source (parquet:, csv:, npy: or an npz: glob)")
+    if test is not None:
+        problems.add("spec.data.test", "names held-out files of a file source (parquet:, csv:, npy:, s3:// or an npz: glob)")
     if data.get("features") is not None or data.get("ids") is not None or data.get("label", "y") != "y":
         problems.add("spec.data.label", "label, features and ids choose columns of a file source "
-                     "(parquet:, csv:, npy: or an npz: glob)")
+                     "(parquet:, csv:, npy:, s3:// or an npz: glob)")
 
 
 def _check_training(job: Mapping[str, Any], problems: Problems) -> None:

@@ -4,6 +4,7 @@
     csv:/data/train/*.csv[.gz]         a header row names the columns
     npz:/data/train/*.npz              every array a column (a 2-D array: a block of columns)
     npy:/data/train/*.npy              a structured array: every field a column
+    s3://bucket/prefix/*.parquet       any of these in an object store (objectstore.py)
 
 A file set is read in work units: one per Parquet row group, one per file otherwise. The
 label is the column spec.data.label (default y); the features are spec.data.features or
@@ -26,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from distbelief.runtime import errors, jobspec
+from distbelief.runtime.model import objectstore
 from distbelief.runtime.model.readers import READERS, Unit
 
 FILE_SCHEMES = ("parquet", "csv", "npz", "npy")
@@ -55,11 +57,17 @@ class FileSet:
 
     def __init__(self, spec: jobspec.Data, opener=None) -> None:
         self.spec = spec
-        self.scheme, _, pattern = spec.source.partition(":")
+        if spec.source.startswith(objectstore.PREFIX):
+            bucket = objectstore.Bucket(spec.object_store)
+            self.scheme, pattern, opener, expand = objectstore.format_of(spec.source), spec.source, bucket.open, bucket.glob
+        else:
+            self.scheme, _, pattern = spec.source.partition(":")
+            expand = _local_glob
         self.reader = READERS[self.scheme](opener)
-        files = _expand(pattern)
+        files = _expand(pattern, expand)
         if spec.test:
-            self.test_files = _expand(spec.test.partition(":")[2] if ":" in spec.test else spec.test)
+            test = spec.test if spec.test.startswith(objectstore.PREFIX) or ":" not in spec.test else spec.test.partition(":")[2]
+            self.test_files = _expand(test, expand)
             self.train_files = [f for f in files if f not in set(self.test_files)]
         else:
             self.train_files, self.test_files = _hold_out(files, spec.test_fraction, spec.seed)
@@ -204,8 +212,12 @@ def _whole(values: np.ndarray) -> bool:
     return np.issubdtype(values.dtype, np.floating) and bool(np.all(np.isfinite(values) & (values == np.round(values))))
 
 
-def _expand(pattern: str) -> list[str]:
-    files = sorted(glob.glob(pattern)) if any(c in pattern for c in GLOB_CHARS) else [pattern]
+def _local_glob(pattern: str) -> list[str]:
+    return sorted(glob.glob(pattern)) if any(c in pattern for c in GLOB_CHARS) else [pattern]
+
+
+def _expand(pattern: str, expand) -> list[str]:
+    files = expand(pattern)
     if not files:
         raise errors.ConfigError(f"spec.data.source: no file matches {pattern}")
     return files
