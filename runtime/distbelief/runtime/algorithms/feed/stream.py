@@ -117,6 +117,7 @@ class StreamedBatches:
                 if self.stop.is_set():
                     raise errors.Stopped("the replica is stopping") from None
                 continue
+            self._wake.set()   # room in the loaded queue: the prefetch thread reads the next unit
             if isinstance(item, errors.BadData):
                 raise item
             if isinstance(item, BaseException):
@@ -138,11 +139,11 @@ class StreamedBatches:
     def _prefetch(self) -> None:
         try:
             while not self.stop.is_set():
+                self._wake.clear()       # before looking: a wake after the look is not lost
                 self._report_finished()
-                if self.loaded.full() or self.buffer.size >= self.buffer_examples:
+                if self.loaded.full():   # LOADED_AHEAD units wait for room in the buffer
                     if not self._wake.wait(RENEW_SECONDS):
                         self._ask(ops.UnitAsk(want=0))   # still alive: keep the lease
-                    self._wake.clear()
                     continue
                 status, given = self._ask(ops.UnitAsk())
                 if status == Status.DONE:
