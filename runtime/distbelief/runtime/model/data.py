@@ -93,9 +93,16 @@ def read_source(source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]
             None if ids is None else np.ascontiguousarray(ids, dtype=np.int64))
 
 
-def load_inputs(source: str, *, trained_on: str) -> tuple[np.ndarray, np.ndarray | None]:
+def load_inputs(source: str, *, trained_on: str,
+                columns: jobspec.Data | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Inputs to predict on, preprocessed as training preprocessed `trained_on`, and their
-    labels when the source has them (an npz may hold x alone)."""
+    labels when the source has them (an npz may hold x alone). A file source is read whole,
+    with the columns (label, features, object store) of `columns`, the trained job's data."""
+    if files.is_file_set(source):
+        spec = dataclasses.replace(columns or jobspec.Data(source=source), source=source, test=None)
+        file_set = files.FileSet(spec, whole=True)
+        x, y, _ = file_set.read_all(file_set.train_units)
+        return _as_features(trained_on, x), y
     scheme, _, rest = source.partition(":")
     x, y, _ = _npz(rest, labels=False) if scheme == "npz" and rest else _raw(source)
     return _as_features(trained_on, x), None if y is None else np.ascontiguousarray(y, dtype=np.int64)

@@ -55,7 +55,8 @@ Part = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]   # x float32, y int64
 class FileSet:
     """A file source's training and held-out units, its columns and its classes."""
 
-    def __init__(self, spec: jobspec.Data, opener=None) -> None:
+    def __init__(self, spec: jobspec.Data, opener=None, *, whole: bool = False) -> None:
+        """whole: every file is read as training files, none held out (inputs to predict on)."""
         self.spec = spec
         if spec.source.startswith(objectstore.PREFIX):
             bucket = objectstore.Bucket(spec.object_store)
@@ -65,7 +66,9 @@ class FileSet:
             expand = _local_glob
         self.reader = READERS[self.scheme](opener)
         files = _expand(pattern, expand)
-        if spec.test:
+        if whole:
+            self.train_files, self.test_files = files, []
+        elif spec.test:
             test = spec.test if spec.test.startswith(objectstore.PREFIX) or ":" not in spec.test else spec.test.partition(":")[2]
             self.test_files = _expand(test, expand)
             self.train_files = [f for f in files if f not in set(self.test_files)]
