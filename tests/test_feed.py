@@ -189,3 +189,21 @@ def test_a_streamed_job_opens_the_coordinator_port_beside_shard_0_for_its_dispen
     assert contract.COORDINATOR_PORT_NAME in ports(doc)
     doc["spec"]["training"]["algorithm"] = "sandblaster"   # loads the files whole: the coordinator's port
     assert contract.COORDINATOR_PORT_NAME in ports(doc)
+
+
+def test_a_restarted_dispenser_resumes_the_epoch_from_its_recorded_position(tmp_path):
+    settings = DispenserSettings(bind="tcp://127.0.0.1:0", units=6, seed=4, layout=LAYOUT, position_dir=str(tmp_path))
+    first = Dispenser(settings, stop=threading.Event())
+    done = []
+    for _ in range(4):   # four units of epoch 0 finished, then the shard's process dies
+        status, given = first.answer(1, ops.UnitAsk())
+        first.answer(1, ops.UnitAsk(finished=given.unit, epoch=given.epoch, want=0))
+        done.append(given.unit)
+    first.record()
+    again = Dispenser(settings, stop=threading.Event())
+    rest = [again.answer(2, ops.UnitAsk())[1] for _ in range(2)]
+    assert {g.unit for g in rest} == set(range(6)) - set(done) and {g.epoch for g in rest} == {0}
+    assert again.units.epochs == pytest.approx(4 / 6)
+    assert again.answer(2, ops.UnitAsk())[1].epoch == 1   # and then the next epoch
+    (tmp_path / "data-position.json").write_text('{"epoch": 3, "units": 99}')
+    assert Dispenser(settings, stop=threading.Event()).units.epoch == 0  # another file set's: ignored

@@ -78,3 +78,18 @@ def test_with_on_bad_file_skip_the_corrupt_file_is_left_out_and_the_job_trains(t
     code, summary = run_job(doc, tmp_path / "out")
     assert code == 0 and summary["reason"] == "TargetAccuracyReached", summary["reason"]
     assert "part-01.parquet" in (tmp_path / "out" / "logs" / "files-ps-0.log").read_text()  # said so
+
+
+def test_a_partitioned_replica_streams_into_partition_0_only(tmp_path: Path) -> None:
+    write_teacher_parquet(tmp_path / "train", files=5, per_file=300, group=100)
+    doc = job(f"parquet:{tmp_path}/train/*.parquet")
+    doc["spec"]["model"] = {"type": "mlp", "hiddenLayers": [16], "partitions": 2}
+    doc["spec"]["parameterServers"]["shards"] = 2
+    doc["spec"]["workers"]["replicas"] = 1
+    doc["spec"]["training"]["targetAccuracy"] = 0.9
+    code, summary = run_job(doc, tmp_path / "out")
+    assert code == 0 and summary["reason"] == "TargetAccuracyReached", summary["reason"]
+    assert summary["epoch"] > 0
+    logs = tmp_path / "out" / "logs"
+    assert "event=rendezvous_listening" in (logs / "files-ps-0.log").read_text()
+    assert "event=dispenser_listening" not in (logs / "files-ps-0.log").read_text()  # one port: the rendezvous's

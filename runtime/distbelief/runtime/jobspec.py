@@ -158,10 +158,9 @@ class JobSpec:
     @property
     def streams_data(self) -> bool:
         """The replicas stream the units the chief hands them (algorithms/feed/), rather than
-        each loading the data set: a file source under Downpour, unpartitioned, without
-        embeddings (the others load it whole)."""
-        return (self.data.is_file_set and self.training.algorithm == "downpour" and self.model.partitions == 1
-                and self.model.embeddings is None)
+        each loading the data set: a file source under Downpour without embeddings (a
+        partitioned replica's partition 0 streams; Sandblaster and embeddings load it whole)."""
+        return self.data.is_file_set and self.training.algorithm == "downpour" and self.model.embeddings is None
 
 
 def resolve(spec: Mapping[str, Any]) -> JobSpec:

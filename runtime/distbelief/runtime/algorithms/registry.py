@@ -25,9 +25,9 @@ def _downpour_attach(shard: Shard, job: Job) -> None:
 
 
 def _downpour_beside_chief(ctx: ChiefContext) -> Helper | None:
-    if ctx.job.spec.streams_data:
-        return feed.dispenser(ctx, position_dir=ctx.output_dir)
-    return pipeline.beside_chief(ctx) if ctx.job.plan is not None else None
+    if ctx.job.plan is not None:
+        return pipeline.beside_chief(ctx)   # the rendezvous, serving the dispenser too if the job streams
+    return feed.dispenser(ctx, position_dir=ctx.output_dir) if ctx.job.spec.streams_data else None
 
 
 def _downpour_replica(ctx: ReplicaContext) -> ReplicaLoop:

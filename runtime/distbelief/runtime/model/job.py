@@ -41,6 +41,11 @@ class Job:
             return data.load(self.spec.data)
         return data.held_out_only(self.files, self.spec.data.max_eval_examples)
 
+    @property
+    def n_classes(self) -> int:
+        """The classes, without loading the data set when the replicas stream it."""
+        return self.files.n_classes if self.files is not None else self.dataset.n_classes
+
     def stage_shards(self, partition: int) -> list[int]:
         """The shards holding a partition's stage."""
         assert self.plan is not None, "an unpartitioned job has no stages"

@@ -1,7 +1,8 @@
 """The dispenser: beside shard 0, it hands the replicas work units on the coordinator port.
 
-It serves NEXT_UNIT (ops.py) from its own thread and ROUTER socket, with the job's keys,
-and keeps units.Units' books; a replica is known by the worker id in its header (a
+It serves NEXT_UNIT (ops.py) from its own thread and ROUTER socket, with the job's keys
+(in a partitioned job, the rendezvous's on the same port hands it those requests), and
+keeps units.Units' books; a replica is known by the worker id in its header (a
 replica that reconnects keeps its units). Its figures (`epoch`, units handed out, taken
 back) go into the chief's history lines and result.json, and its position into
 `data-position.json` beside the checkpoints, from which a restarted shard 0 resumes.
@@ -22,7 +23,7 @@ from distbelief.runtime.algorithms.feed import ops
 from distbelief.runtime.algorithms.feed.units import Units
 from distbelief.runtime.transport import interface, zmq_transport
 from distbelief.runtime.wire import protocol
-from distbelief.runtime.wire.protocol import Header, Status
+from distbelief.runtime.wire.protocol import Status
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +115,16 @@ class Dispenser:
         try:
             while not self._stop.is_set():
                 if self._server.poll(POLL_SECONDS):
-                    self._handle(self._server.receive())
-                self._record_now_and_then()
+                    self.handle(self._server, self._server.receive())
+                self.tick()
         except Exception as exc:  # a dead dispenser must take its shard down rather than starve the job
             log.exception("event=dispenser_failed error=%r", str(exc))
             self.failure = exc
         finally:
             self._server.close()
 
-    def _record_now_and_then(self) -> None:
+    def tick(self) -> None:
+        """Record the position when record_every has passed (the serving loop calls it)."""
         now = self.clock()
         if now - self._recorded >= self.settings.record_every:
             self._recorded = now
@@ -131,7 +133,8 @@ class Dispenser:
             except OSError as exc:
                 log.warning("event=data_position_unwritten reason=%r", str(exc))
 
-    def _handle(self, incoming: interface.Incoming | None) -> None:
+    def handle(self, server: interface.Server, incoming: interface.Incoming | None) -> None:
+        """Answer one NEXT_UNIT on `server` (its own, or the rendezvous's it shares a port with)."""
         try:
             if incoming is None or not incoming.frames:
                 raise errors.ProtocolError("an empty message")
@@ -142,7 +145,8 @@ class Dispenser:
             log.warning("event=rejected role=dispenser reason=%r", str(exc))
             return
         status, given = self.answer(request.header.worker, request.meta)
-        self._reply(incoming.peer, request.header, status, given)
+        if not server.send(incoming.peer, protocol.reply_frames(request.header, step=0, status=status, meta=given)):
+            log.warning("event=reply_dropped role=dispenser worker=%08x", request.header.worker)
 
     def answer(self, worker: int, ask: ops.UnitAsk) -> tuple[int, ops.UnitGiven | None]:
         """What a replica's ask gets: (status, unit)."""
@@ -158,7 +162,3 @@ class Dispenser:
                 return Status.WAIT, None
             epoch, unit = self.units.hand_out(worker, now)
         return Status.OK, ops.UnitGiven(unit=unit, epoch=epoch)
-
-    def _reply(self, identity: bytes, header: Header, status: int, given: ops.UnitGiven | None) -> None:
-        if not self._server.send(identity, protocol.reply_frames(header, step=0, status=status, meta=given)):
-            log.warning("event=reply_dropped role=dispenser worker=%08x", header.worker)

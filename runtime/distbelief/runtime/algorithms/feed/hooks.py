@@ -12,15 +12,16 @@ from distbelief.runtime.model.files import FileSet
 from distbelief.runtime.observe.metrics import DispenserMetrics
 
 
-def dispenser(ctx: ChiefContext, *, position_dir: str | None) -> Dispenser:
-    """Started; its position is recorded in (and resumed from) position_dir."""
+def dispenser(ctx: ChiefContext, *, position_dir: str | None, serve: bool = True) -> Dispenser:
+    """Its position is recorded in (and resumed from) position_dir. serve: started on the
+    coordinator port; else another server there hands it its requests (handle, tick)."""
     job = ctx.job
     assert job.files is not None, "only a job whose replicas stream files has a dispenser"
     settings = DispenserSettings(bind=ctx.coordinator_bind, units=len(job.files.train_units), seed=job.spec.data.seed,
                                  layout=job.layout.hash, position_dir=position_dir, security=ctx.server_security)
     server = Dispenser(settings, stop=ctx.group().stop, is_done=lambda: ctx.shard.finished is not None)
     DispenserMetrics(ctx.registry, lambda: server.units.epochs)
-    return server.start()
+    return server.start() if serve else server
 
 
 def batches(ctx: ReplicaContext, batch_size: int) -> StreamedBatches:

@@ -23,6 +23,7 @@ import logging
 import random
 import threading
 import time
+from typing import Iterator
 
 import numpy as np
 
@@ -199,10 +200,12 @@ class FirstPartition(PartitionPod):
     """Partition 0: reads the data and drives its group's steps."""
 
     def __init__(self, settings: PodSettings, stage: Stage, links: PodLinks, metrics: WorkerMetrics,
-                 dataset: Dataset, *, stop: threading.Event) -> None:
+                 dataset: Dataset | None, *, stop: threading.Event,
+                 batches: Iterator[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+        """batches: its minibatches when they do not come from the data set (a streamed file source)."""
         super().__init__(settings, stage, links, metrics, stop=stop)
         self.rng = np.random.default_rng(settings.seed)
-        self.batches = minibatches(dataset, settings.batch_size, self.rng)
+        self.batches = batches if batches is not None else minibatches(dataset, settings.batch_size, self.rng)
         self._tokens = random.Random()
         self._non_finite = 0
 
