@@ -142,3 +142,15 @@ def test_credentials_reach_the_pods_from_the_secret_never_the_config_map():
             assert env[key]["valueFrom"] == {"secretKeyRef": {"name": "minio-keys", "key": key}}
     config = next(o for o in objects if o["kind"] == "ConfigMap")
     assert "AWS_" not in json.dumps(config) and "minio-keys" in json.dumps(config)  # the name only
+
+
+@pytest.mark.slow
+def test_a_job_with_a_wrong_key_fails_as_invalid_config_naming_the_bucket(tmp_path, credentials, monkeypatch):
+    write_teacher_parquet(tmp_path / "local", files=2, per_file=50, group=50)
+    upload(credentials, tmp_path / "local", "refused")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")   # the pods inherit local mode's environment
+    doc = job(f"s3://{BUCKET}/refused/*.parquet", objectStore={"endpoint": credentials["endpoint"]})
+    code = local.LocalRun(spec.validate_job(doc), str(tmp_path / "out")).run(progress=False)
+    summary = json.loads((tmp_path / "out" / report.REPORT_FILE).read_text())
+    assert code == 1 and summary["phase"] == "Failed" and summary["restarts"] == 0
+    assert summary["reason"].startswith("InvalidConfig") and f"bucket '{BUCKET}'" in summary["reason"]
