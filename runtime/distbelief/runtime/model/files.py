@@ -55,7 +55,7 @@ Part = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]   # x float32, y int64
 class FileSet:
     """A file source's training and held-out units, its columns and its classes."""
 
-    def __init__(self, spec: jobspec.Data, opener=None, *, whole: bool = False) -> None:
+    def __init__(self, spec: jobspec.Data, *, whole: bool = False) -> None:
         """whole: every file is read as training files, none held out (inputs to predict on)."""
         self.spec = spec
         if spec.source.startswith(objectstore.PREFIX):
@@ -63,7 +63,7 @@ class FileSet:
             self.scheme, pattern, opener, expand = objectstore.format_of(spec.source), spec.source, bucket.open, bucket.glob
         else:
             self.scheme, _, pattern = spec.source.partition(":")
-            expand = _local_glob
+            opener, expand = None, _local_glob
         self.reader = READERS[self.scheme](opener)
         files = _expand(pattern, expand)
         if whole:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from distbelief.runtime.algorithms.feed.dispenser import Dispenser, DispenserSettings
@@ -19,7 +21,7 @@ def dispenser(ctx: ChiefContext, *, position_dir: str | None, serve: bool = True
     assert job.files is not None, "only a job whose replicas stream files has a dispenser"
     settings = DispenserSettings(bind=ctx.coordinator_bind, units=len(job.files.train_units), seed=job.spec.data.seed,
                                  layout=job.layout.hash, position_dir=position_dir, security=ctx.server_security)
-    server = Dispenser(settings, stop=ctx.group().stop, is_done=lambda: ctx.shard.finished is not None)
+    server = Dispenser(settings, stop=threading.Event(), is_done=lambda: ctx.shard.finished is not None)
     DispenserMetrics(ctx.registry, lambda: server.units.epochs)
     return server.start() if serve else server
 
