@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -149,12 +148,12 @@ class NpzReader:
         self.open = opener or _local
 
     def _arrays(self, path: str, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        with reading(path), np.load(io.BytesIO(self.open(path).read()), allow_pickle=False) as archive:
+        with reading(path), self.open(path) as f, np.load(f, allow_pickle=False) as archive:
             return {name: archive[name] for name in (names or archive.files)}
 
     def columns(self, path: str) -> list[str]:
-        with reading(path), np.load(io.BytesIO(self.open(path).read()), allow_pickle=False) as archive:
-            return list(archive.files)
+        with reading(path), self.open(path) as f, np.load(f, allow_pickle=False) as archive:
+            return list(archive.files)   # the zip's directory only: no array is read
 
     def numeric(self, path: str) -> list[str]:
         return [n for n, a in self._arrays(path).items() if np.issubdtype(a.dtype, np.number)]
@@ -182,7 +181,8 @@ class NpyReader(NpzReader):
 
     def _arrays(self, path: str, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         with reading(path):
-            table = np.load(io.BytesIO(self.open(path).read()), allow_pickle=False)
+            with self.open(path) as f:
+                table = np.load(f, allow_pickle=False)
             if table.dtype.names is None:
                 raise ValueError("not a structured array (np.save an array with named fields)")
             return {name: np.ascontiguousarray(table[name]) for name in (names or table.dtype.names)}
