@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training data in files: what a replica's memory and input speed come to.
 
-    python benchmarks/data_bench.py [--runs 3] [--sizes-mb 25,100] [--json out.json]
+    python benchmarks/data_bench.py [--runs 3] [--sizes-mb 25,100] [--paths streamed,in_memory] [--json out.json]
 
 input      one replica's StreamedBatches over local Parquet (784 float32 features, batches
            of 128, the compute-bound job's shape) with a dispenser on loopback, reading,
@@ -100,7 +100,7 @@ def memory_run(source: str, steps: int, out: Path) -> dict:
     return {"peak_rss_mb": max(workers) / 2**20, "accuracy": summary["accuracy"], "phase": summary["phase"]}
 
 
-def measure(runs: int, sizes_mb: list[int], steps: int, work: Path) -> dict:
+def measure(runs: int, sizes_mb: list[int], steps: int, work: Path, paths: list[str]) -> dict:
     input_set = work / "input"
     write_set(input_set, rows=4 * ROWS_PER_FILE + ROWS_PER_FILE, features=INPUT_FEATURES)
     rates = [input_rate(input_set, batches=2000) for _ in range(runs)]
@@ -112,8 +112,10 @@ def measure(runs: int, sizes_mb: list[int], steps: int, work: Path) -> dict:
         rows = size * 2**20 // (4 * MEMORY_FEATURES)
         folder = work / f"set-{size}"
         write_set(folder, rows=rows, features=MEMORY_FEATURES)
-        as_npz(folder, work / f"set-{size}.npz")
-        for path, source in (("streamed", f"parquet:{folder}/*.parquet"), ("in_memory", f"npz:{work}/set-{size}.npz")):
+        if "in_memory" in paths:
+            as_npz(folder, work / f"set-{size}.npz")
+        sources = {"streamed": f"parquet:{folder}/*.parquet", "in_memory": f"npz:{work}/set-{size}.npz"}
+        for path, source in ((p, sources[p]) for p in paths):
             run = memory_run(source, steps, work / f"out-{path}-{size}")
             print(f"{path} {size} MB: {run}", flush=True)
             results["peak_rss_mb"][path][f"{size}MB"] = summarize([run["peak_rss_mb"]])
@@ -127,10 +129,14 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="runs of the input-speed figure")
     p.add_argument("--sizes-mb", default="25,100", help="sizes of the memory runs' sets (float32 features)")
     p.add_argument("--steps", type=int, default=3000, help="steps of each memory run")
+    p.add_argument("--paths", default="streamed,in_memory",
+                   help="which memory runs: streamed (parquet:) and/or in_memory (npz:, every pod loads it)")
+    p.add_argument("--work", help="where the sets are written (default: a temporary folder)")
     p.add_argument("--json")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="databench-") as tmp:
-        results = measure(args.runs, [int(s) for s in args.sizes_mb.split(",")], args.steps, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="databench-", dir=args.work) as tmp:
+        results = measure(args.runs, [int(s) for s in args.sizes_mb.split(",")], args.steps, Path(tmp),
+                          args.paths.split(","))
     print(json.dumps(results, indent=2))
     save(results, args.json)
     return 0
