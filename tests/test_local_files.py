@@ -14,7 +14,7 @@ import pytest
 
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
-from distbelief.runtime import contract
+from distbelief.runtime import contract, errors
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +93,18 @@ def test_a_partitioned_replica_streams_into_partition_0_only(tmp_path: Path) -> 
     logs = tmp_path / "out" / "logs"
     assert "event=rendezvous_listening" in (logs / "files-ps-0.log").read_text()
     assert "event=dispenser_listening" not in (logs / "files-ps-0.log").read_text()  # one port: the rendezvous's
+
+
+def test_preflight_counts_the_files_rows_and_checks_the_held_out_part_without_the_training_files(tmp_path: Path):
+    from distbelief.operator.local import preflight
+
+    write_teacher_parquet(tmp_path / "train", files=4, per_file=300, group=100)
+    checked = preflight.check(spec.validate_job(job(f"parquet:{tmp_path}/train/*.parquet")))
+    assert (checked.examples, checked.features, checked.classes) == (1200, 8, 3)
+    held_out = sorted((tmp_path / "train").glob("*.parquet"))[-1]
+    doc = job(f"parquet:{tmp_path}/train/*.parquet", test=str(held_out))
+    table = pq.read_table(held_out).to_pydict()
+    table["f3"][5] = float("nan")
+    pq.write_table(pa.table(table), held_out, row_group_size=100)
+    with pytest.raises(errors.BadData, match=r"part-03.parquet row group 0: column 'f3' row 5"):
+        preflight.check(spec.validate_job(doc))
