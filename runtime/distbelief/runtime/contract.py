@@ -103,6 +103,16 @@ ENV_COORDINATOR_ADDRESS = "DISTBELIEF_COORDINATOR_ADDRESS"
 ENV_PARTITION = "DISTBELIEF_PARTITION"
 ENV_POD_IP = "POD_IP"
 ENV_STAGE_ADDRESS = "DISTBELIEF_STAGE_ADDRESS"
+# With backups: where a shard's copies keep their view ("file:FOLDER" in local mode,
+# "kubernetes" for a Lease per shard; unset on a cluster means kubernetes), and how this
+# copy reaches its shard's other copies, by rank (default: their shard addresses).
+ENV_VIEW_STORE = "DISTBELIEF_VIEW_STORE"
+ENV_COPY_ROUTES = "DISTBELIEF_COPY_ROUTES"
+ENV_COPY_LEASE = "DISTBELIEF_COPY_LEASE_SECONDS"  # the primary's lease (default 3): shorter fails over sooner
+# The Lease store's credentials: the folder of the pod's ServiceAccount token, CA and
+# namespace (the operator mounts the shard copies' token there and names it).
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+ENV_SERVICE_ACCOUNT_DIR = "DISTBELIEF_SERVICE_ACCOUNT_DIR"
 
 # Files the chief (shard 0) writes beside its checkpoints.
 HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation
@@ -176,6 +186,16 @@ class JobNames:
 
     def shard_address(self, index: int, namespace: str, port: int) -> str:
         return f"tcp://{self.shard_pod(index)}.{self.ps}.{namespace}.svc:{port}"
+
+    @property
+    def ps_access(self) -> str:
+        """With backups: the shard pods' ServiceAccount, and the Role and RoleBinding that let
+        it keep the shards' view Leases."""
+        return self.ps
+
+    def shard_lease(self, index: int) -> str:
+        """With backups: the coordination.k8s.io Lease that holds shard index's view."""
+        return f"{self.job}-shard-{index}"
 
 
 def selector_labels(job: str, role: str) -> dict[str, str]:
