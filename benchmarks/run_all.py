@@ -7,8 +7,8 @@ Runs, in this order, each in its own process: runtime_bench.py (memcpy, apply, p
 push), mlp_step_bench.py, e2e_bench.py (our jobs in local mode, their one-process
 baselines and parallel efficiency), torch_peers_bench.py (DDP gloo and an RPC parameter
 server), sparse_bench.py and sparse_table_bench.py (embedding rows), backups_bench.py (shard
-copies), copycheck.py (shard copies under faults: what is lost or applied twice), partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness)
-and operator_bench.py. Their figures go into --json, written afresh: every figure
+copies), copycheck.py (shard copies under faults: what is lost or applied twice), partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
+data_bench.py (a replica's memory and input speed on file sources) and operator_bench.py. Their figures go into --json, written afresh: every figure
 in it is from this run; each is a median with its min and max.
 
 A run that crashes is retried once and then recorded under "failures" with its exit code,
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from figures import retried
+from figures import retried, summarize
 
 HERE = Path(__file__).resolve().parent
 FigurePath = tuple[str, ...]
@@ -52,6 +52,9 @@ TARGETS: list[tuple[str, FigurePath, FigurePath | None, float | None, str]] = [
     ("efficiency, communication-bound", ("efficiency", "communication_bound"), None, 0.3, "min"),
     ("efficiency, large dense", ("efficiency", "large_dense"), None, 0.3, "min"),
     # Time to 0.94 on the MNIST-sized set: no target, the ratios to what a user could run instead.
+    # A replica reading, shuffling and batching Parquet, against what one compute-bound replica trains on.
+    ("input examples/s / compute-bound replica", ("data", "input_examples_per_s"),
+     ("examples_per_replica_s", "compute_bound"), 2.0, "min"),
     ("time to 0.94 distbelief / one process", ("time_to_accuracy_mnist_s", "distbelief"),
      ("time_to_accuracy_mnist_s", "single_process"), None, "max"),
     ("time to 0.94 distbelief / torch DDP gloo", ("time_to_accuracy_mnist_s", "distbelief"),
@@ -115,6 +118,15 @@ def merge(ours: dict, peers: dict) -> dict:
     return {key: {**ours.get(key, {}), **peers.get(key, {})} for key in keys if key in ours or key in peers}
 
 
+def per_replica(results: dict) -> dict:
+    """The compute-bound job's examples/s per replica (the input speed's yardstick)."""
+    rate, replicas = median(results, ("examples_per_s", "distbelief")), \
+        results.get("efficiency", {}).get("compute_bound", {}).get("replicas")
+    if rate is None or not replicas:
+        return {}
+    return {"compute_bound": summarize([rate / replicas])}
+
+
 def measure(runs: int, scale: float) -> dict:
     failures: list[dict] = []
     results = run_json("runtime_bench.py", failures, "--repeats", str(runs), "--params", "10000000")
@@ -139,6 +151,9 @@ def measure(runs: int, scale: float) -> dict:
         failures += partitions.get("failures", [])
     if staleness := run_json("staleness_bench.py", failures, "--runs", str(runs)):
         results["staleness_tau"] = staleness["staleness_tau"]
+    if files := run_json("data_bench.py", failures, "--runs", str(runs)):
+        results["data"] = files["data"]
+    results["examples_per_replica_s"] = per_replica(results)
     operator = run_json("operator_bench.py", failures, "--runs", str(runs))
     if "operator_create_to_children_s" in operator:
         results["operator_create_to_children_s"] = operator["operator_create_to_children_s"]

@@ -255,3 +255,14 @@ def test_the_table_bench_fills_real_shard_processes_and_reads_their_memory() -> 
     assert result["rss_bytes_total"] == sum(result["rss_bytes_per_shard"]) > result["idle_rss_bytes_total"] > 0
     assert result["peak_rss_bytes_total"] >= result["rss_bytes_total"]
     assert result["fill_rows_per_s"] > 0
+
+
+def test_the_input_speed_target_divides_by_the_compute_bound_jobs_replicas():
+    results = {"examples_per_s": {"distbelief": figure(26_000.0)},
+               "efficiency": {"compute_bound": {**figure(0.4), "replicas": 2}},
+               "data": {"input_examples_per_s": figure(39_000.0)}}
+    results["examples_per_replica_s"] = run_all.per_replica(results)
+    assert results["examples_per_replica_s"]["compute_bound"]["median"] == 13_000.0
+    row = next(r for r in run_all.target_ratios(results) if r["figure"].startswith("input examples/s"))
+    assert row["ratio"] == 3.0 and row["met"] is True
+    assert run_all.per_replica({"examples_per_s": {}}) == {}

@@ -80,6 +80,24 @@ def test_predict_with_labels_reports_their_accuracy(run_folder, tmp_path: Path) 
         assert saved["y"].shape == y.shape
 
 
+def test_predict_reads_a_parquet_glob_by_column(run_folder, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    output, params = run_folder
+    raw_x, y = data._builtin("digits")
+    for k, rows in enumerate((slice(0, 900), slice(900, None))):
+        columns = {f"p{i}": raw_x[rows, i] for i in range(64)}
+        pq.write_table(pa.table({**columns, "y": y[rows]}), tmp_path / f"digits-{k}.parquet", row_group_size=300)
+    done = distbelief("predict", str(JOB), "--output", str(output), "--data", f"parquet:{tmp_path}/digits-*.parquet",
+                      "--out", str(tmp_path / "labels.npz"))
+    assert done.returncode == 0, done.stderr
+    trained = predict.load(str(JOB), output=str(output))
+    with np.load(tmp_path / "labels.npz") as saved:
+        np.testing.assert_array_equal(saved["y"], trained.model.predict(params, raw_x / 16.0))  # scaled as trained
+    assert float(re.search(r"accuracy (\d\.\d+)", done.stdout).group(1)) > 0.9
+
+
 def test_predict_without_a_finished_run_says_what_to_do(tmp_path: Path) -> None:
     done = distbelief("predict", str(JOB), "--output", str(tmp_path))
     assert done.returncode == 2

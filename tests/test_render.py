@@ -510,7 +510,7 @@ def test_a_data_volume_is_mounted_read_only_in_every_pod() -> None:
     ({"source": "npz:/data/train.npz", "volume": "Training_Data"},
      "spec.data.volume: must be a PersistentVolumeClaim name"),
     ({"source": "npz:/mnt/train.npz", "volume": "training-data"},
-     "spec.data.source: with spec.data.volume the npz must be under /data/"),
+     "spec.data.source: with spec.data.volume the files must be under /data/"),
 ])
 def test_a_data_volume_is_validated(data: dict, fragment: str) -> None:
     doc = load_example("digits-mlp.yaml")

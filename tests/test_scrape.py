@@ -143,10 +143,11 @@ def test_every_metric_the_operator_reads_is_one_a_role_exports() -> None:
 
     from distbelief.runtime import contract
     from distbelief.runtime.observe.metrics import (
-        ChiefMetrics, CoordinatorMetrics, ShardMetrics, TrafficCollector, WorkerMetrics)
+        ChiefMetrics, CoordinatorMetrics, DispenserMetrics, ShardMetrics, TrafficCollector, WorkerMetrics)
 
     registry = prom.CollectorRegistry()
     ShardMetrics(registry, 0), ChiefMetrics(registry), CoordinatorMetrics(registry)
+    DispenserMetrics(registry, lambda: 0.0)
     registry.register(TrafficCollector())
     WorkerMetrics(worker := prom.CollectorRegistry())
     exported = {family.name for r in (registry, worker) for family in r.collect()}

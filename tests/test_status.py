@@ -10,7 +10,7 @@ import prometheus_client as prom
 from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import Observed, compute_status, pod_failures, timestamp
-from distbelief.runtime.observe.metrics import ChiefMetrics, CoordinatorMetrics, ShardMetrics
+from distbelief.runtime.observe.metrics import ChiefMetrics, CoordinatorMetrics, DispenserMetrics, ShardMetrics
 
 from conftest import load_example
 
@@ -65,6 +65,18 @@ def test_a_sandblaster_jobs_objective_is_read_once_it_has_evaluated() -> None:
     assert (status["globalStep"], status["objective"]) == (3, 0.4321)
     downpour = scrape.Figures(global_step=5, loss=0.5)
     assert "objective" not in compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=downpour), NOW)
+
+
+def test_a_streamed_jobs_epoch_comes_from_the_dispensers_gauge() -> None:
+    registry = prom.CollectorRegistry()
+    ShardMetrics(registry, 0).global_step.set(40)
+    DispenserMetrics(registry, lambda: 2.25)
+    figures = scrape.parse(prom.generate_latest(registry).decode())
+    status = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=figures), NOW)
+    assert status["epoch"] == 2.25
+    silent = compute_status(job(**status), Observed(shards_ready=2, workers_ready=3), LATER)
+    assert silent["epoch"] == 2.25
+    assert "epoch" not in compute_status(job(), Observed(figures=scrape.Figures(global_step=5)), NOW)
 
 
 def test_the_chiefs_verdict_finishes_the_job_for_good() -> None:

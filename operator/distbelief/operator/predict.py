@@ -82,7 +82,7 @@ def _read_params(path: str, model: models.Model) -> np.ndarray:
 def predict_source(trained: Trained, source: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Predicted labels for a data source (its features preprocessed as in training), and its
     labels when it has them."""
-    x, y = data.load_inputs(source, trained_on=trained.spec.data.source)
+    x, y = data.load_inputs(source, trained_on=trained.spec.data.source, columns=trained.spec.data)
     if x.shape[1] != trained.dataset.n_features:
         raise errors.ConfigError(f"{source}: x has {x.shape[1]} features, the model takes {trained.dataset.n_features}")
     return trained.model.predict(trained.params, x), y

@@ -40,6 +40,7 @@ class Metric:
     HELDOUT_LOSS = "distbelief_heldout_loss"
     HELDOUT_ACCURACY = "distbelief_heldout_accuracy"
     HELDOUT_AUC = "distbelief_heldout_auc"
+    DATA_EPOCH = "distbelief_data_epoch"
     JOB_FINISHED = "distbelief_job_finished"
     SANDBLASTER_OBJECTIVE = "distbelief_sandblaster_objective"
     SANDBLASTER_EVALUATIONS = "distbelief_sandblaster_evaluations"
@@ -52,6 +53,10 @@ class Metric:
     SHARD_COPIES = "distbelief_shard_copies"
     SHARD_PRIMARY = "distbelief_shard_primary_copy"
     SHARD_FAILOVERS = "distbelief_shard_failovers"
+
+# An s3:// source's credentials: the keys of the Secret spec.data.objectStore.secretRef,
+# which every pod gets as environment variables of the same names.
+OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 # Ports inside every pod. The shard port comes from the spec; these are fixed.
 METRICS_PORT = 9100

@@ -21,6 +21,8 @@
     ├── CheckpointError      a checkpoint that cannot be written
     │   └── CorruptCheckpoint  a checkpoint that cannot be trusted on read
     ├── ConfigError          a resolved config or data source the roles cannot use
+    │   └── BadData          one file of a file source that cannot be used (names the file,
+    │                        column and row group)
     └── Diverged             a replica whose training loss stayed non-finite
 
 ZeroMQ's own errors are translated into these inside the transport (transport/); nothing above it
@@ -98,6 +100,14 @@ class CorruptCheckpoint(CheckpointError):
 
 class ConfigError(RuntimeFailure):
     pass
+
+
+class BadData(ConfigError):
+    """A file of a file source that cannot be used; spec.data.onBadFile: skip skips it."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"spec.data.source: {where}: {problem}")
+        self.where = where
 
 
 class ShardRestarted(RuntimeFailure):

@@ -3,7 +3,8 @@
     JobSpec
     ├── model: Model                 type, hiddenLayers, activation, l2, entrypoint, partitions
     │   └── embeddings: Embeddings   dim, hashBuckets, admitAfter, expireAfterSeconds (or None)
-    ├── data: Data                   source, testFraction, seed, maxEvalExamples, volume
+    ├── data: Data                   source, testFraction, seed, maxEvalExamples, volume,
+    │                                test, label, features, ids, onBadFile
     ├── training: Training           algorithm, optimizer, rates, fetch/push, stopping rules
     │   └── sandblaster: Sandblaster historySize, workUnitSize, backupTasks, gradientTolerance
     └── parameter_servers: ParameterServers   shards, backups, port, encryption, wireFormat
@@ -55,6 +56,16 @@ class Model:
 
 
 @dataclasses.dataclass(frozen=True)
+class ObjectStore:
+    """spec.data.objectStore: where an s3:// source's bucket is (its credentials are the
+    Secret's, in the pods' environment: never here)."""
+
+    endpoint: str | None = None                 # a URL; None: AWS
+    region: str | None = None
+    secret_ref: str | None = None               # the Secret the operator renders as env
+
+
+@dataclasses.dataclass(frozen=True)
 class Data:
     """spec.data."""
 
@@ -63,6 +74,19 @@ class Data:
     seed: int = 0
     max_eval_examples: int = 10000
     volume: str | None = None                   # a PersistentVolumeClaim mounted at /data
+    test: str | None = None                     # a file source's held-out files (a glob)
+    label: str = "y"                            # a file source's label column
+    features: tuple[str, ...] | None = None     # its feature columns; None: every other numeric one
+    ids: tuple[str, ...] = ()                   # its id columns, for embeddings
+    on_bad_file: str = "fail"                   # fail | skip
+    object_store: ObjectStore | None = None     # an s3:// source's store
+
+    @property
+    def is_file_set(self) -> bool:
+        """Many files read by column: parquet:, csv:, npy:, npz: with a glob, or s3:// (model/files.py)."""
+        scheme, _, path = self.source.partition(":")
+        return (scheme in ("parquet", "csv", "npy", "s3") or
+                (scheme == "npz" and any(c in path for c in "*?[")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +155,13 @@ class JobSpec:
     training: Training = Training()
     parameter_servers: ParameterServers = ParameterServers()
 
+    @property
+    def streams_data(self) -> bool:
+        """The replicas stream the units the chief hands them (algorithms/feed/), rather than
+        each loading the data set: a file source under Downpour without embeddings (a
+        partitioned replica's partition 0 streams; Sandblaster and embeddings load it whole)."""
+        return self.data.is_file_set and self.training.algorithm == "downpour" and self.model.embeddings is None
+
 
 def resolve(spec: Mapping[str, Any]) -> JobSpec:
     """The typed job of a resolved spec (the ConfigMap's). ValueError names the field
@@ -139,6 +170,7 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
     model, data, training, servers = (top.section(key) for key in ("model", "data", "training", "parameterServers"))
     sandblaster, checkpoint = training.section("sandblaster"), servers.section("checkpoint")
     embeddings = model.section("embeddings") if model.values.get("embeddings") is not None else None
+    store = data.section("objectStore") if data.values.get("objectStore") is not None else None
     return JobSpec(
         model=Model(
             type=model.get("type", str, Model.type),
@@ -158,7 +190,15 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
             test_fraction=data.get("testFraction", float, Data.test_fraction),
             seed=data.get("seed", int, Data.seed),
             max_eval_examples=data.get("maxEvalExamples", int, Data.max_eval_examples),
-            volume=data.get("volume", str, None) or None),
+            volume=data.get("volume", str, None) or None,
+            test=data.get("test", str, None) or None,
+            label=data.get("label", str, Data.label),
+            features=_optional_names(data.get("features", _names, None)),
+            ids=tuple(data.get("ids", _names, [])),
+            on_bad_file=data.get("onBadFile", str, Data.on_bad_file),
+            object_store=None if store is None else ObjectStore(
+                endpoint=store.get("endpoint", str, None), region=store.get("region", str, None),
+                secret_ref=store.get("secretRef", str, None))),
         training=Training(
             algorithm=training.get("algorithm", str, Training.algorithm),
             optimizer=training.get("optimizer", str, Training.optimizer),
@@ -232,6 +272,16 @@ def _ints(value: Any) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ValueError(f"must be a list of integers (got {value!r})")
     return value
+
+
+def _names(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"must be a list of column names (got {value!r})")
+    return value
+
+
+def _optional_names(value: list[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
 
 
 def parse_duration(text: str) -> float:

@@ -35,8 +35,10 @@ def check(job: Mapping[str, Any]) -> Checked:
     from distbelief.runtime.model.job import Job
 
     derived = Job(job_config(job))
-    dataset, model = derived.dataset, derived.model
-    checked = Checked(examples=len(dataset.y_train) + len(dataset.y_test), features=dataset.n_features,
+    dataset, model = derived.dataset, derived.model   # streamed files: the held-out part, checked
+    examples = (len(dataset.y_train) + len(dataset.y_test) if derived.files is None else
+                sum(unit.rows for unit in derived.files.train_units + derived.files.test_units))  # Parquet's count
+    checked = Checked(examples=examples, features=dataset.n_features,
                       classes=dataset.n_classes, parameters=models.num_params(model),
                       shapes=[(name, tuple(shape)) for name, shape in model.shapes], layout=derived.layout.hash)
     log.info("event=preflight_passed job=%s examples=%d features=%d classes=%d parameters=%d",

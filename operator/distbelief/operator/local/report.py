@@ -105,6 +105,9 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, sta
     }
     if shards:
         summary["shards"] = dict(shards)  # with backups: each shard's copies, primary and failovers
+    epoch = result.get("epoch", last.get("epoch"))
+    if epoch is not None:
+        summary["epoch"] = epoch  # epochs of a streamed file source the replicas finished
     auc = result.get("auc", last.get("auc"))
     if auc is not None:
         summary["auc"] = auc  # two-class jobs

@@ -134,6 +134,16 @@ def spread_copies(ctx: RenderContext) -> Manifest | None:
         {"weight": 100, "podAffinityTerm": term}]}}
 
 
+def object_store_env(data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An s3:// source's credentials, from the Secret spec.data.objectStore.secretRef names
+    (its keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY): never in the ConfigMap."""
+    secret = (data.get("objectStore") or {}).get("secretRef")
+    if not secret:
+        return []
+    return [{"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+            for key in contract.OBJECT_STORE_KEYS]
+
+
 def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds: int,
               ports: list[dict[str, Any]], mounts: list[dict[str, Any]] | None = None,
               env: list[dict[str, Any]] | None = None) -> Manifest:
@@ -149,6 +159,7 @@ def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items()),
                 *_thread_env(ctx.spec[ROLE_SPEC[role]].get("resources")),
+                *object_store_env(ctx.spec["data"]),
                 *(env or [])],
         "ports": ports,
         "startupProbe": startup_probe(startup_seconds),
@@ -263,13 +274,13 @@ def metrics_port() -> dict[str, Any]:
 
 def ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
     """The shard port and metrics; with encryption the bulk port; under Sandblaster also the
-    coordinator's, and in a partitioned job the rendezvous's on the same port (shard 0
-    serves either)."""
+    coordinator's, in a partitioned job the rendezvous's, and when the replicas stream a
+    file source the data dispenser's, on the same port (shard 0 serves one of them)."""
     ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port, "protocol": "TCP"},
              metrics_port()]
     if ctx.config.spec["parameterServers"].get("encryption", True):
         ports.append({"name": contract.BULK_PORT_NAME, "containerPort": contract.BULK_PORT, "protocol": "TCP"})
-    if ctx.config.sandblaster or ctx.config.partitions > 1:
+    if ctx.config.sandblaster or ctx.config.partitions > 1 or ctx.config.resolved.streams_data:
         ports.append({"name": contract.COORDINATOR_PORT_NAME, "containerPort": contract.COORDINATOR_PORT,
                       "protocol": "TCP"})
     return ports

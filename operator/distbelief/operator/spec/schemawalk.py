@@ -25,9 +25,10 @@ _SHOW_MAX = 60
 PATTERN_RULES = {
     r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$":
         "must be module:function, for example my_models.mlp:build",
-    r"^(builtin|synthetic|synthetic-ctr|npz):.+$":
+    r"^((builtin|synthetic|synthetic-ctr|npz|npy|parquet|csv):.+|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/.+[.](parquet|csv|csv[.]gz|npz|npy))$":
         "must be a data source: builtin:digits, synthetic:features=20,classes=4,samples=5000, "
-        "synthetic-ctr:fields=8,ids=20000,samples=60000 or npz:/data/train.npz",
+        "synthetic-ctr:fields=8,ids=20000,samples=60000, npz:/data/train.npz or files by glob such as "
+        "parquet:/data/train/*.parquet, csv:/data/train/*.csv.gz or s3://bucket/train/*.parquet",
     r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$":
         "must be a duration: a number with a unit ms, s, m or h, for example 90s, 30m, 2h or 1h30m",
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$":

@@ -39,6 +39,7 @@ CRD_PACKAGE = "distbelief.operator"
 CRD_RESOURCE = "crds/distbelief.io_distbeliefjobs.yaml"
 
 DATA_DIR = "/data"  # where the renderer mounts spec.data.volume
+FILE_SCHEMES = ("npz", "npy", "parquet", "csv")  # sources read from files in the pod
 
 # Every schema keyword the validator understands. A CRD using any other keyword is
 # refused at load time, so that no rule is ever skipped silently. The CRD's CEL rules
@@ -270,11 +271,30 @@ def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
             problems.add(path, problem)
         if _get(job, "spec", "model", "embeddings") is None:
             problems.add(path, "synthetic-ctr data holds only ids: set spec.model.embeddings to embed them")
-    elif scheme == "npz" and not posixpath.isabs(body):
-        problems.add(path, f"npz path must be absolute inside the pod (got {show(body)})")
-    elif scheme == "npz" and _get(job, "spec", "data", "volume") and not body.startswith(DATA_DIR + "/"):
-        problems.add(path, f"with spec.data.volume the npz must be under {DATA_DIR}/, where the claim is "
+    elif scheme in FILE_SCHEMES and not posixpath.isabs(body):
+        problems.add(path, f"a file source's path must be absolute inside the pod (got {show(body)})")
+    elif scheme in FILE_SCHEMES and _get(job, "spec", "data", "volume") and not body.startswith(DATA_DIR + "/"):
+        problems.add(path, f"with spec.data.volume the files must be under {DATA_DIR}/, where the claim is "
                      f"mounted (got {show(body)})")
+    _check_columns(job, scheme, body, problems)
+
+
+def _check_columns(job: Mapping[str, Any], scheme: str, body: str, problems: Problems) -> None:
+    """test, label, features and ids are a file source's (parquet:, csv:, npy:, an npz: glob)."""
+    data = _get(job, "spec", "data") or {}
+    test = data.get("test")
+    if data.get("objectStore") is not None and scheme != "s3":
+        problems.add("spec.data.objectStore", "is for an s3:// source")
+    if scheme == "s3" and isinstance(test, str) and not test.startswith("s3://"):
+        problems.add("spec.data.test", "the held-out files of an s3:// source are s3:// too")
+    many = scheme in ("npy", "parquet", "csv", "s3") or (scheme == "npz" and any(c in body for c in "*?["))
+    if many:
+        return
+    if test is not None:
+        problems.add("spec.data.test", "names held-out files of a file source (parquet:, csv:, npy:, s3:// or an npz: glob)")
+    if data.get("features") is not None or data.get("ids") is not None or data.get("label", "y") != "y":
+        problems.add("spec.data.label", "label, features and ids choose columns of a file source "
+                     "(parquet:, csv:, npy:, s3:// or an npz: glob)")
 
 
 def _check_training(job: Mapping[str, Any], problems: Problems) -> None:

@@ -24,7 +24,8 @@ OWNED_PREFIX = f"{contract.API_GROUP}/"
 OWNED_POD_FIELDS = ("securityContext", "hostNetwork", "automountServiceAccountToken", "initContainers")
 OWNED_CONTAINER_FIELDS = ("command", "args", "image", "ports", "livenessProbe", "readinessProbe", "startupProbe",
                           "securityContext", "resources")
-OWNED_ENV = ("POD_NAME", "POD_IP", "GLIBC_TUNABLES", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+OWNED_ENV = ("POD_NAME", "POD_IP", "GLIBC_TUNABLES", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+             *contract.OBJECT_STORE_KEYS)
 OWNED_ENV_PREFIX = "DISTBELIEF_"
 OWNED_VOLUMES = ("config", "tmp", contract.KEYS_VOLUME, contract.CHECKPOINT_VOLUME, "data",
                  contract.SERVICE_ACCOUNT_VOLUME)

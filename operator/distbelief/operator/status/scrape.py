@@ -33,6 +33,7 @@ class Figures:
     auc: float | None = None                # two-class jobs only
     examples_per_second: float | None = None
     objective: float | None = None          # Sandblaster's, at the committed iteration
+    epoch: float | None = None              # a streamed file source's epochs finished (the dispenser's)
     checkpoint_step: int | None = None
     checkpoint_time: float | None = None
     finished_reason: str | None = None
@@ -80,6 +81,7 @@ def parse(text: str) -> Figures:
         # The gauge exists from the coordinator's start; it means something after an evaluation.
         objective=values.get(M.SANDBLASTER_OBJECTIVE) if values.get(
             M.SANDBLASTER_EVALUATIONS + "_total") else None,
+        epoch=values.get(M.DATA_EPOCH),
         checkpoint_step=integer(M.CHECKPOINT_STEP),
         staleness_max=integer(M.STALENESS_MAX),
         staleness_p50=_median_bound(staleness),

@@ -169,12 +169,13 @@ def _deadline_passed(spec: Mapping[str, Any], previous: Mapping[str, Any], now: 
 def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str, Any]:
     """The chief's figures when it answered, else the last ones known."""
     keep = {k: previous[k] for k in ("globalStep", "loss", "accuracy", "auc", "examplesPerSecond", "objective",
-                                     "lastCheckpoint", "staleness") if k in previous}
+                                     "epoch", "lastCheckpoint", "staleness") if k in previous}
     if not figures.reachable:
         return keep
     fresh: dict[str, Any] = {"globalStep": figures.global_step}
     for key, value in (("loss", figures.loss), ("accuracy", figures.accuracy), ("auc", figures.auc),
-                       ("examplesPerSecond", figures.examples_per_second), ("objective", figures.objective)):
+                       ("examplesPerSecond", figures.examples_per_second), ("objective", figures.objective),
+                       ("epoch", figures.epoch)):
         if value is not None:
             fresh[key] = round(float(value), 6)
     if figures.checkpoint_step and figures.checkpoint_time:

@@ -136,6 +136,7 @@ class Chief:
         self.optimiser_state = optimiser_state  # Sandblaster's committed state on shard 0, if any
         self.failure: BaseException | None = None
         self.on_failure: Callable[[], None] = lambda: None
+        self.more_figures: Callable[[], dict[str, Any]] = lambda: {}  # for history and result (the data's epoch)
         self._wake = threading.Event()
         self._stop = group.stop  # also ends a round that waits for a silent shard
         self._thread = threading.Thread(target=self._run, name="chief", daemon=True)
@@ -195,7 +196,7 @@ class Chief:
         self.metrics.accuracy.set(accuracy)
         self.metrics.evaluated_step.set(step)
         line = {"time": time.time(), "elapsed": round(elapsed, 3), "step": step, "loss": loss,
-                "accuracy": accuracy, **self.training()}
+                "accuracy": accuracy, **self.training(), **self.more_figures()}
         for key, value in REPLICA_FIGURES.items():
             line.setdefault(key, value)
         if auc is not None:
@@ -218,7 +219,8 @@ class Chief:
         examples = self.training()["examples"]
         result = {"phase": outcome, "reason": reason, "globalStep": step, "loss": loss, "accuracy": accuracy,
                   "examples": examples, "examplesPerSecond": examples / elapsed if elapsed > 0 else 0.0,
-                  "trainingSeconds": round(elapsed, 3), "finishedAt": time.time()}
+                  "trainingSeconds": round(elapsed, 3), "finishedAt": time.time(),
+                  **{k: v for k, v in self.more_figures().items() if k == "epoch"}}
         if auc is not None:
             result["auc"] = auc
         state = self.optimiser_state()

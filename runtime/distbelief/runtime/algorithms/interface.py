@@ -57,6 +57,7 @@ class ChiefContext:
     group: Callable[..., ShardGroup]   # (shards=None: all, stop=None) -> a fresh client of those shards
     server_security: keys.ServerSecurity | None
     coordinator_bind: str
+    output_dir: str | None = None     # the chief's folder (the checkpoints'), for what it records
 
 
 @dataclasses.dataclass(frozen=True)

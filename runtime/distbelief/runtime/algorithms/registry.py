@@ -10,6 +10,7 @@ ALGORITHMS; the shard core, the replica runner and the roles do not change.
 from __future__ import annotations
 
 from distbelief.runtime.algorithms.downpour import algorithm as downpour
+from distbelief.runtime.algorithms.feed import hooks as feed
 from distbelief.runtime.algorithms.interface import Algorithm, ChiefContext, Helper, ReplicaContext, ReplicaLoop
 from distbelief.runtime.algorithms.pipeline import algorithm as pipeline
 from distbelief.runtime.algorithms.sandblaster.algorithm import SANDBLASTER
@@ -24,7 +25,9 @@ def _downpour_attach(shard: Shard, job: Job) -> None:
 
 
 def _downpour_beside_chief(ctx: ChiefContext) -> Helper | None:
-    return pipeline.beside_chief(ctx) if ctx.job.plan is not None else None
+    if ctx.job.plan is not None:
+        return pipeline.beside_chief(ctx)   # the rendezvous, serving the dispenser too if the job streams
+    return feed.dispenser(ctx, position_dir=ctx.output_dir) if ctx.job.spec.streams_data else None
 
 
 def _downpour_replica(ctx: ReplicaContext) -> ReplicaLoop:

@@ -12,6 +12,7 @@ Sources (spec.data.source):
                                         from a planted logistic model over per-id weights
     npz:/path/file.npz                  y (n,) integer labels, with x (n, features) and/or
                                         ids (n, fields) int64 categorical ids, -1 = missing
+    parquet:, csv:, npy: and npz: globs many files, by column (files.py)
 
 Every role that loads a source gets the same arrays and the same split (by the spec's
 seed); each replica then draws its own random minibatches from the training part, so
@@ -29,6 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from distbelief.runtime import contract, errors, jobspec
+from distbelief.runtime.model import files
 from distbelief.runtime.wire import rowkeys
 
 MAX_ID = 1 << 56  # ids share a 63-bit key with their field's number (embedding.keys)
@@ -57,8 +59,25 @@ class Dataset:
 
 def load(spec: jobspec.Data) -> Dataset:
     """The split data set a job's spec.data describes."""
+    if files.is_file_set(spec.source):
+        return load_files(files.FileSet(spec))
     x, y, ids = read_source(spec.source)
     return split(x, y, ids=ids, test_fraction=spec.test_fraction, seed=spec.seed)
+
+
+def load_files(file_set: files.FileSet) -> Dataset:
+    """A file source's training and held-out files, read whole into memory."""
+    x_train, y_train, ids_train = file_set.read_all(file_set.train_units)
+    x_test, y_test, ids_test = file_set.read_all(file_set.test_units)
+    return Dataset(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test, n_classes=file_set.n_classes,
+                   ids_train=ids_train, ids_test=ids_test)
+
+
+def held_out_only(file_set: files.FileSet, limit: int) -> Dataset:
+    """A file source's held-out files, at most `limit` examples, and no training part."""
+    x_test, y_test, ids_test = file_set.read_all(file_set.test_units, limit=limit)
+    return Dataset(x_train=x_test[:0], y_train=y_test[:0], x_test=x_test, y_test=y_test,
+                   n_classes=file_set.n_classes, ids_train=None if ids_test is None else ids_test[:0], ids_test=ids_test)
 
 
 def load_source(source: str) -> tuple[np.ndarray, np.ndarray]:
@@ -74,9 +93,16 @@ def read_source(source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]
             None if ids is None else np.ascontiguousarray(ids, dtype=np.int64))
 
 
-def load_inputs(source: str, *, trained_on: str) -> tuple[np.ndarray, np.ndarray | None]:
+def load_inputs(source: str, *, trained_on: str,
+                columns: jobspec.Data | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Inputs to predict on, preprocessed as training preprocessed `trained_on`, and their
-    labels when the source has them (an npz may hold x alone)."""
+    labels when the source has them (an npz may hold x alone). A file source is read whole,
+    with the columns (label, features, object store) of `columns`, the trained job's data."""
+    if files.is_file_set(source):
+        spec = dataclasses.replace(columns or jobspec.Data(source=source), source=source, test=None)
+        file_set = files.FileSet(spec, whole=True)
+        x, y, _ = file_set.read_all(file_set.train_units)
+        return _as_features(trained_on, x), y
     scheme, _, rest = source.partition(":")
     x, y, _ = _npz(rest, labels=False) if scheme == "npz" and rest else _raw(source)
     return _as_features(trained_on, x), None if y is None else np.ascontiguousarray(y, dtype=np.int64)

@@ -9,8 +9,10 @@ call the same `Job`, so they cannot disagree on what the model is.
 
 from __future__ import annotations
 
+import functools
+
 from distbelief.runtime import contract, errors, jobspec
-from distbelief.runtime.model import data, embedding, models, stages
+from distbelief.runtime.model import data, embedding, files, models, stages
 from distbelief.runtime.wire.layout import Layout
 
 
@@ -21,13 +23,28 @@ class Job:
     def __init__(self, config: contract.JobConfig) -> None:
         self.config = config
         self.spec: jobspec.JobSpec = config.resolved
-        self.dataset = data.load(self.spec.data)
+        self.files: files.FileSet | None = files.FileSet(self.spec.data) if self.spec.streams_data else None
+        shape = self.files or self.dataset
         self.model: models.Model = (
             embedding.build(self.spec.model, self.dataset) if self.spec.model.embeddings is not None
-            else models.build_model(self.spec.model, self.dataset.n_features, self.dataset.n_classes))
+            else models.build_model(self.spec.model, shape.n_features, shape.n_classes))
         partitions = self.spec.model.partitions
         self.plan: stages.Plan | None = stages.plan(self.model, partitions) if partitions > 1 else None
         self.layout = Layout.of(self.model.shapes, config.shards, self.plan.boundaries if self.plan else ())
+
+    @functools.cached_property
+    def dataset(self) -> data.Dataset:
+        """The data set, loaded when first used. When the replicas stream the files, it holds
+        the held-out part only, at most maxEvalExamples of it (the chief's): no pod holds the
+        training files."""
+        if self.files is None:
+            return data.load(self.spec.data)
+        return data.held_out_only(self.files, self.spec.data.max_eval_examples)
+
+    @property
+    def n_classes(self) -> int:
+        """The classes, without loading the data set when the replicas stream it."""
+        return self.files.n_classes if self.files is not None else self.dataset.n_classes
 
     def stage_shards(self, partition: int) -> list[int]:
         """The shards holding a partition's stage."""

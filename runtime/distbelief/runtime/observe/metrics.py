@@ -113,6 +113,15 @@ class ChiefMetrics:
                                           registry=registry)
 
 
+class DispenserMetrics:
+    """Figures of the data dispenser (beside shard 0, when the replicas stream a file source)."""
+
+    def __init__(self, registry: prom.CollectorRegistry, epochs: Callable[[], float]) -> None:
+        self.epoch = prom.Gauge(M.DATA_EPOCH, "Epochs of the training files the replicas finished",
+                                registry=registry)
+        self.epoch.set_function(epochs)
+
+
 class CoordinatorMetrics:
     """Figures of the Sandblaster coordinator (beside shard 0)."""
 

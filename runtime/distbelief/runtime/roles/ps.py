@@ -53,11 +53,13 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         context = interface.ChiefContext(
             job=job, shard=server, registry=metrics_registry, server_security=access.server,
             group=lambda shards=None, stop=None: shard_group(job, security=access.client, shards=shards, stop=stop),
-            coordinator_bind=f"tcp://{listen}:{coordinator_port}")
-        helpers.append(("chief", _start_chief(context, checkpoint_dir, algorithm)))
+            coordinator_bind=f"tcp://{listen}:{coordinator_port}", output_dir=checkpoint_dir)
+        chief = _start_chief(context, checkpoint_dir, algorithm)
+        helpers.append(("chief", chief))
         beside = algorithm.beside_chief(context)
         if beside is not None:
             helpers.append((algorithm.name, beside))
+            chief.more_figures = getattr(beside, "figures", chief.more_figures)  # the dispenser's epoch
     try:
         server.serve()
     finally:

@@ -13,6 +13,7 @@ from distbelief.runtime.algorithms.chief import HeldOut
 from distbelief.runtime.algorithms.downpour.sparse_worker import SparseWorker, held_out_inputs
 from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.algorithms.feed import hooks as feed
 from distbelief.runtime.algorithms.interface import ReplicaContext, ReplicaLoop, initial_slice
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.embedding import EmbeddingModel
@@ -47,6 +48,10 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
     if isinstance(ctx.job.model, EmbeddingModel):
         return SparseWorker(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop)
     # spec.parameterServers.wireFormat: the operator refuses bfloat16 where only float32 works
+    if ctx.job.spec.streams_data:  # no data set: only the units the chief hands out
+        return Worker(settings, ctx.group, ctx.job.model, None, ctx.metrics, stop=ctx.stop,
+                      wire_format=ctx.job.spec.parameter_servers.wire_format,
+                      batches=feed.batches(ctx, training.batch_size))
     return Worker(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop,
                   wire_format=ctx.job.spec.parameter_servers.wire_format)
 

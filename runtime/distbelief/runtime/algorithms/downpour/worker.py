@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Iterator
 
 import numpy as np
 
@@ -45,13 +46,15 @@ class WorkerSettings:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset,
-                 metrics: WorkerMetrics, *, stop: threading.Event | None = None, wire_format: str = "float32") -> None:
-        """wire_format: spec.parameterServers.wireFormat, the format of its pulls and pushes."""
+    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset | None,
+                 metrics: WorkerMetrics, *, stop: threading.Event | None = None, wire_format: str = "float32",
+                 batches: Iterator[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+        """wire_format: spec.parameterServers.wireFormat, the format of its pulls and pushes;
+        batches: its minibatches when they do not come from the data set (a streamed file source)."""
         self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
         self.dense = dense_client.of(group, wire_format)
         self.rng = np.random.default_rng(settings.seed)
-        self.batches = minibatches(dataset, settings.batch_size, self.rng)
+        self.batches = batches if batches is not None else minibatches(dataset, settings.batch_size, self.rng)
         total = group.layout.total
         self.params = np.empty(total, dtype=np.float32)
         self.accumulated = np.zeros(total, dtype=np.float32)

@@ -8,6 +8,7 @@ shard 0 forms replica groups (rendezvous.py); a pod runs its partition's stage
 
 from __future__ import annotations
 
+from distbelief.runtime.algorithms.feed import hooks as feed
 from distbelief.runtime.algorithms.interface import ChiefContext, ReplicaContext, ReplicaLoop
 from distbelief.runtime.algorithms.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
@@ -25,8 +26,11 @@ def attach(shard: Shard, dense: DenseSlice) -> None:
 
 
 def beside_chief(ctx: ChiefContext) -> Rendezvous:
+    """The rendezvous; when the job streams its files, serving the dispenser on its port too."""
+    dispenser = feed.dispenser(ctx, position_dir=ctx.output_dir, serve=False) if ctx.job.spec.streams_data else None
     return Rendezvous(ctx.coordinator_bind, len(ctx.job.plan.stages), ctx.job.layout.hash,
-                      security=ctx.server_security, finished=lambda: ctx.shard.finished is not None).start()
+                      security=ctx.server_security, finished=lambda: ctx.shard.finished is not None,
+                      dispenser=dispenser).start()
 
 
 def replica(ctx: ReplicaContext) -> ReplicaLoop:
@@ -36,7 +40,7 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
     assert job.plan is not None, "a pod of a partitioned replica"
     stage = job.plan.stages[access.partition]
     settings = PodSettings(batch_size=training.batch_size, fetch_every=training.fetch_every,
-                           push_every=training.push_every, classes=job.dataset.n_classes)
+                           push_every=training.push_every, classes=job.n_classes)
     me = access.address or f"partition-0/{group.worker_id:08x}"  # partition 0 serves nothing: a name will do
     rendezvous = RendezvousLink(job.config.coordinator_address(), partition=access.partition, me=me,
                                 worker_id=group.worker_id, layout=job.layout.hash, security=ctx.client_security,
@@ -46,6 +50,9 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
         own = ShardGroup(job.config.shard_addresses(), job.layout, worker_id=group.worker_id, stop=ctx.stop,
                          security=ctx.client_security, shards=job.stage_shards(0))
         links = PodLinks(own, rendezvous, tp, access.client, everyone=group)
+        if job.spec.streams_data:  # only partition 0 reads the data; the labels go down with each step
+            return FirstPartition(settings, stage, links, ctx.metrics, None, stop=ctx.stop,
+                                  batches=feed.batches(ctx, training.batch_size))
         return FirstPartition(settings, stage, links, ctx.metrics, job.dataset, stop=ctx.stop)
     values = settings.batch_size * (stage.input_width + 1)
     server = tp.server(access.bind, who=f"stage {access.partition}", max_frame=protocol.max_frame_bytes(values),

@@ -32,6 +32,8 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from distbelief.runtime import errors, keys
+from distbelief.runtime.algorithms.feed.dispenser import Dispenser
+from distbelief.runtime.algorithms.feed.ops import NEXT_UNIT
 from distbelief.runtime.algorithms.pipeline.ops import JOIN_GROUP
 from distbelief.runtime.transport import fanout, interface, zmq_transport
 from distbelief.runtime.wire import protocol
@@ -45,6 +47,15 @@ WAITING_LEASE_SECONDS = 3.0   # a waiting pod asks again every WAIT_POLL_SECONDS
 WAIT_POLL_SECONDS = 0.2
 MAX_ADDRESS = 256
 POLL_SECONDS = 0.1
+
+
+def _op(incoming: interface.Incoming) -> int | None:
+    try:
+        return protocol.unpack_header(incoming.frames[0]).op
+    except errors.ProtocolError:
+        return None   # the rendezvous rejects it, and says why
+
+
 Peer = tuple  # (authenticated user or None, the connection's routing id): interface.Incoming's
 # Ask again on a fresh connection after 5 s; never give up: shard 0 may be restarting.
 JOIN_POLICY = fanout.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect=False)
@@ -154,8 +165,12 @@ class Rendezvous:
     """The JOIN_GROUP server beside shard 0 (a thread), on the coordinator port."""
 
     def __init__(self, bind: str, partitions: int, layout: int, *, security: keys.ServerSecurity | None,
-                 finished: Callable[[], bool], transport_: interface.Transport | None = None) -> None:
+                 finished: Callable[[], bool], dispenser: Dispenser | None = None,
+                 transport_: interface.Transport | None = None) -> None:
+        """dispenser: a streamed job's, whose NEXT_UNIT requests come to this port too."""
         self.groups = Groups(partitions)
+        self.dispenser = dispenser
+        self.figures: Callable[[], dict] = dispenser.figures if dispenser else dict  # the chief's history lines
         self.layout, self.finished = layout, finished
         self.failure: BaseException | None = None
         self._transport = transport_ or zmq_transport.default()
@@ -178,12 +193,21 @@ class Rendezvous:
         try:
             while not self._stop.is_set():
                 if self._server.poll(POLL_SECONDS):
-                    self._handle(self._server.receive())
+                    self._route(self._server.receive())
+                if self.dispenser is not None:
+                    self.dispenser.tick()
         except Exception as exc:  # recorded for the role to report; the shard keeps its own state
             log.exception("event=rendezvous_failed error=%r", str(exc))
             self.failure = exc
         finally:
             self._server.close()
+
+    def _route(self, incoming: interface.Incoming | None) -> None:
+        """A NEXT_UNIT to the dispenser, anything else to the rendezvous."""
+        if self.dispenser is not None and incoming is not None and incoming.frames and _op(incoming) == NEXT_UNIT.code:
+            self.dispenser.handle(self._server, incoming)
+        else:
+            self._handle(incoming)
 
     def _handle(self, incoming: interface.Incoming | None) -> None:
         try:

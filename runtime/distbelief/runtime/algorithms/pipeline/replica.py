@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Iterator
 
 import numpy as np
 
@@ -209,10 +210,12 @@ class FirstPartition(PartitionPod):
     """Partition 0: reads the data and drives its group's steps."""
 
     def __init__(self, settings: PodSettings, stage: Stage, links: PodLinks, metrics: WorkerMetrics,
-                 dataset: Dataset, *, stop: threading.Event) -> None:
+                 dataset: Dataset | None, *, stop: threading.Event,
+                 batches: Iterator[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+        """batches: its minibatches when they do not come from the data set (a streamed file source)."""
         super().__init__(settings, stage, links, metrics, stop=stop)
         self.rng = np.random.default_rng(settings.seed)
-        self.batches = minibatches(dataset, settings.batch_size, self.rng)
+        self.batches = batches if batches is not None else minibatches(dataset, settings.batch_size, self.rng)
         if links.everyone is None:
             raise ValueError("partition 0 commits its steps on every shard: it needs links.everyone")
         self.commits = Commit(links.everyone)

@@ -19,57 +19,26 @@ import time
 import numpy as np
 
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.chiefport import ChiefPortLink
 from distbelief.runtime.algorithms.sandblaster import ops
 from distbelief.runtime.algorithms.sandblaster.ops import SandblasterShards, UnitResult, WorkUnit
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.data import Dataset
 from distbelief.runtime.model.models import Model
 from distbelief.runtime.observe.metrics import WorkerMetrics
-from distbelief.runtime.transport import fanout, interface, zmq_transport
-from distbelief.runtime.wire import protocol
-from distbelief.runtime.wire.protocol import Header, Status
+from distbelief.runtime.wire.protocol import Status
 
 log = logging.getLogger(__name__)
 
-# Ask again, on a fresh connection, after 5 s without an answer; never give up: the
-# coordinator is shard 0's, and a replica has nothing else to do until it answers.
-ASK_POLICY = fanout.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect=False)
-
-
-class CoordinatorLink:
+class CoordinatorLink(ChiefPortLink):
     """The replica's request/reply channel to the coordinator."""
 
-    def __init__(self, address: str, *, worker_id: int, layout: int, security: dict | None,
-                 stop: threading.Event, transport_: interface.Transport | None = None) -> None:
-        self.worker_id, self.layout, self.stop = worker_id, layout, stop
-        self._transport = transport_ or zmq_transport.default()
-        self._link = self._transport.link(address, security, watch=False)
-        self._name = f"the coordinator at {address}"
-        self._seq = 0
+    def __init__(self, address: str, **kwargs) -> None:
+        super().__init__(address, who="the coordinator", **kwargs)
 
     def ask(self, result: UnitResult | None) -> tuple[int, WorkUnit | None]:
         """Send the last result, wait for the next unit: (status, unit)."""
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
-        header = Header(op=ops.WORK.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id)
-        frames = [header.pack(), *([result.pack()] if result else [])]
-        answers: list[tuple[int, WorkUnit | None]] = []
-
-        def accept(_: int, received: interface.Received) -> bool:
-            answer = protocol.unpack_header(received.header)
-            if answer.seq != self._seq:
-                return False  # the answer to a request asked again
-            if answer.status == Status.OK and not received.frames:
-                raise errors.ProtocolError("the coordinator sent work without a unit")
-            unit = WorkUnit.unpack(received.frames[0]) if answer.status == Status.OK else None
-            answers.append((answer.status, unit))
-            return True
-
-        fanout.exchange(self._transport, fanout.Exchange([self._link], [frames], ASK_POLICY, [self._name]),
-                           accept=accept, stop=self.stop)
-        return answers[0]
-
-    def close(self) -> None:
-        self._link.close()
+        return self.request(ops.WORK, result, WorkUnit)  # type: ignore[return-value]
 
 
 class Replica:
