@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -112,3 +114,35 @@ def test_npz_with_ids_instead_of_x(tmp_path) -> None:
     np.savez(path, ids=np.array([[1, -2]] * 15), y=np.arange(15) % 2)
     with pytest.raises(errors.ConfigError, match="ids must be"):
         data.read_source(f"npz:{path}")
+
+
+@pytest.mark.parametrize("source, digest", [
+    # Digests of (y, ids) as the generator made them before `missing` existed: unchanged.
+    ("synthetic-ctr:fields=8,ids=20000,samples=60000,zipf=1.1,seed=1", "f18ec6bc0011222d"),
+    ("synthetic-ctr:fields=3,ids=1000,samples=20000,zipf=1.2,seed=4", "0f0ab65be15b92b8"),
+    ("synthetic-ctr:fields=3,ids=1000,samples=20000,zipf=1.2,seed=4,missing=0", "0f0ab65be15b92b8"),
+])
+def test_synthetic_ctr_without_missing_ids_is_unchanged(source: str, digest: str) -> None:
+    _, y, ids = data.read_source(source)
+    assert hashlib.sha256(y.tobytes() + ids.tobytes()).hexdigest()[:16] == digest
+
+
+def test_synthetic_ctr_missing_ids_are_minus_one_and_add_nothing_to_the_planted_logit() -> None:
+    body = "fields=12,ids=10000000,samples=50000,zipf=1.15,seed=3"
+    full_ids, full_y, full_logits = data.synthetic_ctr(body)
+    ids, y, logits = data.synthetic_ctr(body + ",missing=0.03")
+    gone = ids == -1
+    assert 0.027 < gone.mean() < 0.033
+    np.testing.assert_array_equal(ids[~gone], full_ids[~gone])  # the ids present are the same draws
+    assert ids.max() < 10_000_000
+    # The planted logit is the sum of the present ids' weights: dropping an id removes its weight.
+    weight_of_gone = full_logits - logits
+    assert np.abs(weight_of_gone[~gone.any(axis=1)]).max() < 1e-12
+    assert np.abs(weight_of_gone[gone.any(axis=1)]).min() > 0
+    # Labels follow the planted logit.
+    assert y[logits > 1].mean() > 0.7 > 0.3 > y[logits < -1].mean()
+
+
+def test_synthetic_ctr_missing_share_is_bounded() -> None:
+    with pytest.raises(errors.ConfigError, match="missing must be within 0..0.9"):
+        data.read_source("synthetic-ctr:fields=2,ids=10,samples=100,missing=0.95")

@@ -297,8 +297,9 @@ SYNTHETIC_BOUNDS: dict[str, tuple[float, float]] = {
     "samples": (10, 10_000_000),
     "seed": (0, 2**32 - 1),
 }
-# synthetic-ctr:fields=F,ids=N,samples=S[,zipf=A][,seed=K]: click-style ids per field.
-# zipf is the only real-valued parameter; ids are ranks 0..N-1 (ids < 2**56, see embedding keys).
+# synthetic-ctr:fields=F,ids=N,samples=S[,zipf=A][,seed=K][,missing=P]: click-style ids per
+# field. zipf and missing are real-valued; ids are ranks 0..N-1 (ids < 2**56, see embedding
+# keys); missing is the share of ids left out (-1), 0 by default.
 CTR_REQUIRED = ("fields", "ids", "samples")
 CTR_BOUNDS: dict[str, tuple[float, float]] = {
     "fields": (1, 64),
@@ -306,9 +307,10 @@ CTR_BOUNDS: dict[str, tuple[float, float]] = {
     "samples": (10, 10_000_000),
     "zipf": (0.5, 3.0),
     "seed": (0, 2**32 - 1),
+    "missing": (0.0, 0.9),
 }
-CTR_DEFAULTS = {"zipf": 1.1, "seed": 0}
-REAL_PARAMETERS = ("zipf",)
+CTR_DEFAULTS = {"zipf": 1.1, "seed": 0, "missing": 0.0}
+REAL_PARAMETERS = ("zipf", "missing")
 
 
 def synthetic_params(body: str) -> tuple[dict[str, int], list[str]]:
