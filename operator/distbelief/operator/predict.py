@@ -39,22 +39,29 @@ class Trained:
         return self.model.predict(self.params, np.ascontiguousarray(x, dtype=np.float32))
 
 
-def load(path: str, *, output: str | None = None) -> Trained:
-    """The trained model of the job in path, from params.npz in its output folder."""
+def load(path: str, *, output: str | None = None, best: bool = False) -> Trained:
+    """The trained model of the job in path, from params.npz in its output folder (best:
+    params-best.npz, the parameters of its best held-out evaluation)."""
     job = spec.validate_job(spec.load_single(path, "distbelief predict"))
+    if job["spec"]["model"].get("embeddings"):
+        raise errors.ConfigError("distbelief predict: a job with spec.model.embeddings keeps its rows on the shards "
+                                 "(their checkpoints), not in params.npz; predict does not serve it yet")
     output = output or os.path.join("out", job["metadata"]["name"])
     dataset = data.load(job["spec"]["data"])
     model = models.build_model(job["spec"]["model"], dataset.n_features, dataset.n_classes)
-    return Trained(job=job, model=model, params=_read_params(_params_file(job, output), model), dataset=dataset)
+    return Trained(job=job, model=model, params=_read_params(_params_file(job, output, best), model), dataset=dataset)
 
 
-def _params_file(job: Mapping[str, Any], output: str) -> str:
+def _params_file(job: Mapping[str, Any], output: str, best: bool = False) -> str:
+    name = contract.BEST_PARAMS_FILE if best else contract.PARAMS_FILE
     chief = volume_dir(output, contract.JobNames(job["metadata"]["name"]).shard_pod(0), contract.CHECKPOINT_VOLUME)
     for folder in (output, chief):
-        path = os.path.join(folder, contract.PARAMS_FILE)
+        path = os.path.join(folder, name)
         if os.path.exists(path):
             return path
-    raise errors.ConfigError(f"{output}: no {contract.PARAMS_FILE}; a run writes it when the job finishes "
+    if best:
+        raise errors.ConfigError(f"{output}: no {name}; a run saves it with spec.training.keepBest: true")
+    raise errors.ConfigError(f"{output}: no {name}; a run writes it when the job finishes "
                              "(distbelief run JOB.yaml, or --output DIR for another folder)")
 
 

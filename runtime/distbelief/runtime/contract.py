@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from decimal import Decimal
 from typing import Any, Mapping
 
 API_GROUP = "distbelief.io"
@@ -20,6 +21,7 @@ PLURAL = "distbeliefjobs"
 
 # The outcomes the chief decides, which are also the job's final phases.
 SUCCEEDED, FAILED = "Succeeded", "Failed"
+MODEL_DEGRADED = "ModelDegraded"  # a condition, and the reason of a job failed by failOnDegraded
 # Data sets the runtime ships (spec.data.source "builtin:<name>").
 BUILTIN_DATASETS: tuple[str, ...] = ("digits",)
 
@@ -50,6 +52,12 @@ class Metric:
     SHARD_COPIES = "distbelief_shard_copies"
     SHARD_PRIMARY = "distbelief_shard_primary_copy"
     SHARD_FAILOVERS = "distbelief_shard_failovers"
+    MODEL_DEGRADED = "distbelief_model_degraded"   # the chief's: 1 with the reason and message, once judged
+    ROWS = "distbelief_rows"                       # a shard's embedding rows
+    ROW_BUDGET = "distbelief_row_budget"           # its budget (spec.model.embeddings.maxRowsPerShard; 0: none)
+    ROWS_REFUSED = "distbelief_rows_refused"       # rows it did not create for want of room
+    ROWS_EVICTED = "distbelief_rows_evicted"       # rows it evicted to make room
+    JOB_ROWS = "distbelief_job_rows"  # the chief's, by figure: max (the fullest shard's), budget, refused, evicted
 
 # Ports inside every pod. The shard port comes from the spec; these are fixed.
 METRICS_PORT = 9100
@@ -101,6 +109,7 @@ ENV_STAGE_ADDRESS = "DISTBELIEF_STAGE_ADDRESS"
 HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation
 RESULT_FILE = "result.json"      # the job's outcome, once decided
 PARAMS_FILE = "params.npz"       # the final parameters, one array per named tensor
+BEST_PARAMS_FILE = "params-best.npz"  # spec.training.keepBest: those of the best evaluation
 
 # Environment every role runs with: glibc's allocator keeps freed memory for reuse.
 # A frame over 32 MiB (a large model's slice, received by ZeroMQ or sealed/opened by
@@ -298,8 +307,7 @@ SYNTHETIC_BOUNDS: dict[str, tuple[float, float]] = {
     "seed": (0, 2**32 - 1),
 }
 # synthetic-ctr:fields=F,ids=N,samples=S[,zipf=A][,seed=K][,missing=P]: click-style ids per
-# field. zipf and missing are real-valued; ids are ranks 0..N-1 (ids < 2**56, see embedding
-# keys); missing is the share of ids left out (-1), 0 by default.
+# field; ids are ranks 0..N-1 (< 2**56, see embedding keys), a share `missing` of them -1.
 CTR_REQUIRED = ("fields", "ids", "samples")
 CTR_BOUNDS: dict[str, tuple[float, float]] = {
     "fields": (1, 64),
@@ -364,6 +372,19 @@ EXIT_INVALID_CONFIG = 2
 EXIT_NON_FINITE_LOSS = 3
 
 
+_QUANTITY_SUFFIXES = {"m": Decimal("0.001"), **{p: Decimal(10) ** (3 * i) for i, p in enumerate("kMGTPE", 1)},
+                      **{p + "i": Decimal(2) ** (10 * i) for i, p in enumerate("KMGTPE", 1)}}
+
+
+def quantity(text: str | int | float) -> Decimal:
+    """A Kubernetes quantity ("500m", "2", "1.5" CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
+    text = str(text)
+    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            return Decimal(text[: -len(suffix)]) * _QUANTITY_SUFFIXES[suffix]
+    return Decimal(text)
+
+
 def _number(text: str, *, real: bool) -> float | None:
     if not real:
         return int(text) if text.lstrip("+-").isdigit() else None
@@ -376,3 +397,4 @@ def _number(text: str, *, real: bool) -> float | None:
 
 def _shown(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
+

@@ -31,7 +31,8 @@ from distbelief.operator.cluster.kube import Kube, KubeError
 from distbelief.operator.render import render, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.status import scrape
-from distbelief.operator.status.status import TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
+from distbelief.operator.status.status import (TERMINAL, WARNINGS, Observed, compute_status, parse_timestamp,
+                                               pod_failures)
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ def observe(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     status = compute_status(job, read_observed(kube, job, refusals), now)
     before = job["status"].get("phase")
+    _warn_new_conditions(body, job["status"].get("conditions", []), status["conditions"])
     if status["phase"] in TERMINAL and before not in TERMINAL:
         _finish(kube, body, job, status)
     elif status["phase"] != before:
@@ -250,6 +252,14 @@ def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str
         shard_lock_message=refusals.get("ShardCountLocked"),
         partition_lock_message=refusals.get("PartitionCountLocked"),
     )
+
+
+def _warn_new_conditions(body: kopf.Body, before: list[Mapping[str, Any]], after: list[Mapping[str, Any]]) -> None:
+    """A Warning Event for each warning condition (ModelDegraded, RowBudgetReached) that just turned True."""
+    was = {c.get("type") for c in before if c.get("status") == "True"}
+    for condition in after:
+        if condition.get("type") in WARNINGS and condition.get("status") == "True" and condition["type"] not in was:
+            kopf.warn(body, reason=condition["type"], message=condition.get("message", condition["type"]))
 
 
 def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping[str, Any]) -> None:

@@ -56,6 +56,12 @@ class Dataset:
     def n_features(self) -> int:
         return int(self.x_train.shape[1])
 
+    @property
+    def nbytes(self) -> int:
+        """The memory its arrays hold."""
+        arrays = (self.x_train, self.y_train, self.x_test, self.y_test, self.ids_train, self.ids_test)
+        return sum(a.nbytes for a in arrays if a is not None)
+
 
 def load(data_spec: Mapping[str, Any]) -> Dataset:
     """The split data set a job's spec.data describes."""

@@ -16,6 +16,7 @@ import os
 from distbelief.runtime import contract, errors
 from distbelief.runtime.algorithms import interface, registry
 from distbelief.runtime.algorithms.chief import Chief, Scorer, StoppingRules, WholeModel
+from distbelief.runtime.algorithms.quality import HeldOutRecord, chance_level
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
 from distbelief.runtime.observe.metrics import ChiefMetrics, MetricsServer, ShardMetrics
 from distbelief.runtime.roles.common import Job, load_access, new_registry, shard_group, stop_on_termination
@@ -77,10 +78,16 @@ def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interf
     else:
         scorer = StagedModel(job.plan, [ctx.group(job.stage_shards(k), group.stop) for k in range(len(job.plan.stages))],
                              job.dataset, max_eval)
+    two_classes = job.dataset.n_classes == 2
+    record = HeldOutRecord(two_classes=two_classes, chance=chance_level(job.dataset.y_test[:max_eval], two_classes))
+    record.replay(os.path.join(output_dir, contract.HISTORY_FILE))
     chief = Chief(group=group, scorer=scorer, rules=StoppingRules.from_spec(training),
                   eval_every=float(training["evalEverySeconds"]), output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
-                  optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1)
+                  optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1, record=record,
+                  keep_best=bool(training.get("keepBest", False)),
+                  fail_on_degraded=bool(training.get("failOnDegraded", False)),
+                  rows=bool(job.spec["model"].get("embeddings")))
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()

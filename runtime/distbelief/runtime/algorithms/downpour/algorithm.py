@@ -17,10 +17,14 @@ from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.algorithms.interface import ReplicaContext, ReplicaLoop, initial_slice
 from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.model import embedding
 from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.params.dense import DenseSlice
-from distbelief.runtime.params.rows.sparse import SparseRows
+from distbelief.runtime.params.rows.sparse import SparseRows, row_budget
 from distbelief.runtime.shard.core import Shard
+
+
+OPTIMIZER_ARRAYS = 4  # a dense slice's arrays: parameters, optimizer state, a clipped copy, a pulled copy
 
 
 def attach(shard: Shard, job: Any) -> DenseSlice:
@@ -33,13 +37,29 @@ def attach(shard: Shard, job: Any) -> DenseSlice:
     shard.attach(dense)
     shard.watch_updates(DownpourUpdates(shard, warmstart_steps=int(training["warmstartSteps"])))
     if isinstance(job.model, EmbeddingModel):
-        options = job.spec["model"]["embeddings"]
-        expire = options.get("expireAfterSeconds")
-        shard.attach(SparseRows(shard, dim=job.model.dim, learning_rate=float(training["learningRate"]),
-                                seed=int(training["seed"]), admit_after=int(options.get("admitAfter", 1)),
-                                expire_after=float(expire) if expire else None,
-                                max_gradient_norm=float(training["maxGradientNorm"])))
+        shard.attach(sparse_rows(shard, job, dense.params.nbytes))
     return dense
+
+
+def sparse_rows(shard: Shard, job: Any, dense_bytes: int) -> SparseRows:
+    """The shard's embedding rows as spec.model.embeddings and spec.training ask."""
+    options, training = job.spec["model"]["embeddings"], job.spec["training"]
+    expire = options.get("expireAfterSeconds")
+    rows = SparseRows(shard, dim=job.model.width, learning_rate=float(training["learningRate"]),
+                      seed=int(training["seed"]), admit_after=int(options.get("admitAfter", 1)),
+                      expire_after=float(expire) if expire else None,
+                      max_gradient_norm=float(training["maxGradientNorm"]), wide=job.model.wide,
+                      l2=float(options.get("l2", embedding.L2)), wide_l2=float(options.get("wideL2", embedding.WIDE_L2)),
+                      embed_after=int(options.get("embedAfter", embedding.EMBED_AFTER)),
+                      push_examples=int(training["batchSize"]) * int(training.get("pushEvery", 1)),
+                      fields=job.dataset.fields)
+    budget = options.get("maxRowsPerShard")
+    if budget is None:
+        limit = ((job.spec["parameterServers"].get("resources") or {}).get("limits") or {}).get("memory")
+        budget = row_budget(limit, rows.table.row_bytes(), job.dataset.nbytes + OPTIMIZER_ARRAYS * dense_bytes)
+    rows.table.max_rows = None if budget is None else int(budget)
+    shard.metrics.row_budget.set(budget or 0)
+    return rows
 
 
 def replica(ctx: ReplicaContext) -> ReplicaLoop:
