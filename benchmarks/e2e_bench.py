@@ -65,7 +65,7 @@ sys.path[:0] = [str(REPO / "runtime")]
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from distbelief.runtime import contract
+from distbelief.runtime import contract, jobspec
 from distbelief.runtime.model import data, models
 from distbelief.runtime.params import optim
 
@@ -289,13 +289,14 @@ def single_process_seconds(spec: dict, target: float) -> float:
 def plain_trainer(spec: dict) -> tuple[Callable[[], None], Callable[[], float]]:
     """A job's model, data and optimiser in this process, no parameter server:
     (one training step, held-out accuracy now)."""
-    dataset = data.load(spec["data"])
-    model = models.build_model(spec["model"], dataset.n_features, dataset.n_classes)
+    typed = jobspec.resolve(spec)
+    dataset = data.load(typed.data)
+    model = models.build_model(typed.model, dataset.n_features, dataset.n_classes)
     params = model.init_params(0)
     grad = np.empty_like(params)
-    adagrad = optim.Adagrad(params.size, spec["training"]["learningRate"])
-    batches = data.minibatches(dataset, spec["training"]["batchSize"], np.random.default_rng(0))
-    limit = int(spec["data"].get("maxEvalExamples", len(dataset.x_test)))
+    adagrad = optim.Adagrad(params.size, typed.training.learning_rate)
+    batches = data.minibatches(dataset, typed.training.batch_size, np.random.default_rng(0))
+    limit = typed.data.max_eval_examples
     x_test, y_test = dataset.x_test[:limit], dataset.y_test[:limit]
 
     def step() -> None:

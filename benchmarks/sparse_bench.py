@@ -43,11 +43,11 @@ from distbelief.operator.spec import spec
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import data, models
 from distbelief.runtime.model.embedding import EmbeddingModel
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.rows.row_client import RowClient
 from distbelief.runtime.params.rows.rowtable import RowTable
 from distbelief.runtime.params.rows.sparse import SparseRows
-from distbelief.runtime.roles.common import Job
 from distbelief.runtime.shard.core import Shard, ShardSettings
 
 EXAMPLE = HERE.parent / "examples" / "ctr-sparse.yaml"
@@ -77,7 +77,7 @@ def shard_rates(rng: np.random.Generator) -> tuple[float, float]:
 def unique_keys_per_step(job: Job, rng: np.random.Generator) -> float:
     model, ids = job.model, job.dataset.ids_train
     assert isinstance(model, EmbeddingModel) and ids is not None
-    batch = int(job.spec["training"]["batchSize"])
+    batch = job.spec.training.batch_size
     return float(np.mean([model.keys(ids[rng.choice(len(ids), batch, replace=False)])[0].size for _ in range(50)]))
 
 
@@ -109,7 +109,7 @@ def bytes_per_step(job: Job, folder: Path, rng: np.random.Generator) -> float:
     try:
         client, ids, samples = RowClient(group, model.dim), job.dataset.ids_train, []
         for _ in range(20):
-            keys, _ = model.keys(ids[rng.choice(len(ids), int(job.spec["training"]["batchSize"]), replace=False)])
+            keys, _ = model.keys(ids[rng.choice(len(ids), job.spec.training.batch_size, replace=False)])
             before = group.bytes_in + group.bytes_out
             rows, _ = client.pull(keys)
             client.push(keys, np.zeros_like(rows))
@@ -151,7 +151,7 @@ def main() -> int:
         for i in range(args.runs):
             runs.append(example_run(Path(tmp) / f"run{i}"))
         measured_bytes = bytes_per_step(job, Path(tmp) / "bytes", rng)
-    batch = int(job.spec["training"]["batchSize"])
+    batch = job.spec.training.batch_size
     fields, ids = job.model.fields, int(doc["spec"]["data"]["source"].split("ids=")[1].split(",")[0])
     dense_bytes = 2 * fields * ids * job.model.dim * 4
     results = {
@@ -163,7 +163,7 @@ def main() -> int:
         "dense_bytes_per_step": dense_bytes,
         "bytes_ratio_dense_over_sparse": dense_bytes / measured_bytes,
         "auc": summarize([r["auc"] for r in runs]),
-        "auc_baseline": logistic_baseline_auc(job, int(job.spec["data"]["maxEvalExamples"])),
+        "auc_baseline": logistic_baseline_auc(job, job.spec.data.max_eval_examples),
         "definition": {"shard": f"{SHARD_ROWS} rows x {DIM}, {SHARD_BATCH} unique Zipf(1.1) keys a push",
                        "e2e": "examples/ctr-sparse.yaml, local mode, 2 shards, 2 replicas"},
     }

@@ -36,7 +36,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from figures import save, summarize  # noqa: E402
 
 from conftest import start_shards  # noqa: E402
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import WorkerMetrics
@@ -63,8 +63,8 @@ class Slowed:
 
 
 def one_run(tau: int | None, seed: int) -> dict:
-    dataset = data.load({"source": "builtin:digits", "testFraction": 0.2, "seed": 0})
-    model = models.build_model({"type": "mlp", "hiddenLayers": [64]}, dataset.n_features, dataset.n_classes)
+    dataset = data.load(jobspec.Data(source="builtin:digits", test_fraction=0.2, seed=0))
+    model = models.build_model(jobspec.Model(type="mlp", hidden_layers=(64,)), dataset.n_features, dataset.n_classes)
     layout = Layout.of(model.shapes, shards=SHARDS)
     with tempfile.TemporaryDirectory() as tmp:
         live = start_shards(Path(tmp), layout, model.init_params(seed), learning_rate=LEARNING_RATE, checkpoint_every=3600)

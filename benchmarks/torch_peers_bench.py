@@ -50,6 +50,7 @@ sys.path[:0] = [str(REPO / "runtime")]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from distbelief.runtime import jobspec
 from distbelief.runtime.model import data
 
 import mnist_sized  # noqa: E402
@@ -133,7 +134,7 @@ def ddp_accuracy(c: dict) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     init_gloo(c)
-    ds = data.load({"source": c["source"], "testFraction": c["test_fraction"]})
+    ds = data.load(jobspec.Data(source=c["source"], test_fraction=c["test_fraction"]))
     torch.manual_seed(c["run"])
     model = mlp((ds.n_features, *c["hidden"], ds.n_classes))
     net = DistributedDataParallel(model)

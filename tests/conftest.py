@@ -13,7 +13,7 @@ import pytest
 
 from distbelief.operator.local import local
 from distbelief.operator.spec import spec
-from distbelief.runtime import keys
+from distbelief.runtime import jobspec, keys
 from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
@@ -21,8 +21,9 @@ from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire.layout import Layout
 
-# `kube`: a Kubernetes API emulator on loopback; `control_plane`, `kubectl`, `helm`, `namespace`: the
-# real control plane of the cluster tier (support/cluster.py)
+# `control_plane`, `kubectl`, `api`, `helm`, `namespace`, `chart`, `operator`, `chiefs`: the real
+# control plane of the cluster tier (support/cluster.py); `kube`: the Kubernetes API emulator on
+# loopback that benchmarks/operator_bench.py measures the operator against (tests/kube)
 pytest_plugins = ["kube.plugin", "support.cluster"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +44,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def load_example(name: str) -> dict[str, Any]:
     (doc,) = spec.load_manifests(str(EXAMPLES / name))
     return doc
+
+
+def typed_model(written: dict[str, Any]) -> jobspec.Model:
+    """A spec.model as the runtime takes it, resolved from a dict as a job's config is."""
+    return jobspec.resolve({"data": {"source": "builtin:digits"}, "model": written}).model
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
 OPERATOR = REPO / "operator" / "distbelief" / "operator"
 MAX_LINES = 400
 # The runtime modules the operator process may import: dependency-free, beside the layers.
-RUNTIME_FOR_THE_OPERATOR = {"contract", "keys", "keyfiles", "errors"}
+RUNTIME_FOR_THE_OPERATOR = {"contract", "jobspec", "keys", "keyfiles", "errors"}
 
 
 def imports(path: Path) -> set[str]:
@@ -88,12 +88,13 @@ def test_no_init_at_the_roots_of_the_namespace_package() -> None:
         assert not (REPO / root / "__init__.py").exists(), f"{root}/__init__.py"
 
 
-@pytest.mark.parametrize("name", ["contract", "errors"])
-def test_the_contract_and_the_errors_need_only_the_standard_library(name: str) -> None:
-    outside = {m for m in imports(RUNTIME / f"{name}.py")
+@pytest.mark.parametrize("path", [RUNTIME / "contract.py", RUNTIME / "jobspec.py", RUNTIME / "errors.py",
+                                  OPERATOR / "errors.py"], ids=lambda p: p.relative_to(REPO).as_posix())
+def test_the_contract_the_typed_job_and_the_errors_need_only_the_standard_library(path: Path) -> None:
+    outside = {m for m in imports(path)
                if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"
-               and not m.startswith("__future__.")}
-    assert not outside, f"{name}.py imports {sorted(outside)}"
+               and not m.startswith("__future__.") and m not in ("distbelief.runtime", "distbelief.runtime.jobspec")}
+    assert not outside, f"{path.name} imports {sorted(outside)}"
 
 
 def test_no_runtime_or_operator_module_is_over_400_lines() -> None:

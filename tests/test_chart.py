@@ -3,11 +3,9 @@
 * ``helm lint --strict`` and the values schema;
 * ``helm template`` output against the Kubernetes 1.30 OpenAPI schemas, strictly;
 * the chart's CRD is the file in crds/ (a symlink, and what ``helm package`` ships);
-* the operator's RBAC rules are exactly the calls it makes: the operator runs for real,
-  with the arguments and environment of the chart's Deployment, against the Kubernetes
-  API emulator (tests/kube), once watching every namespace and once a list of them,
-  through a job's whole life; every request it sent must be allowed by the rendered
-  rules, and every rule must have been used;
+* the operator's RBAC rules: no wildcard, Secrets only created, a Role per watched
+  namespace (that the rules are exactly the calls the operator makes is checked on a real
+  API server, tests/test_cluster_rbac.py);
 * checkov on the rendered chart and on the children ``distbelief render`` prints: every
   failed check is one the docs list with its reason.
 """
@@ -21,10 +19,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import threading
-import time
-import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +30,13 @@ import yaml
 from distbelief.operator.render import podparts, render
 from distbelief.operator.spec import spec
 from distbelief.runtime import contract
-from kube import KubeEmulator, RequestRecord
-from kube.catalog import kopf_peering_crds
-
 from conftest import REPO, load_example
-from test_operator import JOBS, Chiefs, Operator, new_job
 
 CHART = REPO / "charts" / "distbelief"
 CRD_FILE = REPO / "crds" / "distbelief.io_distbeliefjobs.yaml"
 DOCS = REPO / "docs" / "install.md"
 RELEASE, NAMESPACE = "distbelief", "distbelief-system"
 K8S_VERSION = "1.30"
-WAIT = 30.0
 
 
 def _tool(name: str, *fallbacks: Path) -> str | None:
@@ -171,18 +161,19 @@ def test_peering_objects_fit_the_chart_crds_and_the_mode(values_dir: Path) -> No
 
 
 def test_kopf_peering_crds_are_the_types_kopf_uses() -> None:
-    """Same names, groups and scopes as kopf's own references (and the emulator's copy),
-    and no status subresource: kopf writes .status through the main endpoint."""
+    """Same names, groups and scopes as kopf's own references, and no status subresource:
+    kopf writes .status through the main endpoint (the cluster tests run kopf's peering on
+    these CRDs, installed by helm)."""
     from kopf._cogs.structs import references
 
     ours = {c["metadata"]["name"]: c for c in yaml.safe_load_all((CHART / "crds" / "kopf.dev_peerings.yaml").read_text())}
     for selector in (references.CLUSTER_PEERINGS_K, references.NAMESPACED_PEERINGS_K):
         assert (selector.group, selector.version) == ("kopf.dev", "v1")
         assert f"{selector.any_name}.{selector.group}" in ours
-    for theirs in kopf_peering_crds():
-        crd = ours[theirs["metadata"]["name"]]
-        assert crd["spec"]["scope"] == theirs["spec"]["scope"]
-        assert crd["spec"]["names"]["kind"] == theirs["spec"]["names"]["kind"]
+    scopes = {references.CLUSTER_PEERINGS_K: "Cluster", references.NAMESPACED_PEERINGS_K: "Namespaced"}
+    for selector, scope in scopes.items():
+        crd = ours[f"{selector.any_name}.{selector.group}"]
+        assert crd["spec"]["scope"] == scope
         (version,) = crd["spec"]["versions"]
         assert version["name"] == "v1" and "subresources" not in version
         kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
@@ -330,102 +321,7 @@ def test_monitors_select_the_jobs_metrics_ports(values_dir: Path) -> None:
     assert of_kind(defaults, "ServiceMonitor")[0]["spec"]["namespaceSelector"] == {"any": True}
 
 
-# ------------------------------------------------------------------ NOTES.txt
-
-
-def _builtin_as_crd(group: str, kind: str, plural: str, scope: str) -> dict[str, Any]:
-    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.{group}"},
-            "spec": {"group": group, "scope": scope, "names": {"plural": plural, "kind": kind},
-                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                         "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
-
-
-# The emulator serves no RBAC API (it has no RBAC); for `helm install --dry-run=client`
-# to map the chart's RBAC kinds, these stand in for them in discovery.
-RBAC_STAND_INS = [_builtin_as_crd("rbac.authorization.k8s.io", kind, plural, scope) for kind, plural, scope in (
-    ("ClusterRole", "clusterroles", "Cluster"), ("ClusterRoleBinding", "clusterrolebindings", "Cluster"),
-    ("Role", "roles", "Namespaced"), ("RoleBinding", "rolebindings", "Namespaced"))]
-
-
-@pytest.fixture(scope="module")
-def api_for_helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeEmulator]:
-    kube = KubeEmulator(crds=RBAC_STAND_INS).start()
-    kube.write_kubeconfig(tmp_path_factory.mktemp("helm") / "kubeconfig")
-    try:
-        yield kube
-    finally:
-        kube.stop()
-
-
-def notes(kube: KubeEmulator, *args: str) -> str:
-    out = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
-               "--disable-openapi-validation", "--kubeconfig", str(kube.kubeconfig), *args).stdout
-    assert "NOTES:" in out
-    return out[out.index("NOTES:"):]
-
-
-def test_notes_give_the_next_steps(api_for_helm: KubeEmulator) -> None:
-    text = notes(api_for_helm)
-    assert f"kubectl -n {NAMESPACE} rollout status deployment/{RELEASE}" in text
-    assert "kubectl -n default apply -f examples/digits-mlp.yaml" in text
-    assert "kubectl -n default get dbj digits --watch" in text
-    assert "in every namespace" in text and "ClusterKopfPeering" in text
-    assert "kubectl apply --server-side --force-conflicts -f crds/distbelief.io_distbeliefjobs.yaml" in text
-    assert "docs/install.md" in text
-    scoped = notes(api_for_helm, "--set", "operator.watchNamespaces={ml,research}", "--set", "peering.enabled=false")
-    assert "in: ml, research" in scoped
-    assert "kubectl -n ml apply -f examples/digits-mlp.yaml" in scoped
-    assert "KopfPeering" not in scoped
-    for line in scoped.splitlines():  # every example job mentioned exists
-        if "-f examples/" in line:
-            assert (REPO / line.split("-f ")[1].split()[0]).is_file()
-
-
-# ------------------------------------------------------------------ RBAC == the operator's calls
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """One API request as RBAC sees it."""
-
-    group: str
-    resource: str          # plural, or plural/subresource
-    verb: str
-    namespace: str | None  # None: cluster-scoped, or across all namespaces
-    name: str | None
-
-    def __str__(self) -> str:
-        where = f"in {self.namespace}" if self.namespace else "cluster-wide"
-        return f"{self.verb} {self.resource}{'.' + self.group if self.group else ''} {where}" + (
-            f" ({self.name})" if self.name else "")
-
-
-def _is_discovery(parts: list[str]) -> bool:
-    """Paths that need no RBAC rule: discovery, version, health (system:discovery and
-    system:public-info-viewer grant them to every authenticated client)."""
-    return (not parts or parts[0] in ("version", "healthz", "livez", "readyz", "openapi")
-            or (parts[0] == "api" and len(parts) <= 2) or (parts[0] == "apis" and len(parts) <= 3))
-
-
-def call_of(record: RequestRecord) -> Call | None:
-    """RequestRecord -> (group, resource[/subresource], verb, namespace, name); None for
-    discovery. GET one: get, GET a collection: list (watch with ?watch), POST: create,
-    PATCH: patch, PUT: update, DELETE one: delete, DELETE a collection: deletecollection."""
-    parts = [p for p in record.path.split("/") if p]
-    if _is_discovery(parts):
-        return None
-    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
-    namespace = None
-    if rest[0] == "namespaces" and len(rest) >= 3:
-        namespace, rest = rest[1], rest[2:]
-    resource, name = rest[0], rest[1] if len(rest) > 1 else None
-    if len(rest) > 2:
-        resource = f"{resource}/{rest[2]}"
-    watching = record.query.get("watch") in ("true", "1")
-    verb = {"GET": "get" if name else ("watch" if watching else "list"), "POST": "create", "PATCH": "patch",
-            "PUT": "update", "DELETE": "delete" if name else "deletecollection"}[record.method]
-    return Call(group, resource, verb, namespace, name)
+# ------------------------------------------------------------------ RBAC
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,14 +333,6 @@ class Grant:
     verb: str
     namespace: str | None   # None: everywhere (ClusterRoleBinding)
     name: str | None = None
-
-    def allows(self, call: Call) -> bool:
-        if (call.group, call.resource, call.verb) != (self.group, self.resource, self.verb):
-            return False
-        if self.namespace is not None and call.namespace != self.namespace:
-            return False
-        # A rule with resourceNames cannot authorize create, list, watch or deletecollection.
-        return self.name is None or call.name == self.name
 
     def __str__(self) -> str:
         where = f"in {self.namespace}" if self.namespace else "everywhere"
@@ -476,200 +364,6 @@ def operator_grants(docs: list[dict[str, Any]]) -> list[Grant]:
             grants += [Grant(group, resource, verb, namespace, name) for group in rule["apiGroups"]
                        for resource in rule["resources"] for verb in rule["verbs"] for name in names]
     return grants
-
-
-# Grants the session below cannot exercise, (group, resource, verb) -> the reason. Empty:
-# the session reaches every one. Keep it so: an entry is a permission no test shows the
-# operator needs.
-UNUSED_ALLOWED: dict[tuple[str, str, str], str] = {}
-
-
-@dataclasses.dataclass
-class Session:
-    mode: str
-    calls: list[Call]
-    grants: list[Grant]
-    runtime_image: str
-    sts_image: str
-    log: str
-
-
-class ChartOperator(Operator):
-    """`distbelief operator` with the arguments and environment of the chart's Deployment;
-    only the liveness address is moved to a free loopback port, and the status interval
-    shortened, for the test."""
-
-    def __init__(self, kube: KubeEmulator, chiefs: Chiefs, log_path: Path, container: Mapping[str, Any]) -> None:
-        super().__init__(kube, chiefs, log_path)
-        self.container = container
-
-    def start(self) -> ChartOperator:
-        args = [f"--liveness={self.liveness}" if a.startswith("--liveness=") else a for a in self.container["args"]]
-        values = {k: v for k, v in env_of(self.container).items() if isinstance(v, str)}
-        values.update(POD_ID="distbelief-operator-test", DISTBELIEF_OPERATOR_NAMESPACE=NAMESPACE,
-                      DISTBELIEF_STATUS_INTERVAL="0.5",
-                      DISTBELIEF_METRICS_URL=self.chiefs.url)
-        env = self.kube.env(**values)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "distbelief.operator.cli", *args], env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-
-def _wait(kube: KubeEmulator, resource: str, name: str, namespace: str,
-          condition: Callable[[Any], bool] = lambda o: o is not None) -> Any:
-    return kube.wait_for(resource, name, namespace, condition=condition, timeout=WAIT)
-
-
-def _drive_a_job_through_its_life(kube: KubeEmulator, chiefs: Chiefs, namespace: str) -> str:
-    """create, scale, autoscale (on, changed, off), NetworkPolicy (on, changed, off), a port
-    change, running, finished, TTL.
-    The user's side goes through the emulator's in-process accessors, so every HTTP
-    request the emulator records is the operator's. Returns the shards' image."""
-    name = "rbac"
-    doc = new_job(name, runPolicy={"ttlSecondsAfterFinished": 1})
-    doc["metadata"]["namespace"] = namespace
-    kube.create(JOBS, doc, namespace)
-    sts = _wait(kube, "apps/v1/statefulsets", f"{name}-ps", namespace)
-    _wait(kube, "apps/v1/deployments", f"{name}-worker", namespace)
-    kube.patch(JOBS, name, {"spec": {"replicas": 5}}, namespace, subresource="scale")
-    _wait(kube, "apps/v1/deployments", f"{name}-worker", namespace, lambda d: d and d["spec"]["replicas"] == 5)
-    hpas = "autoscaling/v2/horizontalpodautoscalers"
-    kube.patch(JOBS, name, {"spec": {"workers": {"autoscaling": {"minReplicas": 2, "maxReplicas": 6}}}}, namespace)
-    _wait(kube, hpas, f"{name}-worker", namespace)
-    kube.patch(JOBS, name, {"spec": {"workers": {"autoscaling": {"maxReplicas": 7}}}}, namespace)
-    _wait(kube, hpas, f"{name}-worker", namespace, lambda h: h and h["spec"]["maxReplicas"] == 7)
-    policies = "networking.k8s.io/v1/networkpolicies"
-    kube.patch(JOBS, name, {"spec": {"parameterServers": {"networkPolicy": True}}}, namespace)
-    _wait(kube, policies, f"{name}-ps", namespace)
-    kube.patch(JOBS, name, {"spec": {"parameterServers": {"port": 7071}}}, namespace)
-    _wait(kube, policies, f"{name}-ps", namespace,
-          lambda n: n and n["spec"]["ingress"][0]["ports"][0]["port"] == 7071)
-    kube.patch(JOBS, name, {"spec": {"parameterServers": {"networkPolicy": False}}}, namespace)
-    _wait(kube, policies, f"{name}-ps", namespace, lambda n: n is None)
-    _wait(kube, "v1/services", f"{name}-ps", namespace,
-          lambda s: s and any(p["port"] == 7071 for p in s["spec"]["ports"]))
-    kube.patch(JOBS, name, {"spec": {"workers": {"autoscaling": None}}}, namespace)
-    _wait(kube, hpas, f"{name}-worker", namespace, lambda h: h is None)
-    kube.patch_status("apps/v1/statefulsets", f"{name}-ps", {"replicas": 2, "readyReplicas": 2}, namespace)
-    kube.patch_status("apps/v1/deployments", f"{name}-worker", {"replicas": 5, "readyReplicas": 5}, namespace)
-    _wait(kube, JOBS, name, namespace, lambda j: j and (j.get("status") or {}).get("phase") == "Running")
-    _, chief = chiefs.of(name)
-    chief.finished.labels(reason="MaxStepsReached", outcome="Succeeded").set(1)
-    # The TTL: the operator deletes the job. (Waiting for it to be gone would wait on kopf
-    # removing its finalizer, which can take a minute when the deletion races the timer.)
-    _wait(kube, JOBS, name, namespace, lambda j: j is None or j["metadata"].get("deletionTimestamp"))
-    return sts["spec"]["template"]["spec"]["containers"][0]["image"]
-
-
-def run_session(mode: str, values_dir: Path, folder: Path) -> Session:
-    docs = template(values_dir, mode, "--include-crds")
-    (job_crd,) = [d for d in of_kind(docs, "CustomResourceDefinition") if d["spec"]["group"] == contract.API_GROUP]
-    kube = KubeEmulator(crds=[job_crd], validators={JOBS: spec.validate_job}).start()
-    kube.write_kubeconfig(folder / "kubeconfig")
-    chiefs = Chiefs()
-    container = operator_container(docs)
-    namespaces = VALUES[mode].get("operator", {}).get("watchNamespaces") or ["team-a"]
-    for namespace in namespaces:
-        kube.create("v1/namespaces", {"metadata": {"name": namespace}})
-    for peering in [d for d in docs if d["apiVersion"] == "kopf.dev/v1"]:  # what helm would create
-        kube.create(f"kopf.dev/v1/{peering['kind'].lower()}s", peering, peering["metadata"].get("namespace"))
-    operator = ChartOperator(kube, chiefs, folder / "operator.log", container).start()
-    try:
-        _wait_alive(operator)
-        sts_image = _drive_a_job_through_its_life(kube, chiefs, namespaces[0])
-    finally:
-        operator.stop()
-        kube.stop()
-        chiefs.server.shutdown()
-    calls = [c for c in map(call_of, kube.requests) if c is not None]
-    return Session(mode, calls, operator_grants(docs), env_of(container)["DISTBELIEF_RUNTIME_IMAGE"], sts_image,
-                   (folder / "operator.log").read_text())
-
-
-def _wait_alive(operator: ChartOperator) -> None:
-    """The chart's liveness endpoint answers (the probes' path is the --liveness path)."""
-    deadline = time.monotonic() + WAIT
-    while True:
-        assert operator.process is not None and operator.process.poll() is None, "the operator exited"
-        try:
-            with urllib.request.urlopen(operator.liveness, timeout=2) as response:
-                assert response.status == 200
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def sessions(values_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Session]:
-    """Both sessions at once (each its own emulator and operator): they take seconds each."""
-    results: dict[str, Session | BaseException] = {}
-
-    def one(mode: str) -> None:
-        try:
-            results[mode] = run_session(mode, values_dir, tmp_path_factory.mktemp(mode))
-        except BaseException as exc:  # re-raised in the test's thread
-            results[mode] = exc
-
-    threads = [threading.Thread(target=one, args=(mode,)) for mode in ("defaults", "namespaced")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=240)  # each wait in a session is bounded (WAIT); this bounds them all
-    sessions = {}
-    for mode in ("defaults", "namespaced"):
-        result = results.get(mode)
-        if isinstance(result, BaseException):
-            raise result
-        if result is None:
-            raise TimeoutError(f"the {mode} operator session did not finish")
-        sessions[mode] = result
-    return sessions
-
-
-@pytest.mark.parametrize("mode", ["defaults", "namespaced"])
-def test_rbac_allows_every_call_the_operator_makes(sessions: dict[str, Session], mode: str) -> None:
-    session = sessions[mode]
-    denied = sorted({str(c) for c in session.calls if not any(g.allows(c) for g in session.grants)})
-    assert not denied, f"the chart's rules ({mode}) do not allow: {denied}\n{session.log[-3000:]}"
-
-
-@pytest.mark.parametrize("mode", ["defaults", "namespaced"])
-def test_rbac_grants_nothing_the_operator_does_not_use(sessions: dict[str, Session], mode: str) -> None:
-    """Every grant was used. The Roles of the watched namespaces are the same rules
-    (test_rbac_for_every_watched_namespace), and the job ran in the first of them: a
-    Role's grant counts as used when the same grant was used in any watched namespace."""
-    session = sessions[mode]
-
-    def used(grant: Grant) -> bool:
-        if grant.namespace is None:
-            return any(grant.allows(c) for c in session.calls)
-        return any(dataclasses.replace(grant, namespace=c.namespace).allows(c)
-                   for c in session.calls if c.namespace is not None)
-
-    unused = sorted({str(g) for g in session.grants
-                     if not used(g) and (g.group, g.resource, g.verb) not in UNUSED_ALLOWED})
-    assert not unused, f"the chart ({mode}) grants what the operator never used: {unused}"
-
-
-def test_the_session_covered_a_jobs_whole_life(sessions: dict[str, Session]) -> None:
-    """The sessions reached what the rules are for (so a rule cannot pass for want of a call)."""
-    for session in sessions.values():
-        used = {(c.resource, c.verb) for c in session.calls}
-        assert {("distbeliefjobs", "delete"), ("horizontalpodautoscalers", "patch"),
-                ("horizontalpodautoscalers", "delete"), ("services", "patch"),
-                ("distbeliefjobs/status", "patch")} <= used
-        assert session.sts_image == session.runtime_image  # the chart's runtime image reaches the pods
-    assert any(c.resource == "clusterkopfpeerings" and c.verb == "patch" for c in sessions["defaults"].calls)
-    assert any(c.resource == "kopfpeerings" and c.verb == "patch" for c in sessions["namespaced"].calls)
-    # Watching two namespaces, the operator reads jobs and keeps peering in both, and only there.
-    namespaced = sessions["namespaced"].calls
-    assert {c.namespace for c in namespaced} == {None, "ml", "research"}
-    for namespace in ("ml", "research"):
-        assert {("distbeliefjobs", "watch"), ("kopfpeerings", "patch")} <= {
-            (c.resource, c.verb) for c in namespaced if c.namespace == namespace}
 
 
 def test_rbac_for_every_watched_namespace(values_dir: Path) -> None:

@@ -385,6 +385,22 @@ def test_checkpoint_of_another_layout_or_shard_is_an_error(tmp_path, layout, sha
     assert snapshot(tmp_path) == before  # the user's work is neither renamed nor deleted
 
 
+def test_a_checkpoint_of_another_job_of_the_same_name_is_an_error(tmp_path):
+    """On a cluster a job records its uid in its checkpoints: a new job of the same name that
+    meets a deleted job's volume refuses it (exit code 2, InvalidConfig) and keeps it."""
+    path = checkpoint.save(str(tmp_path), make(2, meta={checkpoint.JOB_UID: "old-uid"}), keep=3)
+    before = snapshot(tmp_path)
+    with pytest.raises(errors.CheckpointError) as info:
+        checkpoint.restore_latest(str(tmp_path), layout=LAYOUT, shard=SHARD, job_uid="new-uid")
+    assert path in str(info.value) and "uid old-uid" in str(info.value) and "this job is new-uid" in str(info.value)
+    assert snapshot(tmp_path) == before
+    assert checkpoint.restore_latest(str(tmp_path), layout=LAYOUT, shard=SHARD, job_uid="old-uid").step == 2
+    # Local mode records no job, and checkpoints written before the record are the job's own.
+    assert checkpoint.restore_latest(str(tmp_path), layout=LAYOUT, shard=SHARD).step == 2
+    checkpoint.save(str(tmp_path), make(3), keep=3)
+    assert checkpoint.restore_latest(str(tmp_path), layout=LAYOUT, shard=SHARD, job_uid="new-uid").step == 3
+
+
 def test_a_folder_replaced_by_a_file_right_after_a_write_lists_no_checkpoints(tmp_path):
     """The folder can be moved away between a checkpoint's rename and its pruning (an
     operator's mistake, a volume going away): pruning must not take the shard down."""

@@ -57,9 +57,10 @@ def test_render_prints_the_children_as_yaml() -> None:
                       "--operator-namespace", "ops")
     assert done.returncode == 0, done.stderr
     docs = list(yaml.safe_load_all(done.stdout))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget",
+                                         "NetworkPolicy"]
     assert docs[2]["spec"]["template"]["spec"]["containers"][0]["image"] == "example/db:1"
-    (operator,) = docs[4]["spec"]["ingress"][1]["from"]
+    (operator,) = docs[5]["spec"]["ingress"][1]["from"]
     assert operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ops"}
 
 
@@ -68,7 +69,7 @@ def test_render_shows_a_worker_deployment_per_partition() -> None:
     assert done.returncode == 0, done.stderr
     docs = list(yaml.safe_load_all(done.stdout))
     assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "StatefulSet", "Deployment", "Deployment",
-                                         "NetworkPolicy"]
+                                         "PodDisruptionBudget", "NetworkPolicy"]
     for partition, deployment in enumerate(docs[3:5]):
         assert deployment["metadata"]["name"] == f"digits-partitioned-worker-p{partition}"
         assert deployment["spec"]["replicas"] == 3

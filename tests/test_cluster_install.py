@@ -12,21 +12,12 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
+from distbelief.operator import errors
 from distbelief.operator.spec import spec
-from support.cluster import Kubectl
+from support.cluster import CRD_NAME, Kubectl
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.yaml"))
-CRD_NAME = "distbeliefjobs.distbelief.io"
-
-
-@pytest.fixture(scope="module")
-def chart(helm: Callable[..., str], kubectl: Kubectl) -> str:
-    """The chart, installed (its crds/ folder brings the CRD): the release's namespace."""
-    helm("install", "distbelief", str(REPO / "charts" / "distbelief"), "--namespace", "distbelief-system",
-         "--create-namespace")
-    kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
-    return "distbelief-system"
 
 
 def test_the_chart_installs_the_crd_and_the_operator(chart: str, kubectl: Kubectl, helm: Callable[..., str]) -> None:
@@ -118,5 +109,29 @@ def test_every_bound_of_the_schema_is_one_the_api_server_holds(
     assert bound_complaints(with_value(path, edge_value(schema, edge, beyond=False))) == []
     outside = with_value(path, edge_value(schema, edge, beyond=True))
     assert bound_complaints(outside), f"the server accepts {field} beyond its {edge}"
-    with pytest.raises(spec.SpecError, match=field):
+    with pytest.raises(errors.SpecError, match=field):
         spec.validate_job(outside)
+
+
+def notes(helm: Callable[..., str], *args: str) -> str:
+    out = helm("install", "distbelief", str(REPO / "charts" / "distbelief"), "--namespace", "distbelief-system",
+               "--dry-run=client", *args)
+    assert "NOTES:" in out
+    return out[out.index("NOTES:"):]
+
+
+def test_notes_give_the_next_steps(helm: Callable[..., str], control_plane: object) -> None:
+    text = notes(helm)
+    assert "kubectl -n distbelief-system rollout status deployment/distbelief" in text
+    assert "kubectl -n default apply -f examples/digits-mlp.yaml" in text
+    assert "kubectl -n default get dbj digits --watch" in text
+    assert "in every namespace" in text and "ClusterKopfPeering" in text
+    assert "kubectl apply --server-side --force-conflicts -f crds/distbelief.io_distbeliefjobs.yaml" in text
+    assert "docs/install.md" in text
+    scoped = notes(helm, "--set", "operator.watchNamespaces={ml,research}", "--set", "peering.enabled=false")
+    assert "in: ml, research" in scoped
+    assert "kubectl -n ml apply -f examples/digits-mlp.yaml" in scoped
+    assert "KopfPeering" not in scoped
+    for line in scoped.splitlines():  # every example job mentioned exists
+        if "-f examples/" in line:
+            assert (REPO / line.split("-f ")[1].split()[0]).is_file()

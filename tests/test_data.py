@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from distbelief.runtime import contract, errors
+from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.contract import JobConfig
 from distbelief.runtime.model import data
 
@@ -35,16 +35,16 @@ def test_builtin_digits():
 
 
 def test_load_digits_splits_by_test_fraction():
-    ds = data.load({"source": "builtin:digits", "testFraction": 0.25, "seed": 3})
+    ds = data.load(jobspec.Data(source="builtin:digits", test_fraction=0.25, seed=3))
     assert ds.n_classes == 10 and ds.n_features == 64
     assert len(ds.x_test) == round(1797 * 0.25) and len(ds.x_train) == 1797 - round(1797 * 0.25)
     assert len(ds.y_train) == len(ds.x_train) and len(ds.y_test) == len(ds.x_test)
 
 
 def test_load_defaults_to_a_fifth_held_out():
-    ds = data.load({"source": "builtin:digits"})
+    ds = data.load(jobspec.Data(source="builtin:digits"))
     assert len(ds.x_test) == round(1797 * 0.2)
-    again = data.load({"source": "builtin:digits", "testFraction": 0.2, "seed": 0})
+    again = data.load(jobspec.Data(source="builtin:digits", test_fraction=0.2, seed=0))
     np.testing.assert_array_equal(ds.x_test, again.x_test)
 
 
@@ -131,7 +131,7 @@ def test_synthetic_is_deterministic_and_seeded():
 def test_synthetic_labels_are_learnable():
     """A least-squares linear classifier fitted on the training part beats chance (1/5)
     by a wide margin on the held-out part."""
-    ds = data.load({"source": "synthetic:features=20,classes=5,samples=3000", "testFraction": 0.25, "seed": 0})
+    ds = data.load(jobspec.Data(source="synthetic:features=20,classes=5,samples=3000", test_fraction=0.25, seed=0))
     assert ds.n_classes == 5 and ds.n_features == 20
     weights, *_ = np.linalg.lstsq(ds.x_train.astype(np.float64), np.eye(5)[ds.y_train], rcond=None)
     accuracy = np.mean(np.argmax(ds.x_test @ weights, axis=1) == ds.y_test)
@@ -162,7 +162,7 @@ def test_npz_loads(tmp_path):
     assert lx.dtype == np.float32 and ly.dtype == np.int64
     np.testing.assert_allclose(lx, x, rtol=1e-6)
     np.testing.assert_array_equal(ly, y)
-    ds = data.load({"source": f"npz:{path}", "testFraction": 0.2})
+    ds = data.load(jobspec.Data(source=f"npz:{path}", test_fraction=0.2))
     assert ds.n_classes == 3 and len(ds.x_test) == 6
 
 
@@ -309,13 +309,13 @@ def test_minibatch_streams_depend_on_the_seed():
     ("1h0m5s", 3605.0), ("0.5s", 0.5), ("1m500ms", 60.5), ("10m", 600.0), ("3h", 10800.0),
 ])
 def test_parse_duration(text, seconds):
-    assert contract.parse_duration(text) == pytest.approx(seconds)
+    assert jobspec.parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["10", "abc", "5x", "h", "1d", "-5s", "5 s", "1h30", "s5", "1.5", "ms"])
 def test_parse_duration_errors(text):
     with pytest.raises(ValueError, match="not a duration"):
-        contract.parse_duration(text)
+        jobspec.parse_duration(text)
 
 
 @pytest.mark.parametrize("pod, index", [("train-ps-0", 0), ("my-job-ps-12", 12), ("a-7", 7), ("x-ps-007", 7)])

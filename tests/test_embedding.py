@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import data, embedding, models
 from distbelief.runtime.model.embedding import EmbeddingModel
 
@@ -78,7 +78,7 @@ def test_a_row_no_example_uses_gets_no_gradient_and_missing_ids_embed_as_zeros()
 def test_embeddings_need_data_with_ids() -> None:
     ds = data.split(np.zeros((20, 2), np.float32), np.arange(20) % 2, test_fraction=0.2, seed=0)
     with pytest.raises(errors.ConfigError, match="no ids"):
-        embedding.build({"type": "mlp", "hiddenLayers": [4], "embeddings": {"dim": 4}}, ds)
+        embedding.build(jobspec.Model(hidden_layers=(4,), embeddings=jobspec.Embeddings(dim=4)), ds)
 
 
 def test_synthetic_ctr_ids_are_zipf_and_labels_follow_the_planted_model() -> None:
@@ -183,9 +183,9 @@ def test_the_wide_part_adds_each_ids_weights_to_the_logits_with_exact_gradients(
 def test_embeddings_build_a_wide_part_of_one_weight_per_class_unless_told_not_to() -> None:
     ds = data.split(np.zeros((30, 0), np.float32), np.arange(30) % 2, test_fraction=0.2, seed=0,
                     ids=np.arange(60).reshape(30, 2))
-    spec = {"type": "mlp", "hiddenLayers": [4], "embeddings": {"dim": 3}}
+    spec = jobspec.Model(hidden_layers=(4,), embeddings=jobspec.Embeddings(dim=3))
     assert (embedding.build(spec, ds).wide, embedding.build(spec, ds).width) == (2, 5)
-    plain = embedding.build({**spec, "embeddings": {"dim": 3, "wide": False}}, ds)
+    plain = embedding.build(jobspec.Model(hidden_layers=(4,), embeddings=jobspec.Embeddings(dim=3, wide=False)), ds)
     assert (plain.wide, plain.width) == (0, 3)
     m, inputs = plain.held_out(ds.x_test, np.ones((12, 3), np.float32), np.zeros((6, 2), np.int64))
     assert m is plain.mlp and inputs.shape == (6, 6)

@@ -21,7 +21,7 @@ import zmq
 
 from distbelief.operator.local import local
 from distbelief.operator.spec import spec
-from distbelief.runtime import contract, errors, keys
+from distbelief.runtime import contract, errors, jobspec, keys
 from distbelief.runtime.client.group import Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.dense_client import Float32Dense
@@ -211,8 +211,11 @@ def test_a_secured_server_without_client_credentials_is_refused(tmp_path: Path, 
 
 
 class _Job:
+    """What load_access reads of a job: its typed spec (a config from before
+    spec.parameterServers.encryption resolves as the CRD's default, True) and its plan."""
+
     def __init__(self, **parameter_servers: object) -> None:
-        self.spec = {"parameterServers": parameter_servers}
+        self.spec = jobspec.resolve({"data": {"source": "builtin:digits"}, "parameterServers": parameter_servers})
         self.plan = None  # not partitioned
 
 

@@ -14,7 +14,7 @@ from distbelief.operator.local import local, preflight
 from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract, keys
-from distbelief.runtime.roles import common
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.wire.layout import Layout
 
 from conftest import load_example
@@ -85,5 +85,5 @@ def test_local_mode_checks_earlier_checkpoints_against_the_staged_layout() -> No
     ignored the cut would refuse the job's own checkpoints."""
     job = spec.validate_job(load_example("digits-partitioned.yaml"))
     checked = preflight.check(job)
-    assert checked.layout == common.Job(spec.job_config(job)).layout.hash
+    assert checked.layout == Job(spec.job_config(job)).layout.hash
     assert checked.layout != Layout.of(checked.shapes, 2).hash

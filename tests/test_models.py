@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import models
 from distbelief.runtime.model.models import Mlp
+
+from conftest import typed_model
 
 TESTS = Path(__file__).resolve().parent
 
@@ -257,7 +259,8 @@ def test_evaluate_matches_a_direct_computation(monkeypatch, chunk):
 def test_evaluate_uses_loss_and_grad_when_a_model_has_no_loss(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setattr(models, "EVAL_CHUNK", 9)
-    user = models.build_model({"entrypoint": "user_model:build", "hidden": [6]}, N_FEATURES, N_CLASSES)
+    user = models.build_model(typed_model({"entrypoint": "user_model:build", "hidden": [6]}), N_FEATURES,
+                              N_CLASSES)
     assert not hasattr(user, "loss")
     builtin = Mlp(N_FEATURES, N_CLASSES, (6,), "tanh")
     params, (x, y) = random_params(builtin), make_batch(seed=6, n=40)
@@ -268,34 +271,34 @@ def test_evaluate_uses_loss_and_grad_when_a_model_has_no_loss(monkeypatch):
 # --- build_model -------------------------------------------------------------------------
 
 def test_build_mlp_from_spec():
-    model = models.build_model({"type": "mlp", "hiddenLayers": [16, 8], "activation": "tanh", "l2": 0.01}, 64, 10)
+    model = models.build_model(jobspec.Model(type="mlp", hidden_layers=(16, 8), activation="tanh", l2=0.01), 64, 10)
     assert isinstance(model, Mlp)
     assert [shape for _, shape in model.shapes] == [(64, 16), (16,), (16, 8), (8,), (8, 10), (10,)]
     assert model.activation == "tanh"
     assert float(model.l2) == pytest.approx(0.01)
 
 
-def test_build_defaults_to_an_mlp_without_hidden_layers():
-    model = models.build_model({}, 64, 10)
-    assert [shape for _, shape in model.shapes] == [(64, 10), (10,)]
+def test_build_defaults_to_the_crds_mlp():
+    model = models.build_model(jobspec.Model(), 64, 10)
+    assert [shape for _, shape in model.shapes] == [(64, 64), (64,), (64, 10), (10,)]
     assert model.activation == "relu" and float(model.l2) == 0.0
 
 
 def test_build_softmax_ignores_hidden_layers():
-    model = models.build_model({"type": "softmax", "hiddenLayers": [32], "l2": 0.5}, 64, 10)
+    model = models.build_model(jobspec.Model(type="softmax", hidden_layers=(32,), l2=0.5), 64, 10)
     assert [shape for _, shape in model.shapes] == [(64, 10), (10,)]
     assert float(model.l2) == pytest.approx(0.5)
 
 
 def test_build_unknown_type_is_a_config_error():
     with pytest.raises(errors.ConfigError, match=r"spec\.model\.type.*'cnn'"):
-        models.build_model({"type": "cnn"}, 64, 10)
+        models.build_model(jobspec.Model(type="cnn"), 64, 10)
 
 
 def test_entrypoint_loads_a_user_model(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     spec = {"entrypoint": "user_model:build", "hidden": [5]}
-    model = models.build_model(spec, N_FEATURES, N_CLASSES)
+    model = models.build_model(typed_model(spec), N_FEATURES, N_CLASSES)
     assert type(model).__name__ == "WrappedMlp"
     assert model.model_spec == spec and model.model_spec is not spec  # a copy of the spec
     assert (model.n_features, model.n_classes) == (N_FEATURES, N_CLASSES)
@@ -313,7 +316,7 @@ def test_entrypoint_loads_a_user_model(monkeypatch):
 def test_entrypoint_that_cannot_be_loaded_is_a_config_error(monkeypatch, entrypoint, fragment):
     monkeypatch.syspath_prepend(str(TESTS))
     with pytest.raises(errors.ConfigError) as info:
-        models.build_model({"entrypoint": entrypoint}, N_FEATURES, N_CLASSES)
+        models.build_model(typed_model({"entrypoint": entrypoint}), N_FEATURES, N_CLASSES)
     message = str(info.value)
     assert message.startswith("spec.model.entrypoint: cannot load")
     assert repr(entrypoint) in message and fragment in message
@@ -322,7 +325,7 @@ def test_entrypoint_that_cannot_be_loaded_is_a_config_error(monkeypatch, entrypo
 def test_entrypoint_returning_an_incomplete_model_is_a_config_error(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     with pytest.raises(errors.ConfigError) as info:
-        models.build_model({"entrypoint": "user_model:build_incomplete"}, N_FEATURES, N_CLASSES)
+        models.build_model(typed_model({"entrypoint": "user_model:build_incomplete"}), N_FEATURES, N_CLASSES)
     message = str(info.value)
     assert "spec.model.entrypoint" in message and "'user_model:build_incomplete'" in message
     assert "init_params" in message and "loss_and_grad" in message
@@ -339,7 +342,7 @@ def test_entrypoint_returning_an_incomplete_model_is_a_config_error(monkeypatch)
 def test_an_entrypoint_that_breaks_the_interface_is_one_line_naming_the_function(monkeypatch, function, fragment):
     monkeypatch.syspath_prepend(str(TESTS))
     with pytest.raises(errors.ConfigError) as info:
-        models.build_model({"entrypoint": f"user_model:{function}"}, N_FEATURES, N_CLASSES)
+        models.build_model(typed_model({"entrypoint": f"user_model:{function}"}), N_FEATURES, N_CLASSES)
     message = str(info.value)
     assert message.startswith("spec.model.entrypoint: ") and fragment in message and "\n" not in message
     assert "cannot read job config" not in message
@@ -347,7 +350,8 @@ def test_an_entrypoint_that_breaks_the_interface_is_one_line_naming_the_function
 
 def test_a_gradient_returned_instead_of_written_into_out_reaches_out(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
-    model = models.build_model({"entrypoint": "user_model:build_returning_new_gradient"}, N_FEATURES, N_CLASSES)
+    written = {"entrypoint": "user_model:build_returning_new_gradient"}
+    model = models.build_model(typed_model(written), N_FEATURES, N_CLASSES)
     builtin = Mlp(N_FEATURES, N_CLASSES, (4,), "tanh")
     params, batch = random_params(builtin), make_batch()
     out = np.zeros_like(params)

@@ -13,7 +13,7 @@ import prometheus_client as prom
 import pytest
 
 from conftest import LiveShards, start_shards
-from distbelief.runtime import contract, errors
+from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.algorithms.chief import WholeModel
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.algorithms.pipeline import staged
@@ -21,10 +21,11 @@ from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
 from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
-from distbelief.runtime.algorithms.pipeline.stages import plan
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.model import data
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.model.models import Mlp, evaluate
+from distbelief.runtime.model.stages import plan
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.roles import common
@@ -79,7 +80,7 @@ class Cluster:
 
 
 def start_cluster(tmp_path: Path, partitions: int, shards: int) -> Cluster:
-    dataset = data.load({"source": "builtin:digits", "testFraction": 0.2, "seed": 0})
+    dataset = data.load(jobspec.Data(source="builtin:digits", test_fraction=0.2, seed=0))
     model = Mlp(dataset.n_features, dataset.n_classes, [48, 32])
     layout = Layout.of(model.shapes, shards, plan(model, partitions).boundaries)
     live = start_shards(tmp_path, layout, model.init_params(0), learning_rate=0.05, checkpoint_every=3600,
@@ -304,7 +305,7 @@ def partitioned_job(partitions: int = 2):
         "model": {"type": "mlp", "hiddenLayers": [32, 16], "partitions": partitions},
         "data": {"source": "builtin:digits", "testFraction": 0.2},
         "parameterServers": {"shards": 2, "port": 7070}})
-    return common.Job(config)
+    return Job(config)
 
 
 def test_a_partition_pod_reads_its_partition_and_stage_address_from_its_environment() -> None:

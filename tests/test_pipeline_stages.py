@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 
 from distbelief.runtime import errors
-from distbelief.runtime.algorithms.pipeline import stages
-from distbelief.runtime.algorithms.pipeline.stages import cut, plan
+from distbelief.runtime.model import stages
 from distbelief.runtime.model.models import Mlp, build_model
+from distbelief.runtime.model.stages import cut, plan
+
+from conftest import typed_model
 
 
 def chain_gradient(model, params, x, y, partitions):
@@ -35,7 +37,7 @@ BUILTIN_MODELS = [
 @pytest.mark.parametrize("spec", BUILTIN_MODELS)
 @pytest.mark.parametrize("partitions", [2, 3])
 def test_partitioned_gradient_equals_the_whole_models(spec, partitions):
-    model = build_model(spec, n_features=20, n_classes=5)
+    model = build_model(typed_model(spec), n_features=20, n_classes=5)
     rng = np.random.default_rng(3)
     params = model.init_params(7)
     params += rng.standard_normal(params.size).astype(np.float32) * 0.05  # biases off zero too
@@ -74,10 +76,10 @@ def test_a_model_cannot_have_more_stages_than_layers():
         plan(Mlp(10, 2, [8]), 3)
 
 
-@pytest.mark.parametrize("spec", [{"type": "softmax"}, {"type": "mlp"}])
+@pytest.mark.parametrize("spec", [{"type": "softmax"}, {"type": "mlp", "hiddenLayers": []}])
 def test_a_one_layer_model_cannot_be_partitioned(spec):
     with pytest.raises(errors.ConfigError, match="partitions"):
-        plan(build_model(spec, 10, 3), 2)
+        plan(build_model(typed_model(spec), 10, 3), 2)
 
 
 def test_a_model_that_is_not_a_builtin_mlp_is_refused():

@@ -15,6 +15,7 @@ from distbelief.operator import predict
 from distbelief.operator.spec import spec
 from distbelief.runtime import contract
 from distbelief.runtime.model import data, models
+from distbelief.runtime.model.job import Job
 
 from conftest import EXAMPLES, REPO, load_example
 
@@ -25,8 +26,8 @@ JOB = EXAMPLES / "digits-mlp.yaml"
 def run_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
     """An output folder with the params.npz of a model trained here, in-process (plain SGD)."""
     job = spec.validate_job(load_example("digits-mlp.yaml"))
-    dataset = data.load(job["spec"]["data"])
-    model = models.build_model(job["spec"]["model"], dataset.n_features, dataset.n_classes)
+    derived = Job(spec.job_config(job))
+    dataset, model = derived.dataset, derived.model
     params = model.init_params(0)
     batches = data.minibatches(dataset, 32, np.random.default_rng(0))
     for _ in range(1500):

@@ -14,7 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distbelief.operator.render import context, podparts, render
+from distbelief.operator import errors
+from distbelief.operator.render import context, podparts, render, sizing
 from distbelief.operator.spec import spec
 from distbelief.runtime import contract, keys
 
@@ -103,7 +104,7 @@ def test_names_namespace_and_labels() -> None:
     names = contract.JobNames("digits")
     objs = render.render_children(job, image=IMAGE)
     assert [o["metadata"]["name"] for o in objs] == [
-        names.config_map, names.ps, names.ps, names.worker, names.ps]   # the last: the NetworkPolicy
+        names.config_map, names.ps, names.ps, names.worker, names.ps, names.ps]   # the PDB, the NetworkPolicy
     for obj in objs:
         meta = obj["metadata"]
         assert meta["namespace"] == "ml"
@@ -511,7 +512,7 @@ def test_a_data_volume_is_mounted_read_only_in_every_pod() -> None:
 def test_a_data_volume_is_validated(data: dict, fragment: str) -> None:
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["data"] = data
-    with pytest.raises(spec.SpecError) as caught:
+    with pytest.raises(errors.SpecError) as caught:
         spec.validate_job(doc)
     assert [line for line in caught.value.errors if fragment in line], caught.value.errors
 
@@ -540,7 +541,7 @@ def test_a_partitioned_job_has_one_worker_deployment_per_partition_with_every_re
     objs = render.render_children(job, image=IMAGE)
     names = contract.JobNames("digits-partitioned")
     assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "StatefulSet", "Deployment", "Deployment",
-                                         "NetworkPolicy"]
+                                         "PodDisruptionBudget", "NetworkPolicy"]
     workers = [o for o in objs if o["kind"] == "Deployment"]
     assert [w["metadata"]["name"] for w in workers] == [names.worker_partition(0), names.worker_partition(1)] \
         == ["digits-partitioned-worker-p0", "digits-partitioned-worker-p1"]
@@ -651,3 +652,62 @@ def test_backups_give_each_shard_copy_its_own_pod_and_spread_them_over_nodes() -
                                             "tcp://digits-ps-3.digits-ps.default.svc:7070"]
     plain = children(job_of())["StatefulSet"]
     assert plain["spec"]["replicas"] == 2 and "affinity" not in plain["spec"]["template"]["spec"]
+
+
+def test_the_shards_disruption_budget_lets_one_pod_go_at_a_time() -> None:
+    job = job_of(variant="stored")
+    budget = children(job)["PodDisruptionBudget"]
+    assert budget["metadata"]["name"] == "digits-ps"
+    assert budget["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a crash-looping shard never blocks a drain
+    assert budget["spec"]["selector"]["matchLabels"] == contract.selector_labels("digits", contract.ROLE_PS)
+
+
+def test_the_liveness_probe_waits_for_data_and_checkpoint_loading() -> None:
+    """A shard serves /healthz once it has loaded its data and restored its checkpoint: the
+    startup probe gives it the time a restore of its slice takes on a slow disk (and data
+    loading), so that the liveness probe does not kill a long restore in a loop."""
+    def probes(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        objs = children(spec.validate_job(doc))
+        return {kind: objs[kind]["spec"]["template"]["spec"]["containers"][0] for kind in ("StatefulSet", "Deployment")}
+
+    def budget(probe: dict[str, Any]) -> int:
+        return probe["periodSeconds"] * probe["failureThreshold"]
+
+    small = probes(example("digits-mlp.yaml"))
+    for container in small.values():
+        assert container["startupProbe"]["httpGet"] == container["livenessProbe"]["httpGet"]
+        assert budget(container["startupProbe"]) >= render.STARTUP_SECONDS
+    large_doc = example("digits-mlp.yaml")
+    large_doc["spec"]["data"]["source"] = "synthetic:features=4096,classes=10,samples=1000"
+    large_doc["spec"]["model"]["hiddenLayers"] = [4096, 4096, 4096]
+    large = probes(large_doc)
+    parameters = sizing.parameter_count(spec.validate_job(large_doc)["spec"])
+    shard_bytes = sizing.shard_bytes(spec.validate_job(large_doc)["spec"], parameters)
+    assert budget(large["StatefulSet"]["startupProbe"]) >= render.STARTUP_SECONDS + \
+        shard_bytes / render.RESTORE_BYTES_PER_SECOND > budget(small["StatefulSet"]["startupProbe"])
+    assert budget(large["Deployment"]["startupProbe"]) == budget(small["Deployment"]["startupProbe"])
+    user = example("digits-mlp.yaml")
+    user["spec"]["model"] = {"entrypoint": "my_pkg.models:build"}
+    assert budget(probes(user)["StatefulSet"]["startupProbe"]) >= render.STARTUP_UNKNOWN_SECONDS
+
+
+def test_the_checkpoint_claims_carry_the_uid_of_the_job_that_made_them() -> None:
+    claim = children(job_of(variant="stored"))["StatefulSet"]["spec"]["volumeClaimTemplates"][0]
+    assert claim["metadata"]["labels"][render.JOB_UID_LABEL] == "6f1c-uid"
+    unstored = children(job_of())["StatefulSet"]["spec"]["volumeClaimTemplates"][0]
+    assert render.JOB_UID_LABEL not in unstored["metadata"]["labels"]  # distbelief render: no job yet
+
+
+def test_the_config_carries_the_jobs_uid_and_its_hash_leaves_it_out() -> None:
+    """The shards record the uid in their checkpoints (a job of the same name never resumes
+    another's); jobs made before the config carried it keep their pods on an upgrade."""
+    import dataclasses
+    import json
+
+    stored = children(job_of(variant="stored"))
+    assert json.loads(stored["ConfigMap"]["data"][contract.CONFIG_KEY])["uid"] == "6f1c-uid"
+    assert "uid" not in json.loads(children(job_of())["ConfigMap"]["data"][contract.CONFIG_KEY])  # no job yet
+    config = spec.job_config(job_of(variant="stored"))
+    assert context.config_hash(config) == context.config_hash(dataclasses.replace(config, uid=None))

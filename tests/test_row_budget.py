@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.algorithms.downpour import algorithm as downpour
 from distbelief.runtime.params.rows import sparse
 from distbelief.runtime.params.rows.row_client import RowClient
@@ -130,27 +130,28 @@ def test_the_default_budget_is_half_of_what_the_memory_limit_leaves() -> None:
 class _Job:
     """What downpour.sparse_rows reads of a job."""
 
-    def __init__(self, embeddings: dict, limits: dict | None) -> None:
+    def __init__(self, embeddings: jobspec.Embeddings, memory_limit: str | None) -> None:
         from distbelief.runtime.model import data, embedding
         self.dataset = data.split(np.zeros((100, 0), np.float32), np.arange(100) % 2, test_fraction=0.2, seed=0,
                                   ids=np.arange(300).reshape(100, 3))
-        self.model = embedding.build({"type": "mlp", "hiddenLayers": [], "embeddings": embeddings}, self.dataset)
-        self.spec = {"model": {"embeddings": embeddings},
-                     "training": {"learningRate": 0.1, "seed": 0, "maxGradientNorm": 100.0, "batchSize": 32},
-                     "parameterServers": {"resources": {"limits": limits} if limits else {}}}
+        model = jobspec.Model(hidden_layers=(), embeddings=embeddings)
+        self.model = embedding.build(model, self.dataset)
+        self.spec = jobspec.JobSpec(data=jobspec.Data(source="npz:/none.npz"), model=model,
+                                    training=jobspec.Training(batch_size=32),
+                                    parameter_servers=jobspec.ParameterServers(memory_limit=memory_limit))
 
 
-@pytest.mark.parametrize("embeddings, limits, budget", [
-    ({"dim": 4}, {"memory": "1Gi"}, "derived"),
-    ({"dim": 4, "maxRowsPerShard": 5000}, {"memory": "1Gi"}, 5000),
-    ({"dim": 4}, None, None),
+@pytest.mark.parametrize("embeddings, limit, budget", [
+    (jobspec.Embeddings(dim=4), "1Gi", "derived"),
+    (jobspec.Embeddings(dim=4, max_rows_per_shard=5000), "1Gi", 5000),
+    (jobspec.Embeddings(dim=4), None, None),
 ])
-def test_a_shards_budget_is_the_spec_s_or_derived_from_its_memory_limit(tmp_path: Path, embeddings: dict,
-                                                                         limits: dict | None, budget: object) -> None:
+def test_a_shards_budget_is_the_spec_s_or_derived_from_its_memory_limit(tmp_path: Path, embeddings: jobspec.Embeddings,
+                                                                         limit: str | None, budget: object) -> None:
     seen = {}
 
     def attach(shard) -> None:
-        job = _Job(embeddings, limits)
+        job = _Job(embeddings, limit)
         rows = downpour.sparse_rows(shard, job, dense_bytes=1000)
         shard.attach(rows)
         seen["rows"], seen["job"] = rows, job

@@ -20,7 +20,7 @@ from distbelief.operator.local import local, report
 from distbelief.operator.render import render
 from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
-from distbelief.runtime import contract, errors
+from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.algorithms.sandblaster import ops
 from distbelief.runtime.algorithms.sandblaster.coordinator import Coordinator, CoordinatorSettings
 from distbelief.runtime.algorithms.sandblaster.lbfgs import Lbfgs, LbfgsSettings
@@ -43,8 +43,8 @@ HISTORY = 5
 @pytest.fixture(scope="module")
 def convex_problem():
     """L2-regularised softmax regression on digits, and scipy's L-BFGS-B optimum of it."""
-    dataset = data.load({"source": "builtin:digits", "testFraction": 0.2, "seed": 0})
-    model = models.build_model({"type": "softmax", "l2": 1e-3}, dataset.n_features, dataset.n_classes)
+    dataset = data.load(jobspec.Data(source="builtin:digits", test_fraction=0.2, seed=0))
+    model = models.build_model(jobspec.Model(type="softmax", l2=1e-3), dataset.n_features, dataset.n_classes)
     x0 = model.init_params(0)
 
     def objective(w):

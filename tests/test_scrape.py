@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 import pytest
 
+from distbelief.operator import errors
 from distbelief.operator.status import scrape
 
 METRICS = b"# TYPE distbelief_global_step gauge\ndistbelief_global_step 42.0\n"
@@ -97,7 +98,7 @@ def test_an_honest_endpoint_is_read(serve) -> None:
 def test_a_trickling_server_is_abandoned_at_the_total_deadline(serve) -> None:
     server = serve(trickle)
     started = time.monotonic()
-    with pytest.raises(scrape.ScrapeError, match="deadline"):
+    with pytest.raises(errors.ScrapeError, match="deadline"):
         scrape.fetch(server.url, timeout=1.0)
     assert time.monotonic() - started < 1.0 + 1.0
     assert 0 < server.sent < 100          # it was still trickling when the client left
@@ -106,7 +107,7 @@ def test_a_trickling_server_is_abandoned_at_the_total_deadline(serve) -> None:
 
 def test_a_declared_oversized_body_is_refused_unread(serve) -> None:
     server = serve(huge(declare=True))
-    with pytest.raises(scrape.ScrapeError, match="declared body"):
+    with pytest.raises(errors.ScrapeError, match="declared body"):
         scrape.fetch(server.url)
     time.sleep(0.2)
     assert server.sent < 32 << 20     # refused on the head, not after 64 MB
@@ -114,7 +115,7 @@ def test_a_declared_oversized_body_is_refused_unread(serve) -> None:
 
 def test_an_undeclared_oversized_body_is_cut_at_the_cap(serve) -> None:
     server = serve(huge(declare=False))
-    with pytest.raises(scrape.ScrapeError, match="larger than"):
+    with pytest.raises(errors.ScrapeError, match="larger than"):
         scrape.fetch(server.url, max_bytes=1 << 20)
     time.sleep(0.2)
     # The server got out only what fits in the cap and the socket buffers, not its 64 MB.
@@ -132,7 +133,7 @@ def test_a_body_cut_short_gives_empty_figures_not_half_of_them(serve) -> None:
         server.send(conn, b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(METRICS) + METRICS[:20])
 
     server = serve(dies)
-    with pytest.raises(scrape.ScrapeError, match="cut short"):
+    with pytest.raises(errors.ScrapeError, match="cut short"):
         scrape.fetch(server.url)
     assert not scrape.read(server.url).reachable
 

@@ -260,7 +260,7 @@ def test_sessions_are_bounded_per_peer_and_in_total() -> None:
     table = sessions.Table(max_sessions=5, max_per_peer=2)
     grants = [sessions.parse_grant(table.create("replica", b"peer-a", port=1))[0] for _ in range(3)]
     assert len(table) == 2  # the peer's oldest went first
-    with pytest.raises(sessions.Refused, match="unknown session"):
+    with pytest.raises(errors.BulkRejected, match="unknown session"):
         table.find(sessions.PREFIX.pack(grants[0].id, 1))
     assert table.find(sessions.PREFIX.pack(grants[2].id, 1)).key == grants[2].key
     for n in range(6):

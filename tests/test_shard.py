@@ -22,11 +22,11 @@ import pytest
 import zmq
 
 from distbelief.operator.status import scrape
-from distbelief.runtime.roles import common
 
 from distbelief.runtime import errors
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.contract import JobConfig
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.observe.metrics import TrafficCollector
 from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
 from distbelief.runtime.params import dense
@@ -393,28 +393,61 @@ def test_a_worker_waiting_for_absent_shards_stops_promptly_on_sigterm(tmp_path: 
         worker.kill()
 
 
+# A one-shard softmax job's config, as the roles read it.
+SOFTMAX_JOB = {"name": "softmax", "namespace": "default", "spec": {
+    "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
+    "training": {"learningRate": 0.1, "optimizer": "adagrad", "warmstartSteps": 0, "seed": 0, "maxGradientNorm": 100,
+                 "maxSteps": 10, "evalEverySeconds": 5, "sandblaster": {"historySize": 4}},
+    "parameterServers": {"shards": 1, "port": 7070, "checkpoint": {"everySeconds": 30, "keep": 3}}}}
+
+
+def run_shard_zero(folder: Path, config: dict) -> subprocess.CompletedProcess[str]:
+    """`distbelief ps` for shard 0 of config, on folder/shard-0, to its end."""
+    (folder / "job.json").write_text(json.dumps(config))
+    return subprocess.run(
+        [sys.executable, "-m", "distbelief.operator.cli", "ps", "--config", str(folder / "job.json"),
+         "--shard", "0", "--port", "0", "--metrics-port", "0", "--listen", "127.0.0.1",
+         "--checkpoint-dir", str(folder / "shard-0"), "--keys-dir", str(folder / "no-keys")],
+        capture_output=True, text=True, timeout=60)
+
+
 def test_a_shard_resumed_with_another_optimizer_stops_in_one_line_and_keeps_its_checkpoints(tmp_path: Path) -> None:
-    config = {"name": "softmax", "namespace": "default", "spec": {
-        "model": {"type": "softmax"}, "data": {"source": "builtin:digits", "testFraction": 0.2, "seed": 0},
-        "training": {"learningRate": 0.1, "optimizer": "adagrad", "warmstartSteps": 0, "seed": 0, "maxGradientNorm": 100,
-                     "maxSteps": 10, "evalEverySeconds": 5, "sandblaster": {"historySize": 4}},
-        "parameterServers": {"shards": 1, "port": 7070, "checkpoint": {"everySeconds": 30, "keep": 3}}}}
-    job = common.Job(JobConfig.from_json(json.dumps(config)))
+    config = SOFTMAX_JOB
+    job = Job(JobConfig.from_json(json.dumps(config)))
     written = start_shards(tmp_path, job.layout, job.model.init_params(0), optimizer="sgd")
     Float32Dense(written.group()).push(np.ones(job.layout.total, np.float32), steps=[0], examples=1, loss=1.0)
     written.stop()  # its final checkpoint records sgd
     saved = sorted(os.listdir(tmp_path / "shard-0"))
-    (tmp_path / "job.json").write_text(json.dumps(config))
-    done = subprocess.run(
-        [sys.executable, "-m", "distbelief.operator.cli", "ps", "--config", str(tmp_path / "job.json"),
-         "--shard", "0", "--port", "0", "--metrics-port", "0", "--listen", "127.0.0.1",
-         "--checkpoint-dir", str(tmp_path / "shard-0"), "--keys-dir", str(tmp_path / "no-keys")],
-        capture_output=True, text=True, timeout=60)
+    done = run_shard_zero(tmp_path, config)
     assert done.returncode == 2
     errors_said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors_said) == 1 and "'sgd'" in errors_said[0] and "'adagrad'" in errors_said[0]
     assert "Traceback" not in done.stderr
     assert sorted(os.listdir(tmp_path / "shard-0")) == saved
+
+
+def test_a_shard_of_a_new_job_refuses_the_checkpoints_a_deleted_job_of_its_name_left(tmp_path: Path) -> None:
+    """On a cluster the config carries the job's uid, which the shards record in their
+    checkpoints: a job re-created under the same name that meets the old job's volume stops
+    with a config error (InvalidConfig) naming both, never resumes the old training, and
+    keeps the files; the same job (an upgrade, a restart) resumes."""
+    config = {**SOFTMAX_JOB, "uid": "new-job-uid"}
+    job = Job(JobConfig.from_json(json.dumps(config)))
+    assert job.config.uid == "new-job-uid"
+    old = start_shards(tmp_path, job.layout, job.model.init_params(0), job_uid="old-job-uid")
+    Float32Dense(old.group()).push(np.ones(job.layout.total, np.float32), steps=[0], examples=1, loss=1.0)
+    old.stop()  # its final checkpoint records the old job's uid
+    saved = sorted(os.listdir(tmp_path / "shard-0"))
+    done = run_shard_zero(tmp_path, config)
+    assert done.returncode == 2
+    (said,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "another job of this name (uid old-job-uid; this job is new-job-uid)" in said
+    assert sorted(os.listdir(tmp_path / "shard-0")) == saved
+    same = start_shards(tmp_path, job.layout, job.model.init_params(0), job_uid="old-job-uid")
+    try:
+        assert same.shards[0].step == 1  # the job itself resumes
+    finally:
+        same.stop()
 
 
 @pytest.mark.parametrize("poison", ["huge", "overflowing"])

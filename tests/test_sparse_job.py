@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from sklearn.metrics import roc_auc_score
 
+from distbelief.operator import errors
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
@@ -38,22 +40,22 @@ def test_embeddings_get_their_defaults_and_bounds() -> None:
                                                   "l2": 0.001, "wideL2": 0.00003, "embedAfter": 5}
     for field, value in [("dim", 0), ("dim", 5000), ("hashBuckets", -1), ("admitAfter", 0),
                          ("expireAfterSeconds", 0)]:
-        with pytest.raises(spec.SpecError, match=f"spec.model.embeddings.{field}"):
+        with pytest.raises(errors.SpecError, match=f"spec.model.embeddings.{field}"):
             spec.validate_job(_job(embeddings={field: value}))
 
 
 def test_ids_only_data_without_embeddings_and_embeddings_under_sandblaster_are_refused() -> None:
     doc = _job()
     del doc["spec"]["model"]["embeddings"]
-    with pytest.raises(spec.SpecError, match="set spec.model.embeddings"):
+    with pytest.raises(errors.SpecError, match="set spec.model.embeddings"):
         spec.validate_job(doc)
     doc = _job()
     doc["spec"]["training"]["algorithm"] = "sandblaster"
-    with pytest.raises(spec.SpecError, match="spec.model.embeddings: needs spec.training.algorithm: downpour"):
+    with pytest.raises(errors.SpecError, match="spec.model.embeddings: needs spec.training.algorithm: downpour"):
         spec.validate_job(doc)
     doc = _job()
     doc["spec"]["data"]["source"] = "synthetic-ctr:fields=2,ids=10,samples=100,zipf=0.1"
-    with pytest.raises(spec.SpecError, match="zipf must be within"):
+    with pytest.raises(errors.SpecError, match="zipf must be within"):
         spec.validate_job(doc)
 
 
@@ -112,3 +114,35 @@ def test_a_killed_shard_comes_back_with_its_rows_and_the_sparse_job_completes(tm
     restored = [int(line.split("rows=")[1].split()[0]) for line in log.splitlines() if "event=rows_restored" in line]
     assert restored and restored[0] > 1000, "the restarted shard lost its embedding rows"
     assert summary["auc"] >= 0.65
+
+
+@pytest.mark.slow
+def test_a_second_run_of_the_sparse_job_into_its_folder_resumes_from_its_checkpoints(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Local mode's checks derive the layout the shards' checkpoints carry (embeddings
+    included), so the folder of a suspended run is taken up, not refused as another model's."""
+    doc = load_example(EXAMPLE)
+    doc["spec"]["data"]["source"] = "synthetic-ctr:fields=4,ids=500,samples=4000,zipf=1.1,seed=1"
+    doc["spec"]["training"]["maxSteps"] = 1_000_000
+    doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = 1
+    doc["spec"]["workers"]["replicas"] = 1
+    output = tmp_path / "out"
+    run = local.LocalRun(spec.validate_job(doc), str(output))
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
+    thread.start()
+    port, deadline = run.shards[0].ports[contract.METRICS_PORT_NAME], time.monotonic() + 120
+    while (scrape.read(f"http://127.0.0.1:{port}/metrics").checkpoint_step or 0) < 100:
+        assert time.monotonic() < deadline, "no checkpoint past step 100"
+        time.sleep(0.2)
+    run.interrupt()
+    thread.join(timeout=60)
+    first = json.loads((output / report.REPORT_FILE).read_text())
+    assert codes == [130] and first["phase"] == "Suspended"
+    doc["spec"]["training"]["maxSteps"] = first["globalStep"] + 100
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    capsys.readouterr()
+    assert local.run_file(str(path), output=str(output), progress=False) == 0
+    assert "resuming from step" in capsys.readouterr().out
+    assert json.loads((output / report.REPORT_FILE).read_text())["phase"] == "Succeeded"

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from distbelief.operator import cli
+from distbelief.operator.errors import SpecError
 from distbelief.operator.spec import spec
-from distbelief.operator.spec.spec import SpecError
 from distbelief.runtime import contract
 
 pytestmark = pytest.mark.floors  # also run against the lowest dependency versions

@@ -14,6 +14,7 @@ import pytest
 from distbelief.operator.local import local
 from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
+from distbelief.runtime import jobspec
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import ShardMetrics, WorkerMetrics
@@ -47,8 +48,8 @@ def test_a_push_staler_than_the_bound_is_not_applied_and_brings_fresh_parameters
 
 
 def test_with_a_bound_of_zero_two_replicas_only_ever_apply_fresh_gradients(tmp_path: Path) -> None:
-    dataset = data.load({"source": "builtin:digits", "testFraction": 0.2, "seed": 0})
-    model = models.build_model({"type": "softmax"}, dataset.n_features, dataset.n_classes)
+    dataset = data.load(jobspec.Data(source="builtin:digits", test_fraction=0.2, seed=0))
+    model = models.build_model(jobspec.Model(type="softmax"), dataset.n_features, dataset.n_classes)
     layout = Layout.of(model.shapes, shards=2)
     live = start_shards(tmp_path, layout, model.init_params(0), optimizer="adagrad", learning_rate=0.1)
     for shard in live.shards:

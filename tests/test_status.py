@@ -228,3 +228,28 @@ def test_each_shards_copies_come_from_the_chief_and_fit_the_crd() -> None:
     without = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=scrape.Figures(global_step=7)),
                              NOW)
     assert "shards" not in without
+
+
+def test_conditions_have_the_shape_of_metav1_condition() -> None:
+    status = compute_status(job(), Observed(shards_ready=2, workers_ready=1, children_created=True), NOW)
+    for item in status["conditions"]:
+        assert set(item) == {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
+        assert item["reason"] and item["observedGeneration"] == 4
+    assert (condition(status, "Succeeded")["reason"], condition(status, "Succeeded")["message"]) == (
+        "Running", "the job is Running")
+
+
+def test_a_spec_the_rules_refuse_fails_the_job_for_good() -> None:
+    failed = compute_status(job(), Observed(invalid_spec="spec.model.partitions: needs downpour"), NOW)
+    assert failed["phase"] == "Failed"
+    assert (condition(failed, "Failed")["reason"], condition(failed, "Failed")["message"]) == (
+        "InvalidSpec", "spec.model.partitions: needs downpour")
+    assert compute_status(job(**failed), Observed(shards_ready=2, workers_ready=1), LATER)["phase"] == "Failed"
+
+
+def test_a_refusal_to_create_the_children_is_the_created_condition() -> None:
+    blocked = compute_status(job(), Observed(blocked=("ForeignObject", "StatefulSet/digits-ps is not ours")), NOW)
+    assert blocked["phase"] == "Pending"
+    created = condition(blocked, "Created")
+    assert (created["status"], created["reason"], created["message"]) == (
+        "False", "ForeignObject", "StatefulSet/digits-ps is not ours")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from distbelief.operator.spec import spec
-from distbelief.runtime.model import data, models
+from distbelief.runtime.model.job import Job
 
 from conftest import REPO
 
@@ -24,8 +24,8 @@ def test_the_user_model_follows_the_interface_and_its_gradient_is_right(monkeypa
     monkeypatch.syspath_prepend(str(USERCODE))
     (doc,) = spec.load_manifests(str(JOB))
     job = spec.validate_job(doc)
-    dataset = data.load(job["spec"]["data"])
-    model = models.build_model(job["spec"]["model"], dataset.n_features, dataset.n_classes)
+    derived = Job(spec.job_config(job))
+    dataset, model = derived.dataset, derived.model
     params = model.init_params(3)
     batch = (dataset.x_train[:16], dataset.y_train[:16])
     out = np.zeros_like(params)

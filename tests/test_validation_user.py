@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from distbelief.operator.errors import SpecError
 from distbelief.operator.render import sizing
 from distbelief.operator.spec import spec
-from distbelief.operator.spec.spec import SpecError
 
 from conftest import EXAMPLES, REPO, load_example
 
@@ -94,12 +94,11 @@ def test_a_model_too_large_for_its_pods_is_a_warning_not_an_error(tmp_path: Path
 
 
 def test_parameter_count_from_the_spec_matches_the_built_model() -> None:
-    from distbelief.runtime.model import data, models
+    from distbelief.runtime.model import models
+    from distbelief.runtime.model.job import Job
 
     job = spec.validate_job(load_example("digits-mlp.yaml"))
-    dataset = data.load(job["spec"]["data"])
-    model = models.build_model(job["spec"]["model"], dataset.n_features, dataset.n_classes)
-    assert sizing.parameter_count(job["spec"]) == models.num_params(model)
+    assert sizing.parameter_count(job["spec"]) == models.num_params(Job(spec.job_config(job)).model)
 
 
 def test_log_level_is_accepted_after_the_subcommand() -> None:

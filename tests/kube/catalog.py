@@ -105,6 +105,7 @@ BUILTINS: tuple[ResourceType, ...] = (
     ResourceType("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler",
                  short_names=("hpa",), categories=("all",), status=True),
     ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)),
+    ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=("pdb",), status=True),
     ResourceType("events.k8s.io", "v1", "events", "Event", short_names=("ev",)),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease"),
     ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",

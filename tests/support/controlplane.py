@@ -8,11 +8,19 @@ $KUBEBUILDER_ASSETS (setup-envtest's folder, or any folder holding them), else f
 
     plane = ControlPlane(binaries(), workdir).start()   # plane.kubeconfig, plane.env()
     plane.stop()
+
+The API server runs as strict clusters do in one respect the defaults leave out: the
+OwnerReferencesPermissionEnforcement admission plugin is on (OpenShift enables it), so a
+client that sets blockOwnerDeletion must be allowed to update its owner's finalizers. It
+also keeps an audit log of every request made by a ServiceAccount (`audit()`), which is
+how the tests learn what the operator, running as the chart's ServiceAccount, asked for
+and what the server refused it.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import secrets
 import shutil
@@ -33,6 +41,15 @@ REQUIRED = ("etcd", "kube-apiserver")
 HOW = ("set KUBEBUILDER_ASSETS to a folder holding etcd and kube-apiserver 1.36 (and kube-controller-manager "
        "and kube-scheduler for the controllers), e.g. `setup-envtest use 1.36 -p path`")
 READY_SECONDS = 120.0
+# Metadata (who, verb, object, response code) of every request by a ServiceAccount; nothing else.
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    userGroups: ["system:serviceaccounts"]
+  - level: None
+"""
 
 
 def binaries() -> Path | None:
@@ -66,6 +83,7 @@ class ControlPlane:
         self.admin_token = secrets.token_hex(16)
         self.user_token = secrets.token_hex(16)  # a user with no groups, for RBAC checks
         self.kubeconfig = workdir / "kubeconfig"
+        self.audit_log = workdir / "logs" / "audit.log"
         self.server = ""
 
     def has(self, component: str) -> bool:
@@ -78,6 +96,7 @@ class ControlPlane:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         etcd_port, peer_port, api_port, kcm_port, sched_port = _free_ports(5)
         self._write_credentials()
+        (self.dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
         etcd = f"http://127.0.0.1:{etcd_port}"
         self._run("etcd", "--data-dir", self.dir / "etcd", "--listen-client-urls", etcd,
                   "--advertise-client-urls", etcd, "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
@@ -92,6 +111,9 @@ class ControlPlane:
                   "--service-account-signing-key-file", self.dir / "sa.key",
                   "--token-auth-file", self.dir / "tokens.csv", "--authorization-mode", "RBAC",
                   "--allow-privileged=true", "--disable-admission-plugins", "ServiceAccount",
+                  "--enable-admission-plugins", "OwnerReferencesPermissionEnforcement",
+                  "--audit-policy-file", self.dir / "audit-policy.yaml", "--audit-log-path", self.audit_log,
+                  "--audit-log-format", "json", "--audit-log-mode", "blocking",
                   "--endpoint-reconciler-type", "none")
         self._wait("kube-apiserver", lambda: (self.dir / "certs" / "apiserver.crt").stat().st_size > 0)
         self._write_kubeconfig()
@@ -119,6 +141,22 @@ class ControlPlane:
                     process.kill()
                     process.wait()
         self.processes.clear()
+
+    def audit(self, user: str, since: int = 0, stages: tuple[str, ...] = ("ResponseComplete",),
+              ) -> tuple[list[dict], int]:
+        """The audit log's requests by user from byte offset since on (by default the
+        completed ones; a watch completes only when it ends: add "ResponseStarted" for those
+        under way), and the offset to read on from next time."""
+        try:
+            with open(self.audit_log, "rb") as log:
+                log.seek(since)
+                data = log.read()
+        except FileNotFoundError:
+            return [], since
+        complete = data[:data.rfind(b"\n") + 1]   # a line being written is read next time
+        events = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        return ([e for e in events if e.get("stage") in stages and e["user"]["username"] == user],
+                since + len(complete))
 
     def log(self, component: str, lines: int = 30) -> str:
         text = (self.dir / "logs" / f"{component}.log").read_text(errors="replace")

@@ -77,28 +77,44 @@ matchNames:
 ClusterRole (all namespaces) and the per-namespace Roles. */}}
 {{- define "distbelief.namespacedRules" -}}
 # kopf: watches DistBeliefJobs, keeps its progress in their annotations, writes status;
-# the operator deletes a finished job once runPolicy.ttlSecondsAfterFinished has passed.
+# the operator reads a job afresh when one of its children changed, and deletes a
+# finished job once runPolicy.ttlSecondsAfterFinished has passed.
 - apiGroups: [distbelief.io]
   resources: [distbeliefjobs]
-  verbs: [list, watch, patch, delete]
+  verbs: [get, list, watch, patch, delete]
 - apiGroups: [distbelief.io]
   resources: [distbeliefjobs/status]
   verbs: [patch]
-# The children of a job: read, created when missing, patched toward the spec.
+# The children's owner references set blockOwnerDeletion (the garbage collector deletes
+# them before the job in a foreground deletion). A server with the admission plugin
+# OwnerReferencesPermissionEnforcement (OpenShift, hardened clusters) admits that only from a
+# client that may update the owner's finalizers; the operator never calls this itself.
+- apiGroups: [distbelief.io]
+  resources: [distbeliefjobs/finalizers]
+  verbs: [update]
+# The children of a job: watched (a child deleted or changed is put back), read, created
+# when missing, patched toward the spec; only those the job controls (owner reference).
 - apiGroups: [""]
   resources: [configmaps, services]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [apps]
   resources: [statefulsets, deployments]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch]
 # ... and the autoscaler, removed again when the spec stops asking for one.
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [get, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 # ... and the shards' NetworkPolicy, likewise removed when the spec stops asking for it.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
+# Before a new job's first children: checkpoint claims an earlier job of the same name left.
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [list]
 # The job's CurveZMQ key Secret <job>-keys: created, and never read, listed, patched or
 # deleted (it is immutable; the job's deletion takes it). The job's annotation
 # distbelief.io/keys-secret-uid, not a read, tells its own Secret from a planted one.

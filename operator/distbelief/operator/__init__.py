@@ -9,6 +9,7 @@ line do not import each other (pyproject.toml's import-linter contracts check th
     local/ | cluster/    local mode | the operator on a cluster (independent)
     render/ | status/    the one renderer | the status from what was observed
     spec/                reading and validating the job
+    errors.py            the operator's error tree (SpecError, KubeError, ScrapeError)
 
 docs/architecture.md draws the whole project.
 """

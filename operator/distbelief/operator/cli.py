@@ -33,10 +33,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(exc: Exception) -> int:
-    from distbelief.operator.spec import spec
+    """One line per problem on stderr, and the exit code, for an error of either tree
+    (distbelief.operator.errors, distbelief.runtime.errors) or the OS; anything else is a
+    bug, and keeps its traceback."""
+    from distbelief.operator import errors as operator_errors
     from distbelief.runtime import errors
 
-    if isinstance(exc, spec.SpecError):
+    if isinstance(exc, operator_errors.SpecError):
         for line in exc.errors:
             print(f"error: {line}", file=sys.stderr)
         return EXIT_INVALID
@@ -46,7 +49,7 @@ def _report(exc: Exception) -> int:
     if isinstance(exc, errors.Diverged):
         print(f"error: {exc}", file=sys.stderr)
         return contract.EXIT_NON_FINITE_LOSS
-    if isinstance(exc, (errors.RuntimeFailure, OSError)):
+    if isinstance(exc, (errors.RuntimeFailure, operator_errors.OperatorError, OSError)):
         print(f"error: {exc}", file=sys.stderr)
         return 1
     raise exc
@@ -136,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from distbelief.operator import errors
     from distbelief.operator.render import sizing
     from distbelief.operator.spec import spec
 
@@ -143,7 +147,7 @@ def _validate(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             jobs = [spec.validate_job(doc) for doc in spec.load_manifests(path)]
-        except spec.SpecError as exc:
+        except errors.SpecError as exc:
             failed = True
             for line in exc.errors:
                 print(f"{path}: {line}", file=sys.stderr)
@@ -196,10 +200,10 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _operator(args: argparse.Namespace) -> int:
-    from distbelief.operator.cluster import handlers
+    from distbelief.operator.cluster import process
 
-    handlers.run(namespaces=args.namespace, standalone=args.standalone, liveness=args.liveness or None,
-                 peering=args.peering)
+    process.run(namespaces=args.namespace, standalone=args.standalone, liveness=args.liveness or None,
+                peering=args.peering)
     return 0
 
 

@@ -4,8 +4,9 @@
     trained.evaluate()          # (loss, accuracy) on the job's held-out split
     trained.predict(raw_x)      # labels; training's preprocessing is applied to raw_x
 
-The model, the data split and the preprocessing are rebuilt from the job exactly as the
-roles build them, so the figures match what the chief reported.
+The model, the data split and the preprocessing are rebuilt from the job by the roles'
+own derivation (model.job.Job), so the figures match what the chief reported. A model with
+embeddings is refused: its rows live in the shards' checkpoints, not in params.npz.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import numpy as np
 
 from distbelief.operator.local.localpods import volume_dir
 from distbelief.operator.spec import spec
-from distbelief.runtime import contract, errors
+from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.model import data, models
+from distbelief.runtime.model.job import Job
 
 
 @dataclasses.dataclass(frozen=True)
 class Trained:
     job: Mapping[str, Any]
+    spec: jobspec.JobSpec
     model: models.Model
     params: np.ndarray
     dataset: data.Dataset
@@ -35,7 +38,7 @@ class Trained:
 
     def predict(self, raw_x: np.ndarray) -> np.ndarray:
         """Labels for raw features, preprocessed as the job's training data was."""
-        x = data.preprocess(self.job["spec"]["data"]["source"], np.asarray(raw_x, dtype=np.float32))
+        x = data.preprocess(self.spec.data.source, np.asarray(raw_x, dtype=np.float32))
         return self.model.predict(self.params, np.ascontiguousarray(x, dtype=np.float32))
 
 
@@ -43,13 +46,14 @@ def load(path: str, *, output: str | None = None, best: bool = False) -> Trained
     """The trained model of the job in path, from params.npz in its output folder (best:
     params-best.npz, the parameters of its best held-out evaluation)."""
     job = spec.validate_job(spec.load_single(path, "distbelief predict"))
-    if job["spec"]["model"].get("embeddings"):
-        raise errors.ConfigError("distbelief predict: a job with spec.model.embeddings keeps its rows on the shards "
-                                 "(their checkpoints), not in params.npz; predict does not serve it yet")
     output = output or os.path.join("out", job["metadata"]["name"])
-    dataset = data.load(job["spec"]["data"])
-    model = models.build_model(job["spec"]["model"], dataset.n_features, dataset.n_classes)
-    return Trained(job=job, model=model, params=_read_params(_params_file(job, output, best), model), dataset=dataset)
+    config = spec.job_config(job)
+    if config.resolved.model.embeddings is not None:
+        raise errors.ConfigError(f"{path}: distbelief predict does not serve a model with spec.model.embeddings yet "
+                                 "(its rows are in the shards' checkpoints, not in params.npz)")
+    derived = Job(config)
+    return Trained(job=job, spec=derived.spec, model=derived.model,
+                   params=_read_params(_params_file(job, output, best), derived.model), dataset=derived.dataset)
 
 
 def _params_file(job: Mapping[str, Any], output: str, best: bool = False) -> str:
@@ -82,7 +86,7 @@ def _read_params(path: str, model: models.Model) -> np.ndarray:
 def predict_source(trained: Trained, source: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Predicted labels for a data source (its features preprocessed as in training), and its
     labels when it has them."""
-    x, y = data.load_inputs(source, trained_on=trained.job["spec"]["data"]["source"])
+    x, y = data.load_inputs(source, trained_on=trained.spec.data.source)
     if x.shape[1] != trained.dataset.n_features:
         raise errors.ConfigError(f"{source}: x has {x.shape[1]} features, the model takes {trained.dataset.n_features}")
     return trained.model.predict(trained.params, x), y

@@ -13,6 +13,8 @@ import os
 from decimal import Decimal
 from typing import Any, Mapping
 
+from distbelief.runtime import jobspec
+
 API_GROUP = "distbelief.io"
 API_VERSION = "v1alpha1"
 JOB_API_VERSION = f"{API_GROUP}/{API_VERSION}"   # a DistBeliefJob's apiVersion
@@ -186,11 +188,22 @@ def selector_labels(job: str, role: str) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-    """The resolved job the roles read: the spec with every default applied."""
+    """The resolved job the roles read: the spec with every default applied, and on a
+    cluster the job's uid (which the shards write into their checkpoints, so that a job of
+    the same name never resumes another's training; local mode has none).
+
+    `spec` is the spec as the ConfigMap holds it (a dict: the operator renders from it,
+    and it is what to_json writes); `resolved` is the same job typed (jobspec.JobSpec),
+    resolved once when the config is made: what every runtime module reads."""
 
     name: str
     namespace: str
     spec: Mapping[str, Any]
+    uid: str | None = None
+    resolved: jobspec.JobSpec = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "resolved", jobspec.resolve(self.spec))
 
     @property
     def names(self) -> JobNames:
@@ -198,16 +211,16 @@ class JobConfig:
 
     @property
     def shards(self) -> int:
-        return int(self.spec["parameterServers"]["shards"])
+        return self.resolved.parameter_servers.shards
 
     @property
     def shard_port(self) -> int:
-        return int(self.spec["parameterServers"]["port"])
+        return self.resolved.parameter_servers.port
 
     @property
     def copies(self) -> int:
         """Copies of each shard: the primary and spec.parameterServers.backups backups."""
-        return 1 + int(self.spec["parameterServers"].get("backups", 0))
+        return self.resolved.parameter_servers.copies
 
     def copy_of(self, ordinal: int) -> tuple[int, int]:
         """(shard, copy rank) of the shards' StatefulSet pod `ordinal`."""
@@ -237,11 +250,11 @@ class JobConfig:
 
     @property
     def sandblaster(self) -> bool:
-        return self.spec.get("training", {}).get("algorithm") == "sandblaster"
+        return self.resolved.training.algorithm == "sandblaster"
 
     @property
     def partitions(self) -> int:
-        return int(self.spec["model"].get("partitions", 1))
+        return self.resolved.model.partitions
 
     def coordinator_address(self, environ: Mapping[str, str] = os.environ) -> str:
         """Where Sandblaster's coordinator, or a partitioned job's rendezvous, listens: beside
@@ -252,14 +265,15 @@ class JobConfig:
     def to_json(self) -> str:
         return json.dumps(
             {"apiVersion": JOB_API_VERSION, "kind": "JobConfig",
-             "name": self.name, "namespace": self.namespace, "spec": self.spec},
+             "name": self.name, "namespace": self.namespace, "spec": self.spec,
+             **({"uid": self.uid} if self.uid else {})},
             indent=2, sort_keys=True,
         )
 
     @classmethod
     def from_json(cls, text: str) -> "JobConfig":
         doc = json.loads(text)
-        return cls(name=doc["name"], namespace=doc["namespace"], spec=doc["spec"])
+        return cls(name=doc["name"], namespace=doc["namespace"], spec=doc["spec"], uid=doc.get("uid"))
 
     @classmethod
     def load(cls, path: str) -> "JobConfig":
@@ -273,30 +287,6 @@ def shard_index_from_pod_name(pod_name: str) -> int:
     if not ordinal.isdigit():
         raise ValueError(f"cannot read a shard index from pod name {pod_name!r}")
     return int(ordinal)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a Go-style duration such as '90s', '1h30m' or '250ms'."""
-    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-    total, number = 0.0, ""
-    i = 0
-    while i < len(text):
-        ch = text[i]
-        if ch.isdigit() or ch == ".":
-            number += ch
-            i += 1
-            continue
-        unit = "ms" if text.startswith("ms", i) else ch
-        if unit not in units or not number:
-            raise ValueError(f"not a duration: {text!r}")
-        total += float(number) * units[unit]
-        number = ""
-        i += len(unit)
-    if number:
-        raise ValueError(f"not a duration (missing unit): {text!r}")
-    if not text:
-        raise ValueError("not a duration: empty")
-    return total
 
 
 SYNTHETIC_REQUIRED = ("features", "classes", "samples")

@@ -8,9 +8,15 @@
     │   ├── Refused          well formed, but not applied (a non-finite gradient)
     │   ├── Forbidden        a privileged op from a peer without the chief's key
     │   ├── StateConflict    what the shard's state cannot take (a rollback it cannot do)
-    │   └── NotPrimary       a shard copy that does not serve clients now (a backup)
+    │   ├── NotPrimary       a shard copy that does not serve clients now (a backup)
+    │   └── BulkRejected     an encrypted job's bulk message not taken (unknown session,
+    │                        replayed, forged, malformed): dropped, never answered
     ├── ShardUnavailable     a shard that did not answer in time
     ├── ShardRefused         a shard that answered with an error
+    ├── ShardRestarted       a shard that lost the running Sandblaster iteration
+    ├── JobFinished          a shard that answered that the job is done
+    ├── GroupBroken          a partitioned replica's group that fell apart mid-step
+    ├── LineSearchFailed     Sandblaster's line search found no decrease (lbfgs.py's own)
     ├── Stopped              the role was asked to stop while it waited
     ├── CheckpointError      a checkpoint that cannot be written
     │   └── CorruptCheckpoint  a checkpoint that cannot be trusted on read
@@ -19,7 +25,11 @@
 
 ZeroMQ's own errors are translated into these inside the transport (transport/); nothing above it
 sees a zmq exception. A shard's ProtocolError travels back as an error reply whose code
-(protocol.ErrorCode) names its kind.
+(protocol.ErrorCode) names its kind. A config the roles cannot read becomes ConfigError
+where it is loaded (model/job.py). Each name is taken once in the project; the operator's
+own errors are distbelief.operator.errors. What the `distbelief` command prints and exits
+with for each is decided in one place, its cli._report: ConfigError, LayoutMismatch and
+CheckpointError exit 2 (contract.EXIT_INVALID_CONFIG), Diverged 3, any other 1.
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ class NotPrimary(ProtocolError):
     """This copy of a shard is a backup (or catching up): ask the shard's next copy."""
 
 
+class BulkRejected(ProtocolError):
+    """A bulk message that is not taken: unknown session, replayed, forged or malformed.
+    The transport drops it (and logs it); nothing is answered."""
+
+
 class ShardUnavailable(RuntimeFailure):
     pass
 
@@ -95,6 +110,10 @@ class JobFinished(RuntimeFailure):
 
 class Diverged(RuntimeFailure):
     """A replica's training loss stayed non-finite: the model diverged."""
+
+
+class LineSearchFailed(RuntimeFailure):
+    """Sandblaster's line search found no step that decreases the objective (caught in lbfgs.py)."""
 
 
 class GroupBroken(RuntimeFailure):

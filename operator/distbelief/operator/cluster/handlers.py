@@ -1,10 +1,19 @@
 """The kopf handlers: reconcile a DistBeliefJob's children, and keep its status current.
 
-    create / resume / spec update  ->  reconcile(): validate, create the key Secret once,
-                                                    render, apply every child
+    create / resume / spec update  ->  reconcile(): validate, check for another job's
+                                                    checkpoints, create the key Secret once,
+                                                    render, apply every child the job owns
     timer (every STATUS_INTERVAL)  ->  observe():   read children and the chief's metrics,
                                                     compute the status, act on completion,
                                                     delete the job when its TTL has passed
+    a child changed or deleted     ->  childwatch.put_back(): the child made to match its job again
+
+Nothing is silent. A spec that the CRD let through but validate_job refuses fails the
+job (phase Failed, reason InvalidSpec, a Warning Event). While the operator refuses to
+create the children (another job's checkpoint claims, a foreign keys Secret, an object
+of a child's name that the job does not own) the Created condition says why, a Warning
+Event says it once, and reconcile() tries again every BLOCKED_RETRY_SECONDS. Every phase
+change posts an Event.
 
 The spec is the one source of truth: `kubectl scale` and the HPA both write
 spec.workers.replicas through the scale subresource, and reconcile() follows, for every
@@ -22,16 +31,17 @@ import datetime
 import logging
 import os
 import threading
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, NoReturn
 
 import kopf
 
-from distbelief.operator.cluster import peering as peering_watch
-from distbelief.operator.cluster.kube import Kube, KubeError
+from distbelief.operator import errors
+from distbelief.operator.cluster import children, peering as peering_watch
+from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.render import render, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.status import scrape
-from distbelief.operator.status.status import (TERMINAL, WARNINGS, Observed, compute_status, parse_timestamp,
+from distbelief.operator.status.status import (FAILED, TERMINAL, WARNINGS, Observed, compute_status, parse_timestamp,
                                                pod_failures)
 from distbelief.runtime import contract, keys
 
@@ -43,7 +53,8 @@ PARTITIONS_ANNOTATION = f"{contract.API_GROUP}/partitions"
 # The uid of the keys Secret this operator created for the job: the job's record that the
 # Secret of that name is its own (the operator may create Secrets, never read them).
 KEYS_ANNOTATION = f"{contract.API_GROUP}/keys-secret-uid"
-FOREIGN_KEYS_RETRY_SECONDS = 30
+# How often reconcile() looks again while it refuses to create a job's children.
+BLOCKED_RETRY_SECONDS = float(os.environ.get("DISTBELIEF_BLOCKED_RETRY_SECONDS", "30"))
 STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
 # Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
 METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
@@ -92,12 +103,13 @@ def _load_kube_config() -> None:
         config.load_kube_config()
 
 
-def _validated(body: Mapping[str, Any]) -> dict[str, Any]:
-    doc = {k: copy.deepcopy(body[k]) for k in ("apiVersion", "kind", "metadata", "spec")}
-    try:
-        return job_spec.validate_job(doc)
-    except job_spec.SpecError as exc:
-        raise kopf.PermanentError(f"invalid DistBeliefJob: {exc}") from exc
+def stored(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: copy.deepcopy(body[k]) for k in ("apiVersion", "kind", "metadata", "spec")}
+
+
+def validated(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The job with the CRD's defaults; SpecError when the rules refuse it."""
+    return job_spec.validate_job(stored(body))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +132,7 @@ LOCKS = (
 )
 
 
-def _locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """The job with its shard and partition counts as created, and a refusal message by
     condition for each count the spec changed."""
     annotations = job["metadata"].get("annotations") or {}
@@ -140,33 +152,64 @@ def _locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
 @kopf.on.create(*RESOURCE)
 @kopf.on.resume(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
-def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None:
-    job, refusals = _locked_job(_validated(body))
+def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        job, refusals = locked_job(validated(body))
+    except errors.SpecError as exc:  # the CRD let it through (a server without its rules): observe() fails it
+        log.warning("event=invalid_spec job=%s problems=%r", body.metadata.name, str(exc))
+        return
+    locks = {}
     for lock in LOCKS:
         if lock.condition in refusals:
             kopf.warn(body, reason=lock.condition, message=refusals[lock.condition])
         elif lock.annotation not in (body.metadata.annotations or {}):
-            patch.metadata.annotations[lock.annotation] = str(lock.wanted(job))
+            locks[lock.annotation] = str(lock.wanted(job))
     parameters = sizing.parameter_count(job["spec"])
     for line in sizing.memory_warnings(job["spec"], parameters) if parameters else []:
         kopf.warn(body, reason="MemoryLimitLow", message=line)
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
-    new = reason == "create"  # nothing of the job exists yet: create without reading first
-    secret = contract.JobNames(job["metadata"]["name"]).keys_secret
+    names, namespace = contract.JobNames(job["metadata"]["name"]), body.metadata.namespace
+    if SHARDS_ANNOTATION not in (body.metadata.annotations or {}):  # the job's first reconcile
+        stale = children.stale_claims(kube, job)
+        if stale:
+            _block(body, memo, "CheckpointsOfAnotherJob", (
+                f"PersistentVolumeClaims {', '.join(stale)} hold the checkpoints of an earlier job named "
+                f"{names.job} (deleted with retention: Retain); a new job does not resume another job's training. "
+                f"Delete them (kubectl -n {namespace} delete pvc {' '.join(stale)}) and this job starts afresh, "
+                "or create it under another name"))
     ownership = ensure_keys_secret(kube, job)
     if ownership == "created":
-        kopf.info(body, reason="KeysCreated", message=f"Secret {secret} with the job's CurveZMQ keys")
+        kopf.info(body, reason="KeysCreated", message=f"Secret {names.keys_secret} with the job's CurveZMQ keys")
     elif ownership == "foreign":
-        message = (f"Secret {secret} exists but was not made for this job; the job will not use it "
-                   "(delete it, and the operator makes the job's own)")
-        kopf.warn(body, reason="KeysSecretForeign", message=message)
-        raise kopf.TemporaryError(message, delay=FOREIGN_KEYS_RETRY_SECONDS)
-    results = apply_children(kube, job, finished=finished, new=new)
-    changed = {name: result for name, result in results.items() if result != "unchanged"}
-    if changed:
+        _block(body, memo, "KeysSecretForeign", (
+            f"Secret {names.keys_secret} exists but was not made for this job; the job will not use it "
+            "(delete it, and the operator makes the job's own)"))
+    applied = children.apply_all(kube, job, desired_children(job, finished=finished), new=reason == "create")
+    if applied.foreign:
+        _block(body, memo, "ForeignObject", (
+            f"{', '.join(applied.foreign)} exist but are not this job's (no controller reference to it): the "
+            "operator leaves them alone and creates nothing in their place; delete or rename them, or create "
+            "the job under another name"))
+    memo["blocked"] = memo["warned"] = None
+    patch.metadata.annotations.update(locks)  # only once the children are the job's
+    if applied.changed:
         kopf.info(body, reason="ChildrenApplied" if reason != "update" else "SpecApplied",
-                  message=", ".join(f"{name} {result}" for name, result in changed.items()))
+                  message=", ".join(f"{name} {result}" for name, result in applied.changed.items()))
+
+
+def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoReturn:
+    """Refuse to go on for now: the Created condition says why (observe() reads the memo), a
+    Warning Event says so once, and kopf calls reconcile() again after a while."""
+    memo["blocked"] = (reason, message)
+    if memo.get("warned") != (reason, message):
+        kopf.warn(body, reason=reason, message=message)
+        memo["warned"] = (reason, message)
+    raise kopf.TemporaryError(message, delay=BLOCKED_RETRY_SECONDS)
+
+
+def desired_children(job: Mapping[str, Any], *, finished: bool) -> list[dict[str, Any]]:
+    return render.render_children(job, image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
 
 
 def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created", "own", "foreign"]:
@@ -186,59 +229,53 @@ def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created",
     uid = (created.get("metadata") or {}).get("uid", "")
     # Recorded at once, not with the handler's patch: a crash in between would leave the
     # job's own Secret looking foreign.
-    kube.patch(*_job_address(job), {"metadata": {"annotations": {KEYS_ANNOTATION: uid}}})
+    kube.patch(*job_address(job), {"metadata": {"annotations": {KEYS_ANNOTATION: uid}}})
     log.info("event=keys_created job=%s namespace=%s secret=%s uid=%s", names.job, namespace, names.keys_secret, uid)
     return "created"
 
 
-def apply_children(kube: Kube, job: Mapping[str, Any], *, finished: bool, new: bool = False) -> dict[str, str]:
-    """Create (a new job's: without reading first) or patch every rendered child; remove
-    an optional child (the HPA, the NetworkPolicy) that the spec no longer asks for. The
-    removal runs for a new job too: a retried create, or an orphaned child of an earlier
-    job of the same name, may have left one."""
-    children = render.render_children(job, image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
-    results = {f"{c['kind']}/{c['metadata']['name']}": kube.apply(c, likely_absent=new) for c in children}
-    names = contract.JobNames(job["metadata"]["name"])
-    namespace = job["metadata"].get("namespace") or "default"
-    optional = {("autoscaling/v2", "HorizontalPodAutoscaler"): names.worker,
-                ("networking.k8s.io/v1", "NetworkPolicy"): names.ps}
-    rendered = {(c["apiVersion"], c["kind"]) for c in children}
-    for (api_version, kind), name in optional.items():
-        if (api_version, kind) not in rendered and kube.delete(api_version, kind, namespace, name):
-            results[f"{kind}/{name}"] = "deleted"
-    return results
-
-
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=min(1.0, STATUS_INTERVAL))
-def observe(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     kube = Kube()
-    job, refusals = _locked_job(_validated(body))
+    try:
+        job, refusals = locked_job(validated(body))
+        observed = read_observed(kube, job, refusals, blocked=memo.get("blocked"))
+    except errors.SpecError as exc:
+        job, observed = stored(body), Observed(invalid_spec=f"the spec breaks the job's rules: {exc}")
     job["status"] = copy.deepcopy(dict(body.status or {}))
     now = datetime.datetime.now(datetime.timezone.utc)
-    status = compute_status(job, read_observed(kube, job, refusals), now)
+    status = compute_status(job, observed, now)
     before = job["status"].get("phase")
     _warn_new_conditions(body, job["status"].get("conditions", []), status["conditions"])
     if status["phase"] in TERMINAL and before not in TERMINAL:
-        _finish(kube, body, job, status)
+        # The verdict is stored before the scale-down, so that the children's watch, reading
+        # the job afresh, sees a finished job and does not put its replicas back.
+        kube.patch(*job_address(job), {"status": status}, subresource="status")
+        _finish(kube, body, job, status, stop_only=observed.invalid_spec is not None)
     elif status["phase"] != before:
         condition = next((c for c in status["conditions"] if c["type"] == status["phase"]), {})
-        kopf.info(body, reason=status["phase"], message=condition.get("message", status["phase"]))
+        kopf.info(body, reason=status["phase"], message=condition.get("message") or status["phase"])
     if _ttl_expired(job, status, now):
         kopf.info(body, reason="Deleted", message="ttlSecondsAfterFinished has passed since completion")
-        kube.delete(*_job_address(job))
+        kube.delete(*job_address(job))
         return
     current = {k: v for k, v in job["status"].items() if k != "kopf"}
     if status != current:
         patch.status.update(status)
 
 
-def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str]) -> Observed:
+def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str],
+                  blocked: tuple[str, str] | None = None) -> Observed:
+    """What the job's own children and pods show (objects of their names that the job does
+    not own count as absent), and the chief's figures."""
     meta = job["metadata"]
-    names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
-    sts = kube.get("apps/v1", "StatefulSet", namespace, names.ps) or {}
-    deployments = [(kube.get("apps/v1", "Deployment", namespace, name) or {}).get("status") or {}
+    names, namespace, uid = contract.JobNames(meta["name"]), meta.get("namespace") or "default", meta.get("uid")
+    sts = _own(kube.get("apps/v1", "StatefulSet", namespace, names.ps), uid)
+    deployments = [(_own(kube.get("apps/v1", "Deployment", namespace, name), uid)).get("status") or {}
                    for name in render.worker_deployment_names(job_spec.job_config(job))]
-    pods = kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: meta["name"]})
+    pods = [pod for pod in kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: meta["name"]})
+            if (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE) != contract.ROLE_PS
+            or controller_uid(pod) == (sts.get("metadata") or {}).get("uid")]
     url = METRICS_URL.format(job=meta["name"], namespace=namespace, pod=names.shard_pod(0), service=names.ps,
                              port=contract.METRICS_PORT)
     return Observed(
@@ -246,11 +283,12 @@ def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str
         # A replica is one pod of each partition: count the partition with the fewest.
         workers=min(int(d.get("replicas", 0)) for d in deployments),
         workers_ready=min(int(d.get("readyReplicas", 0)) for d in deployments),
-        figures=scrape.read(url),
+        figures=scrape.read(url) if sts else scrape.Figures(),
         **pod_failures(pods),
         children_created=bool(sts),
         shard_lock_message=refusals.get("ShardCountLocked"),
         partition_lock_message=refusals.get("PartitionCountLocked"),
+        blocked=blocked,
     )
 
 
@@ -262,14 +300,24 @@ def _warn_new_conditions(body: kopf.Body, before: list[Mapping[str, Any]], after
             kopf.warn(body, reason=condition["type"], message=condition.get("message", condition["type"]))
 
 
-def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-    """Scale the finished job down (its objects and checkpoints stay) and say why."""
+def _own(obj: dict[str, Any] | None, uid: str | None) -> dict[str, Any]:
+    """obj if the job controls it, else an empty object."""
+    return obj if obj is not None and controller_uid(obj) == uid else {}
+
+
+def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping[str, Any], *,
+            stop_only: bool = False) -> None:
+    """Scale the finished job down (its objects and checkpoints stay) and say why. stop_only:
+    the spec cannot be rendered (InvalidSpec), so only the job's workloads are scaled to 0."""
     condition = next(c for c in status["conditions"] if c["type"] == status["phase"])
     try:
-        apply_children(kube, job, finished=True)
-    except KubeError as exc:
+        if stop_only:
+            children.stop_workloads(kube, job)
+        else:
+            children.apply_all(kube, job, desired_children(job, finished=True))
+    except errors.KubeError as exc:
         raise kopf.TemporaryError(f"cannot scale the finished job down: {exc}", delay=5) from exc
-    post = kopf.info if status["phase"] == contract.SUCCEEDED else kopf.warn
+    post = kopf.info if status["phase"] != FAILED else kopf.warn
     post(body, reason=condition.get("reason", status["phase"]),
          message=f"{status['phase']}: {condition.get('message', '')}; replicas scaled to 0")
 
@@ -280,15 +328,7 @@ def _ttl_expired(job: Mapping[str, Any], status: Mapping[str, Any], now: datetim
     return ttl is not None and done is not None and (now - parse_timestamp(done)).total_seconds() >= ttl
 
 
-def _job_address(job: Mapping[str, Any]) -> tuple[str, str, str, str]:
+def job_address(job: Mapping[str, Any]) -> tuple[str, str, str, str]:
     meta = job["metadata"]
     return (f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, meta.get("namespace") or "default",
             meta["name"])
-
-
-def run(*, namespaces: list[str], standalone: bool, liveness: str | None, peering: str) -> None:
-    """Run the operator until it is stopped (SIGTERM/SIGINT)."""
-    peering_name = None if standalone else peering
-    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=standalone,
-             liveness_endpoint=liveness, peering_name=peering_name,
-             memo=kopf.Memo(peering=peering_name, namespaces=list(namespaces)))

@@ -3,18 +3,24 @@
 Objects are plain dicts, addressed by apiVersion and kind. `apply` is idempotent: it
 creates what is missing and merge-patches what differs, leaving fields the API server
 will not change (a StatefulSet's volume claim templates, selectors) out of the patch.
-API errors are translated here into KubeError with the verb, the object and the reason.
+It changes only what its owner controls: a live object of the same name without the
+desired object's controller reference (someone else's) is left alone and reported as
+"foreign"; `delete_owned` likewise. API errors are translated here, and only here,
+into errors.KubeError with the verb, the object and the reason.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Mapping
+from decimal import Decimal, InvalidOperation
+from typing import Any, Literal, Mapping
 
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from distbelief.operator import errors
+from distbelief.operator.render import podparts
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
@@ -27,10 +33,12 @@ PLURALS = {
     ("v1", "Service"): "services",
     ("v1", "Pod"): "pods",
     ("v1", "Secret"): "secrets",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (contract.JOB_API_VERSION, contract.KIND): contract.PLURAL,
     ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
     ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
@@ -43,15 +51,24 @@ IMMUTABLE = {
 }
 
 
-class KubeError(RuntimeError):
-    def __init__(self, verb: str, what: str, exc: ApiException) -> None:
-        self.status = exc.status
-        reason = exc.reason
-        try:
-            reason = json.loads(exc.body).get("message", reason)
-        except (TypeError, ValueError):
-            pass
-        super().__init__(f"{verb} {what}: {exc.status} {reason}")
+Applied = Literal["created", "patched", "unchanged", "foreign"]
+
+
+def controller_uid(obj: Mapping[str, Any]) -> str | None:
+    """The uid of obj's controller (the owner reference marked controller), if it has one."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((ref.get("uid") for ref in refs if ref.get("controller")), None)
+
+
+def _failed(verb: str, what: str, exc: ApiException) -> errors.KubeError:
+    """The one translation of the client's ApiException: the API server's own message when
+    its body carries one, else the HTTP reason."""
+    reason = exc.reason
+    try:
+        reason = json.loads(exc.body).get("message", reason)
+    except (TypeError, ValueError, AttributeError):
+        pass
+    return errors.KubeError(verb, what, exc.status, reason)
 
 
 def path_of(api_version: str, kind: str, namespace: str | None, name: str | None = None,
@@ -86,24 +103,27 @@ class Kube:
         except ApiException as exc:
             if exc.status == 404:
                 return None
-            raise KubeError("get", f"{kind} {namespace}/{name}", exc) from exc
+            raise _failed("get", f"{kind} {namespace}/{name}", exc) from exc
 
     def list(self, api_version: str, kind: str, namespace: str | None, selector: Mapping[str, str]) -> list[Manifest]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))]
         try:
             return self._call("GET", path_of(api_version, kind, namespace), query=query).get("items", [])
         except ApiException as exc:
-            raise KubeError("list", f"{kind} in {namespace}", exc) from exc
+            raise _failed("list", f"{kind} in {namespace}", exc) from exc
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        """Delete in the background (the garbage collector takes the children); False if absent."""
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
+        """Delete in the background (the garbage collector takes the children); False if absent.
+        With uid, only the object of that uid (a 409 if the name now holds another)."""
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
             self._call("DELETE", path_of(api_version, kind, namespace, name), body=body)
         except ApiException as exc:
             if exc.status == 404:
                 return False
-            raise KubeError("delete", f"{kind} {namespace}/{name}", exc) from exc
+            raise _failed("delete", f"{kind} {namespace}/{name}", exc) from exc
         return True
 
     def create(self, desired: Manifest) -> Manifest | None:
@@ -116,46 +136,90 @@ class Kube:
         except ApiException as exc:
             if exc.status == 409:
                 return None
-            raise KubeError("create", f"{kind} {namespace}/{name}", exc) from exc
+            raise _failed("create", f"{kind} {namespace}/{name}", exc) from exc
 
-    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Manifest) -> None:
-        """Merge-patch the named object."""
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Manifest, *,
+              subresource: str | None = None) -> None:
+        """Merge-patch the named object (or its subresource: "status")."""
         try:
-            self._call("PATCH", path_of(api_version, kind, namespace, name), body=patch,
+            self._call("PATCH", path_of(api_version, kind, namespace, name, subresource), body=patch,
                        content_type="application/merge-patch+json")
         except ApiException as exc:
-            raise KubeError("patch", f"{kind} {namespace}/{name}", exc) from exc
+            raise _failed("patch", f"{kind} {namespace}/{name}", exc) from exc
 
-    def apply(self, desired: Manifest, *, likely_absent: bool = False) -> str:
-        """Create desired, or patch the live object toward it. Returns created|patched|unchanged.
+    def delete_owned(self, api_version: str, kind: str, namespace: str, name: str,
+                     owner_uid: str) -> Literal["deleted", "absent", "foreign"]:
+        """Delete the named object if owner_uid controls it; leave anyone else's alone."""
+        live = self.get(api_version, kind, namespace, name)
+        if live is None:
+            return "absent"
+        if controller_uid(live) != owner_uid:
+            return "foreign"
+        return "deleted" if self.delete(api_version, kind, namespace, name, uid=live["metadata"]["uid"]) else "absent"
+
+    def apply(self, desired: Manifest, *, likely_absent: bool = False, live: Manifest | None = None) -> Applied:
+        """Create desired, or patch the live object toward it: created|patched|unchanged, or
+        foreign (changed nothing) when an object of that name exists that the controller
+        named in desired's owner references does not control.
 
         likely_absent (a new job's children): try the create first, which saves the read
-        when it succeeds and costs one request more when the object was there after all."""
+        when it succeeds and costs one request more when the object was there after all.
+        live: the object as just read (a watch event), which saves the read."""
         api_version, kind = desired["apiVersion"], desired["kind"]
         namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
-        live = None if likely_absent else self.get(api_version, kind, namespace, name)
+        if live is None and not likely_absent:
+            live = self.get(api_version, kind, namespace, name)
         if live is None:
             if self.create(desired) is not None:
                 return "created"
             live = self.get(api_version, kind, namespace, name) or {}  # created meanwhile: patch it
-        patch = _mutable_part(desired)
+        owner = controller_uid(desired)
+        if owner is not None and controller_uid(live) != owner:
+            log.warning("event=foreign_object kind=%s namespace=%s name=%s controller=%s action=left_alone",
+                        kind, namespace, name, controller_uid(live))
+            return "foreign"
+        patch = mutable_part(desired)
         if _contains(live, patch):
             return "unchanged"
+        # The uid makes the patch conditional: should the name now hold another object (ours
+        # deleted and someone else's made in between), the server refuses to change its uid.
+        patch["metadata"]["uid"] = live["metadata"]["uid"]
         self.patch(api_version, kind, namespace, name, patch)
         return "patched"
 
 
-def _mutable_part(desired: Manifest) -> Manifest:
+def mutable_part(desired: Manifest) -> Manifest:
+    """desired without the fields the server refuses to change after creation: what a patch
+    sends, and what a live object must hold to match."""
     patch = json.loads(json.dumps(desired))
     for field in IMMUTABLE.get(desired["kind"], ()):
         patch.get("spec", {}).pop(field, None)
     return patch
 
 
-def _contains(live: Any, wanted: Any) -> bool:
+def contains(live: Any, wanted: Any) -> bool:
     """Whether live already holds every value of wanted (lists compared whole)."""
+    return _contains(live, wanted)
+
+
+# Maps of resource quantities: the server stores them in its canonical form ("0.5" as "500m").
+_QUANTITY_MAPS = ("requests", "limits")
+
+
+def _contains(live: Any, wanted: Any, quantities: bool = False) -> bool:
     if isinstance(wanted, dict):
-        return isinstance(live, dict) and all(_contains(live.get(k), v) for k, v in wanted.items())
+        return isinstance(live, dict) and all(_contains(live.get(k), v, quantities or k in _QUANTITY_MAPS)
+                                              for k, v in wanted.items())
     if isinstance(wanted, list):
         return isinstance(live, list) and len(live) == len(wanted) and all(map(_contains, live, wanted))
+    if quantities and live != wanted:
+        return _quantity(live) is not None and _quantity(live) == _quantity(wanted)
     return live == wanted
+
+
+def _quantity(value: Any) -> Decimal | None:
+    """A resource quantity ("500m", "0.5", 2, "1Gi") as a number; None when it is not one."""
+    try:
+        return podparts.cpu_cores(value)
+    except (InvalidOperation, ValueError):
+        return None

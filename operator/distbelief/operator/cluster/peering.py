@@ -13,7 +13,8 @@ import logging
 import os
 import threading
 
-from distbelief.operator.cluster.kube import Kube, KubeError
+from distbelief.operator import errors
+from distbelief.operator.cluster.kube import Kube
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def missing(kube: Kube, name: str, namespaces: list[str]) -> list[str]:
     for namespace in namespaces or [None]:
         try:
             names = {obj["metadata"]["name"] for obj in kube.list(API_VERSION, kind, namespace, {})}
-        except KubeError as exc:
+        except errors.KubeError as exc:
             if exc.status != 404:
                 raise
             names = set()  # no such resource: the CRD is not installed
@@ -52,7 +53,7 @@ def _loop(name: str, namespaces: list[str], stop: threading.Event) -> None:
         delay = CHECK_SECONDS
         try:
             absent = missing(kube, name, namespaces)
-        except KubeError as exc:
+        except errors.KubeError as exc:
             log.warning("event=peering_check_failed peering=%s error=%r", name, str(exc))
             continue
         for obj in absent:

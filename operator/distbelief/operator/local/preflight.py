@@ -28,18 +28,17 @@ class Checked:
 
 
 def check(job: Mapping[str, Any]) -> Checked:
-    """Load the job's data and build its model as every role will; raises ConfigError."""
+    """Derive the job's data, model and layout as every role will (model.job.Job, the one
+    derivation); raises ConfigError."""
     from distbelief.operator.spec.spec import job_config
-    from distbelief.runtime.model import data, models
-    from distbelief.runtime.roles import common
+    from distbelief.runtime.model import models
+    from distbelief.runtime.model.job import Job
 
-    spec = job["spec"]
-    dataset = data.load(spec["data"])
-    model = models.build_model(spec["model"], dataset.n_features, dataset.n_classes)
-    checked = Checked(examples=len(dataset.x_train) + len(dataset.x_test), features=dataset.n_features,
+    derived = Job(job_config(job))
+    dataset, model = derived.dataset, derived.model
+    checked = Checked(examples=len(dataset.y_train) + len(dataset.y_test), features=dataset.n_features,
                       classes=dataset.n_classes, parameters=models.num_params(model),
-                      shapes=[(name, tuple(shape)) for name, shape in model.shapes],
-                      layout=common.model_layout(model, job_config(job))[1].hash)
+                      shapes=[(name, tuple(shape)) for name, shape in model.shapes], layout=derived.layout.hash)
     log.info("event=preflight_passed job=%s examples=%d features=%d classes=%d parameters=%d",
              job["metadata"]["name"], checked.examples, checked.features, checked.classes, checked.parameters)
     return checked

@@ -17,6 +17,7 @@ import os
 import re
 from typing import Any, Callable, Mapping
 
+from distbelief.operator import errors
 from distbelief.operator.local import localpods
 from distbelief.operator.render import podparts
 from distbelief.operator.node import api as node_api
@@ -27,10 +28,6 @@ TERMINATION_LOG = "/dev/termination-log"
 ENTRYPOINTS = {"distbelief": ["distbelief"]}
 HIDDEN_ENV = ("KUBECONFIG",)
 _REFERENCE = re.compile(r"\$\$|\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")
-
-
-class ContainerConfigError(Exception):
-    """What a kubelet reports as CreateContainerConfigError: the container cannot be made."""
 
 
 def expand(text: str, env: Mapping[str, str]) -> str:
@@ -49,7 +46,7 @@ def entrypoint(container: Mapping[str, Any]) -> list[str]:
     repository = image.split("@")[0].rsplit("/", 1)[-1].split(":")[0]
     if repository in ENTRYPOINTS:
         return ENTRYPOINTS[repository]
-    raise ContainerConfigError(f"container {container['name']} has no command, and local-node does not know the "
+    raise errors.ContainerConfigError(f"container {container['name']} has no command, and local-node does not know the "
                                f"entry point of image {image!r}")
 
 
@@ -102,7 +99,7 @@ def _value_from(api: node_api.Api, pod: Manifest, container: Mapping[str, Any], 
     if "fieldRef" in source:
         path = source["fieldRef"]["fieldPath"]
         if path not in fields and not re.match(r"metadata\.(labels|annotations)\[", path):
-            raise ContainerConfigError(f"env fieldRef {path!r} is not one local-node fills")
+            raise errors.ContainerConfigError(f"env fieldRef {path!r} is not one local-node fills")
         return fields.get(path, "")
     if "resourceFieldRef" in source:
         return _resource_field(container, source["resourceFieldRef"], capacity)
@@ -113,9 +110,9 @@ def _value_from(api: node_api.Api, pod: Manifest, container: Mapping[str, Any], 
             if ref["key"] not in data:
                 if ref.get("optional"):
                     return None
-                raise ContainerConfigError(f"{plural[:-1]} {namespace}/{ref['name']} has no key {ref['key']!r}")
+                raise errors.ContainerConfigError(f"{plural[:-1]} {namespace}/{ref['name']} has no key {ref['key']!r}")
             return data[ref["key"]]
-    raise ContainerConfigError(f"env valueFrom {sorted(source)} is not one local-node fills")
+    raise errors.ContainerConfigError(f"env valueFrom {sorted(source)} is not one local-node fills")
 
 
 def _resource_field(container: Mapping[str, Any], ref: Mapping[str, Any], capacity: Mapping[str, str]) -> str:
@@ -140,7 +137,7 @@ def _object_data(api: node_api.Api, namespace: str, plural: str, name: str, opti
     if found is None:
         if optional:
             return {}
-        raise ContainerConfigError(f"{plural[:-1]} {namespace}/{name} not found")
+        raise errors.ContainerConfigError(f"{plural[:-1]} {namespace}/{name} not found")
     data = found.get("data") or {}
     if plural == "secrets":
         return {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any, Mapping
 
+from distbelief.operator import errors
 from distbelief.operator.local import localpods
 from distbelief.operator.node import api as node_api, containers, podstatus, probes, roles, volumes
 from distbelief.operator.node.addresses import HOST_IP, PodNetwork
@@ -140,12 +141,12 @@ class NodePod:
     def _prepare(self) -> None:
         try:
             if self.manifest["spec"].get("initContainers"):
-                raise containers.ContainerConfigError("local-node does not run init containers")
+                raise errors.ContainerConfigError("local-node does not run init containers")
             made = volumes.prepare(self.ctx.api, self.manifest, os.path.join(self.folder, "volumes"))
             for run in self.runs:
                 run.process = self._process(run, made)
-        except (volumes.VolumeError, containers.ContainerConfigError, OSError, ValueError, KeyError) as exc:
-            reason = "ContainerCreating" if isinstance(exc, volumes.VolumeError) else "CreateContainerConfigError"
+        except (errors.VolumeError, errors.ContainerConfigError, OSError, ValueError, KeyError) as exc:
+            reason = "ContainerCreating" if isinstance(exc, errors.VolumeError) else "CreateContainerConfigError"
             for run in self.runs:
                 run.state.waiting = (reason, str(exc))
             self.prepare_at = time.monotonic() + PREPARE_RETRY_SECONDS

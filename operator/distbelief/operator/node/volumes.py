@@ -19,14 +19,11 @@ import base64
 import os
 from typing import Any, Mapping
 
+from distbelief.operator import errors
 from distbelief.operator.local import localpods
 from distbelief.operator.node import api as node_api
 
 Manifest = dict[str, Any]
-
-
-class VolumeError(Exception):
-    """A volume that cannot be made yet (its ConfigMap, Secret or claim is missing or unbound)."""
 
 
 def prepare(api: node_api.Api, pod: Manifest, folder: str) -> dict[str, str]:
@@ -44,7 +41,7 @@ def mounts(container: Mapping[str, Any], volumes: Mapping[str, str]) -> dict[str
     found = {}
     for mount in container.get("volumeMounts") or []:
         if mount["name"] not in volumes:
-            raise VolumeError(f"volumeMount {mount['mountPath']}: no volume named {mount['name']!r}")
+            raise errors.VolumeError(f"volumeMount {mount['mountPath']}: no volume named {mount['name']!r}")
         local = volumes[mount["name"]]
         found[mount["mountPath"]] = os.path.join(local, mount["subPath"]) if mount.get("subPath") else local
     return found
@@ -63,14 +60,14 @@ def _make(api: node_api.Api, namespace: str, volume: Mapping[str, Any], target: 
         _write_secret(api, namespace, volume["secret"], target)
     elif "emptyDir" not in volume:
         kinds = sorted(set(volume) - {"name"})
-        raise VolumeError(f"volume {volume['name']!r}: local-node does not make {', '.join(kinds)} volumes")
+        raise errors.VolumeError(f"volume {volume['name']!r}: local-node does not make {', '.join(kinds)} volumes")
     return target
 
 
 def _source(api: node_api.Api, namespace: str, plural: str, name: str, optional: bool) -> Manifest | None:
     found = api.get_path(node_api.path("v1", plural, namespace, name))
     if found is None and not optional:
-        raise VolumeError(f"{plural[:-1]} {namespace}/{name} not found")
+        raise errors.VolumeError(f"{plural[:-1]} {namespace}/{name} not found")
     return found
 
 
@@ -96,7 +93,7 @@ def _items(source: Mapping[str, Any], data: Mapping[str, Any]) -> list[Mapping[s
     items = source.get("items") or [{"key": key, "path": key} for key in data]
     missing = [item["key"] for item in items if item["key"] not in data]
     if missing:
-        raise VolumeError(f"volume keys not found: {', '.join(missing)}")
+        raise errors.VolumeError(f"volume keys not found: {', '.join(missing)}")
     return items
 
 
@@ -104,11 +101,11 @@ def _claim_folder(api: node_api.Api, namespace: str, claim: str) -> str:
     found = api.get_path(node_api.path("v1", "persistentvolumeclaims", namespace, claim))
     volume_name = ((found or {}).get("spec") or {}).get("volumeName")
     if not volume_name:
-        raise VolumeError(f"persistentvolumeclaim {namespace}/{claim} is not bound")
+        raise errors.VolumeError(f"persistentvolumeclaim {namespace}/{claim} is not bound")
     volume = api.get_path(node_api.path("v1", "persistentvolumes", name=volume_name)) or {}
     spec = volume.get("spec") or {}
     local = (spec.get("local") or spec.get("hostPath") or {}).get("path")
     if not local:
-        raise VolumeError(f"persistentvolume {volume_name} is neither local nor hostPath")
+        raise errors.VolumeError(f"persistentvolume {volume_name} is neither local nor hostPath")
     os.makedirs(local, exist_ok=True)
     return local

@@ -76,12 +76,14 @@ class RenderContext:
 
 
 def config_hash(config: contract.JobConfig) -> str:
-    """First 16 hex digits of the sha256 of the config, without the scaling-only fields."""
+    """First 16 hex digits of the sha256 of the config, without the scaling-only fields and
+    the uid (which a job keeps for life, and which jobs made before it was in the config
+    lacked: an upgrade must not restart their pods for it)."""
     spec = copy.deepcopy(dict(config.spec))
     for path in _SCALING_FIELDS:
         parent = spec
         for key in path[:-1]:
             parent = parent.get(key, {})
         parent.pop(path[-1], None)
-    text = dataclasses.replace(config, spec=spec).to_json()
+    text = dataclasses.replace(config, spec=spec, uid=None).to_json()
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

@@ -100,11 +100,12 @@ def spread_copies(ctx: RenderContext) -> Manifest | None:
         {"weight": 100, "podAffinityTerm": term}]}}
 
 
-def container(ctx: RenderContext, role: str, *, args: list[str],
-               ports: list[dict[str, Any]], mounts: list[dict[str, Any]] | None = None,
-               env: list[dict[str, Any]] | None = None) -> Manifest:
+def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds: int,
+              ports: list[dict[str, Any]], mounts: list[dict[str, Any]] | None = None,
+              env: list[dict[str, Any]] | None = None) -> Manifest:
     """The one container of a role's pods: ``distbelief <role> --config ... <args>``; env
-    comes after the common variables (and may refer to them as $(NAME))."""
+    comes after the common variables (and may refer to them as $(NAME)). The liveness
+    probe starts counting once the role serves, or after startup_seconds (startup_probe)."""
     container: Manifest = {
         "name": role,
         "image": ctx.image,
@@ -116,6 +117,7 @@ def container(ctx: RenderContext, role: str, *, args: list[str],
                 *_thread_env(ctx.spec[_ROLE_SPEC[role]].get("resources")),
                 *(env or [])],
         "ports": ports,
+        "startupProbe": startup_probe(startup_seconds),
         "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
         "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
         "securityContext": _container_security(),
@@ -159,6 +161,17 @@ def keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
         files = keys.CLIENT_FILES + (keys.STAGE_FILES if ctx.config.partitions > 1 else ())
         secret["items"] = [{"key": name, "path": name} for name in files]
     return {"name": contract.KEYS_VOLUME, "secret": secret}
+
+
+# A role serves /healthz only once it has loaded its data and built its model, and a shard
+# once it has restored its checkpoint: until then the kubelet asks every STARTUP_PERIOD
+# seconds, and the liveness probe (3 misses 10 s apart) waits.
+STARTUP_PERIOD = 10
+
+
+def startup_probe(seconds: int) -> dict[str, Any]:
+    """Up to seconds (rounded up to the period) for a role to start serving /healthz."""
+    return _probe(contract.HEALTH_PATH, period=STARTUP_PERIOD, failures=max(1, math.ceil(seconds / STARTUP_PERIOD)))
 
 
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
@@ -230,10 +243,17 @@ def stage_env(partition: int) -> list[dict[str, Any]]:
             {"name": contract.ENV_STAGE_ADDRESS, "value": f"tcp://$({contract.ENV_POD_IP}):{contract.STAGE_PORT}"}]
 
 
+# On the checkpoint claims (from the claim template): the uid of the job that made them, which
+# tells them apart from the claims a deleted job of the same name left behind.
+JOB_UID_LABEL = f"{contract.API_GROUP}/job-uid"
+
+
 def checkpoint_claim(ctx: RenderContext, storage: Mapping[str, Any]) -> Manifest:
+    claim_labels = labels(ctx.config.name, contract.ROLE_PS)
+    if ctx.uid:
+        claim_labels[JOB_UID_LABEL] = ctx.uid
     claim: Manifest = {
-        "metadata": {"name": contract.CHECKPOINT_VOLUME,
-                     "labels": labels(ctx.config.name, contract.ROLE_PS)},
+        "metadata": {"name": contract.CHECKPOINT_VOLUME, "labels": claim_labels},
         "spec": {"accessModes": ["ReadWriteOnce"],
                  "resources": {"requests": {"storage": storage["size"]}}},
     }

@@ -9,8 +9,9 @@ Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless S
 and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard copy: pod o is
 copy o // shards of shard o % shards), Deployment ``<job>-worker`` (the model replicas;
 with spec.model.partitions N > 1, one Deployment ``<job>-worker-p<k>`` per partition
-instead, each with spec.workers.replicas pods, so that a replica is one pod of each) and,
-when the spec asks, a HorizontalPodAutoscaler
+instead, each with spec.workers.replicas pods, so that a replica is one pod of each), the
+PodDisruptionBudget ``<job>-ps`` (voluntary evictions take one shard pod at a time; local
+mode has no use for it) and, when the spec asks, a HorizontalPodAutoscaler
 ``<job>-worker`` that scales the DistBeliefJob itself through its scale subresource, and,
 unless the spec turns it off, the NetworkPolicy ``<job>-ps`` around all the job's pods.
 
@@ -31,12 +32,13 @@ from typing import Any
 
 import yaml
 
-from distbelief.operator.render import podparts
+from distbelief.operator.render import podparts, sizing
 from distbelief.operator.render.context import RenderContext
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
 
+JOB_UID_LABEL = podparts.JOB_UID_LABEL
 COMPONENT_CONFIG = "config"
 COMPONENT_KEYS = "keys"
 # The image the roles run when neither the job nor the operator's settings name one.
@@ -60,6 +62,7 @@ def render_children(job: Mapping[str, Any], *, image: str, finished: bool = Fals
         render_ps_service(ctx),
         render_ps_statefulset(ctx),
         *render_worker_deployments(ctx),
+        render_ps_disruption_budget(ctx),
     ]
     children += [c for c in (render_worker_hpa(ctx), render_ps_network_policy(ctx)) if c is not None]
     log.debug("rendered job=%s children=%d hash=%s", ctx.config.name, len(children),
@@ -125,7 +128,7 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
     ps = ctx.spec["parameterServers"]
     storage = ps["checkpoint"]["storage"]
     container = podparts.container(
-        ctx, contract.ROLE_PS,
+        ctx, contract.ROLE_PS, startup_seconds=startup_seconds(ctx, contract.ROLE_PS),
         args=["--checkpoint-dir", contract.CHECKPOINT_DIR, "--keys-dir", contract.KEYS_DIR],
         ports=podparts.ps_ports(ctx),
         mounts=[{"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR}],
@@ -145,6 +148,43 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
             "template": podparts.pod_template(ctx, contract.ROLE_PS, container,
                                               affinity=podparts.spread_copies(ctx)),
             "volumeClaimTemplates": [podparts.checkpoint_claim(ctx, storage)],
+        },
+    }
+
+
+# How long a role may take to start serving: loading the data and building the model (a
+# built-in or synthetic source whose size the spec tells: STARTUP_SECONDS; npz files, user
+# code or embeddings, whose size only loading tells: STARTUP_UNKNOWN_SECONDS), and for a
+# shard also reading its checkpoint, at RESTORE_BYTES_PER_SECOND (a slow network disk).
+STARTUP_SECONDS = 300
+STARTUP_UNKNOWN_SECONDS = 900
+RESTORE_BYTES_PER_SECOND = 20 * 2 ** 20
+
+
+def startup_seconds(ctx: RenderContext, role: str) -> int:
+    """The startup probe's budget for a role's pods (see STARTUP_SECONDS)."""
+    parameters = None if ctx.spec["model"].get("embeddings") else sizing.parameter_count(ctx.spec)
+    if parameters is None:
+        return STARTUP_UNKNOWN_SECONDS
+    if role != contract.ROLE_PS:
+        return STARTUP_SECONDS
+    checkpoint = sizing.shard_bytes(ctx.spec, parameters)
+    return STARTUP_SECONDS + -(-checkpoint // RESTORE_BYTES_PER_SECOND)
+
+
+def render_ps_disruption_budget(ctx: RenderContext) -> Manifest:
+    """At most one shard pod evicted at a time (a node drain, a cluster upgrade): without
+    backups a shard's loss pauses training until it restarts from its checkpoint, and with
+    them one copy at a time may go. A pod that is not ready may always be evicted, so a
+    crash-looping shard never blocks a drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": podparts.metadata(ctx, ctx.names.ps, contract.ROLE_PS),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_PS)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -178,7 +218,7 @@ def render_worker_deployment(ctx: RenderContext, partition: int | None = None) -
         env = podparts.stage_env(partition)
         extra = {podparts.PARTITION_LABEL: str(partition)}
     container = podparts.container(ctx, contract.ROLE_WORKER, args=["--keys-dir", contract.KEYS_DIR],
-                                   ports=ports, env=env)
+                                   startup_seconds=startup_seconds(ctx, contract.ROLE_WORKER), ports=ports, env=env)
     metadata = podparts.metadata(ctx, name, contract.ROLE_WORKER)
     metadata["labels"].update(extra)
     return {

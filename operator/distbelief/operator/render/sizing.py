@@ -34,12 +34,17 @@ def parameter_count(spec: Mapping[str, Any]) -> int | None:
     return sum(a * b + b for a, b in zip(widths, widths[1:]))
 
 
+def shard_bytes(spec: Mapping[str, Any], parameters: int) -> int:
+    """The bytes of one shard's arrays (its checkpoint holds no more)."""
+    return math.ceil(parameters / int(spec["parameterServers"]["shards"])) * _shard_arrays(spec["training"]) * FLOAT_BYTES
+
+
 def memory_warnings(spec: Mapping[str, Any], parameters: int) -> list[str]:
     """One line per pod kind whose memory limit is below what its arrays alone need."""
     shards = int(spec["parameterServers"]["shards"])
     shard_arrays = _shard_arrays(spec["training"])
     needs = {
-        "parameterServers": (math.ceil(parameters / shards) * shard_arrays * FLOAT_BYTES,
+        "parameterServers": (shard_bytes(spec, parameters),
                              f"each shard holds {shard_arrays} float32 arrays of its "
                              f"{math.ceil(parameters / shards):,} parameters"),
         "workers": _replica_pod_need(parameters, int(spec["model"].get("partitions", 1))),

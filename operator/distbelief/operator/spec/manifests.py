@@ -7,24 +7,13 @@ last one without a word). A kubectl `kind: List` is unpacked into its items.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from distbelief.operator import errors
 from distbelief.operator.spec.schemawalk import kind
-
-
-class SpecError(ValueError):
-    """A manifest the user wrote is wrong; ``errors`` holds one line per problem."""
-
-    def __init__(self, errors: Iterable[str] | str) -> None:
-        self.errors: list[str] = [errors] if isinstance(errors, str) else list(errors)
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        return "\n".join(self.errors)
 
 
 class _DuplicateKey(yaml.MarkedYAMLError):
@@ -54,19 +43,19 @@ def load_manifests(path: str) -> list[dict[str, Any]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+        raise errors.SpecError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         docs = list(yaml.load_all(text, Loader=_StrictLoader))  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
-        raise SpecError(_yaml_problem(path, exc)) from None
+        raise errors.SpecError(_yaml_problem(path, exc)) from None
     docs = [item for doc in docs for item in _unpack_list(doc)]
     bad = [f"{path}: document {i}: must be a mapping (got {kind(d)})"
            for i, d in enumerate(docs, 1) if d is not None and not isinstance(d, dict)]
     if bad:
-        raise SpecError(bad)
+        raise errors.SpecError(bad)
     manifests = [d for d in docs if d is not None]
     if not manifests:
-        raise SpecError(f"{path}: holds no manifest (the file is empty or only comments)")
+        raise errors.SpecError(f"{path}: holds no manifest (the file is empty or only comments)")
     return manifests
 
 
@@ -74,7 +63,7 @@ def load_single(path: str, command: str) -> dict[str, Any]:
     """The one manifest of a file a command takes alone (run, predict)."""
     docs = load_manifests(path)
     if len(docs) != 1:
-        raise SpecError(f"{path}: {command} takes one DistBeliefJob per file, found {len(docs)} documents")
+        raise errors.SpecError(f"{path}: {command} takes one DistBeliefJob per file, found {len(docs)} documents")
     return docs[0]
 
 

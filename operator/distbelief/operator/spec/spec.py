@@ -6,7 +6,7 @@ server, applies its defaults and checks its rules (types, bounds, enums, pattern
 required and unknown fields). On top of that it checks what an OpenAPI schema cannot
 say: name lengths that derived child names must fit, min <= max, mutually exclusive
 fields, the data-source grammar and durations. Every problem is reported as one line,
-``<json path>: <rule>``, and all of them together in one :class:`SpecError`.
+``<json path>: <rule>``, and all of them together in one :class:`errors.SpecError`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from typing import Any
 
 import yaml
 
-from distbelief.operator.spec.manifests import SpecError, load_manifests, load_single
+from distbelief.operator import errors
+from distbelief.operator.spec.manifests import load_manifests, load_single
 from distbelief.operator.spec.schemawalk import Problems, Walker, got, join, kind, show
-from distbelief.runtime import contract
+from distbelief.runtime import contract, jobspec
 
-__all__ = ["SpecError", "load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]
+__all__ = ["load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,17 @@ CRD_RESOURCE = "crds/distbelief.io_distbeliefjobs.yaml"
 DATA_DIR = "/data"  # where the renderer mounts spec.data.volume
 
 # Every schema keyword the validator understands. A CRD using any other keyword is
-# refused at load time, so that no rule is ever skipped silently.
+# refused at load time, so that no rule is ever skipped silently. The CRD's CEL rules
+# (x-kubernetes-validations) are this module's rules that a schema cannot say, written
+# again for the API server; tests/test_cluster_validation.py shows the two agree on
+# every rule's examples. The list keywords describe status only.
 SUPPORTED_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "enum",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
     "maxLength", "pattern", "minItems", "maxItems", "default", "nullable", "anyOf",
     "format", "description", "x-kubernetes-int-or-string",
-    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-preserve-unknown-fields", "x-kubernetes-validations",
+    "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 })
 
 # Services and StatefulSets need RFC 1035 labels (start with a letter); namespaces are
@@ -117,7 +122,7 @@ def _unsupported_keywords(schema: Mapping[str, Any], path: str) -> Iterator[str]
 def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     """A deep copy of ``doc`` with the CRD's defaults applied; SpecError lists every problem."""
     if not isinstance(doc, Mapping):
-        raise SpecError(f"manifest: must be a mapping (got {kind(doc)})")
+        raise errors.SpecError(f"manifest: must be a mapping (got {kind(doc)})")
     problems = Problems()
     job: dict[str, Any] = copy.deepcopy(dict(doc))
     job = Walker(problems).walk(job, _schema(), "")
@@ -131,19 +136,21 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     _check_backups(job, problems)
     _check_wire_format(job, problems)
     if problems.lines:
-        raise SpecError(problems.lines)
+        raise errors.SpecError(problems.lines)
     return job
 
 
 def job_config(
     validated: Mapping[str, Any], namespace_default: str = "default"
 ) -> contract.JobConfig:
-    """The resolved config the pods read, from the output of :func:`validate_job`."""
+    """The resolved config the pods read, from the output of :func:`validate_job` (with the
+    job's uid when the API server stored it)."""
     metadata = validated["metadata"]
     return contract.JobConfig(
         name=metadata["name"],
         namespace=metadata.get("namespace") or namespace_default,
         spec=copy.deepcopy(validated["spec"]),
+        uid=metadata.get("uid") or None,
     )
 
 
@@ -274,7 +281,7 @@ def _check_training(job: Mapping[str, Any], problems: Problems) -> None:
     if not isinstance(text, str) or problems.at(path):
         return
     try:
-        seconds = contract.parse_duration(text)
+        seconds = jobspec.parse_duration(text)
     except ValueError as exc:
         problems.add(path, str(exc))
         return

@@ -14,6 +14,7 @@ import urllib.parse
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from distbelief.operator import errors
 from distbelief.runtime.contract import Metric as M
 
 log = logging.getLogger(__name__)
@@ -21,10 +22,6 @@ log = logging.getLogger(__name__)
 TIMEOUT_SECONDS = 2.0       # for the whole request: connect, send, every read
 MAX_BODY_BYTES = 1 << 20    # a chief's /metrics is a few KB
 MAX_HEAD_BYTES = 16384
-
-
-class ScrapeError(Exception):
-    """The endpoint did not give a 200 answer within the size and time bounds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +132,7 @@ def read(url: str, *, timeout: float = TIMEOUT_SECONDS) -> Figures:
     """The figures at url (a /metrics endpoint); empty Figures when it does not answer."""
     try:
         return parse(fetch(url, timeout=timeout).decode())
-    except (OSError, ScrapeError, ValueError) as exc:
+    except (OSError, errors.ScrapeError, ValueError) as exc:
         log.debug("event=scrape_failed url=%s error=%s", url, exc)
         return Figures()
 
@@ -158,11 +155,11 @@ def fetch(url: str, *, timeout: float = TIMEOUT_SECONDS, max_bytes: int = MAX_BO
             length = _check_head(head, max_bytes)
             _read_body(sock, deadline, body, length if length is not None else max_bytes + 1)
     except TimeoutError as exc:
-        raise ScrapeError("deadline passed") from exc
+        raise errors.ScrapeError("deadline passed") from exc
     if len(body) > max_bytes:
-        raise ScrapeError(f"body larger than {max_bytes} bytes")
+        raise errors.ScrapeError(f"body larger than {max_bytes} bytes")
     if length is not None and len(body) < length:  # the pod died mid-answer: half figures are no figures
-        raise ScrapeError(f"body cut short at {len(body)} of {length} bytes")
+        raise errors.ScrapeError(f"body cut short at {len(body)} of {length} bytes")
     return bytes(body[:length] if length is not None else body)
 
 
@@ -170,7 +167,7 @@ def _within(sock: socket.socket, deadline: float) -> None:
     """Let the next socket call block only until the request's deadline."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise ScrapeError("deadline passed")
+        raise errors.ScrapeError("deadline passed")
     sock.settimeout(remaining)
 
 
@@ -179,11 +176,11 @@ def _read_head(sock: socket.socket, deadline: float) -> tuple[bytes, bytearray]:
     received = bytearray()
     while (end := received.find(b"\r\n\r\n")) < 0:
         if len(received) > MAX_HEAD_BYTES:
-            raise ScrapeError("response head too large")
+            raise errors.ScrapeError("response head too large")
         _within(sock, deadline)
         chunk = sock.recv(4096)
         if not chunk:
-            raise ScrapeError("connection closed before the response head")
+            raise errors.ScrapeError("connection closed before the response head")
         received += chunk
     return bytes(received[:end]), received[end + 4:]
 
@@ -199,16 +196,16 @@ def _read_body(sock: socket.socket, deadline: float, body: bytearray, wanted: in
 
 
 def _check_head(head: bytes, max_bytes: int) -> int | None:
-    """The declared Content-Length, if any; ScrapeError unless 200 and small enough."""
+    """The declared Content-Length, if any; errors.ScrapeError unless 200 and small enough."""
     status_line, *headers = head.decode("latin-1").split("\r\n")
     parts = status_line.split(" ", 2)
     if len(parts) < 2 or parts[1] != "200":
-        raise ScrapeError(f"status {status_line[:80]!r}")
+        raise errors.ScrapeError(f"status {status_line[:80]!r}")
     for line in headers:
         name, _, value = line.partition(":")
         if name.strip().lower() == "content-length":
             length = int(value.strip())   # ValueError: refused by read()
             if not 0 <= length <= max_bytes:
-                raise ScrapeError(f"declared body of {length} bytes, more than {max_bytes}")
+                raise errors.ScrapeError(f"declared body of {length} bytes, more than {max_bytes}")
             return length
     return None

@@ -3,6 +3,11 @@
 `compute_status(job, observed, now)` takes the DistBeliefJob as stored, what the
 children and the chief's metrics show, and the time; it returns the whole new status.
 The operator writes it only when it differs from the stored one.
+
+Conditions have the shape of metav1.Condition: type, status, reason, message,
+lastTransitionTime and observedGeneration, every one of them set. Every condition type
+is listed in every status (Pending has none of its own); one that does not hold names
+the phase the job is in as its reason.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import datetime
 from typing import Any, Mapping
 
 from distbelief.operator.status.scrape import Figures
-from distbelief.runtime import contract
+from distbelief.runtime import contract, jobspec
 
 PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"
 SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
@@ -39,6 +44,8 @@ class Observed:
     children_created: bool = False
     shard_lock_message: str | None = None  # set when a shard-count change was refused
     partition_lock_message: str | None = None  # set when a partition-count change was refused
+    invalid_spec: str | None = None        # the rules the spec breaks, when it passed the CRD but not validate_job
+    blocked: tuple[str, str] | None = None  # (reason, message) while the operator refuses to create the children
     invalid_config: str | None = None      # "<pod>: <its last error>" of a pod that exited with a config error
     shard_failure: str | None = None       # how the most restarted shard last ended, for the message
     non_finite_loss: str | None = None     # which replica keeps computing a non-finite loss, and when
@@ -91,14 +98,18 @@ def parse_timestamp(text: str) -> datetime.datetime:
 
 
 def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.datetime) -> dict[str, Any]:
+    """The new status. job is the validated job, or with observed.invalid_spec the job as
+    the API server stored it (its spec then holds the CRD's defaults, nothing more)."""
     spec, meta = job["spec"], job["metadata"]
     previous: Mapping[str, Any] = job.get("status") or {}
     phase, reason, message = _phase(spec, previous, observed, now)
+    generation = int(meta.get("generation", 0))
+    shards = int((spec.get("parameterServers") or {}).get("shards", 1))
     status: dict[str, Any] = {
         "phase": phase,
-        "observedGeneration": meta.get("generation", 0),
+        "observedGeneration": generation,
         "workers": {"replicas": observed.workers, "ready": observed.workers_ready},
-        "parameterServers": {"shards": int(spec["parameterServers"]["shards"]), "ready": observed.shards_ready},
+        "parameterServers": {"shards": shards, "ready": observed.shards_ready},
         "selector": ",".join(f"{k}={v}" for k, v in
                              contract.selector_labels(meta["name"], contract.ROLE_WORKER).items()),
         "startTime": previous.get("startTime") or timestamp(now),
@@ -112,7 +123,8 @@ def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.dat
         status["restarts"] = restarts
     if phase in TERMINAL:
         status["completionTime"] = previous.get("completionTime") or timestamp(now)
-    status["conditions"] = _conditions(previous.get("conditions", []), phase, reason, message, observed, now)
+    status["conditions"] = _conditions(previous.get("conditions", []), (phase, reason, message), observed, now,
+                                       generation)
     return status
 
 
@@ -122,6 +134,8 @@ def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Obser
     if previous.get("phase") in TERMINAL:
         condition = _find(previous.get("conditions", []), previous["phase"]) or {}
         return previous["phase"], condition.get("reason", previous["phase"]), condition.get("message", "")
+    if observed.invalid_spec:
+        return FAILED, "InvalidSpec", observed.invalid_spec
     figures = observed.figures
     if figures.finished_outcome in TERMINAL:
         return figures.finished_outcome, figures.finished_reason or figures.finished_outcome, \
@@ -153,7 +167,7 @@ def _deadline_passed(spec: Mapping[str, Any], previous: Mapping[str, Any], now: 
     if not duration or not started or spec["runPolicy"]["suspend"]:
         return None
     elapsed = (now - parse_timestamp(started)).total_seconds()
-    if elapsed <= contract.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
+    if elapsed <= jobspec.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
         return None
     return f"running for {elapsed:.0f} s, past maxDuration {duration}, and the chief has not ended the job"
 
@@ -187,13 +201,18 @@ def _shard_copies(job: str, spec: Mapping[str, Any], figures: Figures) -> dict[s
             for shard, seen in sorted(figures.copies.items())}
 
 
-def _conditions(previous: list[Mapping[str, Any]], phase: str, reason: str, message: str, observed: Observed,
-                now: datetime.datetime) -> list[dict[str, Any]]:
-    wanted = {kind: ("False", "", "") for kind in CONDITION_TYPES}
+def _conditions(previous: list[Mapping[str, Any]], verdict: tuple[str, str, str], observed: Observed,
+                now: datetime.datetime, generation: int) -> list[dict[str, Any]]:
+    phase, reason, message = verdict
+    wanted = {kind: ("False", phase, f"the job is {phase}") for kind in CONDITION_TYPES}
     if phase in wanted:  # Pending has no condition of its own
         wanted[phase] = ("True", reason, message)
-    wanted["Created"] = ("True", "ChildrenApplied", "the job's children exist") if observed.children_created \
-        else ("False", "Pending", "the job's children are being created")
+    if observed.blocked:
+        wanted["Created"] = ("False", *observed.blocked)
+    elif observed.children_created:
+        wanted["Created"] = ("True", "ChildrenApplied", "the job's children exist")
+    else:
+        wanted["Created"] = ("False", "Creating", "the job's children are being created")
     if observed.shard_lock_message:
         wanted["ShardCountLocked"] = ("True", "ReshardingUnsupported", observed.shard_lock_message)
     if observed.partition_lock_message:
@@ -208,13 +227,9 @@ def _conditions(previous: list[Mapping[str, Any]], phase: str, reason: str, mess
     for kind, (state, why, text) in wanted.items():
         before = _find(previous, kind)
         changed = before is None or before.get("status") != state
-        condition = {"type": kind, "status": state,
-                     "lastTransitionTime": timestamp(now) if changed else before["lastTransitionTime"]}
-        if why:
-            condition["reason"] = why
-        if text:
-            condition["message"] = text
-        conditions.append(condition)
+        conditions.append({"type": kind, "status": state, "reason": why, "message": text,
+                           "lastTransitionTime": timestamp(now) if changed else before["lastTransitionTime"],
+                           "observedGeneration": generation})
     return conditions
 
 

@@ -28,11 +28,11 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from distbelief.runtime import contract, errors
+from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.algorithms.quality import HeldOutRecord, degradation
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
@@ -56,11 +56,9 @@ class StoppingRules:
     max_duration: float | None = None
 
     @classmethod
-    def from_spec(cls, training: Mapping[str, Any]) -> "StoppingRules":
-        duration = training.get("maxDuration")
-        return cls(max_steps=int(training["maxSteps"]), target_accuracy=training.get("targetAccuracy"),
-                   target_loss=training.get("targetLoss"),
-                   max_duration=contract.parse_duration(duration) if duration else None)
+    def of(cls, training: jobspec.Training) -> "StoppingRules":
+        return cls(max_steps=training.max_steps, target_accuracy=training.target_accuracy,
+                   target_loss=training.target_loss, max_duration=training.max_duration_seconds)
 
     def verdict(self, *, step: int, loss: float, accuracy: float, elapsed: float,
                 converged: bool = False) -> tuple[str, str] | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import prometheus_client as prom
@@ -29,6 +29,7 @@ from distbelief.runtime import keys
 from distbelief.runtime.algorithms.chief import HeldOut
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.shard.core import Shard
 
@@ -50,7 +51,7 @@ class Helper(Protocol):
 class ChiefContext:
     """What runs beside shard 0 gets: the job, the shard, a fresh client of every shard."""
 
-    job: Any                      # roles.common.Job
+    job: Job
     shard: Shard
     registry: prom.CollectorRegistry
     group: Callable[..., ShardGroup]   # (shards=None: all, stop=None) -> a fresh client of those shards
@@ -71,7 +72,7 @@ class StageAccess:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaContext:
-    job: Any                      # roles.common.Job
+    job: Job
     group: ShardGroup             # every shard; a partition k > 0: the shards of its stage
     metrics: WorkerMetrics
     client_security: dict | None
@@ -82,13 +83,13 @@ class ReplicaContext:
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     name: str
-    attach: Callable[[Shard, Any], None]
+    attach: Callable[[Shard, Job], None]
     beside_chief: Callable[[ChiefContext], Helper | None]
     replica: Callable[[ReplicaContext], ReplicaLoop]
     optimiser_state: Callable[[Shard], Callable[[], dict | None]] = lambda shard: (lambda: None)
-    held_out: Callable[[Any, ShardGroup], HeldOut | None] = lambda job, group: None
+    held_out: Callable[[Job, ShardGroup], HeldOut | None] = lambda job, group: None
 
 
-def initial_slice(shard: Shard, job: Any) -> np.ndarray:
+def initial_slice(shard: Shard, job: Job) -> np.ndarray:
     """The shard's slice of the model's initial parameters (never the whole vector)."""
-    return models.initial_slice(job.model, int(job.spec["training"]["seed"]), *job.layout.bounds(shard.index))
+    return models.initial_slice(job.model, job.spec.training.seed, *job.layout.bounds(shard.index))

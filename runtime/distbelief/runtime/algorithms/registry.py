@@ -9,16 +9,15 @@ ALGORITHMS; the shard core, the replica runner and the roles do not change.
 
 from __future__ import annotations
 
-from typing import Any
-
 from distbelief.runtime.algorithms.downpour import algorithm as downpour
 from distbelief.runtime.algorithms.interface import Algorithm, ChiefContext, Helper, ReplicaContext, ReplicaLoop
 from distbelief.runtime.algorithms.pipeline import algorithm as pipeline
 from distbelief.runtime.algorithms.sandblaster.algorithm import SANDBLASTER
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.shard.core import Shard
 
 
-def _downpour_attach(shard: Shard, job: Any) -> None:
+def _downpour_attach(shard: Shard, job: Job) -> None:
     dense = downpour.attach(shard, job)
     if job.plan is not None:
         pipeline.attach(shard, dense)
@@ -38,5 +37,6 @@ DOWNPOUR = Algorithm(name="downpour", attach=_downpour_attach, beside_chief=_dow
 ALGORITHMS = {a.name: a for a in (DOWNPOUR, SANDBLASTER)}
 
 
-def of(job: Any) -> Algorithm:
-    return ALGORITHMS[job.spec["training"].get("algorithm", "downpour")]
+def of(job: Job) -> Algorithm:
+    """The algorithm of spec.training.algorithm."""
+    return ALGORITHMS[job.spec.training.algorithm]

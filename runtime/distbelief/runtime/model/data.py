@@ -25,11 +25,11 @@ import dataclasses
 import gzip
 import importlib.util
 import os
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import numpy as np
 
-from distbelief.runtime import contract, errors
+from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.wire import rowkeys
 
 MAX_ID = 1 << 56  # ids share a 63-bit key with their field's number (embedding.keys)
@@ -63,11 +63,10 @@ class Dataset:
         return sum(a.nbytes for a in arrays if a is not None)
 
 
-def load(data_spec: Mapping[str, Any]) -> Dataset:
+def load(spec: jobspec.Data) -> Dataset:
     """The split data set a job's spec.data describes."""
-    x, y, ids = read_source(data_spec["source"])
-    return split(x, y, ids=ids, test_fraction=float(data_spec.get("testFraction", 0.2)),
-                 seed=int(data_spec.get("seed", 0)))
+    x, y, ids = read_source(spec.source)
+    return split(x, y, ids=ids, test_fraction=spec.test_fraction, seed=spec.seed)
 
 
 def load_source(source: str) -> tuple[np.ndarray, np.ndarray]:

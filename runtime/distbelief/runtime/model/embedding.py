@@ -26,20 +26,16 @@ memorising (docs/benchmarks.md, "Click data shaped like real logs").
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
 
 import numpy as np
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset
 from distbelief.runtime.wire.rowkeys import mix
 
 FIELD_SHIFT = 56
-# The rows' lazy L2 weights and the occurrences before an id's embedding is used, when the
-# spec gives none (spec.model.embeddings.l2, .wideL2, .embedAfter): measured on click data
-# shaped like real logs (docs/benchmarks.md).
-L2, WIDE_L2, EMBED_AFTER = 1e-3, 3e-5, 5
 
 # (dense features, key index per field, labels): index[i, f] is the position of example
 # i's key for field f among the batch's unique keys, -1 where the id is missing.
@@ -142,21 +138,22 @@ class OffsetLogits:
         return loss, grad
 
 
-def build(model_spec: Mapping[str, Any], dataset: Dataset) -> EmbeddingModel:
+def build(spec: jobspec.Model, dataset: Dataset) -> EmbeddingModel:
     """The model of a spec.model with embeddings, over a data set with ids."""
-    options = model_spec["embeddings"]
+    if spec.embeddings is None:
+        raise errors.ConfigError("spec.model.embeddings: not set")
     if dataset.fields == 0:
         raise errors.ConfigError("spec.model.embeddings: the data has no ids to embed (an npz array 'ids', "
                                  "or a synthetic-ctr: source)")
-    if model_spec.get("entrypoint"):
+    if spec.entrypoint:
         raise errors.ConfigError("spec.model.embeddings: not available with spec.model.entrypoint")
-    dim = int(options.get("dim", 16))
+    dim = spec.embeddings.dim
     inputs = dataset.n_features + dataset.fields * dim
-    mlp = models.build_model({**model_spec, "embeddings": None}, inputs, dataset.n_classes)
+    mlp = models.build_model(dataclasses.replace(spec, embeddings=None), inputs, dataset.n_classes)
     assert isinstance(mlp, models.Mlp)
     return EmbeddingModel(mlp, dense_features=dataset.n_features, fields=dataset.fields, dim=dim,
-                          hash_buckets=int(options.get("hashBuckets", 0)),
-                          wide=wide_values(dataset.n_classes) if options.get("wide", True) else 0)
+                          hash_buckets=spec.embeddings.hash_buckets,
+                          wide=wide_values(dataset.n_classes) if spec.embeddings.wide else 0)
 
 
 def wide_values(classes: int) -> int:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 
 Batch = tuple[np.ndarray, np.ndarray]
 EVAL_CHUNK = 4096
@@ -273,27 +273,24 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
     return float((ranks[labels == 1].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
-def build_model(model_spec: Mapping[str, Any], n_features: int, n_classes: int) -> Model:
-    """The model a job's spec.model describes."""
-    entrypoint = model_spec.get("entrypoint")
-    if entrypoint:
-        return _load_entrypoint(entrypoint, model_spec, n_features, n_classes)
-    kind = model_spec.get("type", "mlp")
-    hidden = model_spec.get("hiddenLayers", []) if kind == "mlp" else []
-    if kind not in ("mlp", "softmax"):
-        raise errors.ConfigError(f"spec.model.type: unknown model type {kind!r}")
-    return Mlp(n_features, n_classes, hidden, model_spec.get("activation", "relu"),
-               model_spec.get("l2", 0.0))
+def build_model(spec: jobspec.Model, n_features: int, n_classes: int) -> Model:
+    """The model a job's spec.model describes (its embeddings aside: embedding.build)."""
+    if spec.entrypoint:
+        return _load_entrypoint(spec.entrypoint, spec.written, n_features, n_classes)
+    if spec.type not in ("mlp", "softmax"):
+        raise errors.ConfigError(f"spec.model.type: unknown model type {spec.type!r}")
+    hidden = list(spec.hidden_layers) if spec.type == "mlp" else []
+    return Mlp(n_features, n_classes, hidden, spec.activation, spec.l2)
 
 
-def _load_entrypoint(entrypoint: str, model_spec: Mapping[str, Any], n_features: int,
-                     n_classes: int) -> Model:
+def _load_entrypoint(entrypoint: str, written: Mapping[str, Any], n_features: int, n_classes: int) -> Model:
+    """User code's model: the entrypoint called with spec.model as the job gives it."""
     module_name, _, function_name = entrypoint.partition(":")
     try:
         build = getattr(importlib.import_module(module_name), function_name)
     except Exception as exc:  # user code: an import may fail in any way, and must not crash the role unexplained
         raise errors.ConfigError(f"spec.model.entrypoint: cannot load {entrypoint!r}: {exc}") from exc
-    model = _call(entrypoint, "", build, dict(model_spec), n_features, n_classes)
+    model = _call(entrypoint, "", build, dict(written), n_features, n_classes)
     missing = [m for m in ("shapes", "init_params", "loss_and_grad", "predict") if not hasattr(model, m)]
     if missing:
         raise errors.ConfigError(

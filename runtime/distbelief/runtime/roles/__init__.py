@@ -1,5 +1,6 @@
 """The entry points of the containers: `distbelief ps` (ps.py) and `distbelief worker`
-(worker.py), and what both derive from the job's config in the same way (common.py).
+(worker.py), and what both set up in the same way (common.py: keys, the shards' client,
+metrics, the stop signal). What both derive from the job's config is model/job.py's.
 
 The top of the runtime: a role picks the job's algorithm from the registry and wires the
 shard core, its copies, the chief and the replica loop together. It may use every layer

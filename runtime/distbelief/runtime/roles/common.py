@@ -1,7 +1,6 @@
-"""What every role derives from the job's config in the same way, and what each role's
-process sets up: the job (data, model, the cut into stages, the layout), its keys as the
-role's sockets use them, a client of its shards, a metrics registry, and the stop event
-set by SIGTERM.
+"""What each role's process sets up from the job (model.job.Job: data, model, the cut into
+stages, the layout, derived there for every role alike): its keys as the role's sockets
+use them, a client of its shards, a metrics registry, and the stop event set by SIGTERM.
 
 The roles themselves are ps.py (`distbelief ps`) and worker.py (`distbelief worker`).
 """
@@ -20,48 +19,13 @@ import prometheus_client as prom
 
 from distbelief.runtime import contract, errors, keys
 from distbelief.runtime.algorithms import interface
-from distbelief.runtime.algorithms.pipeline import stages
 from distbelief.runtime.client.group import ShardGroup, Timeouts
-from distbelief.runtime.model import data, embedding, models
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.observe.metrics import TrafficCollector
-from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
 
 FAILOVER_ATTEMPT_SECONDS = 2.0  # with backups: how long a replica waits for a copy before trying the next
-
-
-def model_layout(model: models.Model, config: contract.JobConfig) -> tuple[stages.Plan | None, Layout]:
-    """The model's cut into stages (when partitioned) and its layout over the shards, as
-    every role (and local mode, checking an output folder's checkpoints) derives them."""
-    plan = stages.plan(model, config.partitions) if config.partitions > 1 else None
-    return plan, Layout.of(model.shapes, config.shards, plan.boundaries if plan else ())
-
-
-class Job:
-    """What every role derives from the config in the same way: data, model, the cut into
-    stages (a partitioned model), layout."""
-
-    def __init__(self, config: contract.JobConfig) -> None:
-        self.config = config
-        self.spec = config.spec
-        self.dataset = data.load(self.spec["data"])
-        self.model: models.Model = (
-            embedding.build(self.spec["model"], self.dataset) if self.spec["model"].get("embeddings")
-            else models.build_model(self.spec["model"], self.dataset.n_features, self.dataset.n_classes))
-        self.plan, self.layout = model_layout(self.model, config)
-
-    def stage_shards(self, partition: int) -> list[int]:
-        """The shards holding a partition's stage."""
-        stage = self.plan.stages[partition]
-        return self.layout.shards_of(stage.offset, stage.offset + stage.size)
-
-    @classmethod
-    def load(cls, path: str) -> "Job":
-        try:
-            return cls(contract.JobConfig.load(path))
-        except (OSError, ValueError, KeyError) as exc:
-            raise errors.ConfigError(f"cannot read job config {path}: {exc}") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +45,7 @@ def load_access(keys_dir: str, role: str, job: Job) -> Access:
         log.warning("event=unauthenticated role=%s keys_dir=%s reason=no_keys_there "
                     "consequence=any_peer_that_reaches_the_shards_can_pull_and_push", role, keys_dir)
         return Access()
-    encrypted = bool(job.spec["parameterServers"].get("encryption", True))
+    encrypted = job.spec.parameter_servers.encryption
     if not encrypted:
         log.warning("event=unencrypted role=%s reason=spec.parameterServers.encryption_is_false "
                     "consequence=parameters_gradients_and_the_join_token_cross_the_network_in_the_clear", role)

@@ -19,7 +19,8 @@ from distbelief.runtime.algorithms.chief import Chief, Scorer, StoppingRules, Wh
 from distbelief.runtime.algorithms.quality import HeldOutRecord, chance_level
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
 from distbelief.runtime.observe.metrics import ChiefMetrics, MetricsServer, ShardMetrics
-from distbelief.runtime.roles.common import Job, load_access, new_registry, shard_group, stop_on_termination
+from distbelief.runtime.model.job import Job
+from distbelief.runtime.roles.common import load_access, new_registry, shard_group, stop_on_termination
 from distbelief.runtime.shard.copies import replication
 from distbelief.runtime.shard.core import Shard, ShardSettings
 
@@ -33,12 +34,12 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     algorithm = registry.of(job)
     ordinal = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
     index, rank = job.config.copy_of(ordinal)
-    checkpointing = job.spec["parameterServers"]["checkpoint"]
+    checkpointing = job.spec.parameter_servers.checkpoint
     settings = ShardSettings(
         shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
-        checkpoint_every=float(checkpointing["everySeconds"]), checkpoint_keep=int(checkpointing["keep"]),
+        checkpoint_every=checkpointing.every_seconds, checkpoint_keep=checkpointing.keep,
         linger_seconds=linger, security=access.server,
-        bulk_bind=f"tcp://{listen}:{bulk_port}")
+        bulk_bind=f"tcp://{listen}:{bulk_port}", job_uid=job.config.uid)
     metrics_registry = new_registry()
     server = Shard(settings, job.layout, ShardMetrics(metrics_registry, index), stop=stop)
     algorithm.attach(server, job)
@@ -71,8 +72,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
 
 def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interface.Algorithm) -> Chief:
     job, server, group = ctx.job, ctx.shard, ctx.group()
-    training = job.spec["training"]
-    max_eval = int(job.spec["data"]["maxEvalExamples"])
+    training, max_eval = job.spec.training, job.spec.data.max_eval_examples
     if job.plan is None:
         scorer: Scorer = WholeModel(group, job.model, job.dataset, max_eval, held_out=algorithm.held_out(job, group))
     else:
@@ -81,13 +81,12 @@ def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interf
     two_classes = job.dataset.n_classes == 2
     record = HeldOutRecord(two_classes=two_classes, chance=chance_level(job.dataset.y_test[:max_eval], two_classes))
     record.replay(os.path.join(output_dir, contract.HISTORY_FILE))
-    chief = Chief(group=group, scorer=scorer, rules=StoppingRules.from_spec(training),
-                  eval_every=float(training["evalEverySeconds"]), output_dir=output_dir,
+    chief = Chief(group=group, scorer=scorer, rules=StoppingRules.of(training),
+                  eval_every=training.eval_every_seconds, output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
                   optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1, record=record,
-                  keep_best=bool(training.get("keepBest", False)),
-                  fail_on_degraded=bool(training.get("failOnDegraded", False)),
-                  rows=bool(job.spec["model"].get("embeddings")))
+                  keep_best=training.keep_best, fail_on_degraded=training.fail_on_degraded,
+                  rows=job.spec.model.embeddings is not None)
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()

@@ -14,8 +14,8 @@ import logging
 from distbelief.runtime import contract, errors
 from distbelief.runtime.algorithms import interface, registry
 from distbelief.runtime.observe.metrics import MetricsServer, WorkerMetrics
-from distbelief.runtime.roles.common import (
-    Job, load_access, new_registry, shard_group, stage_access, stop_on_termination)
+from distbelief.runtime.model.job import Job
+from distbelief.runtime.roles.common import load_access, new_registry, shard_group, stage_access, stop_on_termination
 
 log = logging.getLogger(__name__)
 

@@ -185,21 +185,28 @@ def list_checkpoints(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in sorted(names, reverse=True)]
 
 
-def restore_latest(folder: str, *, layout: int, shard: int,
+# The checkpoint's record of the job that wrote it (its uid on a cluster).
+JOB_UID = "jobUid"
+
+
+def restore_latest(folder: str, *, layout: int, shard: int, job_uid: str | None = None,
                    accept: Callable[[Checkpoint], None] = lambda ckpt: None) -> Checkpoint | None:
     """The newest checkpoint of this shard that verifies and that accept takes, or None.
 
     A corrupt file, or one whose accept raised CorruptCheckpoint (a file it refers to is
     damaged or missing), is renamed to *.corrupt and the previous one tried. A valid file
-    written for another layout or shard is an error: continuing would train a different
-    model on top of it, and discarding it would lose the user's work. Temporaries of
-    interrupted writes are deleted first: they are never complete checkpoints, and only
-    this shard, not yet serving, writes the folder."""
+    written for another layout or shard, or (job_uid given) by another job, is an error:
+    continuing would train a different model on top of it, or resume another job's
+    training (a deleted job of the same name left its volume), and discarding it would
+    lose the user's work. A file that records no job (local mode's, or written before
+    checkpoints recorded it) is this job's. Temporaries of interrupted writes are deleted
+    first: they are never complete checkpoints, and only this shard, not yet serving,
+    writes the folder."""
     remove_partial_writes(folder)
     for path in list_checkpoints(folder):
         try:
             ckpt = load(path)
-            _check_owner(path, ckpt, layout, shard)
+            _check_owner(path, ckpt, layout, shard, job_uid)
             accept(ckpt)
         except errors.CorruptCheckpoint as exc:
             log.error("event=checkpoint_corrupt path=%s reason=%r action=set_aside", path, str(exc))
@@ -209,12 +216,18 @@ def restore_latest(folder: str, *, layout: int, shard: int,
     return None
 
 
-def _check_owner(path: str, ckpt: Checkpoint, layout: int, shard: int) -> None:
+def _check_owner(path: str, ckpt: Checkpoint, layout: int, shard: int, job_uid: str | None) -> None:
     if ckpt.layout != layout or ckpt.shard != shard:
         raise errors.CheckpointError(
             f"{path} belongs to shard {ckpt.shard} of layout {ckpt.layout:016x}, "
             f"not shard {shard} of layout {layout:016x}: the model or shard count changed; "
             "point the shard at another checkpoint folder")
+    written_by = ckpt.meta.get(JOB_UID)
+    if job_uid and written_by and written_by != job_uid:
+        raise errors.CheckpointError(
+            f"{path} was written by another job of this name (uid {written_by}; this job is {job_uid}): "
+            "a deleted job left its checkpoint volume, and a new job does not resume another's training; "
+            "delete the shards' checkpoint claims to start afresh")
 
 
 def remove_partial_writes(folder: str, suffix: str = SUFFIX) -> None:

@@ -64,6 +64,7 @@ class ShardSettings:
     linger_seconds: float = 60.0   # keep answering DONE this long, then exit
     security: keys.ServerSecurity | None = None  # who is admitted, when the job has keys
     bulk_bind: str | None = None  # where AES-GCM sessions' messages come in (CurveZMQ jobs)
+    job_uid: str | None = None    # the job's uid (on a cluster): recorded in, and checked against, checkpoints
 
 
 class Shard:
@@ -130,7 +131,7 @@ class Shard:
         except OSError as exc:
             raise errors.CheckpointError(f"cannot create checkpoint folder {self.settings.checkpoint_dir}: {exc}") from exc
         ckpt = checkpoint.restore_latest(self.settings.checkpoint_dir, layout=self.layout.hash, shard=self.index,
-                                         accept=self.load)
+                                         job_uid=self.settings.job_uid, accept=self.load)
         if ckpt is None:
             log.info("event=fresh_start shard=%d", self.index)
             return
@@ -360,6 +361,8 @@ class Shard:
         transfer, the whole state in memory, for a copy catching up (no row files named)."""
         meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
                 "examples": self.examples_total}
+        if self.settings.job_uid:
+            meta[checkpoint.JOB_UID] = self.settings.job_uid
         arrays: dict[str, np.ndarray] = {}
         for plugin in self.plugins:  # a plugin may write files of its own (the sparse rows'), unless transfer
             plugin_arrays, plugin_meta = plugin.checkpoint_state(transfer=transfer)

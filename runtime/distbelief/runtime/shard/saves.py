@@ -94,7 +94,7 @@ class CheckpointSchedule:
         shard.metrics.non_finite.inc()
         step = shard.step
         ckpt = checkpoint.restore_latest(shard.settings.checkpoint_dir, layout=shard.layout.hash, shard=shard.index,
-                                         accept=shard.load)
+                                         job_uid=shard.settings.job_uid, accept=shard.load)
         if ckpt is None:
             raise errors.RuntimeFailure(f"shard {shard.index}: its state holds non-finite values and no checkpoint "
                                         "to go back to")

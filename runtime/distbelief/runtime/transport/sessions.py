@@ -36,6 +36,8 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from distbelief.runtime import errors
+
 log = logging.getLogger(__name__)
 
 SESSION_MAGIC = b"DB-SESSION-1"
@@ -53,10 +55,6 @@ REKEY_BYTES = 1 << 36
 REFUSAL_LOG_SECONDS = 10.0
 
 Frame = bytes | memoryview
-
-
-class Refused(Exception):
-    """A bulk message that is not taken: unknown session, replayed, forged or malformed."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,20 +89,20 @@ class Session:
                           for i, frame in enumerate(frames))]
 
     def counter_of(self, prefix: Frame) -> int:
-        """The counter of a message of this session; Refused if it is not above the last taken."""
+        """The counter of a message of this session; BulkRejected if it is not above the last taken."""
         if len(prefix) != PREFIX.size:
-            raise Refused("no session prefix")
+            raise errors.BulkRejected("no session prefix")
         session_id, counter = PREFIX.unpack(prefix)
         if session_id != self.id:
-            raise Refused("a message of another session")
+            raise errors.BulkRejected("a message of another session")
         if counter <= self.accepted:
-            raise Refused("a replayed or reordered message (its counter was taken before)")
+            raise errors.BulkRejected("a replayed or reordered message (its counter was taken before)")
         return counter
 
     def open(self, direction: int, prefix: Frame, counter: int, index: int, count: int, sealed: Frame,
              into: memoryview | None = None) -> Frame:
         """Frame `index` of `count` decrypted (into `into` when given, which must be its exact
-        size); Refused when its tag does not check. Call accept(counter) once all are open."""
+        size); BulkRejected when its tag does not check. Call accept(counter) once all are open."""
         nonce, aad = NONCE.pack(direction, index, counter), _aad(prefix, direction, count)
         self.volume += len(sealed)
         try:
@@ -113,7 +111,7 @@ class Session:
             self._aead.decrypt_into(nonce, sealed, aad, into)
             return into
         except (InvalidTag, ValueError) as exc:
-            raise Refused("a frame failed its authentication tag (forged, altered or moved)") from exc
+            raise errors.BulkRejected("a frame failed its authentication tag (forged, altered or moved)") from exc
 
     def accept(self, counter: int) -> None:
         self.accepted = counter
@@ -129,7 +127,7 @@ def _aad(prefix: Frame, direction: int, count: int) -> bytes:
 
 
 def open_all(session: Session, direction: int, sealed: Sequence[Frame]) -> list[Frame]:
-    """Every frame of a bulk message (PREFIX first) decrypted; Refused, with nothing taken, if any fails."""
+    """Every frame of a bulk message (PREFIX first) decrypted; BulkRejected, with nothing taken, if any fails."""
     prefix, frames = sealed[0], sealed[1:]
     counter = session.counter_of(prefix)
     plain = [session.open(direction, prefix, counter, i, len(frames), f) for i, f in enumerate(frames)]
@@ -142,7 +140,7 @@ def open_reply(session: Session, prefix: Frame, sealed: Sequence[Frame],
                ) -> tuple[memoryview, list[memoryview], int]:
     """A bulk reply decrypted, as interface.Received's fields: its header frame, then each
     frame into the array sink(header, index) names when its size is that array's (a pull
-    lands in place), else as bytes. Refused, with nothing taken, if the counter or any tag
+    lands in place), else as bytes. BulkRejected, with nothing taken, if the counter or any tag
     fails (the sink's array may then hold garbage, which the request's resend overwrites)."""
     counter, count = session.counter_of(prefix), len(sealed)
     header = memoryview(session.open(TO_CLIENT, prefix, counter, 0, count, sealed[0]))
@@ -213,10 +211,10 @@ class Table:
 
     def find(self, prefix: Frame) -> Session:
         if len(prefix) != PREFIX.size:
-            raise Refused("no session prefix")
+            raise errors.BulkRejected("no session prefix")
         session = self._sessions.get(bytes(prefix[:ID_BYTES]))
         if session is None:
-            raise Refused("an unknown session")
+            raise errors.BulkRejected("an unknown session")
         self._sessions.move_to_end(session.id)
         return session
 

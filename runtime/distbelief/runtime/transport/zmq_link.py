@@ -168,9 +168,9 @@ class ZmqLink:
         PROCESS_TRAFFIC.received(len(prefix) + sum(len(f) for f in sealed))
         try:
             if not 1 <= len(sealed) <= MAX_REPLY_FRAMES + 1:
-                raise sessions.Refused("a reply without frames, or with more than any op has")
+                raise errors.BulkRejected("a reply without frames, or with more than any op has")
             return Received(*sessions.open_reply(self._session, prefix, sealed, sink))
-        except sessions.Refused as exc:
+        except errors.BulkRejected as exc:
             log.warning("event=bulk_refused peer=%r reason=%r", self.address, str(exc))
             return None
 

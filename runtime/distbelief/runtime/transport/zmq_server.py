@@ -139,10 +139,10 @@ class ZmqServer:
         PROCESS_TRAFFIC.received(sum(len(f) for f in sealed))
         try:
             if not 2 <= len(sealed) <= self.max_frames + 1:
-                raise sessions.Refused("a message without frames, or with more than any op has")
+                raise errors.BulkRejected("a message without frames, or with more than any op has")
             session = self._sessions.find(sealed[0])
             frames = sessions.open_all(session, sessions.TO_SERVER, sealed)
-        except sessions.Refused as exc:
+        except errors.BulkRejected as exc:
             self._refusals.refused(str(exc))
             return
         self._sessions.route(session, bytes(route))

@@ -1,6 +1,6 @@
-"""Model-parallel replicas (spec.model.partitions > 1): one replica spread over N pods.
+"""Model-parallel replicas (spec.model.partitions > 1): one replica spread over N pods, one
+per stage of the model's cut (model/stages.py: the cut and what a stage computes).
 
-    stages.py     the cut of the model into N consecutive stages, and a stage's compute
     ops.py        the ops: stage to stage, replica to rendezvous, replica to shard
     staged.py     the shards' side: gradients held until their step is committed
     rendezvous.py beside shard 0: forms replica groups, one pod of each partition

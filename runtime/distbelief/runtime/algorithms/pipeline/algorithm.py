@@ -32,10 +32,11 @@ def beside_chief(ctx: ChiefContext) -> Rendezvous:
 def replica(ctx: ReplicaContext) -> ReplicaLoop:
     """A pod of a partitioned replica (spec.model.partitions > 1): its stage of the model."""
     job, access, group = ctx.job, ctx.stage, ctx.group
-    training = job.spec["training"]
+    training = job.spec.training
+    assert job.plan is not None, "a pod of a partitioned replica"
     stage = job.plan.stages[access.partition]
-    settings = PodSettings(batch_size=int(training["batchSize"]), fetch_every=int(training["fetchEvery"]),
-                           push_every=int(training["pushEvery"]), classes=job.dataset.n_classes)
+    settings = PodSettings(batch_size=training.batch_size, fetch_every=training.fetch_every,
+                           push_every=training.push_every, classes=job.dataset.n_classes)
     me = access.address or f"partition-0/{group.worker_id:08x}"  # partition 0 serves nothing: a name will do
     rendezvous = RendezvousLink(job.config.coordinator_address(), partition=access.partition, me=me,
                                 worker_id=group.worker_id, layout=job.layout.hash, security=ctx.client_security,

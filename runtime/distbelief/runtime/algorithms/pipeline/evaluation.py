@@ -19,10 +19,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from distbelief.runtime.algorithms.chief import Score
-from distbelief.runtime.algorithms.pipeline.stages import Plan, Stage
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset
+from distbelief.runtime.model.stages import Plan, Stage
 from distbelief.runtime.params.dense_client import Float32Dense
 
 

@@ -30,9 +30,9 @@ from distbelief.runtime import errors
 from distbelief.runtime.algorithms.pipeline import neighbour
 from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, FETCH, FORWARD, HOLD, PUSH, ApplyHeld, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import HEARTBEAT_SECONDS, RendezvousLink
-from distbelief.runtime.algorithms.pipeline.stages import Stage
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.data import Dataset, minibatches
+from distbelief.runtime.model.stages import Stage
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.transport import interface

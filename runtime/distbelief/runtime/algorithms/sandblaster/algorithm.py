@@ -3,34 +3,32 @@ the chief, and its replicas' loop (the package's __init__ says how they work tog
 
 from __future__ import annotations
 
-from typing import Any
-
 from distbelief.runtime.algorithms.interface import Algorithm, ChiefContext, ReplicaContext, ReplicaLoop, initial_slice
 from distbelief.runtime.algorithms.sandblaster.coordinator import Coordinator, CoordinatorSettings
 from distbelief.runtime.algorithms.sandblaster.lbfgs import LbfgsSettings
 from distbelief.runtime.algorithms.sandblaster.replica import CoordinatorLink, Replica
 from distbelief.runtime.algorithms.sandblaster.vectors import ShardVectors
+from distbelief.runtime.model.job import Job
 from distbelief.runtime.observe.metrics import CoordinatorMetrics
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard.core import Shard
 
 
-def _attach(shard: Shard, job: Any) -> None:
-    training = job.spec["training"]
-    dense = DenseSlice(shard, initial_slice(shard, job), optimizer=str(training["optimizer"]),
-                       learning_rate=float(training["learningRate"]), pushes=False)
+def _attach(shard: Shard, job: Job) -> None:
+    training = job.spec.training
+    dense = DenseSlice(shard, initial_slice(shard, job), optimizer=training.optimizer,
+                       learning_rate=training.learning_rate, pushes=False)
     shard.attach(dense)
-    shard.attach(ShardVectors(shard, dense, int(training["sandblaster"]["historySize"])))
+    shard.attach(ShardVectors(shard, dense, training.sandblaster.history_size))
 
 
 def _coordinator(ctx: ChiefContext) -> Coordinator:
-    training = ctx.job.spec["training"]
-    options = training["sandblaster"]
+    training = ctx.job.spec.training
+    options = training.sandblaster
     settings = CoordinatorSettings(
-        bind=ctx.coordinator_bind, examples=len(ctx.job.dataset.x_train), unit_size=int(options["workUnitSize"]),
-        backups=bool(options["backupTasks"]), max_iterations=int(training["maxSteps"]),
-        lbfgs=LbfgsSettings(history=int(options["historySize"]),
-                            gradient_tolerance=float(options["gradientTolerance"])),
+        bind=ctx.coordinator_bind, examples=len(ctx.job.dataset.x_train), unit_size=options.work_unit_size,
+        backups=options.backup_tasks, max_iterations=training.max_steps,
+        lbfgs=LbfgsSettings(history=options.history_size, gradient_tolerance=options.gradient_tolerance),
         security=ctx.server_security)
     coordinator = Coordinator(settings, ctx.group(), CoordinatorMetrics(ctx.registry))
     coordinator.on_failure = ctx.shard.stop

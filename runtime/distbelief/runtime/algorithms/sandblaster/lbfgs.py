@@ -14,6 +14,7 @@ import logging
 import math
 from typing import Protocol
 
+from distbelief.runtime import errors
 from distbelief.runtime.algorithms.sandblaster.vectors import Slots
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,6 @@ class LbfgsSettings:
     max_line_search: int = 20          # evaluations per line search
 
 
-class LineSearchFailed(Exception):
-    pass
-
-
 class Lbfgs:
     def __init__(self, space: VectorSpace, settings: LbfgsSettings) -> None:
         self.space, self.settings = space, settings
@@ -98,7 +95,7 @@ class Lbfgs:
         previous = state.objective
         try:
             state.objective = self._line_search(state, slope, first_step)
-        except LineSearchFailed:
+        except errors.LineSearchFailed:
             state.converged = "NoFurtherDecrease"
             return state
         self._remember_step(state)
@@ -174,7 +171,7 @@ class Lbfgs:
         """Out of evaluations: take the best decreasing step found, if there is one."""
         step, f, _ = lo
         if step <= 0 or f >= f0:
-            raise LineSearchFailed()
+            raise errors.LineSearchFailed()
         if evaluated != step:
             f, _ = self._evaluate_at(state, step)
         return f

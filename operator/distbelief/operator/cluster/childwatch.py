@@ -1,0 +1,109 @@
+"""The children's watch: a job's child that is deleted or changed is put back.
+
+kopf watches every kind of child the operator applies, by the label the renderer gives
+them all (app.kubernetes.io/managed-by), and calls put_back() for every change; an index
+of the jobs tells cheaply whether the change made the child differ from what its job
+wants. Level-triggered: the job's wish, not the change, decides what the child becomes.
+The keys Secret is not watched: the operator may create Secrets, never read them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Mapping
+
+import kopf
+
+from distbelief.operator.cluster import children, handlers
+from distbelief.operator.cluster.kube import Kube
+from distbelief.operator.render import render
+from distbelief.operator.spec import spec as job_spec
+from distbelief.operator.status.status import TERMINAL
+from distbelief.runtime import contract
+
+log = logging.getLogger(__name__)
+
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+# Every kind of child the operator applies (the keys Secret aside: the operator may create
+# Secrets, never read or watch them).
+CHILD_RESOURCES = (("v1", "configmaps"), ("v1", "services"), ("apps/v1", "statefulsets"),
+                   ("apps/v1", "deployments"), ("policy/v1", "poddisruptionbudgets"),
+                   ("autoscaling/v2", "horizontalpodautoscalers"), ("networking.k8s.io/v1", "networkpolicies"))
+
+
+@kopf.on.startup()
+def select_children(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """The children are watched by their label on the server where kopf can say so (1.45 and
+    later); older kopf lists every object of those kinds and the handlers' filter drops the rest."""
+    selectors = getattr(settings.watching, "label_selectors", None)
+    if selectors is not None:
+        for group_version, plural in CHILD_RESOURCES:
+            selectors[group_version, plural] = f"{MANAGED_BY_LABEL}={render.podparts.MANAGED_BY}"
+
+
+@kopf.index(*handlers.RESOURCE)
+def jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every job as last seen, by (namespace, name): what a changed child is compared against."""
+    return {(namespace, name): {**handlers.stored(body), "status": copy.deepcopy(dict(body.status or {}))}}
+
+
+def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index, **_: Any) -> None:
+    """A child was changed or deleted: make it its job's again (level-triggered: the job's
+    wish, not the change, decides). The job as last indexed tells cheaply whether the child
+    drifted; only then is the job read afresh (the index may lag behind a spec change or a
+    finish) and the child put back, unless the job is going or its spec is invalid."""
+    owner = next((ref for ref in body.metadata.get("ownerReferences", []) if ref.get("controller")
+                  and ref.get("kind") == contract.KIND), None)
+    indexed = next(iter(jobs.get((namespace, owner["name"]), [])), None) if owner else None
+    gone = type == "DELETED"
+    if indexed is None or not _drifted(indexed, body, gone=gone):
+        return
+    kube = Kube()
+    fresh = kube.get(*handlers.job_address(indexed))
+    if fresh is None or fresh["metadata"]["uid"] != owner["uid"] or fresh["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        job, _ = handlers.locked_job(handlers.validated(fresh))
+    except errors.SpecError:
+        return
+    finished = (fresh.get("status") or {}).get("phase") in TERMINAL
+    result = children.put_back(kube, job, handlers.desired_children(job, finished=finished), dict(body), gone=gone)
+    if result:
+        what = f"{body.get('kind')} {body.metadata.name}"
+        log.info("event=child_put_back job=%s namespace=%s child=%r result=%s", job["metadata"]["name"],
+                 namespace, what, result)
+        kopf.info(fresh, reason="ChildRestored",
+                  message=f"{what} {'was deleted' if gone else 'differed from the job'}: {result}")
+
+
+def _drifted(job: Mapping[str, Any], child: kopf.Body, *, gone: bool) -> bool:
+    wanted = _rendered(job)
+    return wanted is not None and children.drifted(wanted[0], wanted[1], dict(child), gone=gone)
+
+
+# The children each indexed version of a job wants, by (uid, resourceVersion): every
+# child's every event is compared against them, and a job's version renders once.
+_RENDERED: dict[tuple[str, str], tuple[dict[str, Any], list[dict[str, Any]]] | None] = {}
+_RENDERED_MAX = 512
+
+
+def _rendered(job: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """(the job validated, its children), or None for a job whose spec is invalid."""
+    key = (job["metadata"].get("uid", ""), job["metadata"].get("resourceVersion", ""))
+    if key not in _RENDERED:
+        if len(_RENDERED) >= _RENDERED_MAX:
+            _RENDERED.clear()
+        try:
+            valid, _ = handlers.locked_job(handlers.validated(job))
+        except errors.SpecError:
+            _RENDERED[key] = None
+        else:
+            finished = (job.get("status") or {}).get("phase") in TERMINAL
+            _RENDERED[key] = (valid, handlers.desired_children(valid, finished=finished))
+    return _RENDERED[key]
+
+
+for _group_version, _plural in CHILD_RESOURCES:
+    kopf.on.event(_group_version, _plural, id=f"put_back/{_plural}",
+                  labels={MANAGED_BY_LABEL: render.podparts.MANAGED_BY})(put_back)
