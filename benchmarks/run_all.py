@@ -6,7 +6,8 @@
 Runs, in this order, each in its own process: runtime_bench.py (memcpy, apply, pull,
 push), mlp_step_bench.py, e2e_bench.py (our jobs in local mode, their one-process
 baselines and parallel efficiency), torch_peers_bench.py (DDP gloo and an RPC parameter
-server), sparse_bench.py and sparse_table_bench.py (embedding rows), backups_bench.py (shard
+server), sparse_bench.py and sparse_table_bench.py (embedding rows), heavy_tail_bench.py
+(sparse jobs' AUC on click data shaped like real logs), backups_bench.py (shard
 copies), partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness)
 and operator_bench.py. Their figures go into --json, written afresh: every figure
 in it is from this run; each is a median with its min and max.
@@ -125,6 +126,8 @@ def measure(runs: int, scale: float) -> dict:
         results["sparse"] = sparse["sparse"]
     if table := run_json("sparse_table_bench.py", failures):  # one run: minutes and ~5 GB
         results["sparse"] = {**results.get("sparse", {}), **table["sparse"]}
+    if heavy := run_json("heavy_tail_bench.py", failures):  # one job per setting: ~2 min each
+        results["heavy_tail"] = heavy["heavy_tail"]
     if backups := run_json("backups_bench.py", failures, "--runs", str(min(runs, 3))):
         results["backups"] = backups["backups"]
     if partitions := run_json("partition_bench.py", failures, "--runs", str(min(runs, 3))):

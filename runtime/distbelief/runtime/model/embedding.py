@@ -158,6 +158,6 @@ def build(spec: jobspec.Model, dataset: Dataset) -> EmbeddingModel:
 
 def wide_values(classes: int) -> int:
     """Linear weights per row of the wide part: one per class, as softmax regression has.
-    (Two classes could do with one, added to the second logit; measured, one weight learns
-    more slowly at the same rate and fell 0.02-0.04 AUC short: docs/benchmarks.md.)"""
+    (Two classes could do with one, added to the second logit; the figures in
+    docs/benchmarks.md are of one per class.)"""
     return classes
