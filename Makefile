@@ -50,7 +50,7 @@ test: install kube-tools
 test-floors: install kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" PYTHON=$(PYTHON) tools/test-floors
 
-# Benchmarks (~35 min on 2 cores): installs the bench extra (torch, the peer), then runs
+# Benchmarks (~50 min on 2 cores): installs the bench extra (torch, the peer), then runs
 # benchmarks/run_all.py: every figure of docs/benchmarks.md, 5 runs each (3 for the 90M-
 # parameter job), into benchmarks/results.json and docs/benchmarks.png, with the target
 # ratios and any failed run printed. A crashed run is retried once, then recorded.

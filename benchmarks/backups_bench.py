@@ -11,11 +11,16 @@ Figures, merged into --json under "backups" (each a median with min and max):
       MLP, batch 128, 2 shards, 2 replicas, every step) with 0 and 1 backup per shard:
       the step rate between the chief's first evaluation after the warm-up and its last.
       Runs alternate between the two settings. ratio_1_over_0 is the median of each pair.
-  failover_s
-      Seconds from a SIGKILL of shard 1's primary to the first push a replica is told
-      shard 1 applied after it (its backup, now primary, applied it): the digits example
-      with backups: 1, in local mode; --kills kills in one run, each once both copies of
-      shard 1 are in sync again. Polled every POLL_S.
+  failover_s, failover_stall_s
+      Seconds from a SIGKILL (failover_s), or a SIGSTOP (failover_stall_s: the process is
+      frozen, its sockets stay open; SIGCONT once its backup took over), of shard 1's
+      primary to the first push a replica is told shard 1 applied after it (its backup, now
+      primary, applied it): the digits example with backups: 1, in local mode; --kills of
+      each in one run, each once both copies of shard 1 are in sync again. Polled every POLL_S.
+  backup_stall_s
+      The longest pause in shard 1's acknowledged pushes after a SIGSTOP of its backup (held
+      STALL_S): how long a frozen backup holds its primary's replies up before it is taken
+      out of the in-sync set.
 """
 from __future__ import annotations
 
@@ -44,7 +49,8 @@ import e2e_bench  # noqa: E402
 from figures import interleaved, save, summarize  # noqa: E402
 
 POLL_S = 0.01
-PRIMARY = 2  # distbelief_copy_role
+STALL_S = 7.0     # a frozen backup stays frozen this long
+PRIMARY, BACKUP = 2, 1  # distbelief_copy_role
 WATCHED_SHARD = 1  # shard 0's first copy runs the chief; shard 1's kills leave it alone
 
 
@@ -81,32 +87,64 @@ def watched_copies(run: local.LocalRun) -> list[local.LocalPod]:
 
 
 def primary_in_sync(copies: list[local.LocalPod]) -> local.LocalPod | None:
-    """The primary of the watched shard, once its backup is in sync with it."""
-    for pod in copies:
-        seen = metrics(pod)
-        if seen.get(("distbelief_copy_role", str(WATCHED_SHARD))) == PRIMARY and \
-                seen.get(("distbelief_copies_in_sync", str(WATCHED_SHARD))) == len(copies):
-            return pod
-    return None
+    """The primary of the watched shard, once every other copy says it is its backup and the
+    primary counts them all in sync (a primary that just lost its lease may still say it is
+    one for a moment: then another copy says so too)."""
+    roles = {pod.name: metrics(pod) for pod in copies}
+    primaries = [pod for pod in copies if roles[pod.name].get(("distbelief_copy_role", str(WATCHED_SHARD))) == PRIMARY]
+    backups = [pod for pod in copies if roles[pod.name].get(("distbelief_copy_role", str(WATCHED_SHARD))) == BACKUP]
+    if len(primaries) != 1 or len(backups) != len(copies) - 1:
+        return None
+    in_sync = roles[primaries[0].name].get(("distbelief_copies_in_sync", str(WATCHED_SHARD)))
+    return primaries[0] if in_sync == len(copies) else None
 
 
-def one_failover(run: local.LocalRun) -> float:
+def in_sync_primary(run: local.LocalRun) -> tuple[local.LocalPod, list[local.LocalPod]]:
+    """The watched shard's primary, in sync with its backup for a second at least."""
     copies = watched_copies(run)
-    while (primary := primary_in_sync(copies)) is None:
-        time.sleep(0.1)
-    time.sleep(1.0)
-    before = acknowledged(run)
-    killed = time.monotonic()
-    primary.process.send_signal(signal.SIGKILL)
-    survivor = next(pod for pod in copies if pod is not primary)
     while True:
-        promoted = metrics(survivor).get(("distbelief_copy_role", str(WATCHED_SHARD))) == PRIMARY
-        if promoted and acknowledged(run) > before:
-            return time.monotonic() - killed
-        time.sleep(POLL_S)
+        primary = primary_in_sync(copies)
+        if primary is not None:
+            time.sleep(1.0)
+            if primary_in_sync(copies) is primary:
+                return primary, copies
+        time.sleep(0.1)
 
 
-def failover_times(kills: int) -> list[float]:
+def one_failover(run: local.LocalRun, how: signal.Signals = signal.SIGKILL) -> float:
+    primary, copies = in_sync_primary(run)
+    before = acknowledged(run)
+    hit = time.monotonic()
+    primary.signal(how)
+    survivor = next(pod for pod in copies if pod is not primary)
+    try:
+        while True:
+            promoted = metrics(survivor).get(("distbelief_copy_role", str(WATCHED_SHARD))) == PRIMARY
+            if promoted and acknowledged(run) > before:
+                return time.monotonic() - hit
+            time.sleep(POLL_S)
+    finally:
+        primary.signal(signal.SIGCONT)
+
+
+def one_backup_stall(run: local.LocalRun) -> float:
+    primary, copies = in_sync_primary(run)
+    backup = next(pod for pod in copies if pod is not primary)
+    stopped = time.monotonic()
+    backup.signal(signal.SIGSTOP)
+    last, count, longest = stopped, acknowledged(run), 0.0
+    try:
+        while time.monotonic() - stopped < STALL_S:
+            now, seen = time.monotonic(), acknowledged(run)
+            if seen > count:
+                longest, last, count = max(longest, now - last), now, seen
+            time.sleep(POLL_S)
+    finally:
+        backup.signal(signal.SIGCONT)
+    return max(longest, time.monotonic() - last)
+
+
+def failover_times(kills: int) -> dict[str, list[float]]:
     doc = copy.deepcopy(e2e_bench.example("digits-mlp.yaml"))
     doc["spec"]["parameterServers"]["backups"] = 1
     doc["spec"]["training"]["maxSteps"] = 10_000_000
@@ -116,7 +154,9 @@ def failover_times(kills: int) -> list[float]:
         thread = threading.Thread(target=lambda: run.run(progress=False), daemon=True)
         thread.start()
         try:
-            return [one_failover(run) for _ in range(kills)]
+            return {"failover_s": [one_failover(run) for _ in range(kills)],
+                    "failover_stall_s": [one_failover(run, signal.SIGSTOP) for _ in range(kills)],
+                    "backup_stall_s": [one_backup_stall(run) for _ in range(kills)]}
         finally:
             run.interrupt()
             thread.join(timeout=120)
@@ -136,10 +176,12 @@ def main() -> int:
     results = {"backups": {
         "updates_per_s": {name: summarize(values) for name, values in rates.items()},
         "ratio_1_over_0": summarize(ratios),
-        "failover_s": summarize(times),
+        **{name: summarize(values) for name, values in times.items()},
         "definition": "compute_bound job of e2e_bench.py (2 shards, 2 replicas) with 0 and 1 backup per shard; "
-                      "failover: SIGKILL of shard 1's primary to the first push a replica is told shard 1 applied "
-                      "after it, digits example with backups: 1, local mode",
+                      "failover: SIGKILL (failover_s) or SIGSTOP (failover_stall_s) of shard 1's primary to the "
+                      "first push a replica is told shard 1 applied after it; backup_stall_s: the longest pause in "
+                      "shard 1's acknowledgements while its backup is frozen; digits example with backups: 1, "
+                      "local mode",
         "failures": failures,
     }}
     print(json.dumps(results, indent=2))

@@ -8,7 +8,7 @@ push), mlp_step_bench.py, e2e_bench.py (our jobs in local mode, their one-proces
 baselines and parallel efficiency), torch_peers_bench.py (DDP gloo and an RPC parameter
 server), sparse_bench.py and sparse_table_bench.py (embedding rows), heavy_tail_bench.py
 (sparse jobs' AUC on click data shaped like real logs), backups_bench.py (shard
-copies), partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness)
+copies), copycheck.py (shard copies under faults: what is lost or applied twice), partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness)
 and operator_bench.py. Their figures go into --json, written afresh: every figure
 in it is from this run; each is a median with its min and max.
 
@@ -98,6 +98,11 @@ def summary(results: dict) -> list[str]:
         ratio = "failed" if row["ratio"] is None else f"{row['ratio']:6.2f}"
         verdict = {True: "met", False: "MISSED", None: ""}[row["met"]]
         lines.append(f"{row['figure']:<42} {ratio:>6}  target {row['target']:<7} {verdict}".rstrip())
+    check = (results.get("copies_check") or {}).get("summary")
+    if check:
+        lines.append(f"copies check: {check['ok']}/{check['runs']} runs ok ({len(check.get('not_checked', []))} could "
+                     f"not be checked), {check['acknowledged']} pushes acknowledged, {check['lost']} lost, "
+                     f"{check['duplicated']} applied twice, faults {check['faults']}")
     failures = results.get("failures", [])
     lines += [f"FAILED {f['run']}: exit code {f['exit_code']} after {f['attempts']} attempts ({f['reason']})"
               for f in failures]
@@ -130,6 +135,8 @@ def measure(runs: int, scale: float) -> dict:
         results["heavy_tail"] = heavy["heavy_tail"]
     if backups := run_json("backups_bench.py", failures, "--runs", str(min(runs, 3))):
         results["backups"] = backups["backups"]
+    if checked := run_json("copycheck.py", failures, "--runs", str(2 * runs), "--seconds", "30"):
+        results["copies_check"] = checked["copies_check"]
     if partitions := run_json("partition_bench.py", failures, "--runs", str(min(runs, 3))):
         results["partitions"] = partitions["partitions"]
         failures += partitions.get("failures", [])

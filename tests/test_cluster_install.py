@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from distbelief.operator import errors
+from distbelief.operator.render import render
 from distbelief.operator.spec import spec
 from support.cluster import CRD_NAME, Kubectl
 
@@ -31,6 +32,25 @@ def test_the_chart_installs_the_crd_and_the_operator(chart: str, kubectl: Kubect
     account = f"system:serviceaccount:{chart}:{pod['serviceAccountName']}"
     assert kubectl("auth", "can-i", "patch", "distbeliefjobs.distbelief.io", "--subresource=status",
                    f"--as={account}").strip() == "yes"
+
+
+def test_the_chart_lets_the_operator_grant_the_shard_pods_their_leases(chart: str, kubectl: Kubectl,
+                                                                        namespace: str) -> None:
+    """A job with backups: the operator, as the chart's ServiceAccount, creates the shard pods'
+    ServiceAccount, Role and RoleBinding (a Role grants only what its maker holds)."""
+    (operator,) = kubectl.json("get", "deployment", "-n", chart, "-l", "app.kubernetes.io/name=distbelief")["items"]
+    account = f"system:serviceaccount:{chart}:{operator['spec']['template']['spec']['serviceAccountName']}"
+    doc = copy.deepcopy(BASE)
+    doc["metadata"]["namespace"] = namespace
+    doc["spec"]["parameterServers"]["backups"] = 1
+    objs = [o for o in render.render_children(spec.validate_job(doc), image=render.DEFAULT_IMAGE)
+            if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
+    assert len(objs) == 3
+    kubectl("create", "-n", namespace, f"--as={account}", "-f", "-", input=render.to_yaml(objs))
+    shards = f"system:serviceaccount:{namespace}:digits-ps"
+    assert kubectl("auth", "can-i", "update", "leases/digits-shard-1", "-n", namespace, f"--as={shards}").strip() == "yes"
+    assert kubectl.run("auth", "can-i", "update", "leases/other-shard-0", "-n", namespace,
+                       f"--as={shards}").stdout.strip() == "no"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.relative_to(REPO / "examples").as_posix())

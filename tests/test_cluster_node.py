@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from distbelief.operator.render import podparts
 from support.cluster import Kubectl
 from support.localnode import LocalNode, chart, eventually, get, local_node, operator  # noqa: F401 (fixtures)
 
@@ -185,6 +186,37 @@ def test_volumes_environment_and_the_downward_api(kubectl: Kubectl, local_node: 
     assert list(seen["files"].values()) == ["hello", "s3cret"]
     assert seen["env"] == {"GREETING": "hello", "WHO": "hello, reader", "MY_NAME": "reader", "TOKEN": "s3cret",
                            "MEMORY": "200", "POD_IP": get(kubectl, "pod", "reader", "-n", namespace)["status"]["podIP"]}
+
+
+WHOAMI = """import json, os, ssl, sys, urllib.request
+root = sys.argv[1]
+token = open(os.path.join(root, 'token')).read()
+context = ssl.create_default_context(cafile=os.path.join(root, 'ca.crt'))
+url = 'https://%s:%s/apis/authentication.k8s.io/v1/selfsubjectreviews' % (
+    os.environ['KUBERNETES_SERVICE_HOST'], os.environ['KUBERNETES_SERVICE_PORT'])
+body = json.dumps({'apiVersion': 'authentication.k8s.io/v1', 'kind': 'SelfSubjectReview'}).encode()
+request = urllib.request.Request(url, data=body, method='POST', headers={
+    'Authorization': 'Bearer ' + token, 'Content-Type': 'application/json'})
+answer = json.load(urllib.request.urlopen(request, context=context))
+print(json.dumps({'user': answer['status']['userInfo']['username'],
+                  'namespace': open(os.path.join(root, 'namespace')).read()}), file=open('/dev/termination-log', 'w'))
+"""
+
+
+def test_a_projected_service_account_token_lets_the_pod_call_the_api_as_its_account(
+        kubectl: Kubectl, local_node: LocalNode, namespace: str) -> None:
+    """The volume the operator gives the shard copies (their view Leases): a bound token,
+    the cluster's CA and the namespace, and the API server's address in the environment."""
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader-sa"}}
+    mount = "/var/run/secrets/kubernetes.io/serviceaccount"
+    doc = pod("whoami", WHOAMI, args=[mount], volumeMounts=[{"name": podparts.ACCOUNT_TOKEN_VOLUME,
+                                                              "mountPath": mount, "readOnly": True}])
+    doc["spec"].update(serviceAccountName="reader-sa", automountServiceAccountToken=False,
+                       volumes=[podparts.account_token_volume()])
+    apply(kubectl, namespace, account, doc)
+    eventually(lambda: phase(kubectl, namespace, "whoami") in ("Succeeded", "Failed"), 30)
+    seen = json.loads(container_status(kubectl, namespace, "whoami")["state"]["terminated"]["message"])
+    assert seen == {"user": f"system:serviceaccount:{namespace}:reader-sa", "namespace": namespace}
 
 
 # ---------------------------------------------------------------- workloads

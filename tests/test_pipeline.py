@@ -3,119 +3,30 @@ every shard or on none."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import prometheus_client as prom
 import pytest
 
-from conftest import LiveShards, start_shards
-from distbelief.runtime import contract, errors, jobspec
+from conftest import start_shards
+from distbelief.runtime import contract, errors
 from distbelief.runtime.algorithms.chief import WholeModel
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
-from distbelief.runtime.algorithms.pipeline import staged
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
-from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, FORWARD, HOLD, ApplyHeld, Forward, Held
-from distbelief.runtime.algorithms.pipeline.rendezvous import Rendezvous, RendezvousLink
-from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
-from distbelief.runtime.client.group import ShardGroup, Timeouts
-from distbelief.runtime.model import data
+from distbelief.runtime.algorithms.pipeline.ops import FORWARD, Forward
+from distbelief.runtime.algorithms.pipeline.rendezvous import RendezvousLink
 from distbelief.runtime.model.job import Job
-from distbelief.runtime.model.models import Mlp, evaluate
+from distbelief.runtime.model.models import evaluate
 from distbelief.runtime.model.stages import plan
 from distbelief.runtime.observe.metrics import WorkerMetrics
-from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.roles import common
 from distbelief.runtime.transport import zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import Status
-
-TIMEOUTS = Timeouts(request=2.0, unavailable=20.0)
-
-
-@dataclasses.dataclass
-class Cluster:
-    """Shards holding gradients, and a rendezvous, for partitioned pods in threads."""
-
-    model: Mlp
-    dataset: data.Dataset
-    layout: Layout
-    shards: LiveShards
-    rendezvous: Rendezvous
-    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    def params(self) -> np.ndarray:
-        return np.concatenate([self.shards.params(i) for i in range(self.layout.shards)])
-
-    def steps(self) -> list[int]:
-        return [s.step for s in self.shards.shards]
-
-    def pod(self, partition: int, stop: threading.Event | None = None, batch: int = 32, seed: int | None = None):
-        stop = stop or self.stop
-        stages = plan(self.model, len(self.layout.stages) + 1).stages
-        stage = stages[partition]
-        own = self.layout.shards_of(stage.offset, stage.offset + stage.size)
-        group = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop, shards=own)
-        tp = zmq_transport.default()
-        server = None
-        if partition > 0:
-            server = tp.server("tcp://127.0.0.1:*", who=f"stage {partition}",
-                               max_frame=protocol.max_frame_bytes(batch * (stage.input_width + 1)), max_frames=3,
-                               security=None)
-        me = server.endpoint if server else f"partition-0/{group.worker_id:08x}"
-        rendezvous = RendezvousLink(self.rendezvous.endpoint, partition=partition, me=me, worker_id=group.worker_id,
-                                    layout=self.layout.hash, security=None, stop=stop)
-        settings = PodSettings(batch_size=batch, classes=self.dataset.n_classes, seed=seed)
-        metrics = WorkerMetrics(prom.CollectorRegistry())
-        if partition == 0:
-            everyone = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop,
-                                  worker_id=group.worker_id)
-            return FirstPartition(settings, stage, PodLinks(group, rendezvous, tp, None, everyone=everyone), metrics,
-                                  self.dataset, stop=stop)
-        return LaterPartition(settings, stage, PodLinks(group, rendezvous, tp, None), metrics, server, stop=stop)
-
-
-def start_cluster(tmp_path: Path, partitions: int, shards: int) -> Cluster:
-    dataset = data.load(jobspec.Data(source="builtin:digits", test_fraction=0.2, seed=0))
-    model = Mlp(dataset.n_features, dataset.n_classes, [48, 32])
-    layout = Layout.of(model.shapes, shards, plan(model, partitions).boundaries)
-    live = start_shards(tmp_path, layout, model.init_params(0), learning_rate=0.05, checkpoint_every=3600,
-                        attach=lambda shard: shard.attach(staged.HeldGradients(shard.plugin(DenseSlice))))
-    rendezvous = Rendezvous("tcp://127.0.0.1:*", partitions, layout.hash, security=None,
-                            finished=lambda: False).start()
-    return Cluster(model, dataset, layout, live, rendezvous)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path):
-    made: list[Cluster] = []
-
-    def make(partitions: int, shards: int) -> Cluster:
-        made.append(start_cluster(tmp_path, partitions, shards))
-        return made[-1]
-    yield make
-    for c in made:
-        c.stop.set()
-        c.rendezvous.stop()
-        c.shards.stop()
-
-
-def run_in_thread(pod) -> threading.Thread:
-    thread = threading.Thread(target=pod.run, daemon=True)
-    thread.start()
-    return thread
-
-
-def wait_for(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
+from support.partitioned import cluster, run_in_thread, wait_for  # noqa: F401 (cluster: a fixture)
 
 @pytest.mark.parametrize("partitions,shards", [(2, 2), (3, 4)])
 def test_a_partitioned_replica_trains_digits(cluster, partitions: int, shards: int) -> None:
@@ -164,45 +75,6 @@ def test_a_group_that_loses_a_pod_applies_nothing_half_and_re_forms(cluster) -> 
         t.join(timeout=10)
     steps = c.steps()
     assert steps[0] == steps[1] >= 60
-
-
-def test_a_held_gradient_is_applied_only_when_its_step_is_committed(cluster) -> None:
-    c = cluster(2, 2)
-    group = ShardGroup(c.shards.addresses, c.layout, timeouts=TIMEOUTS, shards=[1])
-    before = c.shards.params(1).copy()
-    grad = np.ones(c.layout.size(1), dtype=np.float32)
-    group.request(HOLD, meta=Held(7), array=grad, steps=[0])
-    assert c.steps() == [0, 0] and np.array_equal(c.shards.params(1), before)
-    group.request(APPLY_HELD, meta=ApplyHeld(7, 32, 1.0))
-    assert c.steps() == [0, 1] and not np.array_equal(c.shards.params(1), before)
-    with pytest.raises(errors.ShardRefused, match="holds no gradient"):
-        group.request(APPLY_HELD, meta=ApplyHeld(7, 32, 1.0))  # a new request for the same token
-    group.close()
-
-
-def test_a_non_finite_gradient_is_refused_when_held_not_when_applied(cluster) -> None:
-    c = cluster(2, 2)
-    group = ShardGroup(c.shards.addresses, c.layout, timeouts=TIMEOUTS, shards=[1])
-    grad = np.ones(c.layout.size(1), dtype=np.float32)
-    grad[3] = np.nan
-    with pytest.raises(errors.ShardRefused, match="non-finite"):
-        group.request(HOLD, meta=Held(9), array=grad, steps=[0])
-    group.close()
-
-
-def test_held_gradients_expire_and_are_bounded(monkeypatch) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(staged.time, "monotonic", lambda: now[0])
-    held = staged.HeldGradients.__new__(staged.HeldGradients)
-    held._held = staged.OrderedDict()
-    for token in range(staged.MAX_HELD + 3):
-        held._held[token] = staged.HeldGradient(None, np.zeros(1, np.float32), now[0])
-        if len(held._held) > staged.MAX_HELD:
-            held._held.popitem(last=False)
-    assert list(held._held) == list(range(3, staged.MAX_HELD + 3))
-    now[0] += staged.HELD_SECONDS + 1
-    held._expire(now[0])
-    assert not held._held
 
 
 def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluster) -> None:

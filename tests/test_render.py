@@ -294,7 +294,10 @@ def test_every_pod_and_container_is_hardened(name: str, variant: str) -> None:
         assert pod["securityContext"] == {
             "runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
             "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+        # No token mounted by admission; the shard copies' own one is a volume of the pod.
         assert pod["automountServiceAccountToken"] is False
+        tokens = [v for v in pod["volumes"] if "projected" in v]
+        assert len(tokens) == (pod.get("serviceAccountName") == "digits-ps")
         assert pod["enableServiceLinks"] is False
         assert pod["terminationGracePeriodSeconds"] == 30
         for c in pod["containers"]:
@@ -711,3 +714,36 @@ def test_the_config_carries_the_jobs_uid_and_its_hash_leaves_it_out() -> None:
     assert "uid" not in json.loads(children(job_of())["ConfigMap"]["data"][contract.CONFIG_KEY])  # no job yet
     config = spec.job_config(job_of(variant="stored"))
     assert context.config_hash(config) == context.config_hash(dataclasses.replace(config, uid=None))
+
+
+def test_backups_give_the_shard_pods_an_account_that_may_keep_their_view_leases_only() -> None:
+    doc = example("digits-mlp.yaml")
+    doc["spec"]["parameterServers"]["backups"] = 2
+    objs = render.render_children(spec.validate_job(doc), image=IMAGE)
+    kinds = [o["kind"] for o in objs]
+    assert kinds.index("RoleBinding") < kinds.index("StatefulSet")  # the account exists before its pods
+    account, role, binding = (next(o for o in objs if o["kind"] == k) for k in ("ServiceAccount", "Role", "RoleBinding"))
+    assert account["metadata"]["name"] == role["metadata"]["name"] == binding["metadata"]["name"] == "digits-ps"
+    assert account["automountServiceAccountToken"] is False
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": ["digits-shard-0", "digits-shard-1"], "verbs": ["get", "update"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "digits-ps"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "digits-ps", "namespace": "default"}]
+    pod = next(o for o in objs if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "digits-ps" and pod["automountServiceAccountToken"] is False
+    (token,) = [v for v in pod["volumes"] if "projected" in v]  # mounted in the shard container only
+    sources = {next(iter(source)): source for source in token["projected"]["sources"]}
+    assert 600 <= sources["serviceAccountToken"]["serviceAccountToken"]["expirationSeconds"] <= 86400
+    assert sources["configMap"]["configMap"]["name"] == "kube-root-ca.crt"
+    (shard,) = pod["containers"]
+    (mount,) = [m for m in shard["volumeMounts"] if m["name"] == token["name"]]
+    assert mount == {"name": token["name"], "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+                     "readOnly": True}
+    assert {"name": "DISTBELIEF_SERVICE_ACCOUNT_DIR", "value": mount["mountPath"]} in shard["env"]
+    workers = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in workers and workers["automountServiceAccountToken"] is False
+    for obj in (account, role, binding):
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+    assert not [o for o in render.render_children(job_of(), image=IMAGE) if o["kind"] in ("Role", "ServiceAccount")]

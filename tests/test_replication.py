@@ -4,11 +4,13 @@ comes back catches up from the primary and rejoins as its backup."""
 
 from __future__ import annotations
 
+import logging
+import re
 import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import prometheus_client as prom
@@ -25,8 +27,9 @@ from distbelief.runtime.params.rows import rowcheckpoint
 from distbelief.runtime.params.rows.row_client import RowClient
 from distbelief.runtime.params.rows.sparse import SparseRows
 from distbelief.runtime.shard import checkpoint
-from distbelief.runtime.shard.copies import replication
-from distbelief.runtime.shard.copies.watch import BACKUP, PRIMARY
+from distbelief.runtime.shard.copies import forwarding, replication
+from distbelief.runtime.shard.copies.viewstore import FileViewStore
+from distbelief.runtime.shard.copies.watch import BACKUP, COPY_STATUS, PRIMARY
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import fanout, interface, zmq_transport
 from distbelief.runtime.wire import protocol
@@ -35,6 +38,7 @@ from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import Header, Status
 
 LAYOUT = Layout.of([("w", (6, 5)), ("b", (5,))], shards=1)
+LEASE_SECONDS = 1.5
 INITIAL = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
 UPDATE = dense.Update(examples=4, loss=1.0).pack()
 
@@ -61,14 +65,16 @@ class Copies:
         self.addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(count)]
         self.shards: list[Shard | None] = [None] * count
         self.threads: list[threading.Thread | None] = [None] * count
+        self.store = FileViewStore(str(folder / "views" / "shard-0.json"))
 
-    def start(self, rank: int, *, folder: str | None = None) -> Shard:
+    def start(self, rank: int, *, folder: str | None = None, store: Any = None) -> Shard:
         settings = ShardSettings(shard=0, bind=self.addresses[rank], checkpoint_every=3600,
                                  checkpoint_dir=folder or str(self.folder / f"copy-{rank}"))
         shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
         shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1, wire_format=self.wire_format))
         self.attach(shard)
-        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None))
+        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None,
+                                              store=store or self.store, lease_seconds=LEASE_SECONDS))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
         thread.start()
@@ -95,8 +101,9 @@ class Copies:
         return shard
 
     def in_sync(self, primary: int, backups: int) -> bool:
+        """Copy `primary` leads, with `backups` other copies in the in-sync set of its view."""
         shard = self.shards[primary]
-        return shard is not None and shard.copies.role == PRIMARY and len(shard.copies.chain) == backups
+        return shard is not None and shard.copies.role == PRIMARY and shard.copies.stats()["copies"] == backups + 1
 
     def group(self) -> ShardGroup:
         return ShardGroup([self.addresses], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=30.0))
@@ -141,14 +148,14 @@ def _push(link: interface.Link, seq: int, grad: np.ndarray) -> Header:
 def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -> None:
     primary, backup = pair.copy(0), pair.copy(1)
     held, release = threading.Event(), threading.Event()
-    forwarded = backup.raw_ops[replication.REPLICATE.code]
+    forwarded = backup.raw_ops[forwarding.REPLICATE.code]
 
     def slow_backup(header: Header, incoming: interface.Incoming) -> list:
         held.set()
         release.wait(10)
         return forwarded(header, incoming)
 
-    backup.raw_ops[replication.REPLICATE.code] = slow_backup
+    backup.raw_ops[forwarding.REPLICATE.code] = slow_backup
     group = pair.group()
     replies: list = []
     pushing = threading.Thread(target=lambda: replies.append(
@@ -156,12 +163,27 @@ def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -
     pushing.start()
     assert held.wait(10), "the primary did not forward the push"
     assert primary.step == 1 and backup.step == 0
+    # The primary serves on while the forward is out: a second replica's push is applied
+    # (its reply waits too), and the copies' status is answered at once.
+    other = ShardGroup([pair.addresses], LAYOUT, timeouts=Timeouts(request=5.0, unavailable=30.0))
+    second = threading.Thread(target=lambda: replies.append(
+        Float32Dense(other).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
+    second.start()
+    _until(lambda: primary.step == 2, "the primary applied the second push meanwhile", seconds=5)
+    status = zmq_transport.default().link(pair.addresses[0], None)
+    status.send([Header(op=COPY_STATUS.code, shard=0, layout=LAYOUT.hash, seq=9).pack()])
+    assert zmq_transport.default().wait([status], 2), "COPY_STATUS waited for the forward"
+    assert protocol.JsonObject.unpack(status.receive().frames[0]).value["role"] == PRIMARY
+    status.close()
     pushing.join(timeout=0.5)
-    assert not replies, "the push was acknowledged before the backup applied it"
+    assert not replies, "a push was acknowledged before the backup applied it"
     release.set()
     pushing.join(timeout=10)
-    assert [r.step for r in replies[0]] == [1]
-    assert backup.step == 1
+    second.join(timeout=10)
+    assert sorted(r.step for reply in replies for r in reply) == [1, 2]
+    other.close()
+    _until(lambda: backup.step == 2, "the backup applied both")
+    assert backup.step == 2
     np.testing.assert_array_equal(_params(backup), _params(primary))
     for _ in range(5):  # and every later push: each acknowledged update is on both copies
         Float32Dense(group).push(np.full(LAYOUT.total, 0.5, np.float32), steps=[0], examples=4, loss=1.0)
@@ -179,7 +201,7 @@ def test_a_push_resent_to_the_new_primary_is_answered_but_not_applied_again(pair
     pair.kill(0)  # the reply was lost with the primary: the replica sends the push again
     again = _push(link, seq=41, grad=grad)
     backup = pair.copy(1)
-    assert backup.copies.role == PRIMARY and backup.copies.failovers == 1
+    assert backup.copies.role == PRIMARY and backup.copies.stats()["failovers"] == 1
     assert again.step == 1 and backup.step == 1
     np.testing.assert_array_equal(_params(backup), after_first)
     assert _push(link, seq=42, grad=grad).step == 2  # a new push is applied
@@ -203,7 +225,7 @@ def test_bfloat16_pushes_reach_every_copy_and_survive_a_failover(tmp_path: Path)
         assert reply.step == step + 1
         if step < 3:
             np.testing.assert_array_equal(_params(copies.copy(1)), _params(copies.copy(0)))
-    assert copies.copy(1).copies.failovers == 1
+    assert copies.copy(1).copies.stats()["failovers"] == 1
     np.testing.assert_allclose(_params(copies.copy(1)), expected, rtol=1e-6)
     wire.group.close()
     copies.stop()
@@ -218,7 +240,7 @@ def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, t
     for seq in range(4, 9):  # the primary drops its backup, which is gone, and goes on alone
         _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
     primary = pair.copy(0)
-    assert primary.step == 8 and primary.copies.chain == {}
+    assert primary.step == 8 and primary.copies.stats()["copies"] == 1
     returned = pair.start(1, folder=str(tmp_path / "empty"))  # a new node: nothing on disk
     _until(lambda: pair.in_sync(0, 1), "the returned copy rejoins")
     _until(lambda: returned.step == 8, "the returned copy loaded the state its primary sent")
@@ -338,7 +360,7 @@ def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_ar
 def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies) -> None:
     backup = pair.copy(1)
     link = zmq_transport.default().link(pair.addresses[1], None)
-    head = Header(op=replication.REPLICATE.code, shard=0, layout=LAYOUT.hash, seq=1).pack()
+    head = Header(op=forwarding.REPLICATE.code, shard=0, layout=LAYOUT.hash, seq=1).pack()
     push = Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=1, count=LAYOUT.total).pack()
     for envelope in (b"not json", b'{"view": "2", "peer": "00"}', b'{"view": 2, "peer": "zz", "user": null}'):
         link.send([head, envelope, push, UPDATE, np.ones(LAYOUT.total, np.float32).tobytes()])
@@ -364,3 +386,182 @@ def test_a_garbled_copy_status_answer_is_refused_and_the_watch_asks_again(payloa
     time.sleep(0.1)
     assert watch._thread.is_alive()  # the round's error is logged; the watch goes on
     watch.close()
+
+
+def _push_for(group: ShardGroup, seconds: float) -> int:
+    """Push ones for `seconds`; how many pushes the shard acknowledged."""
+    acked, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
+        acked += 1
+    return acked
+
+
+def test_a_backup_stalled_in_a_forward_costs_no_acknowledged_update(tmp_path: Path) -> None:
+    """Issue 31's reproduction: copy 2's REPLICATE handler hangs 7 s while a replica pushes for
+    9 s. The primary goes on serving, takes copy 2 out of the in-sync set once it is slow, and
+    every push it acknowledged is in the final state; copy 2 then catches up again."""
+    copies = Copies(tmp_path, count=3)
+    for rank in range(3):
+        copies.start(rank)
+    _until(lambda: copies.in_sync(0, 2), "copy 0 leads with two backups")
+    stalled = copies.copy(2)
+    forwarded, hung = stalled.raw_ops[forwarding.REPLICATE.code], threading.Event()
+
+    def hang(header: Header, incoming: interface.Incoming) -> list:
+        if not hung.is_set():
+            hung.set()
+            time.sleep(7)
+        return forwarded(header, incoming)
+
+    stalled.raw_ops[forwarding.REPLICATE.code] = hang
+    group = ShardGroup([copies.addresses], LAYOUT, timeouts=Timeouts(request=2.0, unavailable=30.0))
+    acked = _push_for(group, 9.0)
+    group.close()
+    assert hung.is_set()
+    primary = copies.copy(0)
+    assert primary.copies.role == PRIMARY, "the primary stalled by its backup must not be replaced"
+    assert primary.step == acked
+    _until(lambda: copies.in_sync(0, 2), "copy 2 catches up and rejoins", seconds=30)
+    _until(lambda: all(copies.copy(r).step == acked for r in range(3)), "every copy holds every push")
+    for rank in (1, 2):
+        np.testing.assert_array_equal(_params(copies.copy(rank)), _params(primary))
+    copies.stop()
+
+
+def test_a_primary_stalled_in_a_request_is_slow_not_dead(tmp_path: Path) -> None:
+    """The primary's serving thread hangs 4 s (more than its lease): its lease is renewed by a
+    thread of its own, so no backup takes over, and nothing is lost."""
+    copies = Copies(tmp_path)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    primary = copies.copy(0)
+    pull, hung = primary._handlers[dense.PULL.code], threading.Event()
+
+    def hang(message: protocol.Message) -> object:
+        if not hung.is_set():
+            hung.set()
+            time.sleep(4)
+        return pull(message)
+
+    primary._handlers[dense.PULL.code] = hang
+    group = copies.group()
+    Float32Dense(group).pull(np.empty(LAYOUT.total, np.float32))
+    acked = _push_for(group, 2.0)
+    group.close()
+    assert hung.is_set() and primary.copies.role == PRIMARY and copies.copy(1).copies.role == BACKUP
+    assert primary.copies.stats()["failovers"] == 0
+    assert primary.step == copies.copy(1).step == acked
+    copies.stop()
+
+
+def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The state goes over in many parts, one at a time, while sparse and dense pushes keep
+    coming (some creating rows, some only counted for admission): the copy applies them from
+    the transfer's start and writes each part where it comes, and ends with the primary's
+    every row, admission counter and parameter."""
+    from distbelief.runtime.params.rows import rowparts
+
+    monkeypatch.setattr(forwarding, "PARTS_WINDOW_BYTES", 1)  # a part goes only once the previous is acknowledged
+    monkeypatch.setattr(rowparts, "PART_BYTES", 4096)          # 256 parts of rows
+    monkeypatch.setattr(dense, "PART_VALUES", 4)               # 9 parts of the dense slice
+    caplog.set_level(logging.INFO, logger="distbelief.runtime.shard.copies")
+
+    def rows(shard: Shard) -> None:
+        shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5, admit_after=2))
+
+    copies = Copies(tmp_path, attach=rows)
+    copies.start(0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    copies.kill(1)
+    client, rng = RowClient(copies.group(), dim=4), np.random.default_rng(8)
+    wire = Float32Dense(client.group)
+
+    def push_once() -> None:
+        keys = rng.choice(60000, size=300, replace=False).astype(np.int64)
+        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+        wire.push(rng.standard_normal(LAYOUT.total).astype(np.float32), steps=[0], examples=4, loss=1.0)
+
+    for _ in range(60):  # thousands of rows admitted, more only counted, before the copy comes
+        push_once()
+    pushing, stop = threading.Thread(target=lambda: [push_once() for _ in iter(stop.is_set, True)]), threading.Event()
+    pushing.start()
+    joined = copies.start(1, folder=str(tmp_path / "empty"))
+    _until(lambda: copies.in_sync(0, 1), "the copy caught up while pushes went on", seconds=60)
+    time.sleep(0.5)
+    stop.set()
+    pushing.join(timeout=30)
+    primary = copies.copy(0)
+    _until(lambda: joined.step == primary.step, "the copy applied the last pushes")
+    begun = re.findall(r"event=backup_joining .* step=(\d+) view=\d+ parts=(\d+)", caplog.text)[-1]
+    installed = re.findall(r"event=caught_up shard=0 copy=1 view=\d+ step=(\d+)", caplog.text)[-1]
+    assert int(begun[1]) > 9 + 16, "the rows went in too few parts"
+    assert int(installed) > int(begun[0]), "no push came during the transfer"
+    tables = [copies.copy(r).plugin(SparseRows).table for r in (0, 1)]
+    state = []
+    for t in tables:
+        order = np.argsort(t.keys[:t.n])
+        state.append({"keys": t.keys[:t.n][order], "values": t.values[:t.n][order],
+                      "accumulators": t.accumulators[:t.n][order], "counters": t.counts})
+    assert state[0]["keys"].size > 3000
+    for name in state[0]:
+        np.testing.assert_array_equal(state[1][name], state[0][name], err_msg=name)
+    np.testing.assert_array_equal(_params(joined), _params(primary))
+    client.group.close()
+    copies.stop()
+
+
+class CutOff:
+    """A view store as one copy sees it: cut off (unavailable) while `cut` is set."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.cut = store, False
+
+    def read(self) -> Any:
+        self._check()
+        return self.store.read()
+
+    def compare_and_swap(self, version: str, record: Any) -> Any:
+        self._check()
+        return self.store.compare_and_swap(version, record)
+
+    def describe(self) -> str:
+        return "cut off" if self.cut else self.store.describe()
+
+    def _check(self) -> None:
+        from distbelief.runtime.shard.copies.viewstore import StoreUnavailable
+        if self.cut:
+            raise StoreUnavailable("cut off")
+
+
+def test_a_primary_cut_off_from_the_view_store_stops_acknowledging_and_its_backup_takes_over(tmp_path: Path) -> None:
+    """A partition between the primary and the store alone: its lease runs out by its own
+    clock, so it holds its replies; the backup sees the lease expire by its clock and takes
+    the next view; a push the old primary applied is answered by the new one from its record,
+    never applied twice. Back in touch, the old primary finds its lease gone and catches up."""
+    copies = Copies(tmp_path)
+    seen_by_0 = CutOff(copies.store)
+    copies.start(0, store=seen_by_0)
+    copies.start(1)
+    _until(lambda: copies.in_sync(0, 1), "copy 0 leads with copy 1 as its backup")
+    old, new = copies.copy(0), copies.copy(1)
+    link = zmq_transport.default().link(copies.addresses, None)
+    grad = np.full(LAYOUT.total, 0.5, np.float32)
+    assert _push(link, seq=1, grad=grad).step == 1
+    seen_by_0.cut = True
+    acknowledged, seq, cut = [], 1, time.monotonic()
+    while time.monotonic() - cut < 3 * LEASE_SECONDS:
+        seq += 1
+        acknowledged.append(_push(link, seq=seq, grad=grad).step)
+    assert acknowledged == list(range(2, seq + 1))  # each once, whichever copy answered
+    assert new.copies.role == PRIMARY and new.copies.stats()["failovers"] == 1
+    assert new.step == seq and old.step <= seq
+    seen_by_0.cut = False
+    _until(lambda: copies.in_sync(1, 1), "the old primary stepped down and caught up")
+    assert old.step == new.step == seq
+    np.testing.assert_array_equal(_params(old), _params(new))
+    link.close()
+    copies.stop()

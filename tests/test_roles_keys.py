@@ -26,6 +26,7 @@ from distbelief.runtime.params import dense
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.copies.viewstore import MemoryViewStore
 from distbelief.runtime.shard.copies.watch import COPY_STATUS
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire import protocol
@@ -192,14 +193,15 @@ def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: key
         live.stop()
 
 
-@pytest.mark.parametrize("op", [replication.REPLICATE, replication.JOIN, COPY_STATUS], ids=lambda op: op.name)
+@pytest.mark.parametrize("op", [replication.REPLICATE, replication.JOIN, replication.COPY_STATE, COPY_STATUS],
+                         ids=lambda op: op.name)
 def test_only_the_chief_s_key_reaches_a_shard_copy_s_own_ops(tmp_path: Path, job_keys: keys.JobKeys,
                                                              encrypted: bool, op: protocol.OpSpec) -> None:
     """Copies forward requests under their first sender's identity and hand over their whole
     state: a replica's key may do neither (the shards, which hold the chief's key, may)."""
     def with_copies(shard: Shard) -> None:
         shard.serve_copies(replication.Copies(shard, rank=0, addresses=[shard.settings.bind, "tcp://127.0.0.1:9"],
-                                              security=None))
+                                              security=None, store=MemoryViewStore()))
 
     live = start_shards(tmp_path, Layout.of([("w", (6, 4))], shards=1), np.zeros(24, np.float32),
                         attach=with_copies, security=job_keys.server_security(encrypted=encrypted))

@@ -108,6 +108,8 @@ BUILTINS: tuple[ResourceType, ...] = (
     ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=("pdb",), status=True),
     ResourceType("events.k8s.io", "v1", "events", "Event", short_names=("ev",)),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease"),
+    ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+    ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                  namespaced=False, short_names=("crd", "crds"), status=True),
 )

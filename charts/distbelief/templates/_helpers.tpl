@@ -115,6 +115,18 @@ ClusterRole (all namespaces) and the per-namespace Roles. */}}
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [list]
+# With spec.parameterServers.backups: the shard pods' ServiceAccount, and the Role and
+# RoleBinding that let it keep the shards' view Leases <job>-shard-<i>. A role may grant
+# only what its maker holds, hence the leases rule below (the operator itself never calls it).
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, update]
 # The job's CurveZMQ key Secret <job>-keys: created, and never read, listed, patched or
 # deleted (it is immutable; the job's deletion takes it). The job's annotation
 # distbelief.io/keys-secret-uid, not a read, tells its own Secret from a planted one.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from decimal import Decimal
 from typing import Any, Mapping
 
 from distbelief.runtime import jobspec
@@ -106,6 +105,16 @@ ENV_COORDINATOR_ADDRESS = "DISTBELIEF_COORDINATOR_ADDRESS"
 ENV_PARTITION = "DISTBELIEF_PARTITION"
 ENV_POD_IP = "POD_IP"
 ENV_STAGE_ADDRESS = "DISTBELIEF_STAGE_ADDRESS"
+# With backups: where a shard's copies keep their view ("file:FOLDER" in local mode,
+# "kubernetes" for a Lease per shard; unset on a cluster means kubernetes), and how this
+# copy reaches its shard's other copies, by rank (default: their shard addresses).
+ENV_VIEW_STORE = "DISTBELIEF_VIEW_STORE"
+ENV_COPY_ROUTES = "DISTBELIEF_COPY_ROUTES"
+ENV_COPY_LEASE = "DISTBELIEF_COPY_LEASE_SECONDS"  # the primary's lease (default 3): shorter fails over sooner
+# The Lease store's credentials: the folder of the pod's ServiceAccount token, CA and
+# namespace (the operator mounts the shard copies' token there and names it).
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+ENV_SERVICE_ACCOUNT_DIR = "DISTBELIEF_SERVICE_ACCOUNT_DIR"
 
 # Files the chief (shard 0) writes beside its checkpoints.
 HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation
@@ -180,6 +189,16 @@ class JobNames:
 
     def shard_address(self, index: int, namespace: str, port: int) -> str:
         return f"tcp://{self.shard_pod(index)}.{self.ps}.{namespace}.svc:{port}"
+
+    @property
+    def ps_access(self) -> str:
+        """With backups: the shard pods' ServiceAccount, and the Role and RoleBinding that let
+        it keep the shards' view Leases."""
+        return self.ps
+
+    def shard_lease(self, index: int) -> str:
+        """With backups: the coordination.k8s.io Lease that holds shard index's view."""
+        return f"{self.job}-shard-{index}"
 
 
 def selector_labels(job: str, role: str) -> dict[str, str]:
@@ -362,19 +381,6 @@ EXIT_INVALID_CONFIG = 2
 EXIT_NON_FINITE_LOSS = 3
 
 
-_QUANTITY_SUFFIXES = {"m": Decimal("0.001"), **{p: Decimal(10) ** (3 * i) for i, p in enumerate("kMGTPE", 1)},
-                      **{p + "i": Decimal(2) ** (10 * i) for i, p in enumerate("KMGTPE", 1)}}
-
-
-def quantity(text: str | int | float) -> Decimal:
-    """A Kubernetes quantity ("500m", "2", "1.5" CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
-    text = str(text)
-    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
-        if text.endswith(suffix):
-            return Decimal(text[: -len(suffix)]) * _QUANTITY_SUFFIXES[suffix]
-    return Decimal(text)
-
-
 def _number(text: str, *, real: bool) -> float | None:
     if not real:
         return int(text) if text.lstrip("+-").isdigit() else None
@@ -387,4 +393,3 @@ def _number(text: str, *, real: bool) -> float | None:
 
 def _shown(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
-

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from decimal import Decimal
 from typing import Any, Callable, Mapping, TypeVar
 
 T = TypeVar("T")
@@ -248,6 +249,19 @@ class _Section:
             return convert(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{field}: {exc}") from None
+
+
+_QUANTITY_SUFFIXES = {"m": Decimal("0.001"), **{p: Decimal(10) ** (3 * i) for i, p in enumerate("kMGTPE", 1)},
+                      **{p + "i": Decimal(2) ** (10 * i) for i, p in enumerate("KMGTPE", 1)}}
+
+
+def quantity(text: str | int | float) -> Decimal:
+    """A Kubernetes quantity ("500m", "2", "1.5" CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
+    text = str(text)
+    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            return Decimal(text[: -len(suffix)]) * _QUANTITY_SUFFIXES[suffix]
+    return Decimal(text)
 
 
 def _quantity(value: Any) -> str:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "--metrics-port",
               contract.COORDINATOR_PORT_NAME: "--coordinator-port", contract.BULK_PORT_NAME: "--bulk-port"}
 SHARD_LINGER_SECONDS = 2.0
+VIEWS_FOLDER = "views"
 LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -191,7 +192,8 @@ def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[Local
     shard_names = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
     shard_ports = {name: _free_ports(_container(sts)) for name in shard_names}
     addresses = ",".join(f"tcp://{LOOPBACK}:{shard_ports[n][contract.SHARD_PORT_NAME]}" for n in shard_names)
-    env = {contract.ENV_PS_ADDRESSES: addresses}
+    # A shard's copies keep their view in a file of the output folder, changed under flock.
+    env = {contract.ENV_PS_ADDRESSES: addresses, contract.ENV_VIEW_STORE: "file:" + os.path.join(output, VIEWS_FOLDER)}
     coordinator_port = shard_ports[shard_names[0]].get(contract.COORDINATOR_PORT_NAME) if shard_names else None
     if coordinator_port:
         env[contract.ENV_COORDINATOR_ADDRESS] = f"tcp://{LOOPBACK}:{coordinator_port}"

@@ -3,7 +3,8 @@
 The environment is what a kubelet gives: the container's env (values, the downward API's
 fieldRef and resourceFieldRef, ConfigMap and Secret keys) and envFrom, with $(VAR)
 references expanded, over this machine's environment (PATH, the Python of the agent),
-less the agent's own credentials (KUBECONFIG). The command is the container's command
+less the agent's own credentials (KUBECONFIG), and the API server's address as
+KUBERNETES_SERVICE_HOST and _PORT (the server itself: there is no Service proxy here). The command is the container's command
 and args, $(VAR) expanded; without a command, the image's entry point when the agent
 knows it (the project's image: `distbelief`). Mount paths in them are rewritten to the
 volumes' local folders, and the termination message path to a file of the pod's own, as
@@ -15,6 +16,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import urllib.parse
 from typing import Any, Callable, Mapping
 
 from distbelief.operator import errors
@@ -79,8 +81,13 @@ def environment(api: node_api.Api, pod: Manifest, container: Mapping[str, Any], 
             if found is not None:
                 own[item["name"]] = found
     base = {k: v for k, v in os.environ.items() if k not in HIDDEN_ENV}
-    return {**base, "PYTHONUNBUFFERED": "1", "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"],
-            **{k: local(v) for k, v in own.items()}}
+    return {**base, **_api_server(api.server), "PYTHONUNBUFFERED": "1",
+            "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"], **{k: local(v) for k, v in own.items()}}
+
+
+def _api_server(server: str) -> dict[str, str]:
+    url = urllib.parse.urlsplit(server)
+    return {"KUBERNETES_SERVICE_HOST": url.hostname or "", "KUBERNETES_SERVICE_PORT": str(url.port or 443)}
 
 
 def downward_fields(pod: Manifest, pod_ip: str, host_ip: str) -> dict[str, str]:

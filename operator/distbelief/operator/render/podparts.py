@@ -13,7 +13,7 @@ from typing import Any
 
 from distbelief.operator.render.context import RenderContext
 from distbelief.operator.spec.spec import DATA_DIR
-from distbelief.runtime import contract, keys
+from distbelief.runtime import contract, jobspec, keys
 
 Manifest = dict[str, Any]
 APP_NAME = "distbelief"
@@ -63,7 +63,10 @@ def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
 
 
 def pod_template(ctx: RenderContext, role: str, container: Manifest,
-                 extra_labels: Mapping[str, str] | None = None, *, affinity: Manifest | None = None) -> Manifest:
+                 extra_labels: Mapping[str, str] | None = None, *, affinity: Manifest | None = None,
+                 service_account: str | None = None) -> Manifest:
+    """service_account: the pods run as it, with its token mounted (the shard copies keep
+    their view Leases with it); otherwise they get no token at all."""
     template: Manifest = {
         "metadata": {
             "labels": {**labels(ctx.config.name, role), **(extra_labels or {})},
@@ -85,7 +88,38 @@ def pod_template(ctx: RenderContext, role: str, container: Manifest,
     }
     if affinity:
         template["spec"]["affinity"] = affinity
+    if service_account:
+        template["spec"]["serviceAccountName"] = service_account
+        template["spec"]["volumes"].append(account_token_volume())
     return template
+
+
+# The shard copies' ServiceAccount token, mounted where Kubernetes mounts one, but named in
+# the pod (not left to the ServiceAccount admission plugin): only the shard container gets
+# it, with a bounded lifetime the kubelet renews, and a node agent without that admission
+# plugin (tools/local-node) makes the same volume.
+ACCOUNT_TOKEN_VOLUME = "view-lease-token"
+ACCOUNT_TOKEN_SECONDS = 3607
+
+
+def account_token_volume() -> Manifest:
+    return {"name": ACCOUNT_TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": ACCOUNT_TOKEN_SECONDS}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+    ]}}
+
+
+def account_token_mount() -> tuple[list[Manifest], list[Manifest]]:
+    """The shard container's (mounts, env) for account_token_volume(): the runtime finds the
+    token through contract.ENV_SERVICE_ACCOUNT_DIR, which a node agent may move."""
+    return ([{"name": ACCOUNT_TOKEN_VOLUME, "mountPath": contract.SERVICE_ACCOUNT_DIR, "readOnly": True}],
+            [{"name": contract.ENV_SERVICE_ACCOUNT_DIR, "value": contract.SERVICE_ACCOUNT_DIR}])
+
+
+def copies_account(ctx: RenderContext) -> str | None:
+    """With backups, the shard pods' ServiceAccount (render.render_ps_access)."""
+    return ctx.names.ps_access if ctx.config.copies > 1 else None
 
 
 def spread_copies(ctx: RenderContext) -> Manifest | None:
@@ -205,7 +239,7 @@ def _thread_env(resources: Mapping[str, Any] | None) -> list[dict[str, str]]:
 
 def cpu_cores(quantity: str | int | float) -> Decimal:
     """A Kubernetes quantity ("500m", "2", "1.5", 2 CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
-    return contract.quantity(quantity)
+    return jobspec.quantity(quantity)
 
 
 def resources(spec: Mapping[str, Any] | None) -> dict[str, Any]:

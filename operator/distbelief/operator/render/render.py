@@ -6,8 +6,10 @@ applies what these return, ``distbelief render`` prints it and local mode runs t
 containers' commands, so there is exactly one renderer.
 
 Children, in order: ConfigMap ``<job>-config`` (the resolved config), headless Service
-and StatefulSet ``<job>-ps`` (one pod and one checkpoint volume per shard copy: pod o is
-copy o // shards of shard o % shards), Deployment ``<job>-worker`` (the model replicas;
+``<job>-ps``, with backups the ServiceAccount, Role and RoleBinding ``<job>-ps`` (the
+shard copies keep their view in Leases ``<job>-shard-<i>``), StatefulSet ``<job>-ps``
+(one pod and one checkpoint volume per shard copy: pod o is copy o // shards of shard
+o % shards), Deployment ``<job>-worker`` (the model replicas;
 with spec.model.partitions N > 1, one Deployment ``<job>-worker-p<k>`` per partition
 instead, each with spec.workers.replicas pods, so that a replica is one pod of each), the
 PodDisruptionBudget ``<job>-ps`` (voluntary evictions take one shard pod at a time; local
@@ -60,6 +62,7 @@ def render_children(job: Mapping[str, Any], *, image: str, finished: bool = Fals
     children = [
         render_config_map(ctx),
         render_ps_service(ctx),
+        *render_ps_access(ctx),
         render_ps_statefulset(ctx),
         *render_worker_deployments(ctx),
         render_ps_disruption_budget(ctx),
@@ -127,11 +130,14 @@ def render_ps_service(ctx: RenderContext) -> Manifest:
 def render_ps_statefulset(ctx: RenderContext) -> Manifest:
     ps = ctx.spec["parameterServers"]
     storage = ps["checkpoint"]["storage"]
+    account = podparts.copies_account(ctx)
+    token_mounts, token_env = podparts.account_token_mount() if account else ([], [])
     container = podparts.container(
         ctx, contract.ROLE_PS, startup_seconds=startup_seconds(ctx, contract.ROLE_PS),
         args=["--checkpoint-dir", contract.CHECKPOINT_DIR, "--keys-dir", contract.KEYS_DIR],
         ports=podparts.ps_ports(ctx),
-        mounts=[{"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR}],
+        mounts=[{"name": contract.CHECKPOINT_VOLUME, "mountPath": contract.CHECKPOINT_DIR}, *token_mounts],
+        env=token_env,
     )
     return {
         "apiVersion": "apps/v1",
@@ -146,7 +152,8 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
             "persistentVolumeClaimRetentionPolicy": {
                 "whenDeleted": storage["retention"], "whenScaled": "Retain"},
             "template": podparts.pod_template(ctx, contract.ROLE_PS, container,
-                                              affinity=podparts.spread_copies(ctx)),
+                                              affinity=podparts.spread_copies(ctx),
+                                              service_account=account),
             "volumeClaimTemplates": [podparts.checkpoint_claim(ctx, storage)],
         },
     }
@@ -187,6 +194,34 @@ def render_ps_disruption_budget(ctx: RenderContext) -> Manifest:
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
+
+
+RBAC_API = "rbac.authorization.k8s.io"
+
+
+def render_ps_access(ctx: RenderContext) -> list[Manifest]:
+    """With backups: the shard pods' ServiceAccount, and the Role and RoleBinding that let it
+    keep each shard's view in a Lease (runtime shard/copies/kubelease.py): get and update the
+    job's Leases by name, and create (which no name can restrict). Nothing without backups:
+    the pods then get no token at all."""
+    account = podparts.copies_account(ctx)
+    if account is None:
+        return []
+    leases = [ctx.names.shard_lease(i) for i in range(ctx.config.shards)]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": podparts.metadata(ctx, account, contract.ROLE_PS),
+         "automountServiceAccountToken": False},  # only the pods that ask for it (the shards) mount it
+        {"apiVersion": f"{RBAC_API}/v1", "kind": "Role",
+         "metadata": podparts.metadata(ctx, account, contract.ROLE_PS),
+         "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+                   {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": leases,
+                    "verbs": ["get", "update"]}]},
+        {"apiVersion": f"{RBAC_API}/v1", "kind": "RoleBinding",
+         "metadata": podparts.metadata(ctx, account, contract.ROLE_PS),
+         "roleRef": {"apiGroup": RBAC_API, "kind": "Role", "name": account},
+         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": ctx.config.namespace}]},
+    ]
 
 
 def _worker_partitions(config: contract.JobConfig) -> list[int | None]:

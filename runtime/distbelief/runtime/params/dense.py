@@ -72,6 +72,7 @@ PUSH_BF16 = protocol.define(OpSpec(16, "PUSH_BF16", request=Update, request_arra
 PUSH_PULL_BF16 = protocol.define(OpSpec(17, "PUSH_PULL_BF16", request=Update, request_array=True, reply_array=True,
                                         command=True, dtype=protocol.BFLOAT16))
 WIRE_FORMATS = tuple(protocol.WIRE_NAMES.values())  # spec.parameterServers.wireFormat
+PART_VALUES = 1 << 20  # values of each array in one part of a transfer to a copy catching up (4 MiB)
 OPTIMIZER_KEY = "optimizer"  # the checkpoint metadata that names the optimizer
 
 
@@ -120,6 +121,42 @@ class DenseSlice:
 
     def checkpoint_state(self, *, transfer: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         return {"params": self.params, **self.optimizer.state()}, {OPTIMIZER_KEY: self.optimizer.name}
+
+    # -- a copy catching up (plugin.Transferable) ------------------------------------------------
+
+    def _state_arrays(self) -> dict[str, np.ndarray]:
+        return {"params": self.params, **self.optimizer.state()}
+
+    def transfer_plan(self) -> dict[str, Any]:
+        """Parts of PART_VALUES consecutive values of the slice and of each optimizer array:
+        every update is elementwise, so a part written over a copy's own values and the
+        updates after it give the primary's values."""
+        return {"values": int(self.params.size), "optimizer": self.optimizer.name,
+                "parts": max(1, -(-self.params.size // PART_VALUES))}
+
+    def read_part(self, plan: dict[str, Any], part: int) -> dict[str, np.ndarray]:
+        start = part * PART_VALUES
+        return {name: array[start:start + PART_VALUES].copy() for name, array in self._state_arrays().items()}
+
+    def begin_receiving(self, plan: dict[str, Any]) -> None:
+        if (plan.get("values"), plan.get("optimizer")) != (self.params.size, self.optimizer.name):
+            raise errors.ConfigError(f"shard {self.shard.index}: a transfer of {plan.get('values')} values "
+                                     f"({plan.get('optimizer')}) to a slice of {self.params.size} ({self.optimizer.name})")
+
+    def write_part(self, part: int, arrays: dict[str, np.ndarray]) -> None:
+        start = part * PART_VALUES
+        own = self._state_arrays()
+        if arrays.keys() != own.keys():
+            raise errors.ProtocolError(f"a part of {sorted(arrays)}, the slice holds {sorted(own)}")
+        for name, values in arrays.items():
+            target = own[name][start:start + PART_VALUES]
+            if values.shape != target.shape or values.dtype != target.dtype:
+                raise errors.ProtocolError(f"part {part} of {name}: {values.shape} {values.dtype}, expected "
+                                           f"{target.shape} {target.dtype}")
+            target[...] = values
+
+    def end_receiving(self) -> None:
+        pass
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         # Another rule's state would be read as this one's (or be missing): refuse, and

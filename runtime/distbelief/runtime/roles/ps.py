@@ -21,7 +21,7 @@ from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
 from distbelief.runtime.observe.metrics import ChiefMetrics, MetricsServer, ShardMetrics
 from distbelief.runtime.model.job import Job
 from distbelief.runtime.roles.common import load_access, new_registry, shard_group, stop_on_termination
-from distbelief.runtime.shard.copies import replication
+from distbelief.runtime.shard.copies import replication, stores
 from distbelief.runtime.shard.core import Shard, ShardSettings
 
 
@@ -44,8 +44,9 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     server = Shard(settings, job.layout, ShardMetrics(metrics_registry, index), stop=stop)
     algorithm.attach(server, job)
     if job.config.copies > 1:
-        server.serve_copies(replication.Copies(server, rank=rank, addresses=job.config.copy_addresses()[index],
-                                               security=access.client))
+        server.serve_copies(replication.Copies(server, rank=rank, addresses=copy_routes(job.config, index),
+                                               security=access.client, store=stores.open_store(job.config.names, index),
+                                               lease_seconds=lease_seconds()))
     server.restore()
     metrics = MetricsServer(metrics_registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     helpers: list[tuple[str, interface.Helper]] = []
@@ -68,6 +69,32 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         if helper.failure:
             raise errors.RuntimeFailure(f"the {name} stopped: {helper.failure}")
     return 0
+
+
+def copy_routes(config: contract.JobConfig, shard: int) -> list[str]:
+    """How this copy reaches each copy of its shard, by rank: their shard addresses, or
+    DISTBELIEF_COPY_ROUTES (a fault-injecting proxy between copies, a network of their own)."""
+    routes = [a.strip() for a in os.environ.get(contract.ENV_COPY_ROUTES, "").split(",") if a.strip()]
+    if not routes:
+        return config.copy_addresses()[shard]
+    if len(routes) != config.copies:
+        raise errors.ConfigError(f"{contract.ENV_COPY_ROUTES} lists {len(routes)} addresses for the "
+                                 f"{config.copies} copies of shard {shard}")
+    return routes
+
+
+def lease_seconds() -> float:
+    """The copies' lease: DISTBELIEF_COPY_LEASE_SECONDS, else replication.LEASE_SECONDS. A
+    longer one asks the view store less often (each copy calls it six times per lease) and
+    fails over later."""
+    text = os.environ.get(contract.ENV_COPY_LEASE, "").strip()
+    try:
+        seconds = float(text) if text else replication.LEASE_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not 0.5 <= seconds <= 300:
+        raise errors.ConfigError(f"{contract.ENV_COPY_LEASE}={text!r}: seconds from 0.5 to 300")
+    return seconds
 
 
 def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interface.Algorithm) -> Chief:

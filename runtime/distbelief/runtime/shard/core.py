@@ -20,13 +20,16 @@ replica may train now, told of every update applied, and add their figures to ST
 to the chief's record (Downpour's: warm-start, staleness, the replicas' loss).
 
 With backups, the role hands the core its copies (serve_copies, copies/replication.py): only
-the primary copy serves clients, and every command it applies reaches its backups before
-the reply leaves; the copies' own ops are raw_ops. The core knows them only through the
-small Replication interface (plugin.py).
+the primary copy serves clients, and every command it applies is forwarded to its backups;
+the replies wait in the outbox, in order, until the copies say every backup in sync has
+what they answer (the serving thread goes on meanwhile). The copies' own ops are raw_ops,
+answered at once. The core knows them only through the small Replication interface
+(plugin.py).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -94,6 +97,7 @@ class Shard:
         self._rate = RateWindow(RATE_WINDOW_SECONDS)
         self.last_commands = LastCommands()
         self.saves = CheckpointSchedule(self)
+        self._outbox: collections.deque[tuple[Any, bytes, list]] = collections.deque()  # (tag, peer, reply)
 
     # -- plugins ---------------------------------------------------------------------------
 
@@ -165,9 +169,14 @@ class Shard:
         self.ready.set()
         try:
             while not self.stopping.is_set() and not self._lingered():
-                if server.poll(POLL_SECONDS):
-                    self._handle(server)
+                links = self.copies.links()
+                if self.copies.accepting():
+                    if server.poll(POLL_SECONDS, links):
+                        self._handle(server)
+                elif links:
+                    self._transport.wait(links, POLL_SECONDS)
                 self.copies.tick()
+                self._flush(server)
                 self.saves.maybe()
         finally:
             server.close()
@@ -176,8 +185,9 @@ class Shard:
 
     def _bind(self) -> interface.Server:
         longest = max([0, *(p.array_values() for p in self.plugins)])
+        max_frame = max(protocol.max_frame_bytes(longest), self.copies.frame_bytes)
         server = self._transport.server(self.settings.bind, who=f"shard {self.index}",
-                                        max_frame=protocol.max_frame_bytes(longest), max_frames=3 + self.copies.extra_frames,
+                                        max_frame=max_frame, max_frames=3 + self.copies.extra_frames,
                                         security=self.settings.security, bulk=self.settings.bulk_bind)
         self.endpoint = server.endpoint
         log.info("event=listening shard=%d address=%s step=%d auth=%s", self.index, self.endpoint, self.step,
@@ -212,8 +222,24 @@ class Shard:
             return
         started = time.perf_counter()
         reply = self.answer(header, incoming)
-        self._send(server, incoming.peer, reply)
+        tag = None if header.op in self.raw_ops else self.copies.reply_tag()
+        if header.op in self.raw_ops or (tag is None and not self._outbox):  # the copies' own: at once
+            self._send(server, incoming.peer, reply)
+        else:
+            self._outbox.append((tag, incoming.peer, reply))
         self.metrics.request_seconds(protocol.spec_of(header.op).name).observe(time.perf_counter() - started)
+
+    def _flush(self, server: interface.Server) -> None:
+        """Send the replies the copies released, in the order they were given; drop those of a
+        term this copy no longer serves (their clients ask the new primary)."""
+        while self._outbox:
+            tag, peer, reply = self._outbox[0]
+            verdict = True if tag is None else self.copies.released(tag)
+            if verdict is False:
+                return
+            self._outbox.popleft()
+            if verdict:
+                self._send(server, peer, reply)
 
     def answer(self, header: Header, incoming: interface.Incoming) -> list:
         """The reply to one request from incoming.peer (a backup also answers the requests its
@@ -228,7 +254,7 @@ class Shard:
             if reply is None:
                 reply = self._dispatch(message, self._handlers[header.op])
                 if message.spec.command:
-                    self.copies.replicate(incoming)  # the reply waits until every copy applied it
+                    self.copies.replicate(incoming)  # its reply waits until every copy in sync applied it
                 self._remember(peer, message, reply)
             return reply
         except errors.NotPrimary as exc:  # a backup: not a bad message, the client tries the next copy
@@ -356,17 +382,19 @@ class Shard:
         """Write a checkpoint of the current state if it differs from the last one."""
         self.saves.now()
 
+    def core_meta(self) -> dict[str, Any]:
+        """The core's figures saved beside its state (take_meta reads them back)."""
+        meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
+                "examples": self.examples_total}
+        return {**meta, checkpoint.JOB_UID: self.settings.job_uid} if self.settings.job_uid else meta
+
     def snapshot(self, *, transfer: bool = False) -> checkpoint.Checkpoint:
         """The state for the next checkpoint (the arrays are the live ones, not copies); with
         transfer, the whole state in memory, for a copy catching up (no row files named)."""
-        meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
-                "examples": self.examples_total}
-        if self.settings.job_uid:
-            meta[checkpoint.JOB_UID] = self.settings.job_uid
+        meta = self.core_meta()
         arrays: dict[str, np.ndarray] = {}
         for plugin in self.plugins:  # a plugin may write files of its own (the sparse rows'), unless transfer
             plugin_arrays, plugin_meta = plugin.checkpoint_state(transfer=transfer)
             arrays.update(plugin_arrays)
             meta.update(plugin_meta)
-        return checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index, arrays=arrays,
-                                     meta=meta)
+        return checkpoint.Checkpoint(step=self.step, layout=self.layout.hash, shard=self.index, arrays=arrays, meta=meta)

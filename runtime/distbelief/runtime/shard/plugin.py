@@ -9,20 +9,24 @@
                   that says HELLO may train now, each update as it is applied, and the
                   figures it adds to STATS and to the chief's history (Downpour's:
                   algorithms/downpour/updates.py)
+    Transferable  a plugin whose state a copy catching up receives a part at a time
+                  while commands go on (copies/transfer.py): every plugin of a shard
+                  with backups
     Replication   the shard's copies (copies/replication.py): whether this copy serves
-                  clients, the commands it forwards to its backups, the copies' own ops.
-                  SingleCopy, a shard without backups, is the core's default.
+                  clients, the commands it forwards to its backups, when a reply may
+                  leave, the copies' own ops. SingleCopy, a shard without backups, is the
+                  core's default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from distbelief.runtime.shard import checkpoint
-from distbelief.runtime.transport.interface import Incoming
+from distbelief.runtime.transport.interface import Incoming, Link
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, Message, OpSpec, Status
 
@@ -79,6 +83,35 @@ class UpdateHook(Protocol):
         ...
 
 
+class Transferable(Protocol):
+    """A plugin whose state a copy catching up receives in parts while the primary goes on
+    serving (copies/transfer.py). The primary reads part i between two commands; the copy
+    catching up applies every command from the start of the transfer on, in the same order,
+    and writes each part over its own state at the same place in that order. So a command
+    may touch a part only through that part's own state (elementwise, as the dense
+    optimizers do), or, while receiving, must skip the parts not received yet (the sparse
+    rows, whose parts are sets of keys). Small state that every command may touch goes in
+    the plan, read first."""
+
+    def transfer_plan(self) -> dict[str, Any]:
+        """How the state divides into parts ("parts": their count), and the small state, as JSON."""
+        ...
+
+    def read_part(self, plan: dict[str, Any], part: int) -> dict[str, np.ndarray]:
+        """Part `part` of the state now: copies, a bounded size each."""
+        ...
+
+    def begin_receiving(self, plan: dict[str, Any]) -> None:
+        """A transfer starts: take the plan's small state; commands come from now on."""
+        ...
+
+    def write_part(self, part: int, arrays: dict[str, np.ndarray]) -> None: ...
+
+    def end_receiving(self) -> None:
+        """Every part is written: the state is the primary's."""
+        ...
+
+
 RawHandler = Callable[[Header, Incoming], list]  # an op that reads its own frames -> the reply's frames
 
 
@@ -86,13 +119,31 @@ class Replication(Protocol):
     """What the core asks of the replication between a shard's copies."""
 
     extra_frames: int  # frames a forwarded request carries beyond a client's
+    frame_bytes: int   # the largest frame a copy sends another (beyond the plugins' arrays)
 
     def check_serving(self, spec: OpSpec) -> None:
         """Raise NotPrimary unless this copy serves clients."""
         ...
 
     def replicate(self, incoming: Incoming) -> None:
-        """A command was just applied: forward it to the backups; return once they have it."""
+        """A command was just applied: forward it to the backups (without waiting for them)."""
+        ...
+
+    def reply_tag(self) -> Any:
+        """What a reply given now waits for (None: nothing, it may leave at once)."""
+        ...
+
+    def released(self, tag: Any) -> bool | None:
+        """Whether a reply tagged so may leave now (every copy in sync has what it answers),
+        must wait (False), or must never leave (None: this copy stopped being primary)."""
+        ...
+
+    def links(self) -> Sequence[Link]:
+        """What the serving loop waits on beside its server (the backups' answers)."""
+        ...
+
+    def accepting(self) -> bool:
+        """False while too much is forwarded and not acknowledged: take no request."""
         ...
 
     def raw_ops(self) -> Mapping[OpSpec, RawHandler]:
@@ -114,12 +165,25 @@ class SingleCopy:
     """A shard without backups: serves every client, replicates nothing."""
 
     extra_frames = 0
+    frame_bytes = 0
 
     def check_serving(self, spec: OpSpec) -> None:
         pass
 
     def replicate(self, incoming: Incoming) -> None:
         pass
+
+    def reply_tag(self) -> Any:
+        return None
+
+    def released(self, tag: Any) -> bool | None:
+        return True
+
+    def links(self) -> Sequence[Link]:
+        return ()
+
+    def accepting(self) -> bool:
+        return True
 
     def raw_ops(self) -> Mapping[OpSpec, RawHandler]:
         return {}

@@ -45,6 +45,7 @@ class CheckpointSchedule:
         self.last = (time.monotonic(), -1)  # (when, step) of the newest checkpoint
         self.failures = 0  # in a row; reset by the next checkpoint that lands
         self.saved_finished = False
+        self.paused = False  # a copy catching up holds a mixed state: none is written
 
     def taken(self, step: int) -> None:
         """The shard holds the state of a checkpoint of this step (it just loaded one)."""
@@ -59,7 +60,7 @@ class CheckpointSchedule:
     def now(self) -> None:
         """Write a checkpoint of the current state if it differs from the last one."""
         shard = self.shard
-        if self.last[1] == shard.step and not self._finished_unsaved():
+        if self.paused or (self.last[1] == shard.step and not self._finished_unsaved()):
             return
         folder = shard.settings.checkpoint_dir
         try:

@@ -38,7 +38,7 @@ class MemoryTransport:
         return server
 
     def link(self, address: str | Sequence[str], options: dict | None = None, *, watch: bool = True,
-             bulk: bool = False) -> "MemoryLink":
+             bulk: bool = False, heartbeat: float | None = None) -> "MemoryLink":
         with self._changed:
             self._next_peer += 1
             peer = self._next_peer.to_bytes(4, "big")
@@ -77,9 +77,11 @@ class MemoryServer:
         self.max_frame, self.max_frames = max_frame, max_frames
         self.inbox: collections.deque[tuple[bytes, list[memoryview]]] = collections.deque()
 
-    def poll(self, seconds: float) -> bool:
+    def poll(self, seconds: float, links: Sequence["MemoryLink"] = ()) -> bool:
         with self.transport._changed:
-            return self.transport._changed.wait_for(lambda: bool(self.inbox), timeout=seconds)
+            self.transport._changed.wait_for(lambda: bool(self.inbox) or any(link.inbox for link in links),
+                                             timeout=seconds)
+            return bool(self.inbox)
 
     def receive(self) -> Incoming | None:
         with self.transport._changed:

@@ -47,8 +47,10 @@ class ZmqLink:
     A link to a shard's copies stays on CurveZMQ alone."""
 
     def __init__(self, context: zmq.Context, address: str | Sequence[str], options: dict | None, *,
-                 watch: bool, bulk: bool = False) -> None:
+                 watch: bool, bulk: bool = False, heartbeat: float | None = None) -> None:
         self.context, self.copies, self.options, self.watch = context, CopyAddresses(address), options, watch
+        self.heartbeat_ms = int(heartbeat * 1000) if heartbeat else (HEARTBEAT_MS if len(self.copies.addresses) > 1
+                                                                      else 0)
         self.routing_id = os.urandom(16)
         self._idle: dict[str, tuple[zmq.Socket, zmq.Socket | None, bool]] = {}  # the other copies' connections
         self._bulk_wanted = (bulk and len(self.copies.addresses) == 1 and self.address.startswith("tcp://")
@@ -69,9 +71,9 @@ class ZmqLink:
             socket.setsockopt(zmq.ROUTING_ID, self.routing_id)
             for option, value in (self.options or {}).items():
                 socket.setsockopt(option, value)
-            if len(self.copies.addresses) > 1:
-                socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-                socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+            if self.heartbeat_ms:
+                socket.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ms)
+                socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self.heartbeat_ms)
             if self.watch:
                 monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             socket.connect(self.address)

@@ -19,7 +19,7 @@ import zmq
 from distbelief.runtime import errors, keys
 from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
 from distbelief.runtime.transport import admission, sessions
-from distbelief.runtime.transport.interface import STOP_POLL_SECONDS, Frame, Incoming, frames_nbytes
+from distbelief.runtime.transport.interface import STOP_POLL_SECONDS, Frame, Incoming, Link, frames_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +95,26 @@ class ZmqServer:
         self.bulk_endpoint = bulk.getsockopt_string(zmq.LAST_ENDPOINT)
         return bulk
 
-    def poll(self, seconds: float) -> bool:
-        """Whether a request is there to receive(), waiting up to `seconds`; session set-ups
-        and refused bulk messages are dealt with here and not counted."""
+    def poll(self, seconds: float, links: Sequence[Link] = ()) -> bool:
+        """Whether a request is there to receive(), waiting up to `seconds` or until one of
+        `links` is readable; session set-ups and refused bulk messages are dealt with here
+        and not counted."""
         deadline = time.monotonic() + seconds
+        poller = self._poller
+        if links:
+            poller = zmq.Poller()
+            extra = [s for link in links for s in link.pollables()]  # type: ignore[attr-defined]  # ZmqLinks
+            for socket in [self._socket, self._bulk, *extra]:
+                if socket is not None:
+                    poller.register(socket, zmq.POLLIN)
         while not self._ready:
-            ready = dict(self._poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+            ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
             if self._socket in ready:
                 self._take_curve()
             if self._bulk is not None and self._bulk in ready:
                 self._take_bulk()
-            if not ready or time.monotonic() >= deadline:
+            if not ready or time.monotonic() >= deadline or len(ready) > (self._socket in ready) + (
+                    self._bulk is not None and self._bulk in ready):
                 break
         return bool(self._ready)
 

@@ -31,8 +31,8 @@ class ZmqTransport:
                          security=security, bulk=bulk)
 
     def link(self, address: str | Sequence[str], options: dict | None, *, watch: bool = True,
-             bulk: bool = False) -> ZmqLink:
-        return ZmqLink(self.context, address, options, watch=watch, bulk=bulk)
+             bulk: bool = False, heartbeat: float | None = None) -> ZmqLink:
+        return ZmqLink(self.context, address, options, watch=watch, bulk=bulk, heartbeat=heartbeat)
 
     def wait(self, links: Sequence[ZmqLink], seconds: float) -> dict:
         poller = zmq.Poller()

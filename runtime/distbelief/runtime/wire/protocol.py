@@ -54,6 +54,8 @@ class Status(enum.IntEnum):
     ERROR = 3   # header.error says which; one text frame says why
     STALE = 4   # not applied: computed from parameters more than maxStaleness steps old;
                 # the reply carries what the op's reply carries (the fresh slice, for PUSH_PULL)
+    FULL = 5    # not taken: the shard has no room for it now (a partitioned replica's HOLD
+                # while the shard holds as many steps in flight as it may); back off, send again
 
 
 class ErrorCode(enum.IntEnum):

@@ -30,7 +30,8 @@ WAIT_SLICE_SECONDS = 0.5
 class Downstream:
     """What came back from the stages after this one."""
 
-    status: int             # OK, STALE (a stage's shard found the step too stale) or DONE
+    status: int             # OK, STALE (a stage's shard found the step too stale), FULL (one had
+                            # no room to hold it) or DONE
     loss: float = 0.0
     grad: np.ndarray | None = None   # d(loss)/d(the activations sent)
 

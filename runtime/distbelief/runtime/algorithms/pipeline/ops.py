@@ -5,11 +5,15 @@ Between the pods of one replica group (stage k to stage k+1, on the stage port):
     FORWARD   stage k's output activations and the minibatch's labels
               -> d(loss)/d(those activations), and the loss of the stages after k
 
-Between a partition pod and the shards of its stage, and partition 0 and every shard:
+Between a partition pod and the shards of its stage, and partition 0 and every shard
+(staged.py has the rules; every one names the group and its step's token):
 
-    HOLD        a gradient the shard holds under the step's token, not yet applied
-    APPLY_HELD  apply the gradient held under this token (sent by partition 0 once every
-                stage's gradient is held: a step's update is applied everywhere or nowhere)
+    HOLD          a gradient the shard holds for the group's step, not yet applied
+                  -> OK, STALE, or FULL (no room: back off and try again)
+    PREPARE_HELD  partition 0, to every shard once every stage's gradient is held: pin it
+                  -> OK, or an error if this shard lost it (then no shard applies the step)
+    APPLY_HELD    partition 0, to every shard once every one pinned it: apply it
+    DROP_HELD     partition 0, to every shard, for a step that will not be applied
 
 Between a partition pod and the rendezvous beside shard 0:
 
@@ -65,22 +69,29 @@ class Backward(protocol.Payload):
 
 @dataclasses.dataclass(frozen=True)
 class Held(protocol.Payload):
-    """The token of the step a staged gradient belongs to."""
+    """The group and the token of the step a staged gradient belongs to."""
 
+    group: int
     token: int
-    FORMAT = struct.Struct("<Q")
+    FORMAT = struct.Struct("<QQ")
+
+    def check(self) -> None:
+        if self.group == 0:
+            raise errors.ProtocolError("a held gradient belongs to a group; group 0 is none")
 
 
 @dataclasses.dataclass(frozen=True)
 class ApplyHeld(protocol.Payload):
-    """Apply the gradient held under token; the whole replica's examples and mean loss."""
+    """Apply the group's gradient held under token; the whole replica's examples and mean loss."""
 
+    group: int
     token: int
     examples: int
     loss: float
-    FORMAT = struct.Struct("<QIf")
+    FORMAT = struct.Struct("<QQIf")
 
     def check(self) -> None:
+        Held(self.group, self.token).check()
         Update(self.examples, self.loss).check()  # what a step stands for, checked as a push's
 
 
@@ -89,3 +100,5 @@ FORWARD = protocol.define(OpSpec(40, "FORWARD", request=Forward, reply=Backward,
 HOLD = protocol.define(OpSpec(41, "HOLD", request=Held, request_array=True, command=True))
 APPLY_HELD = protocol.define(OpSpec(42, "APPLY_HELD", request=ApplyHeld, command=True))
 JOIN_GROUP = protocol.define(OpSpec(43, "JOIN_GROUP", request=protocol.JsonObject, reply=protocol.JsonObject))
+PREPARE_HELD = protocol.define(OpSpec(44, "PREPARE_HELD", request=Held, command=True))
+DROP_HELD = protocol.define(OpSpec(45, "DROP_HELD", request=Held, command=True))

@@ -6,18 +6,26 @@ once every partition has a pod waiting, the oldest waiting pod of each forms a g
 each is told its group's id and its neighbours' addresses. A member asks JOIN_GROUP again with
 its group's id at least every HEARTBEAT_SECONDS, as a heartbeat.
 
-A group dissolves when one of its members asks JOIN_GROUP without the group (its step failed:
-a neighbour died or refused), or stays silent for GROUP_LEASE_SECONDS (it died where no
-neighbour could notice). The others hear so at their next heartbeat, and wait again.
-Group ids are random, so a pod of a group from before a restart of shard 0 cannot pass
-for a member of a new one.
+A pod is its connection, not what it claims: the rendezvous knows each pod by the peer
+identity the transport gives its requests (the authenticated user and the connection's
+random routing id, which a pod's link keeps across reconnects), as the shards know their
+peers for resends. The address a pod names is only where its neighbours will reach it:
+an address that another connection already holds (waiting or in a group) is not taken
+(the asker waits), so no other key holder can act for a member by naming its address.
+
+A group dissolves when one of its members asks JOIN_GROUP, over its own connection, without
+the group (its step failed: a neighbour died or refused) or for another partition or
+address, or stays silent for GROUP_LEASE_SECONDS (it died where no neighbour could notice).
+The others hear so at their next heartbeat, and wait again. Group ids come from
+`secrets`, so a pod of a group from before a restart of shard 0 cannot pass for a member of
+a new one, and no one can guess a group it was not told of.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import random
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +45,7 @@ WAITING_LEASE_SECONDS = 3.0   # a waiting pod asks again every WAIT_POLL_SECONDS
 WAIT_POLL_SECONDS = 0.2
 MAX_ADDRESS = 256
 POLL_SECONDS = 0.1
+Peer = tuple  # (authenticated user or None, the connection's routing id): interface.Incoming's
 # Ask again on a fresh connection after 5 s; never give up: shard 0 may be restarting.
 JOIN_POLICY = fanout.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect=False)
 
@@ -44,7 +53,8 @@ JOIN_POLICY = fanout.RetryPolicy(attempt=5.0, give_up=None, resend_on_disconnect
 @dataclasses.dataclass
 class Group:
     id: int
-    members: list[str]          # addresses, by partition
+    peers: list[Peer]           # the members' connections, by partition
+    members: list[str]          # their addresses, by partition
     seen: list[float]           # when each member last asked
     told: list[bool]            # whether each member has heard of the group yet
 
@@ -59,28 +69,47 @@ class Group:
 class Groups:
     """The book-keeping of the rendezvous (no I/O): who waits, who is in which group."""
 
-    def __init__(self, partitions: int, rng: random.Random | None = None) -> None:
+    def __init__(self, partitions: int) -> None:
         self.partitions = partitions
-        self.waiting: list[OrderedDict[str, float]] = [OrderedDict() for _ in range(partitions)]
+        # by partition: the waiting pods' connections -> (their addresses, when they last asked)
+        self.waiting: list[OrderedDict[Peer, tuple[str, float]]] = [OrderedDict() for _ in range(partitions)]
         self.groups: dict[int, Group] = {}
-        self.member_of: dict[str, Group] = {}
-        self.formed = self.dissolved = 0
-        self._rng = rng or random.Random()
+        self.member_of: dict[Peer, Group] = {}
+        self.formed = self.dissolved = self.refused = 0
 
-    def join(self, address: str, partition: int, group: int, now: float) -> dict[str, Any] | None:
-        """A pod's JOIN_GROUP: its group's view, or None while it waits."""
+    def join(self, peer: Peer, address: str, partition: int, group: int, now: float) -> dict[str, Any] | None:
+        """The JOIN_GROUP of the pod on connection `peer`: its group's view, or None while it
+        waits (or while another connection holds the address it names)."""
         self.expire(now)
-        current = self.member_of.get(address)
-        if current is not None and (current.id == group or (group == 0 and not current.told[partition])):
-            return self._tell(current, partition, now)  # a heartbeat, or a waiting pod hearing its new group
+        current = self.member_of.get(peer)
         if current is not None:
-            self._dissolve(current, f"member {address} left it")
+            slot = current.peers.index(peer)
+            same = slot == partition and current.members[slot] == address
+            if same and (current.id == group or (group == 0 and not current.told[slot])):
+                return self._tell(current, slot, now)  # a heartbeat, or a waiting pod hearing its new group
+            self._dissolve(current, f"member {current.members[slot]} left it")
+        holder = self.holder(address)
+        if holder is not None and holder != peer:
+            self.refused += 1
+            log.debug("event=join_refused address=%r reason=held_by_another_connection", address)
+            return None
         for waiting in self.waiting:
-            waiting.pop(address, None)  # a pod that moved to another partition is waiting only there
-        self.waiting[partition][address] = now
+            waiting.pop(peer, None)  # a pod that moved to another partition is waiting only there
+        self.waiting[partition][peer] = (address, now)
         self._form(now)
-        formed = self.member_of.get(address)
+        formed = self.member_of.get(peer)
         return self._tell(formed, partition, now) if formed is not None else None
+
+    def holder(self, address: str) -> Peer | None:
+        """The connection that holds address, waiting or in a group; None if none does."""
+        for waiting in self.waiting:
+            for peer, (held, _) in waiting.items():
+                if held == address:
+                    return peer
+        for group in self.groups.values():
+            if address in group.members:
+                return group.peers[group.members.index(address)]
+        return None
 
     @staticmethod
     def _tell(group: Group, partition: int, now: float) -> dict[str, Any]:
@@ -89,8 +118,8 @@ class Groups:
 
     def expire(self, now: float) -> None:
         for waiting in self.waiting:
-            for address in [a for a, seen in waiting.items() if now - seen > WAITING_LEASE_SECONDS]:
-                del waiting[address]
+            for peer in [p for p, (_, seen) in waiting.items() if now - seen > WAITING_LEASE_SECONDS]:
+                del waiting[peer]
         for group in list(self.groups.values()):
             silent = [m for m, seen in zip(group.members, group.seen) if now - seen > GROUP_LEASE_SECONDS]
             if silent:
@@ -98,21 +127,27 @@ class Groups:
 
     def _form(self, now: float) -> None:
         while all(self.waiting):
-            members = [waiting.popitem(last=False)[0] for waiting in self.waiting]
-            group = Group(id=self._rng.getrandbits(63) | 1, members=members, seen=[now] * self.partitions,
+            peers, claims = zip(*(waiting.popitem(last=False) for waiting in self.waiting))
+            members = [address for address, _ in claims]
+            group = Group(id=new_group_id(), peers=list(peers), members=members, seen=[now] * self.partitions,
                           told=[False] * self.partitions)
             self.groups[group.id] = group
-            self.member_of.update({m: group for m in members})
+            self.member_of.update({p: group for p in peers})
             self.formed += 1
             log.info("event=group_formed group=%016x members=%s", group.id, ",".join(members))
 
     def _dissolve(self, group: Group, why: str) -> None:
         del self.groups[group.id]
-        for member in group.members:
-            if self.member_of.get(member) is group:
-                del self.member_of[member]
+        for peer in group.peers:
+            if self.member_of.get(peer) is group:
+                del self.member_of[peer]
         self.dissolved += 1
         log.info("event=group_dissolved group=%016x reason=%r", group.id, why)
+
+
+def new_group_id() -> int:
+    """A group's id: odd (0 means none), from 63 unpredictable bits."""
+    return secrets.randbits(63) | 1
 
 
 class Rendezvous:
@@ -164,7 +199,7 @@ class Rendezvous:
         if self.finished():
             self._reply(incoming.peer, request.header, Status.DONE)
             return
-        view = self.groups.join(address, partition, group, time.monotonic())
+        view = self.groups.join((incoming.user, incoming.peer), address, partition, group, time.monotonic())
         self._reply(incoming.peer, request.header, Status.WAIT if view is None else Status.OK, view)
 
     def _fields(self, value: dict) -> tuple[str, int, int]:

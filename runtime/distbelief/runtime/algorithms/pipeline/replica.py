@@ -6,13 +6,17 @@ every other partition.
     forward its minibatch -> FORWARD to 1 ...   forward -> FORWARD to k+1 (the last
                                                 stage computes the loss instead)
     backward from the gradient that came back   backward, HOLD its gradient on a PUSH
-    HOLD, then APPLY_HELD on every shard        step, answer k-1 with d(loss)/d(input)
+    HOLD, then PREPARE_HELD and APPLY_HELD      step, answer k-1 with d(loss)/d(input)
+    on every shard (or DROP_HELD)
 
 Each pod pulls from and holds gradients on only the shards of its own stage. A step
 counts (its update applied on every shard) only once partition 0 sends APPLY_HELD, which
-it does after the backward pass reached it: every stage's gradient is then held. A group
-that breaks mid-step leaves nothing applied; its pods drop what they accumulated and join
-new groups.
+it does after the backward pass reached it (every stage's gradient is then held) and
+every shard pinned its part (PREPARE_HELD, staged.py). A step that is not applied (too
+stale somewhere, a shard without room to hold it, a part lost) is dropped on every shard;
+after a shard had no room (FULL) the group backs off before its next step. A group that
+breaks mid-step leaves nothing applied; its pods drop what they accumulated and join new
+groups.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import random
 import threading
 import time
 
@@ -28,7 +31,8 @@ import numpy as np
 
 from distbelief.runtime import errors
 from distbelief.runtime.algorithms.pipeline import neighbour
-from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, FETCH, FORWARD, HOLD, PUSH, ApplyHeld, Held
+from distbelief.runtime.algorithms.pipeline.commit import Backoff, Commit, new_token
+from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, HOLD, PUSH, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import HEARTBEAT_SECONDS, RendezvousLink
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.data import Dataset, minibatches
@@ -175,15 +179,21 @@ class PartitionPod(abc.ABC):
         self._count_traffic()
         return loss, input_grad
 
-    def hold(self, token: int) -> int:
-        """Hold the accumulated gradient on this stage's shards: OK, STALE or DONE."""
+    def hold(self, token: int, downstream: int = Status.OK) -> int:
+        """Hold the accumulated gradient on this stage's shards: OK, STALE, FULL (a shard
+        had no room for it) or DONE. If the stages downstream did not hold theirs
+        (downstream is not OK), the step will not be applied: the gradient is dropped and
+        downstream's status returned."""
+        if downstream != Status.OK:
+            self.accumulated[...] = 0
+            return downstream
         started = time.perf_counter()
-        replies = self.links.own.request(HOLD, meta=Held(token), array=self.accumulated, steps=self.pulled_steps)
+        replies = self.links.own.request(HOLD, meta=Held(self.group, token), array=self.accumulated,
+                                         steps=self.pulled_steps)
         self.metrics.push_seconds.observe(time.perf_counter() - started)
         self.accumulated[...] = 0
-        if any(r.done for r in replies):
-            return Status.DONE
-        return Status.STALE if any(r.stale for r in replies) else Status.OK
+        statuses = {r.header.status for r in replies}
+        return next((s for s in (Status.DONE, Status.FULL, Status.STALE) if s in statuses), Status.OK)
 
     def _count_traffic(self) -> None:
         """What this pod's clients moved since the last count, into its metrics."""
@@ -203,7 +213,11 @@ class FirstPartition(PartitionPod):
         super().__init__(settings, stage, links, metrics, stop=stop)
         self.rng = np.random.default_rng(settings.seed)
         self.batches = minibatches(dataset, settings.batch_size, self.rng)
-        self._tokens = random.Random()
+        if links.everyone is None:
+            raise ValueError("partition 0 commits its steps on every shard: it needs links.everyone")
+        self.commits = Commit(links.everyone)
+        self.backoff = Backoff()
+        self.committed = 0  # steps this pod applied on every shard
         self._non_finite = 0
 
     def close(self) -> None:
@@ -218,8 +232,13 @@ class FirstPartition(PartitionPod):
             push = (step + 1) % self.settings.push_every == 0
             if fetch and self.pull():
                 return True
-            token = self._tokens.getrandbits(64)
-            downstream, loss, n = self._step(token, (FETCH if fetch else 0) | (PUSH if push else 0))
+            token = new_token()
+            try:
+                downstream, loss, n = self._step(token, (FETCH if fetch else 0) | (PUSH if push else 0))
+            except errors.GroupBroken:
+                if push:  # the stages after the break may hold the step: free their room now
+                    self.commits.drop(self.group, token, Status.STALE)
+                raise
             if downstream.status == Status.DONE:
                 return True
             examples, loss_sum, step, fetch = examples + n, loss_sum + loss * n, step + 1, False
@@ -228,6 +247,11 @@ class FirstPartition(PartitionPod):
                 if outcome == Status.DONE:
                     return True
                 fetch, examples, loss_sum = outcome != Status.OK, 0, 0.0
+                self.committed += outcome == Status.OK
+                if outcome == Status.FULL:
+                    self.backoff.wait(self.stop_requested)
+                else:
+                    self.backoff.reset()
             self.heartbeat()
         return False
 
@@ -244,24 +268,15 @@ class FirstPartition(PartitionPod):
         return downstream, loss, len(x)
 
     def _commit(self, token: int, downstream: int, examples: int, loss: float) -> int:
-        """Apply the step everywhere, once every stage holds its gradient: OK, STALE (not
-        applied: the parameters were too old somewhere) or DONE."""
+        """Apply the step on every shard or on none (commit.py): OK, STALE, FULL or DONE."""
         if not np.isfinite(loss):
             self._drop_non_finite(loss)
-            return Status.STALE
+            return self.commits.drop(self.group, token, Status.STALE)
         self._non_finite = 0
-        held = self.hold(token)
-        if Status.DONE in (held, downstream):
-            return Status.DONE
-        if Status.STALE in (held, downstream):
+        held = self.hold(token, downstream)
+        if held == Status.STALE:
             self.metrics.stale.inc()
-            return Status.STALE
-        try:
-            replies = self.links.everyone.request(APPLY_HELD, meta=ApplyHeld(token, examples, loss))
-        except errors.ShardRefused as exc:  # a shard restarted between HOLD and APPLY_HELD: its part is lost
-            log.warning("event=apply_incomplete group=%016x reason=%r", self.group, str(exc))
-            return Status.STALE
-        return Status.DONE if any(r.done for r in replies) else Status.OK
+        return self.commits.settle(self.group, token, held, examples=examples, loss=loss)
 
     def _drop_non_finite(self, loss: float) -> None:
         self._non_finite += 1
@@ -332,8 +347,7 @@ class LaterPartition(PartitionPod):
             status, downstream_loss, upstream = answer.status, answer.loss, answer.grad
         loss, input_grad = self.compute(activations, upstream)
         if meta.flags & PUSH:
-            held = self.hold(meta.token)
-            status = held if held != Status.OK else status
+            status = self.hold(meta.token, status)
         return status, loss + downstream_loss, input_grad
 
     def _send(self, peer: bytes, frames: list) -> None:

@@ -2,52 +2,76 @@
 
 A partitioned replica's step is computed by N pods, each pushing only its stage's
 gradient to its own shards. Applying each as it arrives would leave half a step applied
-whenever a pod of the group dies mid-step. So each pod's gradient is HELD under the
-step's token (checked for staleness and finite values, but not applied), and partition
-0, once the backward pass has reached it, which means every stage's gradient is held,
-sends APPLY_HELD with the token to every shard. A step whose group broke is never
-applied: its held gradients expire.
+whenever a pod of the group dies mid-step. So each pod's gradient is HELD for its group's
+step (checked for staleness and finite values, but not applied), and partition 0, once
+the backward pass has reached it, which means every stage's gradient is held, commits
+the step on every shard in two phases:
+
+    PREPARE_HELD  "do you hold this step?": a shard that does pins it (a pinned hold is
+                  never dropped to make room); one that does not answers an error
+    APPLY_HELD    sent only once every shard pinned it: each applies it
+    DROP_HELD     sent instead when any shard did not pin it, or the step was not to be
+                  applied at all (too stale, no room, a non-finite loss)
+
+So a step is applied on every shard or on none, whoever else holds steps meanwhile: the
+remaining windows are a shard that restarts, or partition 0 that dies, between the
+phases (docs/reliability.md).
+
+Room. A hold is a copy of the slice, so a shard keeps at most MAX_HELD, one per group (a
+group has one step in flight, so a group's HOLD replaces its older one). A hold is live
+for HELD_SECONDS after it was made, and once pinned for PINNED_SECONDS after that; live
+holds are never dropped. A HOLD that finds MAX_HELD holds makes room by dropping the oldest
+hold that is no longer live (its group broke mid-step); if all are live, it is refused
+with Status.FULL and the group drops its step, backs off and tries again (replica.py).
 
 Held gradients are not checkpointed: a shard that restarts loses them, as it loses the
-updates since its last checkpoint. At most MAX_HELD are kept (the oldest goes first),
-each at most HELD_SECONDS; a copy of the slice each, so this bounds the memory they take.
+updates since its last checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections import OrderedDict
 from typing import Any, Mapping
 
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, HOLD
+from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, DROP_HELD, HOLD, PREPARE_HELD, ApplyHeld, Held
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.plugin import Answer, Handler
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Message, OpSpec, Status
 
+log = logging.getLogger(__name__)
+
 MAX_HELD = 8
-HELD_SECONDS = 60.0
+HELD_SECONDS = 120.0     # a step's holds, from its last stage's to partition 0's PREPARE_HELD
+PINNED_SECONDS = 600.0   # from PREPARE_HELD to APPLY_HELD: longer than a client waits for a shard
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class HeldGradient:
+    token: int
     header: protocol.Header   # the HOLD's: its step is the one the gradient was computed from
     grad: np.ndarray
-    since: float
+    since: float              # when it was held, or pinned once it is
+    pinned: bool = False
+
+    def live(self, now: float) -> bool:
+        return now - self.since <= (PINNED_SECONDS if self.pinned else HELD_SECONDS)
 
 
 class HeldGradients:
     def __init__(self, dense: DenseSlice) -> None:
         self.dense = dense
-        self._held: OrderedDict[int, HeldGradient] = OrderedDict()
+        self.held: dict[int, HeldGradient] = {}  # by group
+        self.refused = 0                          # HOLDs refused for want of room
 
     def handlers(self) -> Mapping[OpSpec, Handler]:
-        return {HOLD: self._hold, APPLY_HELD: self._apply}
+        return {HOLD: self._hold, PREPARE_HELD: self._prepare, APPLY_HELD: self._apply, DROP_HELD: self._drop}
 
     def repeat_handlers(self) -> Mapping[OpSpec, Handler]:
         return {}
@@ -62,27 +86,59 @@ class HeldGradients:
         """Nothing to restore: held gradients do not outlive the process."""
 
     def _hold(self, message: Message) -> Answer:
+        meta: Held = message.meta
+        self.held.pop(meta.group, None)  # the group's earlier step is over, applied or not
         if self.dense.too_stale(message.header.step):
             return Answer(status=Status.STALE)
         grad = self.dense.checked(message)
         self.dense.norm(grad)  # a non-finite gradient is refused now, before any shard applies its step
-        self._expire(time.monotonic())
+        now = time.monotonic()
+        if len(self.held) >= MAX_HELD and not self._make_room(now):
+            self.refused += 1
+            log.debug("event=hold_refused shard=%d group=%016x reason=full held=%d",
+                     self.dense.shard.index, meta.group, len(self.held))
+            return Answer(status=Status.FULL)
         # The received frame itself is kept (the array is a view of it), not a copy: a held
         # gradient costs one slice of memory, not two.
-        self._held[message.meta.token] = HeldGradient(message.header, grad, time.monotonic())
-        if len(self._held) > MAX_HELD:
-            self._held.popitem(last=False)
+        self.held[meta.group] = HeldGradient(meta.token, message.header, grad, now)
+        return Answer()
+
+    def _prepare(self, message: Message) -> Answer:
+        held = self._find(message.meta.group, message.meta.token)
+        held.pinned, held.since = True, time.monotonic()
         return Answer()
 
     def _apply(self, message: Message) -> Answer:
-        held = self._held.pop(message.meta.token, None)
-        if held is None:
-            raise errors.StateConflict(
-                f"shard {self.dense.shard.index} holds no gradient for step token {message.meta.token:016x}: "
-                "it expired, or the shard restarted since")
-        self.dense.apply(held.header, held.grad, examples=message.meta.examples, loss=message.meta.loss)
+        meta: ApplyHeld = message.meta
+        held = self._find(meta.group, meta.token)
+        if not held.pinned:
+            raise errors.StateConflict(f"shard {self.dense.shard.index}: step token {meta.token:016x} "
+                                       "was not prepared (PREPARE_HELD comes before APPLY_HELD)")
+        del self.held[meta.group]
+        self.dense.apply(held.header, held.grad, examples=meta.examples, loss=meta.loss)
         return Answer()
 
-    def _expire(self, now: float) -> None:
-        while self._held and now - next(iter(self._held.values())).since > HELD_SECONDS:
-            self._held.popitem(last=False)
+    def _drop(self, message: Message) -> Answer:
+        meta: Held = message.meta
+        held = self.held.get(meta.group)
+        if held is not None and held.token == meta.token:
+            del self.held[meta.group]
+        return Answer()
+
+    def _find(self, group: int, token: int) -> HeldGradient:
+        held = self.held.get(group)
+        if held is None or held.token != token:
+            raise errors.StateConflict(
+                f"shard {self.dense.shard.index} holds no gradient for step token {token:016x}: it was "
+                f"held longer than {HELD_SECONDS:.0f} s and dropped for room, or the shard restarted since")
+        return held
+
+    def _make_room(self, now: float) -> bool:
+        """Drop the oldest hold that is no longer live; False if every one is."""
+        gone = [(h.since, group) for group, h in self.held.items() if not h.live(now)]
+        if not gone:
+            return False
+        _, group = min(gone)
+        log.info("event=hold_dropped shard=%d group=%016x reason=expired", self.dense.shard.index, group)
+        del self.held[group]
+        return True

@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import struct
 import time
 from typing import Any, ClassVar, Mapping, Self
 
 import numpy as np
 
-from distbelief.runtime import contract, errors
+from distbelief.runtime import errors, jobspec
+from distbelief.runtime.params.rows import rowparts
 from distbelief.runtime.params.rows.rowcheckpoint import FULL_WRITE_BYTES, STATE_PREFIX, RowCheckpoints
 from distbelief.runtime.params.rows.rowtable import RowTable
 from distbelief.runtime.shard import checkpoint
@@ -65,7 +67,7 @@ def row_budget(memory_limit: str | None, row_bytes: float, other_bytes: int) -> 
     MIN_BUDGET. None without a limit."""
     if not memory_limit:
         return None
-    left = int(contract.quantity(memory_limit)) - PROCESS_BYTES - other_bytes
+    left = int(jobspec.quantity(memory_limit)) - PROCESS_BYTES - other_bytes
     return max(MIN_BUDGET, int(left / 2 / row_bytes))
 
 
@@ -166,6 +168,8 @@ class SparseRows:
                                     layout=shard.layout.hash, full_write_bytes=full_write_bytes)
         self.max_gradient_norm = np.float32(min(max_gradient_norm, np.finfo(np.float32).max))
         self._next_expiry = time.time() + self._expiry_interval()
+        self._indexes: dict[str, rowparts.PartIndex] = {}  # the transfers under way to copies catching up
+        self._receiving: rowparts.Receiving | None = None
 
     @property
     def dim(self) -> int:
@@ -200,9 +204,13 @@ class SparseRows:
         if self.push_examples is not None:  # an id occurs at most once an example
             occurrences = np.minimum(occurrences, self.push_examples)
         now = time.time()
+        grads = grads.reshape(keys.size, self.dim)
+        if self._receiving is not None:  # a copy catching up: only the parts it holds
+            keep = self._receiving.keep(keys)
+            keys, grads, occurrences = keys[keep], grads[keep], occurrences[keep]
         t = self.table
         refused, evicted = t.refused, t.evicted
-        t.update(keys, self._bounded(grads.reshape(keys.size, self.dim)), now, occurrences, step=self.shard.step)
+        t.update(keys, self._bounded(grads), now, occurrences, step=self.shard.step)
         if t.evicted > evicted:
             self.saved.rows_dropped()
             self.shard.metrics.rows_evicted.inc(t.evicted - evicted)
@@ -248,6 +256,52 @@ class SparseRows:
     def _expiry_interval(self) -> float:
         expire_after = self.table.expire_after
         return float("inf") if expire_after is None else max(1.0, expire_after / EXPIRY_CHECKS)
+
+    # -- a copy catching up (plugin.Transferable, rowparts.py) ---------------------------------
+
+    def transfer_plan(self) -> dict[str, Any]:
+        bits = rowparts.part_bits(self.table.n, self.dim)
+        plan_id = secrets.token_hex(4)
+        while len(self._indexes) >= 2:  # one transfer at a time is the rule; an old one's goes
+            self._indexes.pop(next(iter(self._indexes)))
+        self._indexes[plan_id] = rowparts.PartIndex(self.table, bits)
+        return {"dim": self.dim, "bits": bits, "parts": 1 << bits, "id": plan_id,
+                "counters": self.table.counts is not None}
+
+    def read_part(self, plan: dict[str, Any], part: int) -> dict[str, np.ndarray]:
+        index = self._indexes.get(plan["id"])
+        if index is None:
+            index = self._indexes[plan["id"]] = rowparts.PartIndex(self.table, int(plan["bits"]))
+        arrays = rowparts.read(self.table, index, part)
+        if part == int(plan["parts"]) - 1:
+            self._indexes.pop(plan["id"], None)
+        return arrays
+
+    def begin_receiving(self, plan: dict[str, Any]) -> None:
+        bits = plan.get("bits")
+        if plan.get("dim") != self.dim or plan.get("counters") != (self.table.counts is not None) or \
+                not isinstance(bits, int) or not 0 <= bits <= rowparts.COUNTER_BITS:
+            raise errors.ConfigError(f"shard {self.shard.index}: a transfer of rows {plan} to rows of dim {self.dim}")
+        t = self.table
+        t.load(np.empty(0, np.int64), np.empty((0, self.dim), np.float32), np.empty(0, np.float32),
+               np.empty(0, np.uint32))
+        if t.counts is not None:
+            t.counts[...] = 0
+        self._receiving = rowparts.Receiving(bits)
+
+    def write_part(self, part: int, arrays: dict[str, np.ndarray]) -> None:
+        receiving = self._receiving
+        if receiving is None or not 0 <= part < receiving.received.size or receiving.received[part]:
+            raise errors.ProtocolError(f"part {part} of rows, not expected now")
+        rowparts.write(self.table, part, receiving.bits, arrays)
+        receiving.received[part] = True
+
+    def end_receiving(self) -> None:
+        if self._receiving is not None and not self._receiving.received.all():
+            log.warning("event=rows_transfer_incomplete shard=%d missing=%d", self.shard.index,
+                        int((~self._receiving.received).sum()))
+        self._receiving = None
+        self.saved.rows_dropped()  # the next checkpoint writes a base of this table
 
     # -- checkpoints -------------------------------------------------------------------------
 

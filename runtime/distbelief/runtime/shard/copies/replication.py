@@ -1,80 +1,99 @@
-"""Copies of one shard (spec.parameterServers.backups): a primary and its backups.
+"""Copies of one shard (spec.parameterServers.backups): a primary and its backups, whose
+view is kept in a linearizable store (viewstore.py) and changed only by compare-and-swap.
 
-Every copy runs the same shard core and plugins. Only the primary serves clients; after it
-applies a command (a push, a sparse push, DONE) it sends the request as it came, with the
-sender's identity (ZAP user, routing id), to each of its backups (REPLICATE), which apply it
-through the same core path, record it in their resend record under that sender, and ack.
-The reply leaves the primary only once every backup acked, so an acknowledged update is
-on every copy; a resend that reaches a new primary is answered from its record, never
-applied twice.
+The view record names the view (a number), its primary and the in-sync set: the copies
+(rank and incarnation) that hold every update acknowledged in this view. Every copy runs
+the same core and plugins; only the primary serves clients.
 
-Views. A copy's view is a number whose residue modulo the number of copies is the rank of
-its primary, so two copies never claim the same view. A copy is SYNCING (it started, or
-learnt its view is over), BACKUP (it caught up from the primary of its view, JOIN: the
-primary's whole state, then every command) or PRIMARY.
+- Primary. It forwards each command it applies to every other copy it streams to (REPLICATE,
+  forwarding.py) and goes on serving; a reply leaves (Replication.released) once every
+  installed copy acknowledged what it answers and while its lease holds (keeper.py, a
+  thread of its own renews it). A copy that is dead (its link broke, the transport's
+  heartbeat timed out) or slow (FORWARD_SECONDS) is taken out of the in-sync set by a
+  compare-and-swap, and only then is its acknowledgement no longer waited for. A copy joins
+  the set only once it has installed the whole state (transfer.py) and acknowledged every
+  command whose reply left. A primary whose lease turns out to be another's, or whose
+  forward a copy of a newer view refuses, steps down; the replies it held are dropped
+  (their clients ask the new primary, whose resend record answers them).
+- Backup. It applies the primary's messages in their order (a gap, another view or
+  another stream is refused: the view fences an old primary off). When the lease of its
+  view has not been renewed for its length by this copy's own clock, a backup of the
+  in-sync set takes over with one compare-and-swap naming the version it saw: it then holds
+  every acknowledged update. A backup taken out of the set, or of an older view, catches up.
+- Catching up (SYNCING). It asks the primary of the record to JOIN, and receives its state
+  in parts while applying the commands that go on (transfer.py). With no live primary (a
+  whole job starting or resuming) and no copy of the in-sync set alive, the copy with the
+  newest state (then the lowest rank) of those that answer takes the view, once every
+  other copy answered or STARTUP_GRACE_SECONDS passed.
 
-- A SYNCING copy catches up from whichever copy says it is primary (the newest view).
-  When none does and every other copy answers SYNCING (a whole job starting), or
-  STARTUP_GRACE_SECONDS passed with no primary, the copy with the newest state (then the
-  lowest rank) becomes primary.
-- A BACKUP promotes itself when a client asks it (clients only come when the primary does
-  not answer them) and its primary has not answered for PROMOTE_AFTER_SECONDS, or answers
-  that it is no longer primary of this view; a backup nearer after the old primary in
-  rank order goes first. The new view is the next one this copy owns.
-- A primary drops a backup that broke its connection, stayed silent for FORWARD_SECONDS
-  or refused a forward, and moves to its next view, so the dropped copy learns it is
-  behind and catches up again. A primary that meets a newer primary steps down.
+A copy takes a new incarnation (a random name) whenever it starts catching up: the in-sync
+set names copies by incarnation, so a copy that restarted or lost its place is never taken
+for the one that held every update.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import secrets
 import time
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from distbelief.runtime import errors
-from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.copies.following import JOIN, Follower
+from distbelief.runtime.shard.copies import forwarding
+from distbelief.runtime.shard.copies.forwarding import REPLICATE, Chain
+from distbelief.runtime.shard.copies.keeper import Keeper, Seen
+from distbelief.runtime.shard.copies.transfer import COPY_STATE, MAX_ARRAYS, PART_BYTES, Sender
+from distbelief.runtime.shard.copies.viewstore import ViewRecord, ViewStore
 from distbelief.runtime.shard.copies.watch import BACKUP, COPY_STATUS, PRIMARY, SYNCING, Watch
 from distbelief.runtime.shard.core import Shard
 from distbelief.runtime.shard.plugin import RawHandler
-from distbelief.runtime.transport import fanout, interface, zmq_transport
+from distbelief.runtime.transport import interface, zmq_transport
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, JsonObject, OpSpec
 
 log = logging.getLogger(__name__)
 
-PROMOTE_AFTER_SECONDS = 1.0   # a primary silent this long is taken for dead (by a backup a client asks)
-FORWARD_SECONDS = 5.0         # a backup silent this long for a forward is dropped
-JOIN_SECONDS = 20.0           # the longest a catch-up may take
+LEASE_SECONDS = 3.0           # a primary's lease; a backup takes over once it went this long unrenewed
+ALIVE_SECONDS = 1.0           # a copy that answered COPY_STATUS this recently is alive
 STARTUP_GRACE_SECONDS = 30.0  # with no primary, wait this long for silent copies before leading
-DECIDE_SECONDS = 0.2          # how often the serving loop looks at what the watch saw
-MAX_STATE_JSON = 64 << 20
+DECIDE_SECONDS = 0.1          # how often the serving loop decides from what the keeper and watch saw
+TRANSFER_SILENT_SECONDS = 10.0  # a transfer that heard nothing this long broke off
+ADD_WAIT_SECONDS = 15.0       # an installed copy the primary did not add to the in-sync set catches up again
 
-JOIN = protocol.define(OpSpec(31, "JOIN", request=JsonObject, privileged=True))
-REPLICATE = protocol.define(OpSpec(32, "REPLICATE", privileged=True))
 ROLES = {SYNCING: 0, BACKUP: 1, PRIMARY: 2}
 
 
 class Copies:
-    """This copy of a shard, among addresses (every copy's, by rank). The role hands it to the
-    shard's core (Shard.serve_copies), which then asks it what plugin.Replication says."""
+    """This copy of a shard, among addresses (how it reaches every copy, by rank). The role
+    hands it to the shard's core (Shard.serve_copies), which asks it what plugin.Replication says."""
 
-    extra_frames = 2  # a forwarded request: its own header and envelope, then the request's frames
+    extra_frames = MAX_ARRAYS     # a part: its header, its envelope, its arrays
+    frame_bytes = 2 * PART_BYTES  # a part's array, or the begin's record of last commands
 
     def __init__(self, shard: Shard, *, rank: int, addresses: Sequence[str], security: dict | None,
-                 transport_: interface.Transport | None = None) -> None:
+                 store: ViewStore, transport_: interface.Transport | None = None,
+                 lease_seconds: float = LEASE_SECONDS) -> None:
         if not 0 <= rank < len(addresses):
             raise errors.ConfigError(f"copy {rank} of shard {shard.index}, which has {len(addresses)} copies")
         self.shard, self.rank, self.addresses, self.security = shard, rank, list(addresses), security
+        self.lease_seconds = lease_seconds
         self._transport = transport_ or zmq_transport.default()
-        self.role, self.view, self.failovers = SYNCING, 0, 0
-        self.chain: dict[int, interface.Link] = {}  # the primary's backups, by rank
+        self.incarnation = secrets.token_hex(6)
+        self.role, self.view, self.term = SYNCING, 0, 0
+        self.chain: Chain | None = None
+        self.keeper = Keeper(store, shard=shard.index, rank=rank, lease_seconds=lease_seconds)
         self.watch = Watch(shard=shard.index, layout=shard.layout.hash, security=security, transport_=self._transport,
                            addresses={r: a for r, a in enumerate(addresses) if r != rank})
+        self.follower = Follower(self, shard, rank=rank, addresses=self.addresses, security=security,
+                                 transport_=self._transport)
         self._started = False
-        self._forwarded = False  # applying a request the primary forwarded
-        self._seq = 0
+        self.forwarded = False     # applying a request the primary forwarded
+        self._installed_at, self._member_seen = 0.0, False
+        self._claiming = False
+        self._released = 0         # as primary: the highest command whose reply left
+        self._removing: dict[tuple[int, str], int | None] = {}  # member -> the generation without it
+        self._failovers = 0
         self._next_decision = 0.0
         self._show()
 
@@ -85,281 +104,241 @@ class Copies:
     # -- what the shard core asks (plugin.Replication) -------------------------------------------
 
     def raw_ops(self) -> Mapping[OpSpec, RawHandler]:
-        return {COPY_STATUS: self._status, JOIN: self._join, REPLICATE: self._replicate}
+        return {COPY_STATUS: self._status, JOIN: self._join, REPLICATE: self.follower.replicate,
+                COPY_STATE: self.follower.copy_state}
 
     def check_serving(self, spec: OpSpec) -> None:
-        """Raise NotPrimary unless this copy serves clients (promoting it if its primary is gone)."""
-        if self.role == PRIMARY or self._forwarded:
-            return
-        if self.role == BACKUP and self._primary_gone():
-            self._promote(reason="primary_unreachable")
-            return
-        raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is {self.role}, not the primary")
+        if self.role != PRIMARY and not self.forwarded:
+            raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is {self.role}, not the primary")
 
     def replicate(self, incoming: interface.Incoming) -> None:
-        """Forward a command just applied to every backup; return once each acked or was dropped.
-        NotPrimary if a backup knows a newer primary: the client must not take this reply."""
-        for rank, link in list(self.chain.items()):
-            if link.broke():  # since the last forward: the copy died (or will catch up again)
-                self._drop(rank, "disconnected")
-        if self.role != PRIMARY or not self.chain:
-            return
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
-        head = Header(op=REPLICATE.code, shard=self.shard.index, layout=self.shard.layout.hash, seq=self._seq,
-                      step=self.shard.step).pack()
-        envelope = json.dumps({"view": self.view, "user": incoming.user, "peer": incoming.peer.hex()}).encode()
-        frames = [head, envelope, *incoming.frames]
-        for link in self.chain.values():
-            link.send(frames)
-        self._collect_acks(dict(self.chain))
+        if self.role == PRIMARY and self.chain is not None:
+            self.chain.forward(incoming, step=self.shard.step)
+
+    def reply_tag(self) -> Any:
+        return (self.term, self.chain.seq) if self.role == PRIMARY and self.chain is not None else None
+
+    def released(self, tag: Any) -> bool | None:
+        term, seq = tag
+        if term != self.term or self.chain is None:
+            return None
+        if not self.keeper.lease_valid() or not self.chain.settled(seq):
+            return False
+        self._released = max(self._released, seq)
+        return True
+
+    def links(self) -> Sequence[interface.Link]:
+        return self.chain.links() if self.chain is not None else ()
+
+    def accepting(self) -> bool:
+        return self.chain is None or not self.chain.full()
 
     def tick(self) -> None:
-        """Act on what the watch saw: catch up, lead, or step down."""
+        """Read the copies' answers, send parts of the state, and act on what the keeper saw."""
         now = time.monotonic()
         if not self._started:
             self._started = True
+            self.keeper.start()
             self.watch.start()
+        self.keeper.serving()
+        if self.chain is not None:
+            try:
+                self.chain.pump()
+            except errors.NotPrimary as exc:
+                self._catch_up_again(str(exc))
+            else:
+                self.chain.send_parts(self.shard.step, forwarding.PARTS_WINDOW_BYTES)
+        self.follower.read_join_answers()
+        if self._claiming:
+            outcome = self.keeper.claim_outcome()
+            if outcome is not None:
+                self._claiming = False
+                if isinstance(outcome, ViewRecord):
+                    self._promote(outcome)
         if now < self._next_decision:
             return
         self._next_decision = now + DECIDE_SECONDS
-        newest = self._newest_primary()
-        if newest is not None and newest[1] > self.view and self.role != SYNCING:
-            self._become_syncing(f"copy {newest[0]} is primary of newer view {newest[1]}")
-        elif self.role == BACKUP and self._primary_moved_on():
-            self._become_syncing("the primary moved to another view")
-        elif self.role == SYNCING and newest is not None:
-            self._catch_up(newest[0])
-        elif self.role == SYNCING and self._may_lead():
-            self._promote(reason="no_primary")
+        seen = self.keeper.observed()
+        if self.role == PRIMARY:
+            self._lead(seen)
+        elif self.role == BACKUP:
+            self._follow(seen, now)
+        else:
+            self._sync(seen, now)
 
     def close(self) -> None:
         self.watch.close()
-        for link in self.chain.values():
-            link.close()
+        if self.chain is not None:
+            self.chain.close_all()
+        self.follower.drop()
+        self.keeper.close(release=self.role == PRIMARY)
 
     def stats(self) -> dict:
-        return {"copy": self.rank, "role": self.role, "view": self.view, "failovers": self.failovers,
-                "copies": 1 + len(self.chain) if self.role == PRIMARY else 0}
+        holding = self.keeper.holding()
+        copies = len(holding.in_sync) if self.role == PRIMARY and holding is not None else 0
+        return {"copy": self.rank, "role": self.role, "view": self.view, "failovers": self._failovers, "copies": copies}
 
     # -- decisions -------------------------------------------------------------------------------
 
-    def _newest_primary(self) -> tuple[int, int] | None:
-        """(rank, view) of the copy heard lately as primary of the newest view, if any."""
-        heard = [(rank, state.view) for rank in range(self.count) if rank != self.rank
-                 and (state := self.watch.heard_from(rank, PROMOTE_AFTER_SECONDS)) and state.role == PRIMARY]
-        return max(heard, key=lambda rv: rv[1], default=None)
-
-    def _primary_moved_on(self) -> bool:
-        state = self.watch.heard_from(self.view % self.count, PROMOTE_AFTER_SECONDS)
-        return state is not None and state.role == PRIMARY and state.view != self.view
-
-    def _primary_gone(self) -> bool:
-        """The primary of this view has not answered lately, or answers that it is not it any
-        more; and no backup of this view that comes before this one in rank order is alive."""
-        primary = self.view % self.count
-        state = self.watch.heard_from(primary, PROMOTE_AFTER_SECONDS)
-        if state is not None and (state.role == PRIMARY or state.view > self.view):
-            return False
-        if self.watch.started > time.monotonic() - PROMOTE_AFTER_SECONDS:
-            return False  # the watch has not had the time to hear from it
-        for rank in ((primary + i) % self.count for i in range(1, self.count)):
-            if rank == self.rank:
-                return True
-            ahead = self.watch.heard_from(rank, PROMOTE_AFTER_SECONDS)
-            if ahead is not None and ahead.role == BACKUP and ahead.view == self.view:
-                return False
-        return True
-
-    def _may_lead(self) -> bool:
-        """No copy is primary or backup: lead if this copy has the newest state (then the lowest
-        rank) of those that answer, once all answer or the grace is over."""
-        others = [self.watch.heard_from(r, PROMOTE_AFTER_SECONDS) for r in range(self.count) if r != self.rank]
-        if any(s is not None and s.role != SYNCING for s in others):
-            return False
-        waited = time.monotonic() - self.watch.started
-        if waited < PROMOTE_AFTER_SECONDS or (None in others and waited < STARTUP_GRACE_SECONDS):
-            return False
-        ranks = [r for r in range(self.count) if r != self.rank]
-        best = max([(self.shard.step, -self.rank)] + [(s.step, -r) for r, s in zip(ranks, others) if s is not None])
-        return best == (self.shard.step, -self.rank)
-
-    def _promote(self, *, reason: str) -> None:
-        seen = [s.view for r in range(self.count) if (s := self.watch.latest.get(r)) is not None]
-        self.view = _next_view(max([self.view, *seen]), self.rank, self.count)
-        if self.role == BACKUP:
-            self.failovers += 1
-        self.role = PRIMARY
-        log.warning("event=copy_promoted shard=%d copy=%d view=%d step=%d reason=%s failovers=%d", self.shard.index,
-                    self.rank, self.view, self.shard.step, reason, self.failovers)
+    def _lead(self, seen: Seen) -> None:
+        record = seen.record
+        if self.keeper.lost or record is None or record.view != self.view or record.holder != self.incarnation:
+            self._catch_up_again("the view's lease is no longer this copy's")
+            return
+        assert self.chain is not None
+        self._failovers = record.failovers
+        for stream in list(self.chain.streams.values()):
+            if stream.failure is None:
+                continue
+            if stream.installed and stream.member not in self._removing:
+                log.warning("event=backup_leaving shard=%d copy=%d backup=%d reason=%r view=%d", self.shard.index,
+                            self.rank, stream.rank, stream.failure, self.view)
+                self._removing[stream.member] = None
+            elif not stream.installed:
+                log.info("event=catch_up_dropped shard=%d copy=%d to=%d reason=%r", self.shard.index, self.rank,
+                         stream.rank, stream.failure)
+                self.chain.close(stream)
+        members = [(self.rank, self.incarnation)] + [
+            s.member for s in self.chain.installed() if s.member not in self._removing and s.acked_seq >= self._released]
+        generation = self.keeper.want_in_sync(tuple(members))
+        confirmed = self.keeper.confirmed_generation()
+        for member, wanted in list(self._removing.items()):
+            if wanted is None:
+                self._removing[member] = wanted = generation
+            if confirmed >= wanted:  # written without it: its acknowledgements are no longer waited for
+                del self._removing[member]
+                stream = self.chain.streams.get(member)
+                if stream is not None:
+                    self.chain.close(stream)
+                log.warning("event=backup_dropped shard=%d copy=%d backup=%d view=%d", self.shard.index, self.rank,
+                            member[0], self.view)
         self._show()
 
-    def _become_syncing(self, why: str) -> None:
+    def _follow(self, seen: Seen, now: float) -> None:
+        record = seen.record
+        if record is None or record.view != self.view:
+            self._catch_up_again("a newer view" if record is not None else "no view record")
+            return
+        member = record.member(self.rank, self.incarnation)
+        if member:
+            self._member_seen = True
+        elif self._member_seen:
+            self._catch_up_again("taken out of the in-sync set")
+            return
+        elif now - self._installed_at > ADD_WAIT_SECONDS:
+            self._catch_up_again("not added to the in-sync set")
+            return
+        self._failovers = record.failovers
+        if member and seen.expired(now) and not self._claiming:
+            self._claim(seen, record.view + 1, failovers=record.failovers + 1, reason="primary_lease_expired")
+
+    def _sync(self, seen: Seen, now: float) -> None:
+        record, receiver = seen.record, self.follower.receiver
+        if receiver is not None:
+            if record is None or record.view != receiver.view:
+                self.follower.abort("its primary is gone")
+            elif now - self.follower.heard > TRANSFER_SILENT_SECONDS:
+                self.follower.abort(f"silent for {now - self.follower.heard:.0f} s")
+            return
+        if record is not None and not seen.expired(now):
+            if record.primary != self.rank:
+                self.follower.ask_to_join(record, now)
+            return
+        if self._claiming or not self._may_lead(record, seen, now):
+            return
+        self._claim(seen, (record.view if record else 0) + 1, failovers=record.failovers if record else 0,
+                    reason="no_primary")
+
+    def _may_lead(self, record: ViewRecord | None, seen: Seen, now: float) -> bool:
+        """No live lease: lead if no copy of the in-sync set is alive (it takes over) and this
+        copy has the newest whole state (then the lowest rank) of those that answer, once all
+        answer or the grace is over."""
+        others = {r: self.watch.heard_from(r, ALIVE_SECONDS) for r in range(self.count) if r != self.rank}
+        if record is not None and any(s is not None and record.member(r, s.incarnation) for r, s in others.items()):
+            return False
+        if not self.follower.sound or now - self.watch.started < ALIVE_SECONDS:
+            return False
+        expired_at = seen.since + record.lease_seconds if record is not None else self.watch.started
+        if None in others.values() and now - max(self.watch.started, expired_at) < STARTUP_GRACE_SECONDS:
+            return False
+        heard = [(s.step, -r) for r, s in others.items() if s is not None and s.role == SYNCING]
+        return max([(self.shard.step, -self.rank), *heard]) == (self.shard.step, -self.rank)
+
+    def _claim(self, seen: Seen, view: int, *, failovers: int, reason: str) -> None:
+        record = ViewRecord(view=view, primary=self.rank, in_sync=((self.rank, self.incarnation),),
+                            holder=self.incarnation, renewed=time.time(), lease_seconds=self.lease_seconds,
+                            failovers=failovers)
+        log.info("event=view_claimed shard=%d copy=%d view=%d reason=%s", self.shard.index, self.rank, view, reason)
+        self._claiming = True
+        self.keeper.claim(seen.version, record)
+
+    def _promote(self, record: ViewRecord) -> None:
+        was = self.role
+        self.role, self.view, self.term = PRIMARY, record.view, self.term + 1
+        self._failovers, self._released, self._removing = record.failovers, 0, {}
+        self.follower.drop()
+        self.chain = Chain(shard=self.shard.index, layout=self.shard.layout.hash, view=self.view,
+                           transport_=self._transport, security=self.security)
+        log.warning("event=copy_promoted shard=%d copy=%d view=%d step=%d was=%s failovers=%d", self.shard.index,
+                    self.rank, self.view, self.shard.step, was, self._failovers)
+        self._show()
+
+    def _catch_up_again(self, why: str) -> None:
         log.warning("event=copy_behind shard=%d copy=%d role=%s view=%d reason=%r", self.shard.index, self.rank,
                     self.role, self.view, why)
-        for link in self.chain.values():
-            link.close()
-        self.chain.clear()
-        self.role = SYNCING
+        if self.chain is not None:
+            self.chain.close_all()
+            self.chain = None
+        if self.role == PRIMARY:
+            self.keeper.resign()
+        self.follower.abort(why)
+        self.role, self.term = SYNCING, self.term + 1
+        self.incarnation = secrets.token_hex(6)  # what the in-sync set named is not this copy any more
+        self._member_seen = False
+        self._show()
+
+    def installed(self, view: int) -> None:
+        """The follower installed the primary of view's whole state: a backup now."""
+        self.role, self.view = BACKUP, view
+        self._installed_at, self._member_seen = time.monotonic(), False
+        log.info("event=caught_up shard=%d copy=%d view=%d step=%d", self.shard.index, self.rank, view,
+                 self.shard.step)
         self._show()
 
     # -- the primary's side --------------------------------------------------------------------
 
-    def _collect_acks(self, pending: dict[int, interface.Link]) -> None:
-        deadline = time.monotonic() + FORWARD_SECONDS
-        while pending and time.monotonic() < deadline:
-            ready = self._transport.wait(list(pending.values()), 0.05)
-            for rank, link in list(pending.items()):
-                if link.readable(ready):
-                    if self._acked(rank, link.receive()):
-                        del pending[rank]
-                elif link.broke(ready):
-                    del pending[rank]
-                    self._drop(rank, "disconnected")
-        for rank in pending:
-            self._drop(rank, "silent")
-
-    def _acked(self, rank: int, received: interface.Received) -> bool:
-        """False for a late answer to an earlier forward; True once this forward is settled."""
-        header = protocol.unpack_header(received.header)
-        if header.seq != self._seq:
-            return False
-        try:
-            answer = _fields(received.frames[0]) if header.status == protocol.Status.OK else {}
-        except (errors.ProtocolError, IndexError):
-            answer = {}  # garbled: dropped below, as a refusal
-        if answer.get("applied") and header.step == self.shard.step:
-            return True
-        if answer.get("view", 0) > self.view:
-            self._become_syncing(f"copy {rank} is in newer view {answer['view']}")
-            raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is no longer the primary")
-        self._drop(rank, "refused" if not answer.get("applied") else f"diverged: step {header.step}")
-        return True
-
-    def _drop(self, rank: int, why: str) -> None:
-        link = self.chain.pop(rank)
-        link.close()
-        self.view += self.count  # the next view of this primary: the dropped copy learns it is behind
-        log.warning("event=backup_dropped shard=%d copy=%d backup=%d reason=%r view=%d", self.shard.index, self.rank,
-                    rank, why, self.view)
-        self._show()
-
     def _join(self, header: Header, incoming: interface.Incoming) -> list:
-        """A copy catches up: this primary's whole state now, every command from the next on."""
-        if self.role != PRIMARY:
+        """A copy asks to catch up: a stream to it, its transfer begun now."""
+        if self.role != PRIMARY or self.chain is None:
             raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is {self.role}, not the primary")
-        message = protocol.parse_request(incoming.frames, header)
-        rank = _checked(message.meta.value).get("rank", -1)
-        if not 0 <= rank < self.count or rank == self.rank:
-            raise errors.ProtocolError(f"JOIN from copy {rank} of a shard with {self.count} copies")
-        state = {"view": self.view, "failovers": self.failovers, "commands": self.shard.last_commands.export()}
-        blob = b"".join(checkpoint.encode(self.shard.snapshot(transfer=True)))
-        old = self.chain.pop(rank, None)
-        if old is not None:
-            old.close()
-        self.chain[rank] = self._transport.link(self.addresses[rank], self.security)
-        log.info("event=backup_joined shard=%d copy=%d backup=%d step=%d view=%d", self.shard.index, self.rank, rank,
-                 self.shard.step, self.view)
-        self._show()
-        return [header.reply(step=self.shard.step).pack(), json.dumps(state).encode(), blob]
-
-    # -- a backup's side -----------------------------------------------------------------------
-
-    def _replicate(self, header: Header, incoming: interface.Incoming) -> list:
-        if len(incoming.frames) < 3:
-            raise errors.ProtocolError("REPLICATE carries its envelope and a request")
-        envelope = _fields(incoming.frames[1])
-        view = envelope.get("view", -1)
-        if not isinstance(envelope.get("peer"), str) or not isinstance(envelope.get("user"), str | None) or view < 0:
-            raise errors.ProtocolError("REPLICATE's envelope names no view or sender")
-        if self.role != BACKUP or not (view == self.view or (view > self.view and view % self.count ==
-                                                              self.view % self.count)):
-            return self._replicated(header, applied=False)
-        self.view = view  # the same primary, which dropped another backup
-        inner = protocol.unpack_header(incoming.frames[2])
-        if inner.op in self.shard.raw_ops:
-            raise errors.ProtocolError(f"REPLICATE of {protocol.spec_of(inner.op).name}: only client ops are")
-        try:
-            peer = bytes.fromhex(envelope["peer"])
-        except ValueError as exc:
-            raise errors.ProtocolError(f"REPLICATE's sender is not hex: {exc}") from exc
-        sender = interface.Incoming(peer=peer, user=envelope.get("user"),
-                                    frames=incoming.frames[2:])
-        self._forwarded = True
-        try:
-            reply = self.shard.answer(inner, sender)
-        finally:
-            self._forwarded = False
-        applied = protocol.unpack_header(reply[0]).status != protocol.Status.ERROR
-        return self._replicated(header, applied=applied)
-
-    def _replicated(self, header: Header, *, applied: bool) -> list:
-        answer = JsonObject({"applied": applied, "view": self.view})
-        return protocol.reply_frames(header, step=self.shard.step, meta=answer)
-
-    def _catch_up(self, primary: int) -> None:
-        """JOIN the primary: take its whole state; from then on it forwards every command here."""
-        link = self._transport.link(self.addresses[primary], self.security, watch=False)
-        request = [Header(op=JOIN.code, shard=self.shard.index, layout=self.shard.layout.hash).pack(),
-                   JsonObject({"rank": self.rank}).pack()]
-        received: list[interface.Received] = []
-        policy = fanout.RetryPolicy(attempt=JOIN_SECONDS, give_up=JOIN_SECONDS, resend_on_disconnect=False)
-        ex = fanout.Exchange([link], [request], policy, [f"copy {primary} of shard {self.shard.index}"])
-        try:
-            fanout.exchange(self._transport, ex, accept=lambda i, r: bool(received.append(r)) or True,
-                               stop=self.shard.stopping)
-        except (errors.ShardUnavailable, errors.Stopped) as exc:
-            log.warning("event=catch_up_failed shard=%d copy=%d from=%d error=%r", self.shard.index, self.rank,
-                        primary, str(exc))
-            return
-        finally:
-            link.close()
-        self._install(primary, received[0])
-
-    def _install(self, primary: int, received: interface.Received) -> None:
-        header = protocol.unpack_header(received.header)
-        if header.status != protocol.Status.OK or len(received.frames) != 2:
-            log.info("event=catch_up_refused shard=%d copy=%d from=%d", self.shard.index, self.rank, primary)
-            return
-        if len(received.frames[0]) > MAX_STATE_JSON:
-            raise errors.ProtocolError(f"copy {primary} sent {len(received.frames[0])} bytes of state metadata")
-        state = json.loads(bytes(received.frames[0]))
-        ckpt = checkpoint.decode(received.frames[1], f"the state of copy {primary} of shard {self.shard.index}")
-        if ckpt.layout != self.shard.layout.hash or ckpt.shard != self.shard.index:
-            raise errors.ConfigError(f"copy {primary} holds another shard or layout than copy {self.rank}")
-        self.shard.load(ckpt)
-        self.shard.take_meta(ckpt.meta)
-        self.shard.last_commands.load(state["commands"])
-        self.view, self.failovers, self.role = int(state["view"]), int(state["failovers"]), BACKUP
-        log.info("event=caught_up shard=%d copy=%d from=%d step=%d view=%d", self.shard.index, self.rank, primary,
-                 self.shard.step, self.view)
-        self._show()
+        value = protocol.parse_request(incoming.frames, header).meta.value
+        rank, incarnation, view = value.get("rank"), value.get("incarnation"), value.get("view")
+        if not isinstance(rank, int) or not 0 <= rank < self.count or rank == self.rank or not isinstance(
+                incarnation, str):
+            raise errors.ProtocolError(f"JOIN from copy {rank!r} of a shard with {self.count} copies")
+        if view != self.view:
+            raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is primary of view {self.view}")
+        for stream in list(self.chain.streams.values()):
+            if stream.rank == rank:  # its earlier life: it left that state behind
+                stream.failure = stream.failure or "asked to join again"
+                if not stream.installed:
+                    self.chain.close(stream)
+        stream = self.chain.open(rank, incarnation, self.addresses[rank], Sender(self.shard))
+        log.info("event=backup_joining shard=%d copy=%d backup=%d step=%d view=%d parts=%d", self.shard.index,
+                 self.rank, rank, self.shard.step, self.view, sum(int(p["parts"]) for p in stream.transfer.plans))
+        return protocol.reply_frames(header, step=self.shard.step, meta=JsonObject({"stream": stream.id}))
 
     # -- every copy ------------------------------------------------------------------------------
 
     def _status(self, header: Header, incoming: interface.Incoming) -> list:
-        value = {"role": self.role, "view": self.view, "step": self.shard.step, "copy": self.rank}
+        value = {"role": self.role, "view": self.view, "step": self.shard.step if self.follower.sound else -1,
+                 "copy": self.rank, "incarnation": self.incarnation}
         return protocol.reply_frames(header, step=self.shard.step, meta=JsonObject(value))
 
     def _show(self) -> None:
         metrics = self.shard.metrics
         metrics.copy_role.set(ROLES[self.role])
         metrics.copy_view.set(self.view)
-        metrics.copies_in_sync.set(1 + len(self.chain) if self.role == PRIMARY else 0)
-        metrics.failovers.set(self.failovers)
-
-
-def _fields(frame: bytes | memoryview) -> dict:
-    """A copy's small JSON payload, checked (ProtocolError otherwise)."""
-    return _checked(JsonObject.unpack(frame).value)
-
-
-def _checked(value: dict) -> dict:
-    if not all(isinstance(v, int) for k, v in value.items() if k in ("view", "rank")):
-        raise errors.ProtocolError(f"a copy's payload with a non-integer view or rank: {str(value)[:200]}")
-    return value
-
-
-def _next_view(after: int, rank: int, copies: int) -> int:
-    """The smallest view above `after` whose primary is `rank`."""
-    view = after + 1
-    return view + (rank - view) % copies
+        holding = self.keeper.holding() if self.role == PRIMARY else None
+        metrics.copies_in_sync.set(len(holding.in_sync) if holding is not None else 0)
+        metrics.failovers.set(self._failovers)

@@ -1,9 +1,13 @@
-"""What a shard copy knows of its shard's other copies: each one's role, view and step.
+"""What a shard copy knows of its shard's other copies: each one's role, view, step and
+incarnation (a random name each copy takes when it starts: a copy that restarted is
+another incarnation, which the in-sync set of the view record does not name).
 
 A thread asks every other copy for its COPY_STATUS a few times a second, on its own
 sockets, and keeps the newest answer of each with the time it came. The serving thread
-reads these to decide (replication.Copies): whether its primary is gone, whether a newer
-view exists, whom to catch up from.
+reads these when no primary holds the view's lease (replication.Copies): whether a copy
+of the in-sync set is still alive (it will take over), else which copy has the newest
+state (it leads). A copy whose state is not whole (a transfer broke off and it had no
+checkpoint to go back to) answers step -1.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class PeerState:
     role: str
     view: int
     step: int
+    incarnation: str
     seen: float  # time.monotonic() of the answer
 
     def recent(self, now: float, within: float) -> bool:
@@ -99,5 +104,5 @@ class Watch:
             return True  # refused (a copy of another job?): no news from it
         value = protocol.JsonObject.unpack(received.frames[0]).value
         self.latest[rank] = PeerState(role=str(value["role"]), view=int(value["view"]), step=int(value["step"]),
-                                      seen=time.monotonic())
+                                      incarnation=str(value.get("incarnation", "")), seen=time.monotonic())
         return True

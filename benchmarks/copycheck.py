@@ -1,0 +1,469 @@
+#!/usr/bin/env python
+"""A Jepsen-style checker of shard copies (spec.parameterServers.backups): a local-mode job
+pushed to by checker clients whose every push can be recognised in the shards' final
+parameters, while a seeded nemesis injects faults into and between the copies; then a
+verdict (copyverdict.py).
+
+    python benchmarks/copycheck.py [--runs 8] [--seconds 30] [--seed 1] [--json out.json]
+
+The pushes. The job trains with SGD at learning rate 1 and no clipping (maxGradientNorm far
+above 1) and no replicas of its own; each checker client says HELLO and pushes. Push id i's
+gradient is -1 at coordinate i of every shard's slice and 0 elsewhere, so a shard's final
+parameter i minus its initial one is how many times push i was applied there. With
+embeddings ("sparse") a push first sends the row of key i (every value -1) to the shard
+that owns it, then the dense push; row-wise Adagrad at learning rate 1 moves a fresh row by
+1, 1 + 1/sqrt(2), ... for 1, 2, ... applications. A push is acknowledged when every shard
+answered it (the client's ShardGroup sends it again to a shard's next copy as a replica
+does); one whose client stopped waiting is indeterminate.
+
+The faults (Nemesis), on one copy of a shard or between two (with backups: 2, sometimes
+on two copies at once): SIGKILL (local mode restarts the pod with back-off), SIGSTOP for
+1-10 s then SIGCONT, the copies' traffic delayed 50-500 ms, a one-way partition for 1-10
+s (held, then healed or cut), and the connections cut. Copies reach each other through
+netfault.py proxies (DISTBELIEF_COPY_ROUTES); clients reach the copies directly. A fault
+begins only when every copy of its shard is in sync again, so at most `backups` copies of
+a shard are faulty at once, a copy catching up counting as faulty.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "operator"), str(HERE.parent / "runtime")]
+
+import numpy as np  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+import copyverdict  # noqa: E402
+import netfault  # noqa: E402
+from copyverdict import Op  # noqa: E402
+from distbelief.operator.local import local  # noqa: E402
+from distbelief.operator.local.localpods import LocalPod, volume_dir  # noqa: E402
+from distbelief.operator.spec import spec  # noqa: E402
+from distbelief.runtime import contract, errors, keys  # noqa: E402
+from distbelief.runtime.client.group import ShardGroup, Timeouts  # noqa: E402
+from distbelief.runtime.params.dense_client import Float32Dense  # noqa: E402
+from distbelief.runtime.params.rows.row_client import RowClient  # noqa: E402
+from distbelief.runtime.roles.common import FAILOVER_ATTEMPT_SECONDS, Job  # noqa: E402
+from distbelief.runtime.shard import checkpoint  # noqa: E402
+from distbelief.runtime.wire.protocol import Status  # noqa: E402
+
+PRIMARY = 2  # distbelief_copy_role
+FAULTS = ("kill", "stall", "delay", "partition", "cut")
+ROW_DIM = 4
+SETTLE_SECONDS = 180.0  # at the end, for every shard's copies to be in sync again
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    kind: str = "dense"          # or "sparse" (embedding rows too)
+    backups: int = 1
+    seed: int = 1
+    seconds: float = 30.0        # pushing under faults
+    clients: int = 3
+    faults: tuple[str, ...] = FAULTS
+    stall_seconds: tuple[float, float] = (1.0, 10.0)
+    target: str = "any"          # "backup" or "primary": whom the faults hit
+    pause: tuple[float, float] = (0.5, 2.0)
+    ids: int = 30000             # push ids available (each shard's slice holds more values)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-backups{self.backups}-seed{self.seed}"
+
+
+def job_doc(plan: Plan) -> dict[str, Any]:
+    """The checker's job: two shards, no replicas of its own, SGD at learning rate 1."""
+    model: dict[str, Any] = {"type": "mlp", "hiddenLayers": [1024], "activation": "relu"}
+    data = {"source": "synthetic:features=64,classes=2,samples=2000,seed=1", "testFraction": 0.2}
+    if plan.kind == "sparse":
+        model = {"type": "mlp", "hiddenLayers": [1024], "activation": "relu",
+                 "embeddings": {"dim": ROW_DIM, "hashBuckets": 0, "admitAfter": 1}}
+        data = {"source": "synthetic-ctr:fields=16,ids=1000,samples=2000,seed=1", "testFraction": 0.2}
+    return {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND,
+            "metadata": {"name": f"check-{plan.kind}"},
+            "spec": {"model": model, "data": data,
+                     "training": {"algorithm": "downpour", "optimizer": "sgd", "learningRate": 1.0,
+                                  "maxGradientNorm": 1e9, "batchSize": 32, "maxSteps": 10 ** 12,
+                                  "evalEverySeconds": 5, "warmstartSteps": 0},
+                     "parameterServers": {"shards": 2, "backups": plan.backups,
+                                          "checkpoint": {"everySeconds": 1}},
+                     "workers": {"replicas": 0},
+                     "runPolicy": {"backoffLimit": 100}}}
+
+
+class Cluster:
+    """The job's local run, its copies' proxies, and what the checker reads of it."""
+
+    def __init__(self, plan: Plan, output: str) -> None:
+        self.plan, self.output = plan, output
+        self.run = local.LocalRun(spec.validate_job(job_doc(plan)), output)
+        self.config = spec.job_config(self.run.job)
+        self.job = Job(self.config)
+        self.net = netfault.Net().start()
+        self.links: dict[tuple[str, str], netfault.Link] = {}  # (from pod, to pod) -> the proxy between
+        taken = {port for pod in self.run.pods for port in pod.ports.values()}  # chosen, not yet bound
+        for pod in self.run.shards:
+            shard, rank = self.config.copy_of(contract.shard_index_from_pod_name(pod.name))
+            routes = []
+            for other in self.copies(shard):
+                if other is pod:
+                    routes.append(self.address(pod))
+                else:
+                    link = self.links[(pod.name, other.name)] = self.net.proxy(other.ports[contract.SHARD_PORT_NAME],
+                                                                               avoid=taken)
+                    routes.append(link.address)
+            pod.env[contract.ENV_COPY_ROUTES] = ",".join(routes)
+        smallest = min(b - a for a, b in (self.job.layout.bounds(s) for s in range(self.config.shards)))
+        if smallest < plan.ids:
+            raise ValueError(f"a shard's slice holds {smallest} values, fewer than the {plan.ids} push ids")
+        job_keys = keys.JobKeys.read(os.path.join(output, local.KEYS_FOLDER))
+        self.client_options = job_keys.client_options(role=keys.REPLICA) if job_keys else None
+        self.thread = threading.Thread(target=lambda: self.run.run(progress=False), daemon=True)
+
+    @staticmethod
+    def address(pod: LocalPod) -> str:
+        return f"tcp://127.0.0.1:{pod.ports[contract.SHARD_PORT_NAME]}"
+
+    def copies(self, shard: int) -> list[LocalPod]:
+        """The pods of a shard's copies, by rank."""
+        return [self.run.shards[rank * self.config.shards + shard] for rank in range(self.config.copies)]
+
+    def group(self, stop: threading.Event | None = None) -> ShardGroup:
+        addresses = [[self.address(p) for p in self.copies(s)] for s in range(self.config.shards)]
+        return ShardGroup(addresses, self.job.layout, timeouts=Timeouts(request=FAILOVER_ATTEMPT_SECONDS),
+                          security=self.client_options, stop=stop)
+
+    def in_sync(self, shard: int) -> dict[str, dict[str, float]] | None:
+        """Each copy's figures when one is primary with every copy in its in-sync set."""
+        seen = {pod.name: figures(pod) for pod in self.copies(shard) if pod.running}
+        if len(seen) != self.config.copies or any(f is None for f in seen.values()):
+            return None
+        primaries = [f for f in seen.values() if f.get("role") == PRIMARY]
+        if len(primaries) != 1 or primaries[0].get("copies") != self.config.copies:
+            return None
+        return seen  # type: ignore[return-value]
+
+    def wait_in_sync(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not all(self.in_sync(s) for s in range(self.config.shards)):
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                return False
+            time.sleep(0.2)
+        return True
+
+    def stop(self) -> None:
+        self.net.heal()
+        for pod in self.run.shards:
+            pod.signal(signal.SIGCONT)
+        self.run.interrupt()
+        self.thread.join(timeout=120)
+        self.net.stop()
+
+
+def figures(pod: LocalPod) -> dict[str, float] | None:
+    try:
+        with urllib.request.urlopen(pod.metrics_url, timeout=1) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    wanted = {"distbelief_copy_role": "role", "distbelief_copies_in_sync": "copies",
+              contract.Metric.GLOBAL_STEP: "step"}
+    return {wanted[s.name]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name in wanted}
+
+
+class Client(threading.Thread):
+    """Pushes ids index, index + count, ... until told to stop; every push in the history."""
+
+    def __init__(self, cluster: Cluster, index: int, count: int, history: list[Op], stopping: threading.Event,
+                 give_up: threading.Event) -> None:
+        super().__init__(name=f"check-client-{index}", daemon=True)
+        self.cluster, self.index, self.count, self.history = cluster, index, count, history
+        self.stopping, self.give_up = stopping, give_up
+        self.failure: str | None = None
+
+    def run(self) -> None:
+        group = self.cluster.group(stop=self.give_up)
+        layout, plan = group.layout, self.cluster.plan
+        try:
+            while not all(r.header.status == Status.OK for r in group.hello()):
+                time.sleep(0.2)
+            for i in range(self.index, plan.ids, self.count):
+                if self.stopping.is_set():
+                    break
+                op = Op(id=i, start=time.monotonic())
+                self.history.append(op)
+                grad = np.zeros(layout.total, np.float32)
+                for shard in range(layout.shards):
+                    grad[layout.bounds(shard)[0] + i] = -1.0
+                try:
+                    if plan.kind == "sparse":
+                        RowClient(group, ROW_DIM).push(np.array([i], np.int64), -np.ones((1, ROW_DIM), np.float32))
+                    replies = Float32Dense(group).push(grad, steps=[0] * layout.shards, examples=1, loss=0.0)
+                    op.steps, op.acked = [r.step for r in replies], True
+                except errors.RuntimeFailure as exc:  # Stopped, or a shard unavailable for minutes
+                    op.error = str(exc)
+                    break
+                finally:
+                    op.end = time.monotonic()
+        except errors.RuntimeFailure as exc:
+            self.failure = str(exc)
+        finally:
+            group.close()
+
+
+class Nemesis(threading.Thread):
+    """Seeded faults, one shard at a time, each once the shard's copies are all in sync."""
+
+    def __init__(self, cluster: Cluster, plan: Plan, until: float) -> None:
+        super().__init__(name="nemesis", daemon=True)
+        self.cluster, self.plan, self.until = cluster, plan, until
+        self.rng = random.Random(plan.seed)
+        self.faults: list[dict[str, Any]] = []
+        self.started = time.monotonic()
+
+    def run(self) -> None:
+        while time.monotonic() < self.until:
+            time.sleep(self.rng.uniform(*self.plan.pause))
+            shard = self.rng.randrange(self.cluster.config.shards)
+            seen = self.cluster.in_sync(shard)
+            if seen is None:
+                continue
+            kind = self.rng.choice(self.plan.faults)
+            pods = self._targets(shard, seen, kind)
+            if pods:
+                self._inject(kind, shard, pods, seen)
+
+    def _targets(self, shard: int, seen: dict[str, dict[str, float]], kind: str) -> list[LocalPod]:
+        copies = self.cluster.copies(shard)
+        wanted = {"any": copies, "primary": [p for p in copies if seen[p.name].get("role") == PRIMARY],
+                  "backup": [p for p in copies if seen[p.name].get("role") != PRIMARY]}[self.plan.target]
+        many = 2 if self.plan.backups >= 2 and kind in ("kill", "stall") and self.rng.random() < 0.3 else 1
+        return self.rng.sample(wanted, min(many, len(wanted)))
+
+    def _inject(self, kind: str, shard: int, pods: list[LocalPod], seen: dict[str, dict[str, float]]) -> None:
+        rng, names = self.rng, [p.name for p in pods]
+        fault: dict[str, Any] = {"kind": kind, "shard": shard, "pods": names,
+                                 "primary": [seen[n].get("role") == PRIMARY for n in names],
+                                 "at": round(time.monotonic() - self.started, 1)}
+        links = [link for (a, b), link in self.cluster.links.items() if a in names or b in names]
+        if kind == "kill":
+            for pod in pods:
+                pod.signal(signal.SIGKILL)
+        elif kind == "stall":
+            fault["seconds"] = round(rng.uniform(*self.plan.stall_seconds), 1)
+            for pod in pods:
+                pod.signal(signal.SIGSTOP)
+            time.sleep(fault["seconds"])
+            for pod in pods:
+                pod.signal(signal.SIGCONT)
+        elif kind == "delay":
+            fault["delay"], fault["seconds"] = round(rng.uniform(0.05, 0.5), 2), round(rng.uniform(2, 8), 1)
+            for link in links:
+                link.up.delay = link.down.delay = fault["delay"]
+            time.sleep(fault["seconds"])
+            for link in links:
+                link.heal()
+        elif kind == "partition":
+            (pod,) = pods[:1]
+            other = rng.choice([p for p in self.cluster.copies(shard) if p is not pod])
+            source, target = (pod, other) if rng.random() < 0.5 else (other, pod)
+            fault.update(source=source.name, target=target.name, seconds=round(rng.uniform(1, 10), 1),
+                         cut=rng.random() < 0.5)
+            self.cluster.links[(source.name, target.name)].up.blocked = True    # what source sends target
+            self.cluster.links[(target.name, source.name)].down.blocked = True  # ... on target's connections
+            time.sleep(fault["seconds"])
+            for link in (self.cluster.links[(source.name, target.name)], self.cluster.links[(target.name, source.name)]):
+                if fault["cut"]:
+                    link.reset()
+                link.heal()
+        elif kind == "cut":
+            for link in links:
+                link.reset()
+        self.faults.append(fault)
+
+
+def run(plan: Plan, output: str | None = None, keep: str | None = None) -> dict[str, Any]:
+    """One checked run; its faults, history figures and verdict. keep: a folder where the
+    pods' logs of a run that failed are copied."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(plan, output or tmp)
+        started = time.monotonic()
+        cluster.thread.start()
+        try:
+            if not cluster.wait_in_sync(120):
+                raise RuntimeError("the copies never came in sync")
+            result = _checked(cluster, plan, started)
+        except BaseException:
+            cluster.stop()
+            _keep_logs(cluster.output, keep, plan)
+            raise
+        cluster.stop()
+        if not result["ok"]:
+            _keep_logs(cluster.output, keep, plan)
+        return result
+
+
+def _keep_logs(output: str, keep: str | None, plan: Plan) -> None:
+    if keep:
+        shutil.copytree(os.path.join(output, "logs"), os.path.join(keep, plan.name), dirs_exist_ok=True)
+
+
+def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
+    group = cluster.group()
+    layout, shards = group.layout, cluster.config.shards
+    initial = np.empty(layout.total, np.float32)
+    Float32Dense(group).pull(initial)
+    keys_ = np.arange(plan.ids, dtype=np.int64)
+    initial_rows = RowClient(group, ROW_DIM).pull(keys_)[0] if plan.kind == "sparse" else None
+    history: list[Op] = []
+    stopping, give_up = threading.Event(), threading.Event()
+    clients = [Client(cluster, i, plan.clients, history, stopping, give_up) for i in range(plan.clients)]
+    for client in clients:
+        client.start()
+    nemesis = Nemesis(cluster, plan, until=time.monotonic() + plan.seconds)
+    nemesis.start()
+    nemesis.join()
+    cluster.net.heal()
+    settled = cluster.wait_in_sync(SETTLE_SECONDS)
+    stopping.set()
+    for client in clients:
+        client.join(timeout=SETTLE_SECONDS)
+    give_up.set()
+    for client in clients:
+        client.join(timeout=30)
+    settled = cluster.wait_in_sync(SETTLE_SECONDS) and settled
+    final = np.empty(layout.total, np.float32)
+    steps = [r.step for r in Float32Dense(group).pull(final)]
+    limit = plan.ids
+    counts = np.stack([np.rint(final[a:a + limit] - initial[a:a + limit]).astype(np.int64)
+                       for a in (layout.bounds(s)[0] for s in range(shards))])
+    result: dict[str, Any] = {
+        "plan": {**dataclasses.asdict(plan), "name": plan.name}, "faults": nemesis.faults, "settled": settled,
+        "clients_failed": [c.failure for c in clients if c.failure],
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "verdict": copyverdict.verdict(history, counts, steps, limit=limit)}
+    if initial_rows is not None:
+        rows = RowClient(group, ROW_DIM).pull(keys_)[0]
+        result["rows"] = copyverdict.rows_verdict(history, copyverdict.row_counts(initial_rows, rows))
+    group.close()
+    result["copies_differ"] = copies_differ(cluster)
+    result["ok"] = bool(result["verdict"]["ok"] and result.get("rows", {"ok": True})["ok"] and settled
+                        and not result["copies_differ"])
+    return result
+
+
+def copies_differ(cluster: Cluster) -> list[str]:
+    """The shards whose copies, stopped in sync, left checkpoints of one step with other values."""
+    cluster.run.interrupt()
+    cluster.thread.join(timeout=120)
+    differ = []
+    for shard in range(cluster.config.shards):
+        newest = {}
+        for pod in cluster.copies(shard):
+            found = checkpoint.list_checkpoints(volume_dir(cluster.output, pod.name, contract.CHECKPOINT_VOLUME))
+            if found:
+                newest[pod.name] = checkpoint.load(found[0])
+        steps = {c.step for c in newest.values()}
+        if len(steps) != 1:
+            differ.append(f"shard {shard}: final steps {sorted(steps)}")
+            continue
+        first, *others = newest.values()
+        if any(not np.array_equal(first.arrays["params"], other.arrays["params"]) for other in others):
+            differ.append(f"shard {shard}: copies at step {first.step} hold different parameters")
+    return differ
+
+
+def plans(runs: int, seconds: float, seed: int) -> list[Plan]:
+    """Dense and sparse, backups 1 and 2, seeded; and issue 31's stalls (a copy of three
+    frozen for 7 s, again and again: backups on a dense job, primaries on a sparse one)."""
+    stalls = dict(backups=2, seed=seed, seconds=max(seconds, 50.0), faults=("stall",), stall_seconds=(7.0, 7.0),
+                  pause=(1.0, 1.0))
+    chosen = [Plan(kind="dense", target="backup", **stalls), Plan(kind="sparse", target="primary", **stalls)]
+    kinds = [(kind, backups) for backups in (1, 2) for kind in ("dense", "sparse")]
+    for run_index in range(runs):
+        kind, backups = kinds[run_index % len(kinds)]
+        chosen.append(Plan(kind=kind, backups=backups, seed=seed + run_index, seconds=seconds))
+    return chosen
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    faults: dict[str, int] = {}
+    for result in results:
+        for fault in result["faults"]:
+            faults[fault["kind"]] = faults.get(fault["kind"], 0) + len(fault["pods"])
+    verdicts = [r["verdict"] for r in results]
+    return {"runs": len(results), "ok": sum(r["ok"] for r in results), "faults": faults,
+            "acknowledged": sum(v["acknowledged"] for v in verdicts),
+            "indeterminate": sum(v["indeterminate"] for v in verdicts),
+            "lost": sum(v["lost"]["count"] for v in verdicts) + sum(r.get("rows", {}).get("lost", {}).get("count", 0)
+                                                                    for r in results),
+            "duplicated": sum(v["duplicated"]["count"] for v in verdicts)
+            + sum(r.get("rows", {}).get("duplicated", {}).get("count", 0) for r in results),
+            "went_back": sum(len(v["went_back"]) for v in verdicts)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=8, help="randomized runs, besides the two stall runs")
+    p.add_argument("--seconds", type=float, default=30.0, help="pushing under faults, per run")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", default=None)
+    p.add_argument("--strict", action="store_true", help="exit 1 when a run's verdict is not ok")
+    p.add_argument("--keep", default=os.path.join(tempfile.gettempdir(), "copycheck-logs"),
+                   help="where the pods' logs of a run that failed or could not be checked go")
+    args = p.parse_args()
+    results, crashed = [], []
+    for plan in plans(args.runs, args.seconds, args.seed):
+        result = None
+        for attempt in (1, 2):  # a run whose job cannot start (a pod's port taken meanwhile) is tried again
+            try:
+                result = run(plan, keep=args.keep)
+                break
+            except Exception as exc:  # noqa: BLE001  a run that could not be checked is reported, the others go on
+                print(f"{plan.name} could not be checked (attempt {attempt}): {exc!r} (logs in {args.keep})",
+                      flush=True)
+                if attempt == 2:
+                    crashed.append({"run": plan.name, "error": repr(exc)})
+        if result is None:
+            continue
+        results.append(result)
+        v = result["verdict"]
+        print(f"{plan.name} faults={len(result['faults'])} acknowledged={v['acknowledged']} lost={v['lost']['count']} "
+              f"duplicated={v['duplicated']['count']} ok={result['ok']}", flush=True)
+    report = {"copies_check": {"summary": {**summary(results), "not_checked": crashed},
+                               "runs": [brief(r) for r in results]}}
+    print(json.dumps(report["copies_check"]["summary"], indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if (all(r["ok"] for r in results) and not crashed) or not args.strict else 1
+
+
+def brief(result: dict[str, Any]) -> dict[str, Any]:
+    """One run in a line or two: its plan, its faults by kind, its verdict's counts."""
+    faults: dict[str, int] = {}
+    for fault in result["faults"]:
+        faults[fault["kind"]] = faults.get(fault["kind"], 0) + len(fault["pods"])
+    v = result["verdict"]
+    return {"run": result["plan"]["name"], "faults": faults, "acknowledged": v["acknowledged"],
+            "indeterminate": v["indeterminate"], "lost": v["lost"]["count"], "duplicated": v["duplicated"]["count"],
+            "rows_lost": result.get("rows", {}).get("lost", {}).get("count"), "went_back": len(v["went_back"]),
+            "steps": v["steps"], "ok": result["ok"], "wall_seconds": result["wall_seconds"]}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

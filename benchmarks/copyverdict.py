@@ -1,0 +1,103 @@
+"""The verdict on a history of pushes and the shards' final state (copycheck.py): what was
+lost, applied twice, or seen to go back. Pure functions, tested on made-up histories.
+
+A history is a list of Ops, one per push a checker client began: its id, when it began
+and ended (time.monotonic()), whether every shard acknowledged it, and each shard's step in
+its acknowledgement. The final state is each shard's count of every id (how many times the
+push of that id was applied there: copycheck reads it from the parameters) and its step.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Op:
+    id: int
+    start: float
+    end: float | None = None
+    acked: bool = False
+    steps: list[int] | None = None   # each shard's step in its acknowledgement
+    error: str | None = None
+    kind: str = "push"               # a partitioned job's HOLD/APPLY_HELD would be other kinds
+
+
+def verdict(ops: list[Op], counts: np.ndarray, steps: list[int], *, limit: int) -> dict[str, Any]:
+    """counts[s, i]: the applications of push i found on shard s (ids below limit); steps[s]:
+    shard s's final step. Lists of ids (at most 20 shown) and totals of each finding."""
+    shards = counts.shape[0]
+    began = np.zeros(limit, dtype=bool)
+    acked = np.zeros(limit, dtype=bool)
+    for op in ops:
+        began[op.id] = True
+        acked[op.id] |= op.acked
+    indeterminate = began & ~acked
+    lost = np.flatnonzero(acked & (counts < 1).any(axis=0))
+    duplicated = np.flatnonzero((counts > 1).any(axis=0))
+    phantom = np.flatnonzero(~began & (counts > 0).any(axis=0))
+    partial = np.flatnonzero(indeterminate & (counts.min(axis=0) != counts.max(axis=0)))
+    applied = counts.sum(axis=1)
+    result = {
+        "pushes": int(began.sum()), "acknowledged": int(acked.sum()), "indeterminate": int(indeterminate.sum()),
+        "lost": _ids(lost), "duplicated": _ids(duplicated), "phantom": _ids(phantom),
+        "partial": _ids(partial),
+        "steps": list(map(int, steps)), "applied": list(map(int, applied)),
+        "steps_match_applied": [int(s) == int(a) for s, a in zip(steps, applied)],
+        "steps_agree": len(set(map(int, steps))) == 1,
+        "went_back": went_back(ops, shards),
+    }
+    result["ok"] = (not lost.size and not duplicated.size and not phantom.size and all(result["steps_match_applied"])
+                    and (result["steps_agree"] or bool(indeterminate.any())) and not result["went_back"])
+    return result
+
+
+def went_back(ops: list[Op], shards: int) -> list[dict[str, Any]]:
+    """Acknowledgements that show a shard's step lower than (or equal to) one acknowledged
+    before the push began: a step that went back (real-time order, across clients)."""
+    done = sorted((op for op in ops if op.acked and op.end is not None and op.steps), key=lambda op: op.end)
+    ends = [op.end for op in done]
+    best = np.full((len(done) + 1, shards), -1, dtype=np.int64)  # running max of steps over done[:k]
+    for k, op in enumerate(done):
+        best[k + 1] = np.maximum(best[k], op.steps)
+    found = []
+    for op in done:
+        before = best[bisect.bisect_left(ends, op.start)]
+        for shard, step in enumerate(op.steps):
+            if step <= before[shard]:
+                found.append({"id": op.id, "shard": shard, "step": step, "seen_before": int(before[shard])})
+    return found[:20]
+
+
+def _ids(ids: np.ndarray) -> dict[str, Any]:
+    return {"count": int(ids.size), "ids": [int(i) for i in ids[:20]]}
+
+
+ROW_STEPS = np.cumsum([0.0] + [1.0 / np.sqrt(k) for k in range(1, 8)])  # a row moved by n applications
+
+
+def row_counts(initial: np.ndarray, final: np.ndarray) -> np.ndarray:
+    """How many times each row (row-wise Adagrad at learning rate 1, every gradient value -1)
+    was pushed to: its move is 1 + 1/sqrt(2) + ... + 1/sqrt(n). -1 where no n fits."""
+    moved = (final - initial).mean(axis=1)
+    n = np.abs(moved[:, None] - ROW_STEPS[None, :]).argmin(axis=1)
+    return np.where(np.abs(moved - ROW_STEPS[n]) < 1e-3, n, -1)
+
+
+def rows_verdict(ops: list[Op], counts: np.ndarray) -> dict[str, Any]:
+    """counts[i]: the applications of push i's row found on the shard that owns key i (-1: the
+    row moved by no whole number of pushes)."""
+    began = np.zeros(counts.size, dtype=bool)
+    acked = np.zeros(counts.size, dtype=bool)
+    for op in ops:
+        began[op.id] = True
+        acked[op.id] |= op.acked
+    result = {"lost": _ids(np.flatnonzero(acked & (counts == 0))),
+              "duplicated": _ids(np.flatnonzero(counts > 1)),
+              "phantom": _ids(np.flatnonzero(~began & (counts != 0))),
+              "unreadable": _ids(np.flatnonzero(counts < 0))}
+    result["ok"] = not any(result[k]["count"] for k in ("lost", "duplicated", "phantom", "unreadable"))
+    return result
