@@ -358,8 +358,8 @@ def test_a_shard_killed_with_sigkill_is_restarted_and_counted_and_its_backup_car
 @pytest.mark.slow
 def test_a_collapsed_job_succeeds_with_the_condition_and_the_warning_event_model_degraded(
         kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
-    # Plain SGD at rate 1 sends the digits model to chance within a second (tests/test_quality.py).
-    job = example("digits-mlp.yaml", training__optimizer="sgd", training__learningRate=1.0, training__maxSteps=600)
+    # Plain SGD at rate 2 sends the digits model to chance within a second (tests/test_quality.py).
+    job = example("digits-mlp.yaml", training__optimizer="sgd", training__learningRate=2.0, training__maxSteps=600)
     since = time.monotonic()
     apply(kubectl, namespace, job)
     status = finished(kubectl, namespace, "digits", operator, since)
