@@ -87,3 +87,12 @@ def available_cores() -> int:
 def save(results: dict, path: str | None) -> None:
     if path:
         Path(path).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def save_group(results: dict, key: str, path: str | None) -> None:
+    """Put results under `key` in the JSON file at path, keeping its other groups."""
+    if path:
+        file = Path(path)
+        merged = json.loads(file.read_text()) if file.exists() else {}
+        merged[key] = results
+        file.write_text(json.dumps(merged, indent=2) + "\n")

@@ -6,7 +6,8 @@
 Runs, in this order, each in its own process: runtime_bench.py (memcpy, apply, pull,
 push), mlp_step_bench.py, e2e_bench.py (our jobs in local mode, their one-process
 baselines and parallel efficiency), torch_peers_bench.py (DDP gloo and an RPC parameter
-server), sparse_bench.py and sparse_table_bench.py (embedding rows), backups_bench.py (shard
+server), sparse_bench.py and sparse_table_bench.py (embedding rows), heavy_tail_bench.py
+(sparse jobs' AUC on click data shaped like real logs), backups_bench.py (shard
 copies), copycheck.py (shard copies under faults: what is lost or applied twice), partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
 data_bench.py (a replica's memory and input speed on file sources) and operator_bench.py. Their figures go into --json, written afresh: every figure
 in it is from this run; each is a median with its min and max.
@@ -142,6 +143,8 @@ def measure(runs: int, scale: float) -> dict:
         results["sparse"] = sparse["sparse"]
     if table := run_json("sparse_table_bench.py", failures):  # one run: minutes and ~5 GB
         results["sparse"] = {**results.get("sparse", {}), **table["sparse"]}
+    if heavy := run_json("heavy_tail_bench.py", failures):  # one job per setting: ~2 min each
+        results["heavy_tail"] = heavy["heavy_tail"]
     if backups := run_json("backups_bench.py", failures, "--runs", str(min(runs, 3))):
         results["backups"] = backups["backups"]
     if checked := run_json("copycheck.py", failures, "--runs", str(2 * runs), "--seconds", "30"):

@@ -36,7 +36,7 @@ import prometheus_client as prom
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from figures import summarize  # noqa: E402
+from figures import save_group, summarize  # noqa: E402
 
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
@@ -100,14 +100,14 @@ def bytes_per_step(job: Job, folder: Path, rng: np.random.Generator) -> float:
     for index in range(job.layout.shards):
         shard = Shard(ShardSettings(shard=index, bind="tcp://127.0.0.1:*", checkpoint_dir=str(folder / str(index)),
                                     checkpoint_every=3600), job.layout, ShardMetrics(prom.CollectorRegistry(), index))
-        shard.attach(SparseRows(shard, dim=model.dim, learning_rate=0.05, seed=0))
+        shard.attach(SparseRows(shard, dim=model.width, learning_rate=0.05, seed=0, wide=model.wide))
         threads.append(threading.Thread(target=shard.serve, daemon=True))
         threads[-1].start()
         shard.ready.wait(10)
         shards.append(shard)
     group = ShardGroup([s.endpoint for s in shards], job.layout)
     try:
-        client, ids, samples = RowClient(group, model.dim), job.dataset.ids_train, []
+        client, ids, samples = RowClient(group, model.width), job.dataset.ids_train, []
         for _ in range(20):
             keys, _ = model.keys(ids[rng.choice(len(ids), job.spec.training.batch_size, replace=False)])
             before = group.bytes_in + group.bytes_out
@@ -153,7 +153,7 @@ def main() -> int:
         measured_bytes = bytes_per_step(job, Path(tmp) / "bytes", rng)
     batch = job.spec.training.batch_size
     fields, ids = job.model.fields, int(doc["spec"]["data"]["source"].split("ids=")[1].split(",")[0])
-    dense_bytes = 2 * fields * ids * job.model.dim * 4
+    dense_bytes = 2 * fields * ids * job.model.width * 4
     results = {
         "shard_rows_per_s": summarize([s[0] for s in shard]),
         "shard_pull_rows_per_s": summarize([s[1] for s in shard]),
@@ -168,11 +168,7 @@ def main() -> int:
                        "e2e": "examples/ctr-sparse.yaml, local mode, 2 shards, 2 replicas"},
     }
     print(json.dumps(results, indent=2))
-    if args.json:
-        path = Path(args.json)
-        merged = json.loads(path.read_text()) if path.exists() else {}
-        merged["sparse"] = results
-        path.write_text(json.dumps(merged, indent=2) + "\n")
+    save_group(results, "sparse", args.json)
     return 0
 
 

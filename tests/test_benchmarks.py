@@ -16,6 +16,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import e2e_bench  # noqa: E402
 import figures  # noqa: E402
+import heavy_tail_bench  # noqa: E402
 import mnist_sized  # noqa: E402
 import plot_results  # noqa: E402
 import run_all  # noqa: E402
@@ -266,3 +267,12 @@ def test_the_input_speed_target_divides_by_the_compute_bound_jobs_replicas():
     row = next(r for r in run_all.target_ratios(results) if r["figure"].startswith("input examples/s"))
     assert row["ratio"] == 3.0 and row["met"] is True
     assert run_all.per_replica({"examples_per_s": {}}) == {}
+
+
+def test_the_logistic_regression_reference_gives_unseen_and_missing_ids_no_column() -> None:
+    from scipy import sparse as sp
+    train = np.array([[5, 7], [9, -1], [5, 8]])
+    columns = heavy_tail_bench.one_hot_columns(train)
+    assert [c.tolist() for c in columns] == [[5, 9], [7, 8]]
+    test = heavy_tail_bench.one_hot(np.array([[9, 8], [6, -1], [-1, 7]]), columns, sp).toarray()
+    assert test.tolist() == [[0, 1, 0, 1], [0, 0, 0, 0], [0, 0, 1, 0]]  # 6: unseen; -1: missing

@@ -353,3 +353,20 @@ def test_a_shard_killed_with_sigkill_is_restarted_and_counted_and_its_backup_car
     status = finished(kubectl, namespace, name, operator, since)
     assert_trained(kubectl, namespace, status, job)
     assert status["restarts"] >= 1
+
+
+@pytest.mark.slow
+def test_a_collapsed_job_succeeds_with_the_condition_and_the_warning_event_model_degraded(
+        kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
+    # Plain SGD at rate 2 sends the digits model to chance within a second (tests/test_quality.py).
+    job = example("digits-mlp.yaml", training__optimizer="sgd", training__learningRate=2.0, training__maxSteps=600)
+    since = time.monotonic()
+    apply(kubectl, namespace, job)
+    status = finished(kubectl, namespace, "digits", operator, since)
+    assert status["phase"] == "Succeeded"
+    (degraded,) = [c for c in status["conditions"] if c["type"] == "ModelDegraded"]
+    assert degraded["status"] == "True" and degraded["reason"] in ("HeldOutAtChance", "HeldOutFellFromBest")
+    assert degraded["message"].startswith("held-out accuracy ended at ")
+    events = eventually(lambda: [e for e in get(kubectl, "events", "-n", namespace)["items"]
+                                 if e.get("reason") == "ModelDegraded"], 30, what="the ModelDegraded event")
+    assert events[0]["type"] == "Warning" and events[0]["message"] == degraded["message"]

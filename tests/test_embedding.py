@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -112,3 +114,78 @@ def test_npz_with_ids_instead_of_x(tmp_path) -> None:
     np.savez(path, ids=np.array([[1, -2]] * 15), y=np.arange(15) % 2)
     with pytest.raises(errors.ConfigError, match="ids must be"):
         data.read_source(f"npz:{path}")
+
+
+@pytest.mark.parametrize("source, digest", [
+    # Digests of (y, ids) as the generator made them before `missing` existed: unchanged.
+    ("synthetic-ctr:fields=8,ids=20000,samples=60000,zipf=1.1,seed=1", "f18ec6bc0011222d"),
+    ("synthetic-ctr:fields=3,ids=1000,samples=20000,zipf=1.2,seed=4", "0f0ab65be15b92b8"),
+    ("synthetic-ctr:fields=3,ids=1000,samples=20000,zipf=1.2,seed=4,missing=0", "0f0ab65be15b92b8"),
+])
+def test_synthetic_ctr_without_missing_ids_is_unchanged(source: str, digest: str) -> None:
+    _, y, ids = data.read_source(source)
+    assert hashlib.sha256(y.tobytes() + ids.tobytes()).hexdigest()[:16] == digest
+
+
+def test_synthetic_ctr_missing_ids_are_minus_one_and_add_nothing_to_the_planted_logit() -> None:
+    body = "fields=12,ids=10000000,samples=50000,zipf=1.15,seed=3"
+    full_ids, full_y, full_logits = data.synthetic_ctr(body)
+    ids, y, logits = data.synthetic_ctr(body + ",missing=0.03")
+    gone = ids == -1
+    assert 0.027 < gone.mean() < 0.033
+    np.testing.assert_array_equal(ids[~gone], full_ids[~gone])  # the ids present are the same draws
+    assert ids.max() < 10_000_000
+    # The planted logit is the sum of the present ids' weights: dropping an id removes its weight.
+    weight_of_gone = full_logits - logits
+    assert np.abs(weight_of_gone[~gone.any(axis=1)]).max() < 1e-12
+    assert np.abs(weight_of_gone[gone.any(axis=1)]).min() > 0
+    # Labels follow the planted logit.
+    assert y[logits > 1].mean() > 0.7 > 0.3 > y[logits < -1].mean()
+
+
+def test_synthetic_ctr_missing_share_is_bounded() -> None:
+    with pytest.raises(errors.ConfigError, match="missing must be within 0..0.9"):
+        data.read_source("synthetic-ctr:fields=2,ids=10,samples=100,missing=0.95")
+
+
+def test_the_wide_part_adds_each_ids_weights_to_the_logits_with_exact_gradients() -> None:
+    rng = np.random.default_rng(3)
+    mlp = models.Mlp(DENSE + FIELDS * DIM, 3, hidden=(5,), activation="tanh")
+    model = EmbeddingModel(mlp, dense_features=DENSE, fields=FIELDS, dim=DIM, wide=3)
+    assert model.width == DIM + 3
+    ids = rng.integers(-1, 6, (8, FIELDS))
+    keys, index = model.keys(ids)
+    x = rng.standard_normal((8, DENSE)).astype(np.float32)
+    y = rng.integers(0, 3, 8)
+    params = model.init_params(1)
+    rows = rng.standard_normal((keys.size, model.width)).astype(np.float32)
+    # The scored model (the chief's) adds the sum of the present ids' wide values to the MLP's logits.
+    scored, inputs = model.held_out(x, rows, index)
+    wide_sum = np.zeros((8, 3), np.float32)
+    for i, f in zip(*np.nonzero(index >= 0)):
+        wide_sum[i] += rows[index[i, f], DIM:]
+    np.testing.assert_allclose(scored.logits(params, inputs), mlp.logits(params, model.inputs(x, rows, index)) + wide_sum,
+                               rtol=1e-5, atol=1e-6)
+    _, _, row_grads = model.loss_and_grads(params, rows, (x, index, y))
+
+    def loss(r: np.ndarray) -> float:
+        m, inp = model.held_out(x, r, index)
+        return m.loss(params, inp, y)
+
+    eps = 1e-2
+    for k, j in [(0, DIM), (keys.size // 2, DIM + 1), (keys.size - 1, DIM + 2), (1, 0)]:
+        plus, minus = rows.copy(), rows.copy()
+        plus[k, j] += eps
+        minus[k, j] -= eps
+        assert row_grads[k, j] == pytest.approx((loss(plus) - loss(minus)) / (2 * eps), rel=2e-2, abs=1e-4)
+
+
+def test_embeddings_build_a_wide_part_of_one_weight_per_class_unless_told_not_to() -> None:
+    ds = data.split(np.zeros((30, 0), np.float32), np.arange(30) % 2, test_fraction=0.2, seed=0,
+                    ids=np.arange(60).reshape(30, 2))
+    spec = jobspec.Model(hidden_layers=(4,), embeddings=jobspec.Embeddings(dim=3))
+    assert (embedding.build(spec, ds).wide, embedding.build(spec, ds).width) == (2, 5)
+    plain = embedding.build(jobspec.Model(hidden_layers=(4,), embeddings=jobspec.Embeddings(dim=3, wide=False)), ds)
+    assert (plain.wide, plain.width) == (0, 3)
+    m, inputs = plain.held_out(ds.x_test, np.ones((12, 3), np.float32), np.zeros((6, 2), np.int64))
+    assert m is plain.mlp and inputs.shape == (6, 6)

@@ -282,3 +282,39 @@ def test_a_shard_killed_at_any_moment_restores_exactly_the_rows_of_its_last_chec
         assert restored.step >= done
         assert snapshot(table(restored)) == replay(restored.step)
         last = restored.step
+
+
+@pytest.mark.parametrize("rows", [40, 400])  # whole in the checkpoint, and as a base then deltas
+def test_the_optional_row_arrays_survive_a_restart(tmp_path: Path, rows: int) -> None:
+    options = {"wide": 1, "l2": 1e-3, "wide_l2": 3e-5, "embed_after": 3}
+
+    def make(folder: Path) -> Shard:
+        shard = Shard(ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(folder),
+                                    checkpoint_every=1e9, checkpoint_keep=KEEP), LAYOUT,
+                      ShardMetrics(prom.CollectorRegistry(), 0))
+        shard.attach(SparseRows(shard, dim=DIM + 1, learning_rate=LR, seed=SEED,
+                                full_write_bytes=FULL_ROWS * (DIM + 9) * 4, **options))
+        shard.restore()
+        return shard
+
+    first = make(tmp_path)
+    keys = np.arange(1, rows + 1, dtype=np.int64) * 7919
+    t = table(first)
+    for at, pushed in ((10, keys), (25, keys[: rows // 2])):  # the second checkpoint: a delta of half the rows
+        t.update(pushed, np.ones((pushed.size, DIM + 1), np.float32), 1000.0, np.full(pushed.size, 2), step=at)
+        first.step = at
+        first.checkpoint_now()
+    saved = {name: getattr(t, name)[: t.n].copy() for name in t.row_arrays if name != "dirty"}
+    second = make(tmp_path)
+    again = table(second)
+    order = again.lookup(saved["keys"])
+    for name, values in saved.items():
+        np.testing.assert_array_equal(getattr(again, name)[order], values, err_msg=name)
+
+
+def test_rows_saved_without_a_wide_part_are_refused_by_a_job_with_one(tmp_path: Path) -> None:
+    first = make_shard(tmp_path)
+    step(first, np.arange(5, dtype=np.int64))
+    with pytest.raises(errors.ConfigError, match=r"hold embedding rows of 4 embedding values \(no wide part\), "
+                                                 r"and this job's rows are 3 embedding values and 1 wide"):
+        make_shard(tmp_path, wide=1)

@@ -63,3 +63,21 @@ def test_a_transfer_costs_the_primary_a_few_bytes_a_row_not_a_copy_of_the_table(
     assert made <= 14 * rows + 24 * rowparts.CHUNK_ROWS, f"{made / rows:.1f} bytes a row while sorting"
     assert reading <= held + 4 * rowparts.PART_BYTES, reading
     assert made < table.nbytes() / 4
+
+
+def test_a_wide_table_with_l2_and_embed_after_sends_its_own_arrays_too() -> None:
+    options = {"wide": 2, "l2": 1e-3, "wide_l2": 3e-5, "embed_after": 3}
+    source = RowTable(10, learning_rate=0.1, seed=1, **options)
+    keys = np.random.default_rng(2).choice(1 << 40, size=5000, replace=False).astype(np.int64)
+    source.update(keys, np.ones((5000, 10), np.float32), 0.0, np.full(5000, 2), step=7)
+    source.update(keys[:100], np.ones((100, 10), np.float32), 0.0, np.full(100, 2), step=9)  # embedded now
+    bits = rowparts.part_bits(source.n, source.dim)
+    index = rowparts.PartIndex(source, bits)
+    target = RowTable(10, learning_rate=0.1, seed=1, **options)
+    for part in range(1 << bits):
+        rowparts.write(target, part, bits, rowparts.read(source, index, part))
+    at = target.lookup(keys)
+    for name in ("wide_accumulators", "stepped", "occurrences", "accumulators", "values"):
+        np.testing.assert_array_equal(getattr(target, name)[at], getattr(source, name)[source.lookup(keys)], name)
+    np.testing.assert_array_equal(target.rows(keys), source.rows(keys))  # embedded or not, as on the primary
+    assert (target.occurrences[at[:100]] == 3).all() and (target.occurrences[at[100:]] == 2).all()  # counted up to 3

@@ -134,3 +134,92 @@ def test_load_replaces_every_row() -> None:
     assert table.n == 2
     np.testing.assert_array_equal(table.rows(keys), values)
     assert table.lookup(np.array([3], dtype=np.int64))[0] == -1
+
+
+def test_the_wide_values_start_at_zero_and_keep_an_accumulator_of_their_own() -> None:
+    table = RowTable(6, learning_rate=0.5, seed=2, wide=2)
+    keys = np.array([5, 9], dtype=np.int64)
+    start = table.rows(keys)
+    np.testing.assert_array_equal(start[:, 4:], 0)
+    np.testing.assert_array_equal(start[:, :4], initial_rows(keys, 6, 2)[:, :4])
+    # Embedding gradients 100x smaller than the wide ones: each part takes a full Adagrad
+    # step of its own (one shared accumulator would shrink the embedding's step 100-fold).
+    grads = np.array([[0.01] * 4 + [1.0, -1.0], [0.01] * 4 + [1.0, -1.0]], np.float32)
+    table.update(keys, grads, now=0.0)
+    moved = table.rows(keys) - start
+    np.testing.assert_allclose(moved[:, :4], -0.5, rtol=1e-5)
+    np.testing.assert_allclose(moved[:, 4:], [[-0.5, 0.5]] * 2, rtol=1e-5)
+    np.testing.assert_allclose(table.accumulators[:2], 1e-4, rtol=1e-5)
+    np.testing.assert_allclose(table.wide_accumulators[:2], 1.0, rtol=1e-5)
+
+
+def test_lazy_l2_charges_a_row_for_every_step_since_its_last_push() -> None:
+    l2 = 0.01
+    table = RowTable(DIM, learning_rate=0.1, seed=2, l2=l2)
+    key = np.array([77], dtype=np.int64)
+    table.update(key, np.full((1, DIM), 0.3, np.float32), now=0.0, step=10)
+    value = table.rows(key)[0].copy()
+    acc = float(table.accumulators[0])
+    table.update(key, np.zeros((1, DIM), np.float32), now=0.0, step=60)  # 50 steps later, no data gradient
+    g = l2 * 50 * value
+    acc += float(np.mean(g * g))
+    np.testing.assert_allclose(table.rows(key)[0], value - 0.1 * g / np.sqrt(acc), rtol=1e-5)
+    assert table.stepped[0] == 60
+    # Pushed again at the same step: charged for one step, not zero.
+    before = table.rows(key)[0].copy()
+    table.update(key, np.zeros((1, DIM), np.float32), now=0.0, step=60)
+    assert (np.sign(table.rows(key)[0] - before) == -np.sign(before)).all()
+
+
+def test_lazy_l2_of_the_wide_values_has_its_own_weight() -> None:
+    table = RowTable(4, learning_rate=0.1, seed=2, wide=1, l2=0.0, wide_l2=0.5)
+    key = np.array([1], dtype=np.int64)
+    table.update(key, np.array([[0.2, 0.2, 0.2, 1.0]], np.float32), now=0.0, step=0)
+    embedding, wide = table.rows(key)[0, :3].copy(), float(table.rows(key)[0, 3])
+    acc = float(table.wide_accumulators[0])
+    table.update(key, np.zeros((1, 4), np.float32), now=0.0, step=3)
+    np.testing.assert_array_equal(table.rows(key)[0, :3], embedding)  # l2 = 0: untouched
+    g = 0.5 * 3 * wide
+    np.testing.assert_allclose(table.rows(key)[0, 3], wide - 0.1 * g / np.sqrt(acc + g * g), rtol=1e-5)
+
+
+def test_embedding_values_are_read_as_zero_and_not_trained_until_embed_after_occurrences() -> None:
+    table = RowTable(5, learning_rate=0.5, seed=4, wide=1, embed_after=5)
+    key = np.array([42], dtype=np.int64)
+    np.testing.assert_array_equal(table.rows(key), 0)  # no row: all 0, wide values included
+    ones = np.ones((1, 5), np.float32)
+    table.update(key, ones, now=0.0, occurrences=np.array([3]))
+    row = table.rows(key)[0]
+    np.testing.assert_array_equal(row[:4], 0)  # 3 of 5 occurrences: the embedding is not in use
+    assert row[4] == -0.5  # the wide value learns from the first push
+    table.update(key, ones, now=0.0, occurrences=np.array([2]))  # the push that reaches 5 still counts as cold
+    row = table.rows(key)[0]
+    np.testing.assert_array_equal(row[:4], initial_rows(key, 5, 4)[0, :4])  # in use now, untrained
+    table.update(key, ones, now=0.0, occurrences=np.array([1]))
+    np.testing.assert_allclose(table.rows(key)[0, :4], initial_rows(key, 5, 4)[0, :4] - 0.5, rtol=1e-5)
+    assert table.occurrences[0] == 5  # capped
+
+
+def test_optional_arrays_follow_growth_compaction_and_load() -> None:
+    table = RowTable(DIM + 1, learning_rate=0.1, seed=1, wide=1, l2=1e-3, embed_after=3, expire_after=10.0)
+    keys = _keys(5000)
+    table.update(keys, np.ones((keys.size, DIM + 1), np.float32), now=100.0, step=7,
+                 occurrences=np.full(keys.size, 2))
+    assert {"wide_accumulators", "stepped", "occurrences"} <= set(table.row_arrays)
+    table.update(keys[:10], np.ones((10, DIM + 1), np.float32), now=200.0, step=9)
+    assert table.expire(205.0) == keys.size - 10
+    index = table.lookup(keys[:10])
+    assert (table.stepped[index] == 9).all() and (table.occurrences[index] == 3).all()
+    assert (table.wide_accumulators[index] > 0).all()
+    extra = {name: getattr(table, name)[: table.n].copy() for name in ("wide_accumulators", "stepped", "occurrences")}
+    other = RowTable(DIM + 1, learning_rate=0.1, seed=1, wide=1, l2=1e-3, embed_after=3)
+    other.load(table.keys[: table.n], table.values[: table.n], table.accumulators[: table.n],
+               table.touched[: table.n], extra=extra)
+    np.testing.assert_array_equal(other.rows(keys[:10]), table.rows(keys[:10]))
+    np.testing.assert_array_equal(other.occurrences[: other.n], extra["occurrences"])
+    # Rows loaded without the optional arrays: L2 counts from the table's step, embeddings in use.
+    bare = RowTable(DIM + 1, learning_rate=0.1, seed=1, wide=1, l2=1e-3, embed_after=3)
+    bare.step = 50
+    bare.load(table.keys[: table.n], table.values[: table.n], table.accumulators[: table.n], table.touched[: table.n])
+    assert (bare.stepped[: bare.n] == 50).all() and (bare.occurrences[: bare.n] == 3).all()
+    assert (bare.wide_accumulators[: bare.n] == 0).all()

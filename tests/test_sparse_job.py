@@ -36,7 +36,8 @@ def _job(**model: Any) -> dict[str, Any]:
 
 def test_embeddings_get_their_defaults_and_bounds() -> None:
     job = spec.validate_job(_job(embeddings={}))
-    assert job["spec"]["model"]["embeddings"] == {"dim": 16, "hashBuckets": 0, "admitAfter": 1}
+    assert job["spec"]["model"]["embeddings"] == {"dim": 16, "hashBuckets": 0, "admitAfter": 1, "wide": True,
+                                                  "l2": 0.001, "wideL2": 0.00003, "embedAfter": 5}
     for field, value in [("dim", 0), ("dim", 5000), ("hashBuckets", -1), ("admitAfter", 0),
                          ("expireAfterSeconds", 0)]:
         with pytest.raises(errors.SpecError, match=f"spec.model.embeddings.{field}"):

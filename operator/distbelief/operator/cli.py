@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="predict for this source (npz:/path.npz with x, and y if known) instead of scoring "
                               "the held-out split")
     predict.add_argument("--out", default=None, metavar="FILE", help="write the predicted labels (.npz, or text)")
+    predict.add_argument("--best", action="store_true",
+                         help="use the parameters of the best held-out evaluation (params-best.npz, which "
+                              "spec.training.keepBest saves) instead of the final ones")
     predict.set_defaults(func=_predict)
 
     ps = add_parser("ps", help="run one parameter shard (what the shard containers run)")
@@ -180,7 +183,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     from distbelief.operator import predict
 
-    trained = predict.load(args.file, output=args.output)
+    trained = predict.load(args.file, output=args.output, best=args.best)
     if args.data is None:
         loss, accuracy = trained.evaluate()
         print(f"held-out accuracy {accuracy:.4f}  loss {loss:.4f}  ({len(trained.dataset.y_test)} examples)")

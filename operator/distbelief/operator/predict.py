@@ -42,8 +42,9 @@ class Trained:
         return self.model.predict(self.params, np.ascontiguousarray(x, dtype=np.float32))
 
 
-def load(path: str, *, output: str | None = None) -> Trained:
-    """The trained model of the job in path, from params.npz in its output folder."""
+def load(path: str, *, output: str | None = None, best: bool = False) -> Trained:
+    """The trained model of the job in path, from params.npz in its output folder (best:
+    params-best.npz, the parameters of its best held-out evaluation)."""
     job = spec.validate_job(spec.load_single(path, "distbelief predict"))
     output = output or os.path.join("out", job["metadata"]["name"])
     config = spec.job_config(job)
@@ -52,16 +53,19 @@ def load(path: str, *, output: str | None = None) -> Trained:
                                  "(its rows are in the shards' checkpoints, not in params.npz)")
     derived = Job(config)
     return Trained(job=job, spec=derived.spec, model=derived.model,
-                   params=_read_params(_params_file(job, output), derived.model), dataset=derived.dataset)
+                   params=_read_params(_params_file(job, output, best), derived.model), dataset=derived.dataset)
 
 
-def _params_file(job: Mapping[str, Any], output: str) -> str:
+def _params_file(job: Mapping[str, Any], output: str, best: bool = False) -> str:
+    name = contract.BEST_PARAMS_FILE if best else contract.PARAMS_FILE
     chief = volume_dir(output, contract.JobNames(job["metadata"]["name"]).shard_pod(0), contract.CHECKPOINT_VOLUME)
     for folder in (output, chief):
-        path = os.path.join(folder, contract.PARAMS_FILE)
+        path = os.path.join(folder, name)
         if os.path.exists(path):
             return path
-    raise errors.ConfigError(f"{output}: no {contract.PARAMS_FILE}; a run writes it when the job finishes "
+    if best:
+        raise errors.ConfigError(f"{output}: no {name}; a run saves it with spec.training.keepBest: true")
+    raise errors.ConfigError(f"{output}: no {name}; a run writes it when the job finishes "
                              "(distbelief run JOB.yaml, or --output DIR for another folder)")
 
 

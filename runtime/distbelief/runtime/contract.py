@@ -22,6 +22,7 @@ PLURAL = "distbeliefjobs"
 
 # The outcomes the chief decides, which are also the job's final phases.
 SUCCEEDED, FAILED = "Succeeded", "Failed"
+MODEL_DEGRADED = "ModelDegraded"  # a condition, and the reason of a job failed by failOnDegraded
 # Data sets the runtime ships (spec.data.source "builtin:<name>").
 BUILTIN_DATASETS: tuple[str, ...] = ("digits",)
 
@@ -53,9 +54,14 @@ class Metric:
     SHARD_COPIES = "distbelief_shard_copies"
     SHARD_PRIMARY = "distbelief_shard_primary_copy"
     SHARD_FAILOVERS = "distbelief_shard_failovers"
+    MODEL_DEGRADED = "distbelief_model_degraded"   # the chief's: 1 with the reason and message, once judged
+    ROWS = "distbelief_rows"                       # a shard's embedding rows
+    ROW_BUDGET = "distbelief_row_budget"           # its budget (spec.model.embeddings.maxRowsPerShard; 0: none)
+    ROWS_REFUSED = "distbelief_rows_refused"       # rows it did not create for want of room
+    ROWS_EVICTED = "distbelief_rows_evicted"       # rows it evicted to make room
+    JOB_ROWS = "distbelief_job_rows"  # the chief's, by figure: max (the fullest shard's), budget, refused, evicted
 
-# An s3:// source's credentials: the keys of the Secret spec.data.objectStore.secretRef,
-# which every pod gets as environment variables of the same names.
+# An s3:// source's credentials: the keys of the Secret spec.data.objectStore.secretRef, env of every pod.
 OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 # Ports inside every pod. The shard port comes from the spec; these are fixed.
@@ -119,6 +125,7 @@ ENV_SERVICE_ACCOUNT_DIR = "DISTBELIEF_SERVICE_ACCOUNT_DIR"
 HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation
 RESULT_FILE = "result.json"      # the job's outcome, once decided
 PARAMS_FILE = "params.npz"       # the final parameters, one array per named tensor
+BEST_PARAMS_FILE = "params-best.npz"  # spec.training.keepBest: those of the best evaluation
 
 # Environment every role runs with: glibc's allocator keeps freed memory for reuse.
 # A frame over 32 MiB (a large model's slice, received by ZeroMQ or sealed/opened by
@@ -313,8 +320,8 @@ SYNTHETIC_BOUNDS: dict[str, tuple[float, float]] = {
     "samples": (10, 10_000_000),
     "seed": (0, 2**32 - 1),
 }
-# synthetic-ctr:fields=F,ids=N,samples=S[,zipf=A][,seed=K]: click-style ids per field.
-# zipf is the only real-valued parameter; ids are ranks 0..N-1 (ids < 2**56, see embedding keys).
+# synthetic-ctr:fields=F,ids=N,samples=S[,zipf=A][,seed=K][,missing=P]: click-style ids per
+# field; ids are ranks 0..N-1 (< 2**56, see embedding keys), a share `missing` of them -1.
 CTR_REQUIRED = ("fields", "ids", "samples")
 CTR_BOUNDS: dict[str, tuple[float, float]] = {
     "fields": (1, 64),
@@ -322,9 +329,10 @@ CTR_BOUNDS: dict[str, tuple[float, float]] = {
     "samples": (10, 10_000_000),
     "zipf": (0.5, 3.0),
     "seed": (0, 2**32 - 1),
+    "missing": (0.0, 0.9),
 }
-CTR_DEFAULTS = {"zipf": 1.1, "seed": 0}
-REAL_PARAMETERS = ("zipf",)
+CTR_DEFAULTS = {"zipf": 1.1, "seed": 0, "missing": 0.0}
+REAL_PARAMETERS = ("zipf", "missing")
 
 
 def synthetic_params(body: str) -> tuple[dict[str, int], list[str]]:

@@ -2,12 +2,15 @@
 
     JobSpec
     ├── model: Model                 type, hiddenLayers, activation, l2, entrypoint, partitions
-    │   └── embeddings: Embeddings   dim, hashBuckets, admitAfter, expireAfterSeconds (or None)
+    │   └── embeddings: Embeddings   dim, hashBuckets, admitAfter, expireAfterSeconds, wide,
+    │                                l2, wideL2, embedAfter, maxRowsPerShard (or None)
     ├── data: Data                   source, testFraction, seed, maxEvalExamples, volume,
     │                                test, label, features, ids, onBadFile
-    ├── training: Training           algorithm, optimizer, rates, fetch/push, stopping rules
+    ├── training: Training           algorithm, optimizer, rates, fetch/push, stopping rules,
+    │   │                            keepBest, failOnDegraded
     │   └── sandblaster: Sandblaster historySize, workUnitSize, backupTasks, gradientTolerance
-    └── parameter_servers: ParameterServers   shards, backups, port, encryption, wireFormat
+    └── parameter_servers: ParameterServers   shards, backups, port, encryption, wireFormat,
+        │                                     the memory limit (resources.limits.memory)
         └── checkpoint: Checkpointing        everySeconds, keep
 
 `resolve(spec)` is the one place that reads the CRD's camelCase keys; every runtime module
@@ -16,7 +19,8 @@ names a key). The spec it reads is the one `distbelief.operator.spec.validate_jo
 already checked and filled with the CRD's defaults, the one the ConfigMap holds; the field
 defaults here are the CRD's (a test compares them), so that a config written before a
 field existed still resolves, and a test or a tool can build a value in a line.
-What the operator alone renders (resources, storage, autoscaling, run policy) is not here.
+What the operator alone renders (resources, storage, autoscaling, run policy) is not here,
+but for the shards' memory limit, from which a shard derives its row budget.
 
 Like contract.py, this module imports only the standard library.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from decimal import Decimal
 from typing import Any, Callable, Mapping, TypeVar
 
 T = TypeVar("T")
@@ -38,6 +43,13 @@ class Embeddings:
     hash_buckets: int = 0                       # 0: collisionless
     admit_after: int = 1                        # occurrences before an id gets a row
     expire_after_seconds: float | None = None   # None: rows never expire
+    # The wide part, the rows' lazy L2 and embedAfter: defaults measured on click data shaped
+    # like real logs (docs/benchmarks.md, "Click data shaped like real logs").
+    wide: bool = True                           # each id's linear weight per class beside its embedding
+    l2: float = 1e-3                            # L2 weight on the rows' embedding values
+    wide_l2: float = 3e-5                       # ... on their wide values
+    embed_after: int = 5                        # occurrences before an id's embedding is used
+    max_rows_per_shard: int | None = None       # None: derived from the shards' memory limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +130,8 @@ class Training:
     max_duration_seconds: float | None = None   # spec.training.maxDuration, in seconds
     eval_every_seconds: float = 2.0
     seed: int = 0
+    keep_best: bool = False                     # save params-best.npz at each new best evaluation
+    fail_on_degraded: bool = False              # a degraded model fails the job
     sandblaster: Sandblaster = Sandblaster()
 
 
@@ -139,6 +153,7 @@ class ParameterServers:
     encryption: bool = True
     wire_format: str = "float32"                # float32 | bfloat16
     checkpoint: Checkpointing = Checkpointing()
+    memory_limit: str | None = None             # resources.limits.memory, a quantity ("2Gi"); None: none
 
     @property
     def copies(self) -> int:
@@ -183,7 +198,12 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
                 dim=embeddings.get("dim", int, Embeddings.dim),
                 hash_buckets=embeddings.get("hashBuckets", int, Embeddings.hash_buckets),
                 admit_after=embeddings.get("admitAfter", int, Embeddings.admit_after),
-                expire_after_seconds=embeddings.get("expireAfterSeconds", float, None) or None),
+                expire_after_seconds=embeddings.get("expireAfterSeconds", float, None) or None,
+                wide=embeddings.get("wide", bool, Embeddings.wide),
+                l2=embeddings.get("l2", float, Embeddings.l2),
+                wide_l2=embeddings.get("wideL2", float, Embeddings.wide_l2),
+                embed_after=embeddings.get("embedAfter", int, Embeddings.embed_after),
+                max_rows_per_shard=embeddings.get("maxRowsPerShard", int, None)),
             written=types.MappingProxyType(dict(model.values))),
         data=Data(
             source=data.get("source", str),
@@ -215,6 +235,8 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
             max_duration_seconds=training.get("maxDuration", parse_duration, None),
             eval_every_seconds=training.get("evalEverySeconds", float, Training.eval_every_seconds),
             seed=training.get("seed", int, Training.seed),
+            keep_best=training.get("keepBest", bool, Training.keep_best),
+            fail_on_degraded=training.get("failOnDegraded", bool, Training.fail_on_degraded),
             sandblaster=Sandblaster(
                 history_size=sandblaster.get("historySize", int, Sandblaster.history_size),
                 work_unit_size=sandblaster.get("workUnitSize", int, Sandblaster.work_unit_size),
@@ -228,7 +250,8 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
             wire_format=servers.get("wireFormat", str, ParameterServers.wire_format),
             checkpoint=Checkpointing(
                 every_seconds=checkpoint.get("everySeconds", float, Checkpointing.every_seconds),
-                keep=checkpoint.get("keep", int, Checkpointing.keep))),
+                keep=checkpoint.get("keep", int, Checkpointing.keep)),
+            memory_limit=servers.section("resources").section("limits").get("memory", _quantity, None)),
     )
 
 
@@ -266,6 +289,26 @@ class _Section:
             return convert(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{field}: {exc}") from None
+
+
+_QUANTITY_SUFFIXES = {"m": Decimal("0.001"), **{p: Decimal(10) ** (3 * i) for i, p in enumerate("kMGTPE", 1)},
+                      **{p + "i": Decimal(2) ** (10 * i) for i, p in enumerate("KMGTPE", 1)}}
+
+
+def quantity(text: str | int | float) -> Decimal:
+    """A Kubernetes quantity ("500m", "2", "1.5" CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
+    text = str(text)
+    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            return Decimal(text[: -len(suffix)]) * _QUANTITY_SUFFIXES[suffix]
+    return Decimal(text)
+
+
+def _quantity(value: Any) -> str:
+    """A Kubernetes quantity as text: the CRD takes "2Gi" or a number of bytes."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"must be a quantity such as 2Gi (got {value!r})")
+    return str(value)
 
 
 def _ints(value: Any) -> list[int]:

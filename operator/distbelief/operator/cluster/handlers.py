@@ -46,7 +46,8 @@ from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.render import queue, render, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.status import events, scrape
-from distbelief.operator.status.status import FAILED, TERMINAL, Observed, compute_status, parse_timestamp, pod_failures
+from distbelief.operator.status.status import (FAILED, TERMINAL, WARNINGS, Observed, compute_status, parse_timestamp,
+                                               pod_failures)
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,7 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     now = datetime.datetime.now(datetime.timezone.utc)
     status = compute_status(job, observed, now)
     before = job["status"].get("phase")
+    _warn_new_conditions(body, job["status"].get("conditions", []), status["conditions"])
     if status["phase"] in TERMINAL and before not in TERMINAL:
         # The verdict is stored before the scale-down, so that the children's watch, reading
         # the job afresh, sees a finished job and does not put its replicas back.
@@ -336,6 +338,14 @@ def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str
         partition_lock_message=refusals.get("PartitionCountLocked"),
         blocked=blocked,
     )
+
+
+def _warn_new_conditions(body: kopf.Body, before: list[Mapping[str, Any]], after: list[Mapping[str, Any]]) -> None:
+    """A Warning Event for each warning condition (ModelDegraded, RowBudgetReached) that just turned True."""
+    was = {c.get("type") for c in before if c.get("status") == "True"}
+    for condition in after:
+        if condition.get("type") in WARNINGS and condition.get("status") == "True" and condition["type"] not in was:
+            kopf.warn(body, reason=condition["type"], message=condition.get("message", condition["type"]))
 
 
 def _own(obj: dict[str, Any] | None, uid: str | None) -> dict[str, Any]:

@@ -55,8 +55,10 @@ def _decided(result: Mapping[str, Any] | None) -> scrape.Figures | None:
     """The chief's decision as its metrics show it, from the result.json it wrote."""
     if result is None:
         return None
+    degraded = result.get("degraded") or {}
     return scrape.Figures(global_step=int(result.get("globalStep", 0)), finished_outcome=result["phase"],
-                          finished_reason=result["reason"])
+                          finished_reason=result["reason"], degraded_reason=degraded.get("reason"),
+                          degraded_message=degraded.get("message"))
 
 
 def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = False) -> int:
@@ -131,7 +133,8 @@ class LocalRun:
                     signal.signal(sig, handler)
         summary = report.write(self.output, self.chief_dir, job=self.name, phase=phase, reason=reason,
                                started=started, pods={pod.name: pod.figures() for pod in self.pods},
-                               staleness=self.status.get("staleness"), shards=self.status.get("shards"))
+                               staleness=self.status.get("staleness"), shards=self.status.get("shards"),
+                               conditions=self.status.get("conditions"))
         report.print_summary(summary, self.output)
         return _exit_code(phase)
 

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from distbelief.operator.local import curves
 from distbelief.operator.local.podusage import OOM_KILLED
 from distbelief.operator.status import scrape
+from distbelief.operator.status.status import MODEL_DEGRADED, ROW_BUDGET_REACHED, WARNINGS
 
 from distbelief.runtime import contract
 
@@ -78,10 +79,13 @@ def read_history(chief_dir: str) -> list[dict[str, Any]]:
 
 def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, started: float,
           pods: Mapping[str, Mapping[str, Any]], staleness: Mapping[str, float] | None = None,
-          shards: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """report.json, training.png and params.npz in output; returns the report. Its figures
-    are this run's (since `started`): never an earlier run's, when this one evaluated nothing.
-    pods: each pod's figures (LocalPod.figures), restarts among them."""
+          shards: Mapping[str, Any] | None = None,
+          conditions: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """report.json, training.png and params.npz (and params-best.npz) in output; returns the
+    report. Its figures are this run's (since `started`): never an earlier run's, when this
+    one evaluated nothing. pods: each pod's figures (LocalPod.figures), restarts among them;
+    conditions: the job's status conditions, whose warnings (ModelDegraded,
+    RowBudgetReached) the report lists."""
     result = read_result(chief_dir) or {}
     if result.get("finishedAt", 0) < started:
         result = {}
@@ -111,10 +115,18 @@ def write(output: str, chief_dir: str, *, job: str, phase: str, reason: str, sta
     auc = result.get("auc", last.get("auc"))
     if auc is not None:
         summary["auc"] = auc  # two-class jobs
-    params = os.path.join(chief_dir, contract.PARAMS_FILE)
-    if result and os.path.exists(params):
-        shutil.copyfile(params, os.path.join(output, contract.PARAMS_FILE))
-        summary["params"] = contract.PARAMS_FILE
+    for key in ("heldOut", "degraded", "best"):  # the held-out record, the verdict on it, keepBest's
+        if result.get(key):
+            summary[key] = result[key]
+    warnings = [{k: c[k] for k in ("type", "reason", "message") if k in c} for c in conditions or []
+                if c.get("type") in WARNINGS and c.get("status") == "True"]
+    if warnings:
+        summary["warnings"] = warnings
+    for name, key in ((contract.PARAMS_FILE, "params"), (contract.BEST_PARAMS_FILE, "paramsBest")):
+        path = os.path.join(chief_dir, name)
+        if result and os.path.exists(path):
+            shutil.copyfile(path, os.path.join(output, name))
+            summary[key] = name
     if history:
         curves.plot(history, curves.read(output), os.path.join(output, PLOT_FILE), title=f"{job}: {phase}")
         summary["plot"] = PLOT_FILE
@@ -133,6 +145,7 @@ def print_summary(summary: Mapping[str, Any], output: str) -> None:
         f"  held-out accuracy  {accuracy:.4f}" if accuracy is not None else "  held-out accuracy  -",
         f"  held-out loss      {loss:.4f}" if loss is not None else "  held-out loss      -",
         *([f"  held-out AUC       {summary['auc']:.4f}"] if summary.get("auc") is not None else []),
+        *_held_out_lines(summary),
         f"  examples/s         {summary['examplesPerSecond']:,.0f}",
         f"  wall time          {summary['wallSeconds']:.1f} s, restarts {summary['restarts']}",
         *[f"  {OOM_KILLED:<19}{name} {pod['oomKills']}x, over its memory limit {pod['memoryLimit']}"
@@ -140,3 +153,24 @@ def print_summary(summary: Mapping[str, Any], output: str) -> None:
         f"  report             {os.path.join(output, REPORT_FILE)}",
     ]
     sys.stdout.write("\n".join(lines) + "\n")
+
+
+WARNING_LABELS = {MODEL_DEGRADED: "MODEL DEGRADED", ROW_BUDGET_REACHED: "ROW BUDGET"}
+
+
+def _held_out_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The best evaluation when keepBest saved it, a diverged held-out loss, and the warnings."""
+    lines = []
+    best = summary.get("best")
+    if best:
+        metric = next(k for k in best if k not in ("step", "params"))
+        lines.append(f"  best               {metric} {best[metric]:.4f} at step {best['step']} ({best['params']})")
+    diverged = (summary.get("heldOut") or {}).get("diverged")
+    degraded = summary.get("degraded") or {}
+    if diverged and degraded.get("reason") != "HeldOutLossDiverged":
+        to = diverged["to"]
+        lines.append(f"  held-out loss      went from {diverged['from']:.4g} to "
+                     f"{'a non-finite value' if to is None else format(to, '.4g')} at step {diverged['step']}")
+    for warning in summary.get("warnings", []):
+        lines.append(f"  {WARNING_LABELS.get(warning['type'], warning['type']):<19}{warning.get('message', '')}")
+    return lines

@@ -46,6 +46,12 @@ class Figures:
     bytes_out: int | None = None            # ... and sent
     # with backups, each shard by index: {"copies": in sync, "primary": its copy rank, "failovers": n}
     copies: dict[int, dict[str, int]] | None = None
+    degraded_reason: str | None = None      # the chief's verdict on the ended job's model (ModelDegraded)
+    degraded_message: str | None = None
+    rows_max: int | None = None             # with embeddings: the fullest shard's rows
+    row_budget: int | None = None           # ... a shard's row budget (0: none)
+    rows_refused: int | None = None         # ... rows the shards refused for want of room
+    rows_evicted: int | None = None         # ... rows they evicted to make room
 
     @property
     def reachable(self) -> bool:
@@ -55,12 +61,18 @@ class Figures:
 def parse(text: str) -> Figures:
     values: dict[str, float] = {}
     finished: tuple[str, str] | None = None
+    degraded: tuple[str, str] | None = None
+    rows: dict[str, int] = {}
     staleness: list[tuple[float, float]] = []  # (bucket bound, updates at most that stale)
     copies: dict[int, dict[str, int]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == M.JOB_FINISHED and sample.value == 1:
                 finished = (sample.labels.get("reason", ""), sample.labels.get("outcome", ""))
+            elif sample.name == M.MODEL_DEGRADED and sample.value == 1:
+                degraded = (sample.labels.get("reason", ""), sample.labels.get("message", ""))
+            elif sample.name == M.JOB_ROWS:
+                rows[sample.labels.get("figure", "")] = int(sample.value)
             elif sample.name in _COPY_FIGURES and sample.labels.get("shard", "").isdigit():
                 copies.setdefault(int(sample.labels["shard"]), {})[_COPY_FIGURES[sample.name]] = int(sample.value)
             elif sample.name == M.STALENESS + "_bucket":
@@ -93,6 +105,12 @@ def parse(text: str) -> Figures:
         bytes_in=integer(M.TRANSPORT_BYTES_IN + "_total"),
         bytes_out=integer(M.TRANSPORT_BYTES_OUT + "_total"),
         copies=copies or None,
+        degraded_reason=degraded[0] if degraded else None,
+        degraded_message=degraded[1] if degraded else None,
+        rows_max=rows.get("max"),
+        row_budget=rows.get("budget"),
+        rows_refused=rows.get("refused"),
+        rows_evicted=rows.get("evicted"),
     )
 
 

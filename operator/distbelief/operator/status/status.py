@@ -24,6 +24,10 @@ PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"
 SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
 TERMINAL = (SUCCEEDED, FAILED)
 CONDITION_TYPES = ("Created", RUNNING, SUSPENDED, SUCCEEDED, FAILED)
+# Conditions that warn of something the job's phase does not say; once True they stay
+# (the pods that told may be gone), and the operator posts each as a Warning Event.
+MODEL_DEGRADED, ROW_BUDGET_REACHED = contract.MODEL_DEGRADED, "RowBudgetReached"
+WARNINGS = (MODEL_DEGRADED, ROW_BUDGET_REACHED)
 # Grace beyond maxDuration before the operator itself fails a job whose chief is silent.
 DEADLINE_GRACE_SECONDS = 60
 CHIEF_ENDED = "the chief ended the job"
@@ -212,6 +216,12 @@ def _conditions(previous: list[Mapping[str, Any]], verdict: tuple[str, str, str]
         wanted["ShardCountLocked"] = ("True", "ReshardingUnsupported", observed.shard_lock_message)
     if observed.partition_lock_message:
         wanted["PartitionCountLocked"] = ("True", "RepartitioningUnsupported", observed.partition_lock_message)
+    for kind, seen in ((MODEL_DEGRADED, _degraded(observed.figures)), (ROW_BUDGET_REACHED, _row_budget(observed.figures))):
+        before = _find(previous, kind)
+        if seen:
+            wanted[kind] = ("True", *seen)
+        elif before is not None and before.get("status") == "True":
+            wanted[kind] = ("True", before.get("reason", ""), before.get("message", ""))
     conditions = []
     for kind, (state, why, text) in wanted.items():
         before = _find(previous, kind)
@@ -220,6 +230,26 @@ def _conditions(previous: list[Mapping[str, Any]], verdict: tuple[str, str, str]
                            "lastTransitionTime": timestamp(now) if changed else before["lastTransitionTime"],
                            "observedGeneration": generation})
     return conditions
+
+
+def _degraded(figures: Figures) -> tuple[str, str] | None:
+    """The chief's verdict on an ended job's model, as (reason, message)."""
+    if not figures.degraded_reason:
+        return None
+    return figures.degraded_reason, figures.degraded_message or figures.degraded_reason
+
+
+def _row_budget(figures: Figures) -> tuple[str, str] | None:
+    """(reason, message) once a shard refused or evicted rows for want of room in its budget."""
+    refused, evicted = figures.rows_refused or 0, figures.rows_evicted or 0
+    if not refused and not evicted:
+        return None
+    budget = f"a shard reached its row budget of {figures.row_budget or 0:,} rows " \
+             f"(spec.model.embeddings.maxRowsPerShard)"
+    if refused:
+        return "RowsRefused", f"{budget}: {refused:,} new rows refused, their gradients dropped; raise the " \
+            "budget (and the shards' memory limit), or set expireAfterSeconds to evict idle rows"
+    return "RowsEvicted", f"{budget}: {evicted:,} rows evicted, those pushed to least recently first"
 
 
 def _find(conditions: list[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:

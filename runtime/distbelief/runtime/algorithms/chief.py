@@ -7,6 +7,14 @@ parameters, scores them on the held-out set, appends the figures to history.json
 checks the stopping rules. When one holds it sends DONE to every shard (each writes a
 final checkpoint and tells its replicas to stop) and writes result.json.
 
+It keeps the held-out record (quality.py: the best evaluation, and where the held-out loss
+diverged) and judges it when the job ends: a model that ended at chance, far below its own
+best, or with a diverged loss is degraded, which result.json and the metric
+distbelief_model_degraded say (the job's condition ModelDegraded), and with
+spec.training.failOnDegraded the job fails. With spec.training.keepBest the parameters of
+each new best evaluation are saved as params-best.npz. With embeddings it also reads every
+shard's row figures (its rows, budget, refused and evicted rows) at each evaluation.
+
 How the parameters are pulled and scored is a Scorer's: WholeModel pulls every shard's
 slice into one vector (a partitioned model's scorer holds one stage at a time instead,
 pipeline/evaluation.py).
@@ -25,6 +33,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from distbelief.runtime import contract, errors, jobspec
+from distbelief.runtime.algorithms.quality import HeldOutRecord, degradation
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset
@@ -126,10 +135,17 @@ class WholeModel:
 class Chief:
     def __init__(self, *, group: ShardGroup, scorer: Scorer, rules: StoppingRules, eval_every: float,
                  output_dir: str, start_time: float, metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
-                 optimiser_state: Callable[[], dict | None] = lambda: None, copies: bool = False) -> None:
-        """copies: the shards have backups, whose state each evaluation also reports."""
+                 optimiser_state: Callable[[], dict | None] = lambda: None, copies: bool = False,
+                 record: HeldOutRecord | None = None, keep_best: bool = False, fail_on_degraded: bool = False,
+                 rows: bool = False) -> None:
+        """copies: the shards have backups, whose state each evaluation also reports; record:
+        the held-out record to keep (two classes, chance 0.5 when not given); keep_best and
+        fail_on_degraded: spec.training's; rows: the shards hold embedding rows, whose
+        figures each evaluation also reads."""
         self.group, self.scorer, self.rules = group, scorer, rules
-        self.copies = copies
+        self.copies, self.rows = copies, rows
+        self.record = record or HeldOutRecord(two_classes=True, chance=0.5)
+        self.keep_best, self.fail_on_degraded = keep_best, fail_on_degraded
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
         self.training = training  # shard 0's training figures (examples, examples/s, train loss, replicas)
@@ -182,8 +198,12 @@ class Chief:
         step, loss, accuracy, auc = score.step, score.loss, score.accuracy, score.auc
         elapsed = time.time() - self.start_time
         self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
+        if self.record.observe(step, loss, accuracy, auc) and self.keep_best:
+            self.scorer.save(os.path.join(self.output_dir, contract.BEST_PARAMS_FILE))
         if self.copies:
             self._record_copies()
+        if self.rows:
+            self._record_rows()
         verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed,
                                      converged=self._converged())
         if verdict is None:
@@ -213,16 +233,41 @@ class Chief:
             self.metrics.shard_primary.labels(shard=str(shard)).set(stats.get("copy", 0))
             self.metrics.shard_failovers.labels(shard=str(shard)).set(stats.get("failovers", 0))
 
+    def _record_rows(self) -> None:
+        """Every shard's embedding rows: the fullest shard's, the budget, and the rows refused
+        and evicted for want of room, over all shards."""
+        stats = [s for s in self.group.stats() if "rows" in s]
+        if not stats:
+            return
+        figures = {"max": max(s["rows"] for s in stats), "budget": max(s.get("rowBudget", 0) for s in stats),
+                   "refused": sum(s.get("rowsRefused", 0) for s in stats),
+                   "evicted": sum(s.get("rowsEvicted", 0) for s in stats)}
+        for figure, value in figures.items():
+            self.metrics.rows.labels(figure=figure).set(value)
+
     def _finish(self, reason: str, outcome: str, *, step: int, loss: float, accuracy: float, elapsed: float,
                 auc: float | None) -> None:
+        held_out = self.record.as_dict()
+        degraded = degradation(held_out)
+        if degraded:
+            self.metrics.degraded.labels(reason=degraded[0], message=degraded[1]).set(1)
+            log.warning("event=model_degraded reason=%s message=%r", *degraded)
+            if self.fail_on_degraded:
+                reason, outcome = contract.MODEL_DEGRADED, FAILED
         self.metrics.finished.labels(reason=reason, outcome=outcome).set(1)
         examples = self.training()["examples"]
-        result = {"phase": outcome, "reason": reason, "globalStep": step, "loss": loss, "accuracy": accuracy,
+        result = {"phase": outcome, "reason": reason, "globalStep": step,
+                  "loss": loss if np.isfinite(loss) else None, "accuracy": accuracy,
                   "examples": examples, "examplesPerSecond": examples / elapsed if elapsed > 0 else 0.0,
-                  "trainingSeconds": round(elapsed, 3), "finishedAt": time.time(),
+                  "trainingSeconds": round(elapsed, 3), "finishedAt": time.time(), "heldOut": held_out,
                   **{k: v for k, v in self.more_figures().items() if k == "epoch"}}
         if auc is not None:
             result["auc"] = auc
+        if degraded:
+            result["degraded"] = {"reason": degraded[0], "message": degraded[1]}
+        if self.keep_best and os.path.exists(os.path.join(self.output_dir, contract.BEST_PARAMS_FILE)):
+            result["best"] = {"step": held_out["bestStep"], held_out["metric"]: held_out["best"],
+                              "params": contract.BEST_PARAMS_FILE}
         state = self.optimiser_state()
         if state:
             result["objective"] = state.get("objective")  # the training objective L-BFGS reached

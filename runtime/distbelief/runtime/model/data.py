@@ -6,10 +6,11 @@ Sources (spec.data.source):
     synthetic:features=F,classes=C,samples=N[,seed=S]
                                         Gaussian inputs labelled by a fixed random linear
                                         teacher: learnable, any size, no download
-    synthetic-ctr:fields=F,ids=N,samples=S[,zipf=A][,seed=K]
+    synthetic-ctr:fields=F,ids=N,samples=S[,zipf=A][,seed=K][,missing=P]
                                         click-style data: per field an id in 0..N-1 drawn
-                                        Zipf(A) (rank 0 the most common), labels 0/1 drawn
-                                        from a planted logistic model over per-id weights
+                                        Zipf(A) (rank 0 the most common), a share P of them
+                                        missing (-1), labels 0/1 drawn from a planted
+                                        logistic model over per-(field, id) weights
     npz:/path/file.npz                  y (n,) integer labels, with x (n, features) and/or
                                         ids (n, fields) int64 categorical ids, -1 = missing
     parquet:, csv:, npy: and npz: globs many files, by column (files.py)
@@ -36,6 +37,7 @@ from distbelief.runtime.wire import rowkeys
 MAX_ID = 1 << 56  # ids share a 63-bit key with their field's number (embedding.keys)
 DIGITS = "builtin:digits"
 DIGITS_MAX = 16.0  # the digits' pixel intensities run 0..16
+MISSING_STREAM = 7  # synthetic-ctr's missing ids come from the generator seeded [seed, MISSING_STREAM]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,12 @@ class Dataset:
     @property
     def n_features(self) -> int:
         return int(self.x_train.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """The memory its arrays hold."""
+        arrays = (self.x_train, self.y_train, self.x_test, self.y_test, self.ids_train, self.ids_test)
+        return sum(a.nbytes for a in arrays if a is not None)
 
 
 def load(spec: jobspec.Data) -> Dataset:
@@ -150,6 +158,13 @@ def _synthetic(text: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _synthetic_ctr(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ids, y, _ = synthetic_ctr(text)
+    return np.zeros((len(y), 0), np.float32), y, ids
+
+
+def synthetic_ctr(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A synthetic-ctr: source body's ids, labels, and the planted model's logit of each
+    example (what the best possible model would score: the benchmarks' reference)."""
     p, problems = contract.ctr_params(text)
     if problems:
         raise errors.ConfigError(f"spec.data.source: {'; '.join(problems)}")
@@ -159,9 +174,15 @@ def _synthetic_ctr(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # The planted model: a weight per (field, id), uniform with a logit spread of about 2.
     salted = ids + (np.arange(fields, dtype=np.int64) << 48)[None, :]
     unit = (rowkeys.mix(salted ^ seed) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
-    logits = ((unit * 2 - 1) * 2.0 * np.sqrt(3.0 / fields)).sum(axis=1)
+    weights = (unit * 2 - 1) * 2.0 * np.sqrt(3.0 / fields)
+    if p["missing"] > 0:
+        # A stream of its own, so that the ids present and the label draws are those of the
+        # same source without missing ids; a missing id adds nothing to the planted logit.
+        gone = np.random.default_rng([seed, MISSING_STREAM]).random((samples, fields)) < p["missing"]
+        ids[gone], weights[gone] = -1, 0.0
+    logits = weights.sum(axis=1)
     y = (rng.random(samples) < 1 / (1 + np.exp(-logits))).astype(np.int64)
-    return np.zeros((samples, 0), np.float32), y, ids
+    return ids, y, logits
 
 
 def _zipf_ranks(u: np.ndarray, n: int, a: float) -> np.ndarray:

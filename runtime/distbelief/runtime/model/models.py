@@ -181,16 +181,26 @@ class Mlp:
     def backward(self, params: np.ndarray, batch: Batch, out: np.ndarray | None = None, *,
                  input_grad: bool = False) -> tuple[float, np.ndarray, np.ndarray | None]:
         """loss, its gradient w.r.t. params, and (with input_grad) w.r.t. the inputs x."""
+        loss, grad, delta, _ = self.backward_offset(params, batch, None, out, input_grad=input_grad)
+        return loss, grad, delta
+
+    def backward_offset(self, params: np.ndarray, batch: Batch, offset: np.ndarray | None,
+                        out: np.ndarray | None = None, *,
+                        input_grad: bool = False) -> tuple[float, np.ndarray, np.ndarray | None, np.ndarray]:
+        """backward() of the network whose logits get `offset` [n, classes] added (a wide
+        part's, embedding.py); also returns d(loss)/d(logits), which is d(loss)/d(offset)."""
         x, y = batch
         layers = self._layers(params)
         grad = np.empty_like(params) if out is None else out
         grads = self._layers(grad)
         activations = self.forward_layers(layers, x)
-        delta = activations.pop()
-        loss = softmax_cross_entropy_inplace(delta, y)  # delta now holds d(loss)/d(logits)
-        delta = self.backward_layers(layers, grads, activations, delta, input_grad=input_grad)
+        logit_grad = activations.pop()
+        if offset is not None:
+            logit_grad += offset
+        loss = softmax_cross_entropy_inplace(logit_grad, y)  # now d(loss)/d(logits)
+        delta = self.backward_layers(layers, grads, activations, logit_grad, input_grad=input_grad)
         loss += self.add_l2(layers, grads)
-        return loss, grad, delta
+        return loss, grad, delta, logit_grad
 
     def predict(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
         return np.argmax(self._logits(self._layers(params), x), axis=1)

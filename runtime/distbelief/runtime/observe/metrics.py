@@ -48,6 +48,10 @@ class ShardMetrics:
         self.stale = counter("distbelief_stale_pushes", "Pushes not applied: older than maxStaleness updates")
         self.staleness_max = gauge(M.STALENESS_MAX, "Largest staleness of an applied update")
         self.non_finite = counter("distbelief_non_finite_states", "Times the state held a non-finite value and was restored")
+        self.rows = gauge(M.ROWS, "Embedding rows this shard holds")
+        self.row_budget = gauge(M.ROW_BUDGET, "The most embedding rows this shard may hold (0: no budget)")
+        self.rows_refused = counter(M.ROWS_REFUSED, "Embedding rows not created for want of room in the budget")
+        self.rows_evicted = counter(M.ROWS_EVICTED, "Embedding rows evicted to make room in the budget")
         self.restarts = gauge("distbelief_restarts", "Times this shard restarted from a checkpoint")
         self.checkpoint_step = gauge(M.CHECKPOINT_STEP, "Step of the newest checkpoint")
         self.checkpoint_time = gauge(M.CHECKPOINT_TIME, "When the newest checkpoint was written")
@@ -105,12 +109,18 @@ class ChiefMetrics:
         self.evaluated_step = prom.Gauge("distbelief_evaluated_step", "Global step of the last evaluation", registry=registry)
         self.finished = prom.Gauge(M.JOB_FINISHED, "1 once the chief has ended the job",
                                    ["reason", "outcome"], registry=registry)
+        self.degraded = prom.Gauge(M.MODEL_DEGRADED, "1 once the chief judged the ended job's model degraded",
+                                   ["reason", "message"], registry=registry)
         # each shard's copies as its primary reports them (jobs with backups only)
         self.shard_copies = prom.Gauge(M.SHARD_COPIES, "Copies of the shard in sync, primary included", ["shard"],
                                        registry=registry)
         self.shard_primary = prom.Gauge(M.SHARD_PRIMARY, "Copy rank of the shard's primary", ["shard"], registry=registry)
         self.shard_failovers = prom.Gauge(M.SHARD_FAILOVERS, "Times a backup of the shard took over", ["shard"],
                                           registry=registry)
+        # every shard's embedding rows, as each reports them (jobs with embeddings only): max (the
+        # fullest shard's), budget (a shard's; 0: none), refused and evicted (all shards')
+        self.rows = prom.Gauge(M.JOB_ROWS, "The shards' embedding rows and their budget, by figure", ["figure"],
+                               registry=registry)
 
 
 class DispenserMetrics:

@@ -16,6 +16,7 @@ import os
 from distbelief.runtime import contract, errors
 from distbelief.runtime.algorithms import interface, registry
 from distbelief.runtime.algorithms.chief import Chief, Scorer, StoppingRules, WholeModel
+from distbelief.runtime.algorithms.quality import HeldOutRecord, chance_level
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
 from distbelief.runtime.observe.metrics import ChiefMetrics, MetricsServer, ShardMetrics
 from distbelief.runtime.model.job import Job
@@ -106,10 +107,15 @@ def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interf
     else:
         scorer = StagedModel(job.plan, [ctx.group(job.stage_shards(k), group.stop) for k in range(len(job.plan.stages))],
                              job.dataset, max_eval)
+    two_classes = job.dataset.n_classes == 2
+    record = HeldOutRecord(two_classes=two_classes, chance=chance_level(job.dataset.y_test[:max_eval], two_classes))
+    record.replay(os.path.join(output_dir, contract.HISTORY_FILE))
     chief = Chief(group=group, scorer=scorer, rules=StoppingRules.of(training),
                   eval_every=training.eval_every_seconds, output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
-                  optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1)
+                  optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1, record=record,
+                  keep_best=training.keep_best, fail_on_degraded=training.fail_on_degraded,
+                  rows=job.spec.model.embeddings is not None)
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()

@@ -19,8 +19,11 @@ from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.model.job import Job
 from distbelief.runtime.params.dense import DenseSlice
-from distbelief.runtime.params.rows.sparse import SparseRows
+from distbelief.runtime.params.rows.sparse import SparseRows, row_budget
 from distbelief.runtime.shard.core import Shard
+
+
+OPTIMIZER_ARRAYS = 4  # a dense slice's arrays: parameters, optimizer state, a clipped copy, a pulled copy
 
 
 def attach(shard: Shard, job: Job) -> DenseSlice:
@@ -31,13 +34,27 @@ def attach(shard: Shard, job: Job) -> DenseSlice:
                        max_staleness=training.max_staleness, wire_format=job.spec.parameter_servers.wire_format)
     shard.attach(dense)
     shard.watch_updates(DownpourUpdates(shard, warmstart_steps=training.warmstart_steps))
-    options = job.spec.model.embeddings
-    if isinstance(job.model, EmbeddingModel) and options is not None:
-        shard.attach(SparseRows(shard, dim=job.model.dim, learning_rate=training.learning_rate,
-                                seed=training.seed, admit_after=options.admit_after,
-                                expire_after=options.expire_after_seconds,
-                                max_gradient_norm=training.max_gradient_norm))
+    if isinstance(job.model, EmbeddingModel):
+        shard.attach(sparse_rows(shard, job, dense.params.nbytes))
     return dense
+
+
+def sparse_rows(shard: Shard, job: Job, dense_bytes: int) -> SparseRows:
+    """The shard's embedding rows as spec.model.embeddings and spec.training ask."""
+    options, training = job.spec.model.embeddings, job.spec.training
+    assert options is not None and isinstance(job.model, EmbeddingModel)
+    rows = SparseRows(shard, dim=job.model.width, learning_rate=training.learning_rate, seed=training.seed,
+                      admit_after=options.admit_after, expire_after=options.expire_after_seconds,
+                      max_gradient_norm=training.max_gradient_norm, wide=job.model.wide, l2=options.l2,
+                      wide_l2=options.wide_l2, embed_after=options.embed_after,
+                      push_examples=training.batch_size * training.push_every, fields=job.dataset.fields)
+    budget = options.max_rows_per_shard
+    if budget is None:
+        budget = row_budget(job.spec.parameter_servers.memory_limit, rows.table.row_bytes(),
+                            job.dataset.nbytes + OPTIMIZER_ARRAYS * dense_bytes)
+    rows.table.max_rows = budget
+    shard.metrics.row_budget.set(budget or 0)
+    return rows
 
 
 def replica(ctx: ReplicaContext) -> ReplicaLoop:

@@ -39,9 +39,9 @@ class SparseWorker(Worker):
         if dataset.ids_train is None:
             raise errors.ConfigError("spec.model.embeddings: the data has no ids")
         self.embedding, self.dataset, self.ids = model, dataset, dataset.ids_train
-        self.rows = RowClient(group, model.dim)
-        self.held = HeldRows(model.dim)
-        self.unpushed = RowGradients(model.dim)
+        self.rows = RowClient(group, model.width)
+        self.held = HeldRows(model.width)
+        self.unpushed = RowGradients(model.width)
         self.indices = batch_indices(len(dataset.y_train), settings.batch_size, self.rng)
 
     def _gradient(self, out: np.ndarray) -> tuple[float, int]:
@@ -118,11 +118,12 @@ class RowGradients:
 
 
 def held_out_inputs(model: EmbeddingModel, group: ShardGroup, x: np.ndarray, ids: np.ndarray) -> HeldOut:
-    """For the chief: the MLP and its held-out inputs, with the rows as the shards hold them now."""
+    """For the chief: the model to score and its held-out inputs, with the rows as the shards
+    hold them now."""
     keys, index = model.keys(ids)
-    client = RowClient(group, model.dim)
+    client = RowClient(group, model.width)
 
     def inputs() -> tuple[models.Model, np.ndarray]:
         rows, _ = client.pull(keys)
-        return model.mlp, model.inputs(x, rows, index)
+        return model.held_out(x, rows, index)
     return inputs

@@ -3,7 +3,9 @@ and deltas beyond.
 
 A row costs (dim + 5) x 4 bytes in a checkpoint: its values, its Adagrad accumulator, the
 second of its last push, and its key as three exact 21-bit float32 parts (checkpoints hold
-float32 arrays only). While a shard's rows take at most FULL_WRITE_BYTES (256 MiB: 3.2M
+float32 arrays only); with the wide part 4 bytes more (its accumulator), with L2 4 more
+(the step of its last push, exact in float32 up to step 2**24 and within 2**-24 of it
+beyond) and with embedAfter > 1 4 more (its occurrences so far). While a shard's rows take at most FULL_WRITE_BYTES (256 MiB: 3.2M
 rows at dim 16), every checkpoint holds the whole table among the shard's arrays. Beyond
 it, the rows go to files of their own in <checkpoint folder>/rows/:
 
@@ -29,17 +31,21 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from distbelief.runtime import errors
+from distbelief.runtime.params.rows import rowtable
 from distbelief.runtime.params.rows.rowtable import RowTable
 from distbelief.runtime.shard import checkpoint
 
 log = logging.getLogger(__name__)
 
 FULL_WRITE_BYTES = 256 << 20
+# The optional per-row arrays (rowtable.py) by their names in checkpoints.
+EXTRA = {"wideAccumulators": rowtable.WIDE_ACCUMULATORS, "stepped": rowtable.STEPPED,
+         "occurrences": rowtable.OCCURRENCES}
 MAX_DELTAS = 8
 FOLDER, SUFFIX = "rows", ".rows"
 STATE_PREFIX = "sparse."
@@ -54,7 +60,7 @@ class RowCheckpoints:
                  full_write_bytes: int = FULL_WRITE_BYTES) -> None:
         self.table, self.main_folder, self.folder = table, folder, os.path.join(folder, FOLDER)
         self.shard, self.layout = shard, layout
-        self.full_write_rows = max(1, full_write_bytes // ((table.dim + 5) * 4))
+        self.full_write_rows = max(1, full_write_bytes // ((table.dim + 5 + len(EXTRA)) * 4))
         self.chain: list[dict[str, Any]] = []  # base first, then its deltas
 
     def rows_dropped(self) -> None:
@@ -137,7 +143,8 @@ class RowCheckpoints:
             names = [STATE_PREFIX + field for field in ("keys", "values", "accumulators", "touched")]
             if names[1] in ckpt.arrays:
                 self.table.load(*rows_of([ckpt.arrays[n] for n in names], self.table.dim,
-                                         float(ckpt.meta.get("sparseTouchBase", 0.0))))
+                                         float(ckpt.meta.get("sparseTouchBase", 0.0))),
+                                extra=extra_of(ckpt.arrays, STATE_PREFIX))
             else:  # written before the job had embeddings: the table starts empty
                 self.table.load(*rows_of([np.empty(0, np.float32)] * 4, self.table.dim, 0.0))
         else:
@@ -146,7 +153,7 @@ class RowCheckpoints:
                 part = self._read(entry, ckpt.step, "base" if position == 0 else "delta")
                 rows = rows_of([part.arrays[n] for n in ("keys", "values", "accumulators", "touched")],
                                self.table.dim, float(part.meta.get("touchBase", 0.0)))
-                (self.table.load if position == 0 else self.table.put)(*rows)
+                (self.table.load if position == 0 else self.table.put)(*rows, extra=extra_of(part.arrays))
         self.chain = [dict(entry) for entry in chain or []]
         return self.table.n  # no row is dirty: load() clears the flags and put() sets none
 
@@ -173,8 +180,18 @@ def row_arrays(table: RowTable, rows: slice | np.ndarray) -> tuple[dict[str, np.
     """Some rows of a table as float32 arrays, and the second their last-push times count from."""
     touched = table.touched[rows]
     base = float(touched.min()) if touched.size else 0.0
-    return {"keys": key_parts(table.keys[rows]), "values": table.values[rows],
-            "accumulators": table.accumulators[rows], "touched": (touched - base).astype(np.float32)}, base
+    arrays = {"keys": key_parts(table.keys[rows]), "values": table.values[rows],
+              "accumulators": table.accumulators[rows], "touched": (touched - base).astype(np.float32)}
+    for name, attribute in EXTRA.items():
+        array = getattr(table, attribute)
+        if array is not None:
+            arrays[name] = array[rows].astype(np.float32)
+    return arrays, base
+
+
+def extra_of(arrays: Mapping[str, np.ndarray], prefix: str = "") -> dict[str, np.ndarray]:
+    """The optional per-row arrays a checkpoint holds, by the table's names for them."""
+    return {attribute: arrays[prefix + name] for name, attribute in EXTRA.items() if prefix + name in arrays}
 
 
 def rows_of(arrays: list[np.ndarray], dim: int, touch_base: float) -> tuple[np.ndarray, ...]:

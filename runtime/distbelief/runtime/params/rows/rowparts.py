@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.params.rows.rowtable import COUNTERS, RowTable
+from distbelief.runtime.params.rows.rowtable import COUNTERS, OPTIONAL_ARRAYS, RowTable
 from distbelief.runtime.wire.rowkeys import mix
 
 PART_BYTES = 2 << 20
@@ -71,6 +71,9 @@ class PartIndex:
 def read(table: RowTable, index: PartIndex, part: int) -> dict[str, np.ndarray]:
     rows = index.rows(table, part)
     arrays = {name: getattr(table, name)[rows] for name in ROW_ARRAYS}  # fancy indexing: copies
+    for name in OPTIONAL_ARRAYS:  # the wide part's accumulators, L2's steps, embedAfter's counts
+        if getattr(table, name) is not None:
+            arrays[name] = getattr(table, name)[rows]
     if table.counts is not None:
         arrays["counters"] = table.counts[counter_range(part, index.bits)].copy()
     return arrays
@@ -86,7 +89,10 @@ def write(table: RowTable, part: int, bits: int, arrays: dict[str, np.ndarray]) 
         raise errors.ProtocolError(f"part {part}: {n} keys with rows of shape {arrays['values'].shape}")
     if n and (parts_of(keys, bits) != part).any():
         raise errors.ProtocolError(f"part {part} carries keys of other parts")
-    table.put(keys.astype(np.int64), arrays["values"], arrays["accumulators"], arrays["touched"])
+    extra = {name: arrays[name] for name in OPTIONAL_ARRAYS if name in arrays}
+    if any(extra[name].shape != (n,) for name in extra):
+        raise errors.ProtocolError(f"part {part}: {n} keys with {({k: v.shape for k, v in extra.items()})}")
+    table.put(keys.astype(np.int64), arrays["values"], arrays["accumulators"], arrays["touched"], extra)
     if table.counts is not None:
         counters = arrays.get("counters")
         target = table.counts[counter_range(part, bits)]

@@ -13,6 +13,14 @@ keys_per_request(dim) per shard and request, unique, each owned by the shard it 
 rows in the float32 array frame (count x dim). Sparse pushes do not advance the shard's
 step: in a job with embeddings the dense push that follows them does.
 
+Bounds. A push comes from a replica's minibatches: pushEvery steps of batchSize examples,
+one id per field each. So a key occurs at most batchSize x pushEvery times in one push, and
+a push carries at most that times the fields keys: occurrence counts declared beyond are
+cut to it (what admission counts is never more than a batch could hold), and a push with
+more keys is refused. The table has a row budget (spec.model.embeddings.maxRowsPerShard,
+rowtable.py): a holder of the replicas' key can fill it, never grow it, and what the budget
+refuses or evicts is counted (metrics, STATS and the job's condition RowBudgetReached).
+
 Checkpoints: rowcheckpoint.py (the whole table up to FULL_WRITE_BYTES per shard, a base
 and deltas of the rows pushed since beyond it). With admitAfter > 1 the admission
 counters (4 MiB) are saved in every checkpoint too.
@@ -29,7 +37,7 @@ from typing import Any, ClassVar, Mapping, Self
 
 import numpy as np
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.params.rows import rowparts
 from distbelief.runtime.params.rows.rowcheckpoint import FULL_WRITE_BYTES, STATE_PREFIX, RowCheckpoints
 from distbelief.runtime.params.rows.rowtable import RowTable
@@ -46,8 +54,21 @@ MAX_KEYS = 1 << 18          # keys in one request to one shard
 MAX_ROW_VALUES = 1 << 24    # float32 values of rows in one request (64 MiB): fewer keys when dim is large
 KEY_BITS = 63
 EXPIRY_CHECKS = 8           # look for expired rows this many times per expireAfterSeconds
+PROCESS_BYTES = 256 << 20   # a shard process before its data and parameters (interpreter, numpy, ZeroMQ, buffers)
+MIN_BUDGET = 1024           # the smallest row budget (spec.model.embeddings.maxRowsPerShard's minimum)
 KEY_DTYPE = np.dtype("<i8")
 OCCURRENCE_DTYPE = np.dtype("<u4")
+
+
+def row_budget(memory_limit: str | None, row_bytes: float, other_bytes: int) -> int | None:
+    """The rows a shard may hold under its memory limit (spec.parameterServers.resources.limits.memory):
+    half of what the process (PROCESS_BYTES) and other_bytes (its data set, its dense slice)
+    leave, since restoring a checkpoint holds the table twice for a moment; at least
+    MIN_BUDGET. None without a limit."""
+    if not memory_limit:
+        return None
+    left = int(jobspec.quantity(memory_limit)) - PROCESS_BYTES - other_bytes
+    return max(MIN_BUDGET, int(left / 2 / row_bytes))
 
 
 def keys_per_request(dim: int) -> int:
@@ -129,10 +150,20 @@ class SparseRows:
 
     def __init__(self, shard: Shard, *, dim: int, learning_rate: float, seed: int, admit_after: int = 1,
                  expire_after: float | None = None, max_gradient_norm: float = float("inf"),
-                 full_write_bytes: int = FULL_WRITE_BYTES) -> None:
+                 full_write_bytes: int = FULL_WRITE_BYTES, wide: int = 0, l2: float = 0.0,
+                 wide_l2: float = 0.0, embed_after: int = 1, max_rows: int | None = None,
+                 push_examples: int | None = None, fields: int | None = None) -> None:
+        """dim: values per row, the last `wide` of them the wide part (rowtable.py);
+        push_examples: the most examples behind one push (batchSize x pushEvery), and fields:
+        the ids per example, which bound what a push may declare (None: unbounded)."""
         self.shard = shard
         self.table = RowTable(dim, learning_rate=learning_rate, seed=seed, admit_after=admit_after,
-                              expire_after=expire_after)
+                              expire_after=expire_after, wide=wide, l2=l2, wide_l2=wide_l2,
+                              embed_after=embed_after, max_rows=max_rows)
+        self.push_examples = push_examples
+        self.push_keys = None if push_examples is None or fields is None else push_examples * fields
+        shard.metrics.row_budget.set(max_rows or 0)
+        shard.watch_updates(RowFigures(self.table))
         self.saved = RowCheckpoints(self.table, shard.settings.checkpoint_dir, shard=shard.index,
                                     layout=shard.layout.hash, full_write_bytes=full_write_bytes)
         self.max_gradient_norm = np.float32(min(max_gradient_norm, np.finfo(np.float32).max))
@@ -166,14 +197,31 @@ class SparseRows:
         if grads is None or grads.size != keys.size * self.dim:
             raise errors.ProtocolError(f"a sparse push of {keys.size} keys must carry {keys.size * self.dim} "
                                        f"float32 values, got {message.header.count}")
+        if self.push_keys is not None and keys.size > self.push_keys:
+            raise errors.ProtocolError(f"a sparse push of {keys.size} keys, more than a push's examples can hold "
+                                       f"({self.push_keys}: batchSize x pushEvery x fields)")
+        occurrences = message.meta.occurrences
+        if self.push_examples is not None:  # an id occurs at most once an example
+            occurrences = np.minimum(occurrences, self.push_examples)
         now = time.time()
-        grads, occurrences = grads.reshape(keys.size, self.dim), message.meta.occurrences
+        grads = grads.reshape(keys.size, self.dim)
         if self._receiving is not None:  # a copy catching up: only the parts it holds
             keep = self._receiving.keep(keys)
             keys, grads, occurrences = keys[keep], grads[keep], occurrences[keep]
-        self.table.update(keys, self._bounded(grads), now, occurrences)
+        t = self.table
+        refused, evicted = t.refused, t.evicted
+        t.update(keys, self._bounded(grads), now, occurrences, step=self.shard.step)
+        if t.evicted > evicted:
+            self.saved.rows_dropped()
+            self.shard.metrics.rows_evicted.inc(t.evicted - evicted)
+        if t.refused > refused:
+            self.shard.metrics.rows_refused.inc(t.refused - refused)
+            if not refused:
+                log.warning("event=row_budget_reached shard=%d rows=%d budget=%d consequence=new_rows_refused",
+                            self.shard.index, t.n, t.max_rows)
         if now >= self._next_expiry:
             self._expire(now)
+        self.shard.metrics.rows.set(t.n)
         return Answer()
 
     def _owned(self, keys: np.ndarray) -> np.ndarray:
@@ -263,16 +311,40 @@ class SparseRows:
         t = self.table
         if t.counts is not None:  # capped at admitAfter (<= 1e6): exact in float32
             arrays[STATE_PREFIX + "admission"] = np.minimum(t.counts, t.admit_after).astype(np.float32)
-        return arrays, {**meta, "sparseDim": self.dim}
+        return arrays, {**meta, "sparseDim": self.dim, "sparseWide": self.table.wide}
 
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
-        saved_dim = int(ckpt.meta.get("sparseDim", self.dim))
-        if saved_dim != self.dim:
+        saved = (int(ckpt.meta.get("sparseDim", self.dim)), int(ckpt.meta.get("sparseWide", 0)))
+        if saved != (self.dim, self.table.wide):
             raise errors.ConfigError(
                 f"shard {self.shard.index}: the checkpoints in {self.shard.settings.checkpoint_dir} hold embedding "
-                f"rows of dim {saved_dim}, the job asks for spec.model.embeddings.dim {self.dim}")
+                f"rows of {_row_shape(*saved)}, and this job's rows are {_row_shape(self.dim, self.table.wide)} "
+                "(spec.model.embeddings.dim and .wide)")
+        self.table.step = ckpt.step  # rows saved without the step of their last push count from here
         n = self.saved.restore(ckpt)
         counts = ckpt.arrays.get(STATE_PREFIX + "admission")
         if self.table.counts is not None and counts is not None and counts.size == self.table.counts.size:
             self.table.counts[...] = counts
         log.info("event=rows_restored shard=%d rows=%d", self.shard.index, n)
+
+
+def _row_shape(values: int, wide: int) -> str:
+    return f"{values - wide} embedding values" + (f" and {wide} wide" if wide else " (no wide part)")
+
+
+class RowFigures:
+    """The table's figures in the shard's STATS (plugin.UpdateHook; it admits every replica):
+    what the chief reads of every shard to tell the job's condition RowBudgetReached."""
+
+    def __init__(self, table: RowTable) -> None:
+        self.table = table
+
+    def admit(self, peer: tuple) -> bool:
+        return True
+
+    def applied(self, peer: tuple, header: protocol.Header, *, examples: int, loss: float) -> None:
+        pass
+
+    def figures(self) -> dict[str, Any]:
+        t = self.table
+        return {"rows": t.n, "rowBudget": t.max_rows or 0, "rowsRefused": t.refused, "rowsEvicted": t.evicted}
