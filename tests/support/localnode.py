@@ -5,7 +5,6 @@
     chart         the chart installed (the CRD), its operator Deployment scaled to 0
     operator      `distbelief operator` as a local process watching the test's namespace, with
                   the admin kubeconfig, reading the chief's metrics through the node's endpoint
-    eventually    eventually(predicate, timeout): poll until predicate() is truthy, return it
 
 They need what support/cluster.py needs, and skip or fail (CI=true) the same way.
 """
@@ -18,34 +17,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from support import controlplane
 from support.cluster import Kubectl, unavailable
+from support.paths import REPO
+from support.waiting import eventually
 
-REPO = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 # The test node offers more CPUs than a small CI machine has, so that the examples' CPU
 # requests fit it: the scheduler packs by requests, the processes share what there is.
 NODE_CPUS = "16"
 METRICS_URL = "http://127.0.0.1:{port}/api/v1/namespaces/{{namespace}}/pods/{{pod}}:{{port}}/proxy/metrics"
-
-
-def eventually(predicate: Callable[[], T], timeout: float, interval: float = 0.2, what: str = "") -> T:
-    """predicate()'s first truthy value within timeout seconds; AssertionError otherwise."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what or predicate}; last value {value!r}")
-        time.sleep(interval)
 
 
 @dataclasses.dataclass
