@@ -1,43 +1,20 @@
-"""The layering of docs/architecture.md, checked on the source: what may import what (the
-import-linter contracts in pyproject.toml), what each folder says it is for, which modules
-may use only the standard library, and how long a module may grow."""
+"""The layering of docs/architecture.md, checked on the import graph: the import-linter
+contracts of pyproject.toml hold (lint-imports, in a child process), they forbid the
+operator process every runtime folder but the dependency-free modules, and
+tools/import-graph prints the folders in layer order (the rest of the checks on the
+source: unit/test_source_layout.py)."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
-import pytest
 from support.paths import REPO
 
 RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
-OPERATOR = REPO / "operator" / "distbelief" / "operator"
-MAX_LINES = 400
 # The runtime modules the operator process may import: dependency-free, beside the layers.
 RUNTIME_FOR_THE_OPERATOR = {"contract", "jobspec", "keys", "keyfiles", "errors"}
-
-
-def imports(path: Path) -> set[str]:
-    """Every module a file imports, as dotted names (`from a import b` gives a and a.b)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
-
-
-def modules(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.py"))
-
-
-def packages(root: Path) -> list[Path]:
-    return sorted(p.parent for p in root.rglob("__init__.py"))
 
 
 def contracts() -> list[dict]:
@@ -73,38 +50,3 @@ def test_the_folder_graph_is_printed_in_layer_order_without_a_circle() -> None:
     assert runtime.index("runtime.roles") < runtime.index("runtime.algorithms") < runtime.index("runtime.shard") \
         < runtime.index("runtime.transport") < runtime.index("runtime.wire")
     assert len(runtime) <= 16
-
-
-@pytest.mark.parametrize("folder", packages(RUNTIME) + packages(OPERATOR),
-                         ids=lambda p: p.relative_to(REPO).as_posix())
-def test_every_folder_says_what_it_is_for(folder: Path) -> None:
-    docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8")))
-    assert docstring and len(docstring.split()) >= 15, f"{folder.relative_to(REPO)}/__init__.py has no docstring"
-
-
-def test_no_init_at_the_roots_of_the_namespace_package() -> None:
-    """operator/ must never be importable as Python's `operator`; distbelief is a namespace."""
-    for root in ("operator", "runtime", "operator/distbelief", "runtime/distbelief"):
-        assert not (REPO / root / "__init__.py").exists(), f"{root}/__init__.py"
-
-
-@pytest.mark.parametrize("path", [RUNTIME / "contract.py", RUNTIME / "jobspec.py", RUNTIME / "errors.py",
-                                  OPERATOR / "errors.py"], ids=lambda p: p.relative_to(REPO).as_posix())
-def test_the_contract_the_typed_job_and_the_errors_need_only_the_standard_library(path: Path) -> None:
-    outside = {m for m in imports(path)
-               if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"
-               and not m.startswith("__future__.") and m not in ("distbelief.runtime", "distbelief.runtime.jobspec")}
-    assert not outside, f"{path.name} imports {sorted(outside)}"
-
-
-def test_no_runtime_or_operator_module_is_over_400_lines() -> None:
-    long = {p.relative_to(REPO).as_posix(): n for p in modules(RUNTIME) + modules(OPERATOR)
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
-
-
-def test_the_check_sees_a_violation(tmp_path: Path) -> None:
-    """The import reader finds both import forms, so the standard-library check can fail."""
-    sample = tmp_path / "sample.py"
-    sample.write_text("import zmq.utils\nfrom distbelief.runtime import errors\n")
-    assert {"zmq.utils", "distbelief.runtime", "distbelief.runtime.errors"} <= imports(sample)
