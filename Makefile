@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   creates .venv, runs examples/digits-mlp.yaml locally, shows the result
-#   make test   creates .venv, runs the whole test suite
+#   make test   creates .venv, runs the whole test suite (make test-unit: the unit tier alone)
 #
 # The project is installed into .venv as the wheel users get (never editable): the tests
 # import distbelief from site-packages, so a module the wheel leaves out fails them.
@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # Folders too: a deleted module changes its folder's time, and the wheel is built again.
 SOURCES := pyproject.toml README.md $(shell find operator runtime crds -not -path '*/__pycache__*' 2>/dev/null)
 
-.PHONY: demo test test-floors install venv kube-tools clean bench
+.PHONY: demo test test-unit test-floors install venv kube-tools clean bench
 
 # The dependencies (and the test tools), once per change of pyproject.toml.
 venv: $(VENV)/.deps
@@ -44,8 +44,13 @@ kube-tools: venv
 	PYTHON=$(PYTHON) tools/fetch-checkov >/dev/null
 	PYTHON=$(PYTHON) tools/fetch-moto >/dev/null
 
+# Every tier: tests/unit, tests/integration, tests/cluster, tests/chaos (README, "Running the tests").
 test: install kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q
+
+# The unit tier: no processes, no sockets (tests/unit/conftest.py refuses them), no kube tools.
+test-unit: install
+	$(BIN)/pytest -q tests/unit
 
 # The lowest versions pyproject.toml allows for every direct dependency, in a venv of
 # their own, and the tests marked `floors` against them (tools/test-floors).

@@ -91,7 +91,10 @@ def job_doc(plan: Plan) -> dict[str, Any]:
     data = {"source": "synthetic:features=64,classes=2,samples=2000,seed=1", "testFraction": 0.2}
     if plan.kind == "sparse":
         model = {"type": "mlp", "hiddenLayers": [1024], "activation": "relu",
-                 "embeddings": {"dim": ROW_DIM, "hashBuckets": 0, "admitAfter": 1}}
+                 # Plain rows (no wide part, no L2 decay, trained from the first push), so that a
+                 # row's value counts the pushes applied to it.
+                 "embeddings": {"dim": ROW_DIM, "hashBuckets": 0, "admitAfter": 1, "wide": False, "l2": 0.0,
+                                "embedAfter": 1}}
         data = {"source": "synthetic-ctr:fields=16,ids=1000,samples=2000,seed=1", "testFraction": 0.2}
     return {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND,
             "metadata": {"name": f"check-{plan.kind}"},

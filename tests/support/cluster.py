@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -36,8 +35,9 @@ import pytest
 
 from support import controlplane
 from support.chiefs import Chiefs
+from support.paths import REPO
+from support.ports import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "distbelief"
 RELEASE, RELEASE_NAMESPACE = "distbelief", "distbelief-system"
 CRD_NAME = "distbeliefjobs.distbelief.io"
@@ -236,12 +236,6 @@ def chart(helm: Callable[..., str], kubectl: Kubectl) -> str:
     return RELEASE_NAMESPACE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> None:
     """Send sig, wait for the end; SIGKILL after timeout seconds."""
     if process.poll() is None:
@@ -285,7 +279,7 @@ class Operator:
             "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}]}))
         self.kubeconfig.chmod(0o600)
         self.namespace = namespace
-        self.liveness = f"http://127.0.0.1:{_free_port()}/healthz"
+        self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
         self.log_path = folder / "operator.log"
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -34,8 +33,9 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from support.paths import REPO
+from support.ports import free_ports
 
-REPO = Path(__file__).resolve().parents[2]
 SHARED_SCRIPT = REPO.parent / "shared" / "kube" / "control-plane"
 REQUIRED = ("etcd", "kube-apiserver")
 HOW = ("set KUBEBUILDER_ASSETS to a folder holding etcd and kube-apiserver 1.36 (and kube-controller-manager "
@@ -64,16 +64,6 @@ def binaries() -> Path | None:
     return None
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 class ControlPlane:
     """The components as child processes, their state and logs under workdir."""
 
@@ -94,7 +84,7 @@ class ControlPlane:
 
     def start(self) -> "ControlPlane":
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
-        etcd_port, peer_port, api_port, kcm_port, sched_port = _free_ports(5)
+        etcd_port, peer_port, api_port, kcm_port, sched_port = free_ports(5)
         self._write_credentials()
         (self.dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
         etcd = f"http://127.0.0.1:{etcd_port}"

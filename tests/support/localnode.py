@@ -5,13 +5,13 @@
     chart         the chart installed (the CRD), its operator Deployment scaled to 0
     operator      `distbelief operator` as a local process watching the test's namespace, with
                   the admin kubeconfig, reading the chief's metrics through the node's endpoint
-    eventually    eventually(predicate, timeout): poll until predicate() is truthy, return it
 
 They need what support/cluster.py needs, and skip or fail (CI=true) the same way.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -21,31 +21,20 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator
 
 import pytest
+import yaml
 
 from support import controlplane
 from support.cluster import Kubectl, unavailable
+from support.paths import REPO
+from support.waiting import eventually
 
-REPO = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 # The test node offers more CPUs than a small CI machine has, so that the examples' CPU
 # requests fit it: the scheduler packs by requests, the processes share what there is.
 NODE_CPUS = "16"
 METRICS_URL = "http://127.0.0.1:{port}/api/v1/namespaces/{{namespace}}/pods/{{pod}}:{{port}}/proxy/metrics"
-
-
-def eventually(predicate: Callable[[], T], timeout: float, interval: float = 0.2, what: str = "") -> T:
-    """predicate()'s first truthy value within timeout seconds; AssertionError otherwise."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what or predicate}; last value {value!r}")
-        time.sleep(interval)
 
 
 @dataclasses.dataclass
@@ -139,3 +128,38 @@ def get(kubectl: Kubectl, *args: str) -> Any:
     """kubectl get ... -o json, None when absent."""
     done = kubectl.run("get", *args, "-o", "json")
     return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def apply(kubectl: Kubectl, namespace: str, *docs: dict[str, Any]) -> None:
+    kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
+
+
+def example(name: str, **changes: Any) -> dict[str, Any]:
+    """An example job made small: fewer steps and replicas, runs in seconds."""
+    doc = yaml.safe_load((REPO / "examples" / name).read_text())
+    job = copy.deepcopy(doc)
+    job["spec"]["training"].update(maxSteps=2000, maxDuration="2m")
+    job["spec"]["workers"]["replicas"] = 2
+    for path, value in changes.items():
+        node = job["spec"]
+        *parents, leaf = path.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return job
+
+
+def job_status(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any]:
+    return (get(kubectl, "dbj", name, "-n", namespace) or {}).get("status") or {}
+
+
+def finished(kubectl: Kubectl, namespace: str, name: str, operator_log: Path, since: float) -> dict[str, Any]:
+    """The job's status once Succeeded or Failed (the operator's log shown if it never is)."""
+    try:
+        status = eventually(lambda: (s := job_status(kubectl, namespace, name)).get("phase") in ("Succeeded", "Failed")
+                            and s, 120, interval=0.5, what=f"{name} finished")
+    except AssertionError:
+        print(operator_log.read_text()[-3000:])
+        raise
+    print(f"{name}: {status['phase']} {time.monotonic() - since:.1f} s after kubectl apply")
+    return status

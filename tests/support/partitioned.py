@@ -4,21 +4,19 @@ rendezvous, and pods of any partition (test_pipeline.py, test_pipeline_holds.py)
     cluster        fixture: cluster(partitions, shards) -> a started Cluster, stopped after the test
     Cluster.pod    a partition pod (FirstPartition or LaterPartition), not yet running
     run_in_thread  pod.run() in a daemon thread
-    wait_for       poll a condition until it holds, or fail after a timeout
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import prometheus_client as prom
 import pytest
 
-from conftest import LiveShards, start_shards
+from support.shards import LiveShards, start_shards
 from distbelief.runtime import jobspec
 from distbelief.runtime.algorithms.pipeline import staged
 from distbelief.runtime.algorithms.pipeline.rendezvous import Rendezvous, RendezvousLink
@@ -107,10 +105,3 @@ def run_in_thread(pod) -> threading.Thread:
     thread = threading.Thread(target=pod.run, daemon=True)
     thread.start()
     return thread
-
-
-def wait_for(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)

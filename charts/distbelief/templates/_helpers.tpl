@@ -73,7 +73,7 @@ matchNames:
 {{- end -}}
 
 {{/* The operator's rules on the objects of one namespace: exactly the calls it makes
-(tests/test_chart.py runs the operator and compares). Kept in one place for the
+(tests/integration/test_chart.py runs the operator and compares). Kept in one place for the
 ClusterRole (all namespaces) and the per-namespace Roles. */}}
 {{- define "distbelief.namespacedRules" -}}
 # kopf: watches DistBeliefJobs, keeps its progress in their annotations, writes status;

@@ -14,7 +14,7 @@
         └── checkpoint: Checkpointing        everySeconds, keep
 
 `resolve(spec)` is the one place that reads the CRD's camelCase keys; every runtime module
-takes these values instead (tests/test_jobspec.py checks that no other runtime module
+takes these values instead (tests/unit/test_jobspec.py checks that no other runtime module
 names a key). The spec it reads is the one `distbelief.operator.spec.validate_job` has
 already checked and filled with the CRD's defaults, the one the ConfigMap holds; the field
 defaults here are the CRD's (a test compares them), so that a config written before a

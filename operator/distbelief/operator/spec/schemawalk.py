@@ -37,6 +37,13 @@ PATTERN_RULES = {
         "must be a size, for example 1Gi, 500Mi or 10G",
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$":
         "must be a PersistentVolumeClaim name: lowercase letters, digits, '-' and '.', for example training-data",
+    r"^https?://[^/\s]+/?$":
+        "must be an object store's URL: http:// or https://, a host and an optional port, for example "
+        "http://minio.storage:9000",
+    r"^[a-z0-9-]+$":
+        "must be a region: lowercase letters, digits and '-', for example us-east-1",
+    r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$":
+        "must be a Secret name: lowercase letters, digits, '-' and '.', for example training-data-s3",
 }
 # YAML 1.1 (PyYAML, kubectl) reads 1e9 as a string: its floats need a dot (1.0e9).
 _NUMBER_LIKE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\Z")

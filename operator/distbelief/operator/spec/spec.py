@@ -44,7 +44,7 @@ FILE_SCHEMES = ("npz", "npy", "parquet", "csv")  # sources read from files in th
 # Every schema keyword the validator understands. A CRD using any other keyword is
 # refused at load time, so that no rule is ever skipped silently. The CRD's CEL rules
 # (x-kubernetes-validations) are this module's rules that a schema cannot say, written
-# again for the API server; tests/test_cluster_validation.py shows the two agree on
+# again for the API server; tests/cluster/test_cluster_validation.py shows the two agree on
 # every rule's examples. The list keywords describe status only.
 SUPPORTED_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "enum",

@@ -2,7 +2,7 @@
 cannot say: what the operator owns in a pod is refused, naming it.
 
 The CRD says the same rules as CEL (x-kubernetes-validations) on the same paths, for the
-API server; tests/test_cluster_validation.py shows the two agree. The renderer merges
+API server; tests/cluster/test_cluster_validation.py shows the two agree. The renderer merges
 what these rules let through onto the pods (render/placement.py).
 """
 

@@ -1,0 +1,119 @@
+"""The copies checker (benchmarks/copycheck.py): its verdict on made-up histories, its
+network faults on a socket, and seeded runs of local jobs with backups under faults
+(SIGKILL, SIGSTOP, delays, one-way partitions, cut connections), each of which must end with
+no acknowledged push lost, none applied twice, the shards' steps in agreement and never
+going back. make bench runs more of them (docs/reliability.md has the figures)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from support.paths import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import copycheck  # noqa: E402
+import copyverdict  # noqa: E402
+import netfault  # noqa: E402
+from copyverdict import Op  # noqa: E402
+
+
+def ops(*specs: tuple[int, float, float, bool, list[int] | None]) -> list[Op]:
+    return [Op(id=i, start=s, end=e, acked=a, steps=st) for i, s, e, a, st in specs]
+
+
+def test_an_acknowledged_push_missing_from_a_shard_is_lost_and_one_applied_twice_is_duplicated() -> None:
+    history = ops((0, 0, 1, True, [1, 1]), (1, 1, 2, True, [2, 2]), (2, 2, 3, False, None), (3, 2, 3, False, None))
+    counts = np.array([[1, 0, 1, 0, 0, 2],
+                       [1, 1, 0, 0, 0, 0]])
+    v = copyverdict.verdict(history, counts, steps=[2, 2], limit=6)
+    assert v["lost"]["ids"] == [1]          # acknowledged, missing on shard 0
+    assert v["partial"]["ids"] == [2]       # indeterminate, applied on one shard: allowed
+    assert v["duplicated"]["ids"] == [5] and v["phantom"]["ids"] == [5]
+    assert v["steps_match_applied"] == [False, True] and not v["ok"]
+    clean = copyverdict.verdict(history[:2], np.array([[1, 1, 0], [1, 1, 0]]), steps=[2, 2], limit=3)
+    assert clean["ok"], clean
+
+
+def test_a_step_below_one_acknowledged_before_the_push_began_went_back() -> None:
+    history = ops((0, 0.0, 1.0, True, [5, 5]), (1, 2.0, 3.0, True, [4, 7]), (2, 0.5, 1.5, True, [3, 6]))
+    found = copyverdict.went_back(history, shards=2)
+    assert found == [{"id": 1, "shard": 0, "step": 4, "seen_before": 5}]  # id 2 overlapped id 0: not ordered
+
+
+def test_rows_are_counted_by_how_far_row_wise_adagrad_moved_them() -> None:
+    initial = np.zeros((4, 3), np.float32)
+    moved = np.array([0.0, 1.0, 1.0 + 2 ** -0.5, 0.3], np.float32)
+    assert copyverdict.row_counts(initial, initial + moved[:, None]).tolist() == [0, 1, 2, -1]
+
+
+def test_the_proxy_delays_holds_and_cuts_one_direction_at_a_time() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=lambda: _echo(server), daemon=True).start()
+    net = netfault.Net().start()
+    try:
+        link = net.proxy(server.getsockname()[1])
+        client = socket.create_connection(("127.0.0.1", link.port), timeout=5)
+        client.sendall(b"a")
+        assert client.recv(10) == b"a"
+        link.up.delay = 0.3
+        sent = time.monotonic()
+        client.sendall(b"b")
+        assert client.recv(10) == b"b" and time.monotonic() - sent >= 0.3
+        link.heal()
+        link.down.blocked = True
+        client.sendall(b"c")
+        client.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            client.recv(10)
+        link.down.blocked = False
+        client.settimeout(5)
+        assert client.recv(10) == b"c"
+        link.reset()
+        assert client.recv(10) == b""
+    finally:
+        net.stop()
+        server.close()
+
+
+def _echo(server: socket.socket) -> None:
+    while True:
+        try:
+            connection, _ = server.accept()
+        except OSError:
+            return
+        threading.Thread(target=lambda c=connection: [c.sendall(d) for d in iter(lambda: c.recv(65536), b"")],
+                         daemon=True).start()
+
+
+RUNS = [copycheck.Plan(kind="dense", backups=2, seed=31, seconds=10.0, faults=("stall",),
+                       stall_seconds=(7.0, 7.0), target="backup", pause=(1.0, 1.0)),
+        copycheck.Plan(kind="dense", backups=1, seed=11, seconds=15.0),
+        copycheck.Plan(kind="sparse", backups=1, seed=12, seconds=15.0),
+        copycheck.Plan(kind="dense", backups=2, seed=13, seconds=15.0),
+        copycheck.Plan(kind="sparse", backups=2, seed=14, seconds=15.0)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", RUNS, ids=lambda p: p.name + ("-stall" if p.faults == ("stall",) else ""))
+def test_copies_under_faults_lose_nothing_acknowledged_and_apply_nothing_twice(plan: copycheck.Plan) -> None:
+    result = copycheck.run(plan)
+    print(json.dumps({"plan": plan.name, "faults": result["faults"], "verdict": result["verdict"],
+                      "rows": result.get("rows")}))
+    verdict = result["verdict"]
+    assert result["faults"], "the nemesis injected nothing"
+    assert verdict["acknowledged"] > 100
+    assert verdict["lost"]["count"] == 0 and verdict["duplicated"]["count"] == 0, verdict
+    assert verdict["phantom"]["count"] == 0 and not verdict["went_back"], verdict
+    assert all(verdict["steps_match_applied"]), verdict
+    assert verdict["steps_agree"] or verdict["indeterminate"], verdict
+    assert result.get("rows", {"ok": True})["ok"], result["rows"]
+    assert result["settled"] and not result["copies_differ"], result
+    assert result["ok"]

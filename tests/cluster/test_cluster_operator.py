@@ -1,0 +1,499 @@
+"""The operator on a real control plane: the chart installed with helm, `distbelief operator`
+running as the chart's ServiceAccount (exactly the chart's RBAC: a refused request fails
+the test), jobs driven as a user drives them, with kubectl.
+
+The real controllers act on what the operator creates (ReplicaSets, pods, the StatefulSet's
+claims, garbage collection). There is no kubelet: the test plays it where a flow needs pods
+to run (pod status, as a kubelet writes it), and plays the chiefs (support/chiefs.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from distbelief.runtime import keys
+from support.chiefs import Chiefs
+from support.cluster import JOBS, Api, Kubectl, Operator, stop_process
+from support.examples import load_example
+from support.kubejobs import (READY, apply, condition, condition_holds, controller_of, kubelet_runs, new_job,
+                              patch_job, phase_is, pods_of, replicas_are)
+from support.waiting import eventually
+
+pytestmark = pytest.mark.floors  # the operator's API calls, also against the lowest dependency versions
+
+STS, DEPLOY = "apps/v1/statefulsets", "apps/v1/deployments"
+CHILDREN = [("v1/secrets", "{}-keys"), ("v1/configmaps", "{}-config"), ("v1/services", "{}-ps"),
+            (STS, "{}-ps"), (DEPLOY, "{}-worker")]
+
+
+# ------------------------------------------------------------------ create
+
+
+def test_create_makes_the_children_owned_by_the_job(operator: Operator, api: Api, kubectl: Kubectl,
+                                                    namespace: str) -> None:
+    job = apply(kubectl, namespace, new_job("create"))
+    uid = job["metadata"]["uid"]
+    for resource, pattern in CHILDREN:
+        child = api.wait(resource, namespace, pattern.format("create"))
+        owner = controller_of(child)
+        assert (owner["kind"], owner["uid"], owner["blockOwnerDeletion"]) == ("DistBeliefJob", uid, True)
+    assert api.get(STS, namespace, "create-ps")["spec"]["replicas"] == 2
+    assert api.get(DEPLOY, namespace, "create-worker")["spec"]["replicas"] == 3
+    # The real controllers take it from there: the shards' pods and their checkpoint claims.
+    pods_of(api, namespace, "create", 2, "ps")
+    claims = {c["metadata"]["name"] for c in api.list("v1/persistentvolumeclaims", namespace)}
+    assert claims == {"checkpoints-create-ps-0", "checkpoints-create-ps-1"}
+    job = api.wait(JOBS, namespace, "create", condition_holds("Created"))
+    assert job["metadata"]["annotations"]["distbelief.io/shards"] == "2"
+    api.wait_event(namespace, "create", "ChildrenApplied")
+    with urllib.request.urlopen(operator.liveness, timeout=5) as response:
+        assert response.status == 200
+
+
+def test_a_new_jobs_children_are_created_without_reading_them_first(operator: Operator, api: Api,
+                                                                     kubectl: Kubectl, namespace: str) -> None:
+    _, start = operator.calls()
+    apply(kubectl, namespace, new_job("lean"))
+    for resource, pattern in CHILDREN:
+        api.wait(resource, namespace, pattern.format("lean"))
+    time.sleep(1)  # the audit log is written as each request completes
+    calls, _ = operator.calls(start)
+    ours = [c for c in calls if (c.get("objectRef") or {}).get("namespace") == namespace
+            and (c["objectRef"].get("name") or "").startswith("lean-")
+            or (c["verb"] == "create" and (c.get("objectRef") or {}).get("namespace") == namespace
+                and c["objectRef"]["resource"] not in ("events", "distbeliefjobs"))]
+    creates = [i for i, c in enumerate(ours) if c["verb"] == "create"]
+    assert len(creates) >= len(CHILDREN)
+    reads = [c for c in ours[:creates[-1]] if c["verb"] == "get"]
+    assert reads == [], "a new job's children were read before they were made"
+
+
+# ------------------------------------------------------------------ the keys
+
+
+def test_the_keys_secret_is_made_once_recorded_and_never_rotated(operator: Operator, api: Api, kubectl: Kubectl,
+                                                                 namespace: str) -> None:
+    apply(kubectl, namespace, new_job("keys"))
+    secret = api.wait("v1/secrets", namespace, "keys-keys")
+    assert secret["immutable"] is True and secret["type"] == "Opaque"
+    files = {name: base64.b64decode(value).decode() for name, value in secret["data"].items()}
+    assert sorted(files) == sorted(keys.FILES)
+    made = keys.JobKeys(server_public=files[keys.SERVER_PUBLIC].strip().encode(),
+                        server_secret=files[keys.SERVER_SECRET].strip().encode(),
+                        client_public=files[keys.CLIENT_PUBLIC].strip().encode(),
+                        client_secret=files[keys.CLIENT_SECRET].strip().encode(),
+                        chief_public=files[keys.CHIEF_PUBLIC].strip().encode(),
+                        chief_secret=files[keys.CHIEF_SECRET].strip().encode())
+    made._check_pairs("the Secret")  # real, matching Curve keypairs
+    job = api.wait(JOBS, namespace, "keys",
+                   lambda j: "distbelief.io/keys-secret-uid" in (j["metadata"].get("annotations") or {}))
+    assert job["metadata"]["annotations"]["distbelief.io/keys-secret-uid"] == secret["metadata"]["uid"]
+    volumes = {v["name"]: v for v in api.wait(STS, namespace, "keys-ps")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["keys"]["secret"]["secretName"] == "keys-keys"
+    api.wait_event(namespace, "keys", "KeysCreated")
+    patch_job(kubectl, namespace, "keys", {"spec": {"image": "example.org/distbelief:2"}})  # reconciles again
+    api.wait(DEPLOY, namespace, "keys-worker",
+             lambda d: d["spec"]["template"]["spec"]["containers"][0]["image"] == "example.org/distbelief:2")
+    assert api.get("v1/secrets", namespace, "keys-keys")["data"] == secret["data"]
+    assert [e["reason"] for e in api.events(namespace, "keys")].count("KeysCreated") == 1
+
+
+def test_a_foreign_keys_secret_is_refused(operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    planted = keys.JobKeys.generate().files()
+    api.create("v1/secrets", namespace, {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "planted-keys", "labels": {
+            "distbelief.io/job": "planted"}},
+        "data": {n: base64.b64encode(t.encode()).decode() for n, t in planted.items()}})
+    apply(kubectl, namespace, new_job("planted"))
+    warning = api.wait_event(namespace, "planted", "KeysSecretForeign")
+    assert warning["type"] == "Warning"
+    time.sleep(1.0)  # the handler has given up; nothing may follow the refusal
+    for resource, pattern in CHILDREN[1:]:
+        assert api.get(resource, namespace, pattern.format("planted")) is None, resource
+    assert "KeysCreated" not in {e["reason"] for e in api.events(namespace, "planted")}
+    job = api.get(JOBS, namespace, "planted")
+    assert "distbelief.io/keys-secret-uid" not in (job["metadata"].get("annotations") or {})
+
+
+# ------------------------------------------------------------------ status
+
+
+def test_status_follows_the_children_and_the_chief(operator: Operator, api: Api, kubectl: Kubectl,
+                                                   chiefs: Chiefs, namespace: str) -> None:
+    apply(kubectl, namespace, new_job("status"))
+    job = api.wait(JOBS, namespace, "status", phase_is("Pending"))
+    assert job["status"]["parameterServers"] == {"shards": 2, "ready": 0}
+    pods_of(api, namespace, "status", 2, "ps")
+    pods_of(api, namespace, "status", 3, "worker")
+    kubelet_runs(api, namespace, "status")
+    shard, chief = chiefs.of(namespace, "status")
+    shard.global_step.set(1234)
+    shard.examples_per_second.set(5000)
+    chief.accuracy.set(0.93)
+    chief.loss.set(0.25)
+    job = api.wait(JOBS, namespace, "status", lambda j: phase_is("Running")(j) and j["status"].get("globalStep") == 1234
+                   and j["status"]["workers"]["ready"] == 3)
+    status = job["status"]
+    assert (status["accuracy"], status["loss"], status["examplesPerSecond"]) == (0.93, 0.25, 5000)
+    assert status["workers"] == {"replicas": 3, "ready": 3}
+    assert status["parameterServers"] == {"shards": 2, "ready": 2}
+    assert status["observedGeneration"] == job["metadata"]["generation"]
+    for item in status["conditions"]:  # the metav1.Condition shape, which the CRD's status schema requires
+        assert set(item) == {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
+        assert item["observedGeneration"] == job["metadata"]["generation"]
+    assert status["selector"] == "distbelief.io/job=status,distbelief.io/role=worker"
+    api.wait_event(namespace, "status", "Running")
+    table = kubectl("get", "dbj", "status", "-n", namespace)
+    assert "Running" in table and "1234" in table
+
+
+# ------------------------------------------------------------------ scale
+
+
+def test_scale_and_autoscaling_go_through_the_spec(operator: Operator, api: Api, kubectl: Kubectl,
+                                                   namespace: str) -> None:
+    apply(kubectl, namespace, new_job("scale"))
+    api.wait(DEPLOY, namespace, "scale-worker")
+    kubectl("scale", "dbj/scale", "--replicas=5", "-n", namespace)
+    assert api.get(JOBS, namespace, "scale")["spec"]["workers"]["replicas"] == 5
+    api.wait(DEPLOY, namespace, "scale-worker", replicas_are(5))
+    scale = api.request("GET", api.path(JOBS, namespace, "scale", "scale"))
+    assert scale["spec"]["replicas"] == 5
+    api.wait(JOBS, namespace, "scale", lambda j: (j.get("status") or {}).get("workers", {}).get("replicas") == 5)
+    scale = api.request("GET", api.path(JOBS, namespace, "scale", "scale"))
+    assert (scale["status"]["replicas"], scale["status"]["selector"]) == (
+        5, "distbelief.io/job=scale,distbelief.io/role=worker")
+    patch_job(kubectl, namespace, "scale", {"spec": {"workers": {"autoscaling": {"minReplicas": 2, "maxReplicas": 6}}}})
+    hpas = "autoscaling/v2/horizontalpodautoscalers"
+    hpa = api.wait(hpas, namespace, "scale-worker")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "distbelief.io/v1alpha1", "kind": "DistBeliefJob",
+                                             "name": "scale"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    patch_job(kubectl, namespace, "scale", {"spec": {"workers": {"autoscaling": {"maxReplicas": 7}}}})
+    api.wait(hpas, namespace, "scale-worker", lambda h: h and h["spec"]["maxReplicas"] == 7)
+    patch_job(kubectl, namespace, "scale", {"spec": {"workers": {"autoscaling": None}}})
+    api.wait(hpas, namespace, "scale-worker", lambda h: h is None)
+
+
+def test_spec_updates_roll_out_and_a_reshard_is_refused(operator: Operator, api: Api, kubectl: Kubectl,
+                                                        namespace: str) -> None:
+    apply(kubectl, namespace, new_job("update"))
+    api.wait(STS, namespace, "update-ps")
+    patch_job(kubectl, namespace, "update", {"spec": {"image": "example.org/distbelief:2"}})
+
+    def image_is(obj: Any) -> bool:
+        return obj and obj["spec"]["template"]["spec"]["containers"][0]["image"] == "example.org/distbelief:2"
+
+    api.wait(STS, namespace, "update-ps", image_is)
+    api.wait(DEPLOY, namespace, "update-worker", image_is)
+    patch_job(kubectl, namespace, "update", {"spec": {"parameterServers": {"shards": 3}}})
+    job = api.wait(JOBS, namespace, "update", condition_holds("ShardCountLocked"))
+    assert "from 2 to 3" in condition(job, "ShardCountLocked")["message"]
+    assert api.get(STS, namespace, "update-ps")["spec"]["replicas"] == 2
+    assert api.wait_event(namespace, "update", "ShardCountLocked")["type"] == "Warning"
+
+
+def test_a_partitioned_job_scales_every_partition_and_keeps_its_partition_count(
+        operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    doc = copy.deepcopy(load_example("digits-partitioned.yaml"))
+    doc["metadata"]["name"] = "parts"
+    apply(kubectl, namespace, doc)
+    partitions = ["parts-worker-p0", "parts-worker-p1"]
+    for name in partitions:
+        deployment = api.wait(DEPLOY, namespace, name)
+        assert deployment["spec"]["replicas"] == 3
+        assert deployment["spec"]["selector"]["matchLabels"]["distbelief.io/partition"] == name[-1]
+    assert api.get(DEPLOY, namespace, "parts-worker") is None
+    job = api.wait(JOBS, namespace, "parts",
+                   lambda j: "distbelief.io/partitions" in (j["metadata"].get("annotations") or {}))
+    assert job["metadata"]["annotations"]["distbelief.io/partitions"] == "2"
+    # A replica is one pod of each partition: the status counts the partition with the fewest.
+    pods_of(api, namespace, "parts", 2, "ps")
+    pods_of(api, namespace, "parts", 6, "worker")
+    kubelet_runs(api, namespace, "parts", role="ps")
+    p1 = api.list("v1/pods", namespace, "distbelief.io/job=parts,distbelief.io/partition=1")
+    for pod in api.list("v1/pods", namespace, "distbelief.io/job=parts,distbelief.io/partition=0") + p1[:1]:
+        api.patch("v1/pods", namespace, pod["metadata"]["name"], {"status": {
+            "phase": "Running", "conditions": READY}}, subresource="status")
+    job = api.wait(JOBS, namespace, "parts", lambda j: phase_is("Running")(j)
+                   and j["status"]["workers"] == {"replicas": 3, "ready": 1})
+    kubectl("scale", "dbj/parts", "--replicas=5", "-n", namespace)
+    for name in partitions:
+        api.wait(DEPLOY, namespace, name, replicas_are(5))
+    patch_job(kubectl, namespace, "parts", {"spec": {"model": {"partitions": 1}}})
+    job = api.wait(JOBS, namespace, "parts", condition_holds("PartitionCountLocked"))
+    assert condition(job, "PartitionCountLocked")["message"].startswith(
+        "spec.model.partitions changed from 2 to 1: repartitioning a job is not supported")
+    api.wait_event(namespace, "parts", "PartitionCountLocked")
+    assert api.get(DEPLOY, namespace, "parts-worker") is None
+    assert all(api.get(DEPLOY, namespace, name)["spec"]["replicas"] == 5 for name in partitions)
+
+
+# ------------------------------------------------------------------ suspend, finish, fail
+
+
+def test_suspend_scales_to_zero_and_resume_comes_back(operator: Operator, api: Api, kubectl: Kubectl,
+                                                      namespace: str) -> None:
+    apply(kubectl, namespace, new_job("pause"))
+    pods_of(api, namespace, "pause", 3, "worker")
+    api.wait(JOBS, namespace, "pause", phase_is("Pending"))
+    patch_job(kubectl, namespace, "pause", {"spec": {"runPolicy": {"suspend": True}}})
+    api.wait(STS, namespace, "pause-ps", replicas_are(0))
+    api.wait(DEPLOY, namespace, "pause-worker", replicas_are(0))
+    api.wait(JOBS, namespace, "pause", phase_is("Suspended"))
+    api.wait_event(namespace, "pause", "Suspended")
+    # The controllers take the pods away; the checkpoint claims stay.
+    eventually(lambda: not api.list("v1/pods", namespace, "distbelief.io/job=pause"), 45, interval=0.2,
+               what="the suspended job's pods gone")
+    assert len(api.list("v1/persistentvolumeclaims", namespace)) == 2
+    patch_job(kubectl, namespace, "pause", {"spec": {"runPolicy": {"suspend": False}}})
+    api.wait(STS, namespace, "pause-ps", replicas_are(2))
+    api.wait(DEPLOY, namespace, "pause-worker", replicas_are(3))
+    api.wait(JOBS, namespace, "pause", phase_is("Pending"))
+    # An Event for every phase change, in order.
+    eventually(lambda: [e["reason"] for e in api.events(namespace, "pause") if e["reason"] in
+                        ("Pending", "Running", "Suspended")] == ["Pending", "Suspended", "Pending"], 45, interval=0.2,
+               what="the Events Pending, Suspended, Pending in order")
+
+
+def test_completion_succeeds_and_scales_down(operator: Operator, api: Api, kubectl: Kubectl, chiefs: Chiefs,
+                                             namespace: str) -> None:
+    apply(kubectl, namespace, new_job("finish"))
+    pods_of(api, namespace, "finish", 3, "worker")
+    kubelet_runs(api, namespace, "finish")
+    shard, chief = chiefs.of(namespace, "finish")
+    shard.global_step.set(8000)
+    chief.accuracy.set(0.98)
+    chief.finished.labels(reason="MaxStepsReached", outcome="Succeeded").set(1)
+    job = api.wait(JOBS, namespace, "finish", phase_is("Succeeded"))
+    assert job["status"]["completionTime"]
+    assert condition(job, "Succeeded")["reason"] == "MaxStepsReached"
+    api.wait(DEPLOY, namespace, "finish-worker", replicas_are(0))
+    api.wait(STS, namespace, "finish-ps", replicas_are(0))
+    api.wait_event(namespace, "finish", "MaxStepsReached")
+    # A later spec change does not revive a finished job.
+    patch_job(kubectl, namespace, "finish", {"spec": {"workers": {"replicas": 4}}})
+    time.sleep(3)  # time for the operator to (wrongly) act; the assertion is on state, not time
+    assert api.get(DEPLOY, namespace, "finish-worker")["spec"]["replicas"] == 0
+
+
+def test_every_shard_restart_and_failover_is_a_warning_event(operator: Operator, api: Api, kubectl: Kubectl,
+                                                              chiefs: Chiefs, namespace: str) -> None:
+    apply(kubectl, namespace, new_job("events"))
+    pods_of(api, namespace, "events", 2, "ps")
+    pods_of(api, namespace, "events", 3, "worker")
+    kubelet_runs(api, namespace, "events")
+    shard, chief = chiefs.of(namespace, "events")
+    shard.global_step.set(10)
+    for index in (0, 1):
+        chief.shard_copies.labels(shard=str(index)).set(2)
+        chief.shard_primary.labels(shard=str(index)).set(0)
+        chief.shard_failovers.labels(shard=str(index)).set(0)
+    api.wait(JOBS, namespace, "events", lambda j: phase_is("Running")(j) and "shards" in j["status"])
+    (pod, *_) = kubelet_runs(api, namespace, "events", role="ps", container_status={
+        "restartCount": 1, "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}})
+    restarted = api.wait_event(namespace, "events", "ShardRestarted")
+    assert restarted["type"] == "Warning" and restarted["message"].startswith(f"{pod} last exited with code 137")
+    chief.shard_primary.labels(shard="1").set(1)
+    chief.shard_failovers.labels(shard="1").set(1)
+    failover = api.wait_event(namespace, "events", "ShardFailover")
+    assert failover["message"].startswith("shard 1: events-ps-3 took over from events-ps-1"), failover["message"]
+
+
+def test_a_crash_looping_shard_fails_the_job(operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    apply(kubectl, namespace, new_job("crash"))
+    pods_of(api, namespace, "crash", 2, "ps")
+    kubelet_runs(api, namespace, "crash", role="ps", container_status={
+        "restartCount": 4, "ready": False, "started": False, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": "error: boom"}}})
+    job = api.wait(JOBS, namespace, "crash", phase_is("Failed"))
+    failed = condition(job, "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded" and "last exited with code 1: error: boom" in failed["message"]
+    api.wait(DEPLOY, namespace, "crash-worker", replicas_are(0))
+    assert api.wait_event(namespace, "crash", "BackoffLimitExceeded")["type"] == "Warning"
+
+
+def test_a_config_error_in_a_pod_fails_the_job_as_invalid_config(operator: Operator, api: Api, kubectl: Kubectl,
+                                                                 namespace: str) -> None:
+    apply(kubectl, namespace, new_job("badcfg"))
+    pods_of(api, namespace, "badcfg", 3, "worker")
+    (pod, *_) = kubelet_runs(api, namespace, "badcfg", role="worker", container_status={
+        "ready": False, "started": False,
+        "state": {"terminated": {"exitCode": 2, "message": "error: npz:/data/d.npz: labels skip 2..6"}}})
+    job = api.wait(JOBS, namespace, "badcfg", phase_is("Failed"))
+    failed = condition(job, "Failed")
+    assert failed["reason"] == "InvalidConfig"
+    assert failed["message"].endswith(": error: npz:/data/d.npz: labels skip 2..6")
+    api.wait(STS, namespace, "badcfg-ps", replicas_are(0))
+
+
+def test_a_model_too_large_for_its_pods_gets_a_warning_event(operator: Operator, api: Api, kubectl: Kubectl,
+                                                             namespace: str) -> None:
+    apply(kubectl, namespace, new_job("huge", model={"hiddenLayers": [65536, 65536, 65536]}))
+    warning = api.wait_event(namespace, "huge", "MemoryLimitLow")
+    assert warning["type"] == "Warning" and "is likely too small" in warning["message"]
+    api.wait(STS, namespace, "huge-ps")  # a warning, not a refusal
+
+
+# ------------------------------------------------------------------ delete
+
+
+def test_deleting_the_job_takes_its_children_and_keeps_the_checkpoints(operator: Operator, api: Api,
+                                                                       kubectl: Kubectl, namespace: str) -> None:
+    apply(kubectl, namespace, new_job("gone"))
+    pods_of(api, namespace, "gone", 2, "ps")
+    kubectl("delete", "dbj", "gone", "-n", namespace, "--wait=true", timeout=90)
+    for resource, pattern in CHILDREN:  # the garbage collector follows the owner references
+        api.wait(resource, namespace, pattern.format("gone"), lambda o: o is None)
+    eventually(lambda: not api.list("v1/pods", namespace, "distbelief.io/job=gone"), 45, interval=0.2,
+               what="the deleted job's pods gone")
+    assert len(api.list("v1/persistentvolumeclaims", namespace, "distbelief.io/job=gone")) == 2  # retention: Retain
+
+
+def test_ttl_deletes_a_finished_job_and_its_children(operator: Operator, api: Api, kubectl: Kubectl, chiefs: Chiefs,
+                                                     namespace: str) -> None:
+    apply(kubectl, namespace, new_job("ttl", runPolicy={"ttlSecondsAfterFinished": 1},
+                                      parameterServers={"checkpoint": {"storage": {"retention": "Delete"}}}))
+    api.wait("v1/configmaps", namespace, "ttl-config")
+    pods_of(api, namespace, "ttl", 2, "ps")
+    _, chief = chiefs.of(namespace, "ttl")
+    chief.finished.labels(reason="TargetAccuracyReached", outcome="Succeeded").set(1)
+    api.wait(JOBS, namespace, "ttl", lambda j: j is None)
+    for resource, pattern in CHILDREN:
+        api.wait(resource, namespace, pattern.format("ttl"), lambda o: o is None)
+    eventually(lambda: not api.list("v1/persistentvolumeclaims", namespace, "distbelief.io/job=ttl"), 45,
+               interval=0.2, what="the claims of a job with retention Delete gone")
+
+
+# ------------------------------------------------------------------ refused at the API
+
+
+def test_an_invalid_job_is_refused_by_the_api_naming_the_field(kubectl: Kubectl, chart: str, namespace: str) -> None:
+    done = kubectl.run("apply", "-n", namespace, "-f", "-",
+                       input=yaml.safe_dump(new_job("invalid", training={"batchSize": 0})))
+    assert done.returncode != 0
+    assert "spec.training.batchSize" in done.stderr
+
+
+# ------------------------------------------------------------------ restarts
+
+
+def test_an_operator_killed_mid_job_picks_up_without_duplicates(operator: Operator, api: Api, kubectl: Kubectl,
+                                                                chiefs: Chiefs, namespace: str) -> None:
+    apply(kubectl, namespace, new_job("restart"))
+    api.wait("v1/configmaps", namespace, "restart-config")  # the first children are being written
+    operator.restart(signal.SIGKILL)
+    api.wait(DEPLOY, namespace, "restart-worker")
+    api.wait(JOBS, namespace, "restart", phase_is("Pending"))
+    pods_of(api, namespace, "restart", 3, "worker")
+    kubelet_runs(api, namespace, "restart")
+    shard, _ = chiefs.of(namespace, "restart")
+    shard.global_step.set(10)
+    api.wait(JOBS, namespace, "restart", lambda j: phase_is("Running")(j) and j["status"].get("globalStep") == 10)
+    api.wait_event(namespace, "restart", "Running")  # kopf posts Events from a queue a kill would lose
+    operator.restart(signal.SIGKILL)  # while it runs: the job goes on where it was
+    shard.global_step.set(20)
+    job = api.wait(JOBS, namespace, "restart", lambda j: j["status"].get("globalStep") == 20)
+    assert job["status"]["phase"] == "Running"
+    for resource, _ in CHILDREN:
+        assert len(api.list(resource, namespace, "distbelief.io/job=restart")) == 1, resource
+    assert [e["reason"] for e in api.events(namespace, "restart")].count("Running") == 1
+
+
+def test_a_missing_peering_object_is_warned_about_then_and_again(
+        control_plane: Any, kubectl: Kubectl, chart: str, namespace: str, tmp_path: Any) -> None:
+    """A developer's operator, for one namespace, with peering: kopf pauses it silently while
+    the KopfPeering is missing; the operator warns at once and again, and stops once it is there."""
+    log_path = tmp_path / "operator.log"
+    env = control_plane.env(DISTBELIEF_PEERING_CHECK_SECONDS="1")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([str(Path(sys.executable).parent / "distbelief"), "operator", "--namespace",
+                                    namespace, "--liveness", ""], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        eventually(lambda: log_path.read_text().count("event=peering_missing") >= 2, 45, interval=0.2,
+                   what="two warnings of the missing peering object")
+        warnings = [line for line in log_path.read_text().splitlines() if "event=peering_missing" in line]
+        kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
+            "apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "distbelief"}}))
+        time.sleep(1.5)  # one check may have been under way
+        settled = log_path.read_text().count("event=peering_missing")
+        time.sleep(3)  # three more checks: none may warn now
+        after = log_path.read_text().count("event=peering_missing") - settled
+        failures = log_path.read_text().count("event=peering_check_failed")
+    finally:
+        stop_process(process)
+    assert len(warnings) >= 2, log_path.read_text()[-3000:]
+    assert " WARNING " in warnings[0]
+    assert f"KopfPeering {namespace}/distbelief" in warnings[0] and "--standalone" in warnings[0]
+    assert after == 0 and failures == 0
+
+
+# ------------------------------------------------------------------ a job re-created under the same name
+
+
+def claims_of(api: Api, namespace: str, job: str) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in api.list("v1/persistentvolumeclaims", namespace,
+                                                       f"distbelief.io/job={job}")}
+
+
+def test_a_job_re_created_under_the_same_name_never_resumes_the_old_ones_checkpoints(
+        operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    """retention: Retain keeps a deleted job's checkpoint claims, and the StatefulSet of a new
+    job of that name would mount them. The operator refuses to start it, naming the claims,
+    until they are gone; then the job starts afresh on claims of its own."""
+    first = apply(kubectl, namespace, new_job("again"))
+    pods_of(api, namespace, "again", 2, "ps")
+    old = claims_of(api, namespace, "again")
+    assert len(old) == 2 and {c["metadata"]["labels"]["distbelief.io/job-uid"] for c in old.values()} == {
+        first["metadata"]["uid"]}
+    kubectl("delete", "dbj", "again", "-n", namespace, "--wait=true", timeout=90)
+    api.wait(STS, namespace, "again-ps", lambda o: o is None)
+    second = apply(kubectl, namespace, new_job("again"))
+    job = api.wait(JOBS, namespace, "again", lambda j: bool((j.get("status") or {}).get("conditions"))
+                   and condition(j, "Created")["reason"] == "CheckpointsOfAnotherJob")
+    message = condition(job, "Created")["message"]
+    assert all(name in message for name in old) and f"kubectl -n {namespace} delete pvc" in message
+    assert job["status"]["phase"] == "Pending"
+    warning = api.wait_event(namespace, "again", "CheckpointsOfAnotherJob")
+    assert warning["type"] == "Warning" and all(name in warning["message"] for name in old)
+    for resource, pattern in CHILDREN:  # nothing is made, not even the keys
+        assert api.get(resource, namespace, pattern.format("again")) is None, resource
+    kubectl("delete", "pvc", *old, "-n", namespace, "--wait=true", timeout=90)
+    api.wait(STS, namespace, "again-ps")
+    pods_of(api, namespace, "again", 2, "ps")
+    api.wait(JOBS, namespace, "again", lambda j: condition(j, "Created")["status"] == "True")
+    fresh = claims_of(api, namespace, "again")
+    assert {c["metadata"]["labels"]["distbelief.io/job-uid"] for c in fresh.values()} == {second["metadata"]["uid"]}
+    # The job's uid reaches the shards (in the config), which record it in their checkpoints.
+    config = json.loads(api.get("v1/configmaps", namespace, "again-config")["data"]["job.json"])
+    assert config["uid"] == second["metadata"]["uid"]
+
+
+def test_a_job_made_before_claims_were_labelled_keeps_resuming(operator: Operator, api: Api, kubectl: Kubectl,
+                                                               namespace: str) -> None:
+    """An upgrade: a job an older operator reconciled (its shard count recorded) has claims
+    without the job's uid. They are its own; it is not refused."""
+    for ordinal in (0, 1):
+        api.create("v1/persistentvolumeclaims", namespace, {
+            "metadata": {"name": f"checkpoints-legacy-ps-{ordinal}", "labels": {
+                "distbelief.io/job": "legacy", "distbelief.io/role": "ps"}},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    doc = new_job("legacy")
+    doc["metadata"]["annotations"] = {"distbelief.io/shards": "2", "distbelief.io/partitions": "1"}
+    apply(kubectl, namespace, doc)
+    api.wait(STS, namespace, "legacy-ps")
+    api.wait(JOBS, namespace, "legacy", lambda j: bool((j.get("status") or {}).get("conditions"))
+             and condition(j, "Created")["status"] == "True")
+    assert "CheckpointsOfAnotherJob" not in {e["reason"] for e in api.events(namespace, "legacy")}

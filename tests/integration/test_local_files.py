@@ -1,0 +1,86 @@
+"""Local mode on a file source: replicas stream only the Parquet row groups the chief hands
+them, train to 95% held-out accuracy (a softmax on a linear teacher's labels), and the epochs show in report.json and history.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
+from distbelief.runtime import contract, errors
+from support.filejobs import job, write_teacher_parquet
+
+pytestmark = pytest.mark.slow
+
+def run_job(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
+    code = local.LocalRun(spec.validate_job(doc), str(output)).run(progress=False)
+    return code, json.loads((output / report.REPORT_FILE).read_text())
+
+
+def test_replicas_stream_parquet_row_groups_to_the_target_accuracy(tmp_path: Path) -> None:
+    write_teacher_parquet(tmp_path / "train", files=5, per_file=300, group=100)   # 1,200 to train on
+    code, summary = run_job(job(f"parquet:{tmp_path}/train/*.parquet", testFraction=0.2), tmp_path / "out")
+    assert code == 0 and summary["phase"] == "Succeeded", summary["reason"]
+    assert summary["reason"] == "TargetAccuracyReached" and summary["accuracy"] >= 0.95
+    assert summary["epoch"] >= 1   # more than one pass over the files, one unit at a time
+    [history] = (tmp_path / "out" / "volumes").glob(f"files-ps-0/{contract.CHECKPOINT_VOLUME}/{contract.HISTORY_FILE}")
+    epochs = [json.loads(line)["epoch"] for line in history.read_text().splitlines()]
+    assert epochs == sorted(epochs) and epochs[-1] > 0
+    logs = (tmp_path / "out" / "logs")
+    assert "event=dispenser_listening" in (logs / "files-ps-0.log").read_text()
+
+
+def test_a_corrupt_parquet_file_fails_the_job_as_invalid_config_naming_it(tmp_path: Path) -> None:
+    write_teacher_parquet(tmp_path / "train", files=3, per_file=300, group=100)
+    (tmp_path / "train" / "part-01.parquet").write_bytes(b"PAR1 this is not parquet")
+    code, summary = run_job(job(f"parquet:{tmp_path}/train/*.parquet", test=f"{tmp_path}/train/part-02.parquet"),
+                            tmp_path / "out")
+    assert code == 1 and summary["phase"] == "Failed"
+    assert summary["reason"].startswith("InvalidConfig") and "part-01.parquet" in summary["reason"]
+    assert summary["restarts"] == 0
+
+
+def test_with_on_bad_file_skip_the_corrupt_file_is_left_out_and_the_job_trains(tmp_path: Path) -> None:
+    write_teacher_parquet(tmp_path / "train", files=4, per_file=300, group=100)
+    (tmp_path / "train" / "part-01.parquet").write_bytes(b"PAR1 this is not parquet")
+    doc = job(f"parquet:{tmp_path}/train/*.parquet", test=f"{tmp_path}/train/part-03.parquet", onBadFile="skip")
+    doc["spec"]["training"]["targetAccuracy"] = 0.9
+    code, summary = run_job(doc, tmp_path / "out")
+    assert code == 0 and summary["reason"] == "TargetAccuracyReached", summary["reason"]
+    assert "part-01.parquet" in (tmp_path / "out" / "logs" / "files-ps-0.log").read_text()  # said so
+
+
+def test_a_partitioned_replica_streams_into_partition_0_only(tmp_path: Path) -> None:
+    write_teacher_parquet(tmp_path / "train", files=5, per_file=300, group=100)
+    doc = job(f"parquet:{tmp_path}/train/*.parquet")
+    doc["spec"]["model"] = {"type": "mlp", "hiddenLayers": [16], "partitions": 2}
+    doc["spec"]["parameterServers"]["shards"] = 2
+    doc["spec"]["workers"]["replicas"] = 1
+    doc["spec"]["training"]["targetAccuracy"] = 0.9
+    code, summary = run_job(doc, tmp_path / "out")
+    assert code == 0 and summary["reason"] == "TargetAccuracyReached", summary["reason"]
+    assert summary["epoch"] > 0
+    logs = tmp_path / "out" / "logs"
+    assert "event=rendezvous_listening" in (logs / "files-ps-0.log").read_text()
+    assert "event=dispenser_listening" not in (logs / "files-ps-0.log").read_text()  # one port: the rendezvous's
+
+
+def test_preflight_counts_the_files_rows_and_checks_the_held_out_part_without_the_training_files(tmp_path: Path):
+    from distbelief.operator.local import preflight
+
+    write_teacher_parquet(tmp_path / "train", files=4, per_file=300, group=100)
+    checked = preflight.check(spec.validate_job(job(f"parquet:{tmp_path}/train/*.parquet")))
+    assert (checked.examples, checked.features, checked.classes) == (1200, 8, 3)
+    held_out = sorted((tmp_path / "train").glob("*.parquet"))[-1]
+    doc = job(f"parquet:{tmp_path}/train/*.parquet", test=str(held_out))
+    table = pq.read_table(held_out).to_pydict()
+    table["f3"][5] = float("nan")
+    pq.write_table(pa.table(table), held_out, row_group_size=100)
+    with pytest.raises(errors.BadData, match=r"part-03.parquet row group 0: column 'f3' row 5"):
+        preflight.check(spec.validate_job(doc))

@@ -1,0 +1,556 @@
+"""Copies of one shard on loopback (spec.parameterServers.backups): an update is acknowledged
+only once every copy applied it, a resend after a failover is applied once, and a copy that
+comes back catches up from the primary and rejoins as its backup."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import prometheus_client as prom
+import pytest
+
+from distbelief.runtime import errors
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params import dense
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense_client import Bfloat16Dense, Float32Dense
+from distbelief.runtime.params.optim import Adagrad
+from distbelief.runtime.params.rows import rowcheckpoint
+from distbelief.runtime.params.rows.row_client import RowClient
+from distbelief.runtime.params.rows.sparse import SparseRows
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.copies import forwarding, replication
+from distbelief.runtime.shard.copies.viewstore import FileViewStore
+from distbelief.runtime.shard.copies.watch import BACKUP, COPY_STATUS, PRIMARY
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.transport import fanout, interface, zmq_transport
+from distbelief.runtime.wire import protocol
+from distbelief.runtime.wire.bfloat16 import WIRE_DTYPE, Codec
+from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.protocol import Header, Status
+
+from support.ports import free_port
+from support.waiting import eventually
+
+LAYOUT = Layout.of([("w", (6, 5)), ("b", (5,))], shards=1)
+LEASE_SECONDS = 1.5
+INITIAL = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
+UPDATE = dense.Update(examples=4, loss=1.0).pack()
+
+
+class Copies:
+    """Copies of shard 0 serving in threads, each at its fixed loopback address."""
+
+    def __init__(self, folder: Path, count: int = 2, attach: Callable[[Shard], None] = lambda shard: None,
+                 wire_format: str = "float32") -> None:
+        self.folder, self.attach, self.wire_format = folder, attach, wire_format
+        self.addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(count)]
+        self.shards: list[Shard | None] = [None] * count
+        self.threads: list[threading.Thread | None] = [None] * count
+        self.store = FileViewStore(str(folder / "views" / "shard-0.json"))
+
+    def start(self, rank: int, *, folder: str | None = None, store: Any = None) -> Shard:
+        settings = ShardSettings(shard=0, bind=self.addresses[rank], checkpoint_every=3600,
+                                 checkpoint_dir=folder or str(self.folder / f"copy-{rank}"))
+        shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
+        shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1, wire_format=self.wire_format))
+        self.attach(shard)
+        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None,
+                                              store=store or self.store, lease_seconds=LEASE_SECONDS))
+        shard.restore()
+        thread = threading.Thread(target=shard.serve, daemon=True)
+        thread.start()
+        assert shard.ready.wait(10)
+        self.shards[rank], self.threads[rank] = shard, thread
+        return shard
+
+    def kill(self, rank: int) -> None:
+        """End a copy's serving loop and wait until its port is free again."""
+        shard, thread = self.shards[rank], self.threads[rank]
+        assert shard is not None and thread is not None
+        shard.stop()
+        thread.join(timeout=10)
+        self.shards[rank] = None
+
+    def stop(self) -> None:
+        for rank, shard in enumerate(self.shards):
+            if shard is not None:
+                self.kill(rank)
+
+    def copy(self, rank: int) -> Shard:
+        shard = self.shards[rank]
+        assert shard is not None
+        return shard
+
+    def in_sync(self, primary: int, backups: int) -> bool:
+        """Copy `primary` leads, with `backups` other copies in the in-sync set of its view."""
+        shard = self.shards[primary]
+        return shard is not None and shard.copies.role == PRIMARY and shard.copies.stats()["copies"] == backups + 1
+
+    def group(self) -> ShardGroup:
+        return ShardGroup([self.addresses], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=30.0))
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    copies = Copies(tmp_path)
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    yield copies
+    copies.stop()
+
+
+def _params(shard: Shard) -> np.ndarray:
+    return shard.plugin(DenseSlice).params
+
+
+def _push(link: interface.Link, seq: int, grad: np.ndarray) -> Header:
+    """One push from a fixed peer (one routing id), sent on to the next copy on a refusal or
+    a silence, as a replica's link does; the header of the reply that took it."""
+    request = [Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=seq, worker=7, count=grad.size).pack(),
+               UPDATE, grad.tobytes()]
+    taken: list[Header] = []
+
+    def accept(_: int, received: interface.Received) -> bool | str:
+        header = protocol.unpack_header(received.header)
+        if header.seq != seq:
+            return False  # the answer to an earlier copy of an earlier push
+        if header.status == Status.ERROR and header.error == protocol.ErrorCode.NOT_PRIMARY:
+            return fanout.REDIRECT
+        taken.append(header)
+        return True
+
+    policy = fanout.RetryPolicy(attempt=1.0, give_up=30.0)
+    fanout.exchange(zmq_transport.default(), fanout.Exchange([link], [request], policy, ["shard 0"]),
+                       accept=accept, stop=threading.Event())
+    return taken[0]
+
+
+def test_a_push_is_acknowledged_only_after_the_backup_applied_it(pair: Copies) -> None:
+    primary, backup = pair.copy(0), pair.copy(1)
+    held, release = threading.Event(), threading.Event()
+    forwarded = backup.raw_ops[forwarding.REPLICATE.code]
+
+    def slow_backup(header: Header, incoming: interface.Incoming) -> list:
+        held.set()
+        release.wait(10)
+        return forwarded(header, incoming)
+
+    backup.raw_ops[forwarding.REPLICATE.code] = slow_backup
+    group = pair.group()
+    replies: list = []
+    pushing = threading.Thread(target=lambda: replies.append(
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
+    pushing.start()
+    assert held.wait(10), "the primary did not forward the push"
+    assert primary.step == 1 and backup.step == 0
+    # The primary serves on while the forward is out: a second replica's push is applied
+    # (its reply waits too), and the copies' status is answered at once.
+    other = ShardGroup([pair.addresses], LAYOUT, timeouts=Timeouts(request=5.0, unavailable=30.0))
+    second = threading.Thread(target=lambda: replies.append(
+        Float32Dense(other).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)))
+    second.start()
+    eventually(lambda: primary.step == 2, 5, what="the primary applied the second push meanwhile")
+    status = zmq_transport.default().link(pair.addresses[0], None)
+    status.send([Header(op=COPY_STATUS.code, shard=0, layout=LAYOUT.hash, seq=9).pack()])
+    assert zmq_transport.default().wait([status], 2), "COPY_STATUS waited for the forward"
+    assert protocol.JsonObject.unpack(status.receive().frames[0]).value["role"] == PRIMARY
+    status.close()
+    pushing.join(timeout=0.5)
+    assert not replies, "a push was acknowledged before the backup applied it"
+    release.set()
+    pushing.join(timeout=10)
+    second.join(timeout=10)
+    assert sorted(r.step for reply in replies for r in reply) == [1, 2]
+    other.close()
+    eventually(lambda: backup.step == 2, 20, what="the backup applied both")
+    assert backup.step == 2
+    np.testing.assert_array_equal(_params(backup), _params(primary))
+    for _ in range(5):  # and every later push: each acknowledged update is on both copies
+        Float32Dense(group).push(np.full(LAYOUT.total, 0.5, np.float32), steps=[0], examples=4, loss=1.0)
+        assert backup.step == primary.step
+        np.testing.assert_array_equal(_params(backup), _params(primary))
+    group.close()
+
+
+def test_a_push_resent_to_the_new_primary_is_answered_but_not_applied_again(pair: Copies) -> None:
+    link = zmq_transport.default().link(pair.addresses, None)
+    grad = np.full(LAYOUT.total, 0.25, np.float32)
+    first = _push(link, seq=41, grad=grad)
+    assert first.step == 1
+    after_first = _params(pair.copy(1)).copy()
+    pair.kill(0)  # the reply was lost with the primary: the replica sends the push again
+    again = _push(link, seq=41, grad=grad)
+    backup = pair.copy(1)
+    assert backup.copies.role == PRIMARY and backup.copies.stats()["failovers"] == 1
+    assert again.step == 1 and backup.step == 1
+    np.testing.assert_array_equal(_params(backup), after_first)
+    assert _push(link, seq=42, grad=grad).step == 2  # a new push is applied
+    link.close()
+
+
+def test_bfloat16_pushes_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> None:
+    copies = Copies(tmp_path, wire_format="bfloat16")
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    wire, out = Bfloat16Dense(copies.group()), np.empty(LAYOUT.total, np.float32)
+    codec, rng = Codec(LAYOUT.total), np.random.default_rng(6)
+    expected, reference = INITIAL.copy(), Adagrad(LAYOUT.total, 0.1)
+    for step in range(6):
+        if step == 3:
+            copies.kill(0)  # the backup takes over, with every update applied so far
+        grad = rng.standard_normal(LAYOUT.total).astype(np.float32)
+        reference.apply(expected, codec.widen(codec.narrow(grad, np.empty(grad.size, WIRE_DTYPE)), np.empty_like(grad)))
+        [reply] = wire.push_and_pull(grad, out, steps=[step], examples=4, loss=1.0)
+        assert reply.step == step + 1
+        if step < 3:
+            np.testing.assert_array_equal(_params(copies.copy(1)), _params(copies.copy(0)))
+    assert copies.copy(1).copies.stats()["failovers"] == 1
+    np.testing.assert_allclose(_params(copies.copy(1)), expected, rtol=1e-6)
+    wire.group.close()
+    copies.stop()
+
+
+def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, tmp_path: Path) -> None:
+    link = zmq_transport.default().link(pair.addresses, None)
+    rng = np.random.default_rng(3)
+    for seq in range(1, 4):
+        _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
+    pair.kill(1)
+    for seq in range(4, 9):  # the primary drops its backup, which is gone, and goes on alone
+        _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
+    primary = pair.copy(0)
+    assert primary.step == 8 and primary.copies.stats()["copies"] == 1
+    returned = pair.start(1, folder=str(tmp_path / "empty"))  # a new node: nothing on disk
+    eventually(lambda: pair.in_sync(0, 1), 20, what="the returned copy rejoins")
+    eventually(lambda: returned.step == 8, 20, what="the returned copy loaded the state its primary sent")
+    assert returned.copies.role == BACKUP
+    np.testing.assert_array_equal(_params(returned), _params(primary))
+    last = rng.standard_normal(LAYOUT.total).astype(np.float32)
+    assert _push(link, seq=9, grad=last).step == 9
+    np.testing.assert_array_equal(_params(returned), _params(primary))
+    after = _params(primary).copy()
+    pair.kill(0)  # the returned copy also knows what each peer sent last
+    assert _push(link, seq=9, grad=last).step == 9
+    assert returned.copies.role == PRIMARY and returned.step == 9
+    np.testing.assert_array_equal(_params(returned), after)
+    link.close()
+
+
+def test_a_copy_that_is_not_the_primary_refuses_clients(pair: Copies) -> None:
+    group = ShardGroup([pair.addresses[1]], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=5.0))
+    with pytest.raises(errors.ShardUnavailable):  # refused every time, then given up
+        Float32Dense(group).pull(np.empty(LAYOUT.total, np.float32))
+    assert pair.copy(1).copies.role == BACKUP  # its primary answers: no takeover
+    group.close()
+
+
+def test_copies_starting_together_elect_the_one_with_the_newest_state(tmp_path: Path) -> None:
+    copies = Copies(tmp_path)
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads")
+    group = copies.group()
+    for _ in range(3):
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
+    group.close()
+    copies.kill(0)
+    copies.kill(1)  # both checkpoint at step 3; now copy 0 loses its checkpoints
+    for path in (tmp_path / "copy-0").iterdir():
+        path.unlink()
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(1, 1), 20, what="copy 1, which has step 3, leads")
+    assert copies.copy(1).step == 3
+    # The primary counts copy 0 in its chain once it sent the state; copy 0 loads it a moment later.
+    eventually(lambda: copies.copy(0).step == 3, 20, what="copy 0 caught up from copy 1")
+    copies.stop()
+
+
+def test_sparse_rows_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> None:
+    """Replication is below the plugins: a sparse push reaches the backup as a dense one does."""
+    def rows(shard: Shard) -> None:
+        shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5))
+
+    copies = Copies(tmp_path, attach=rows)
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    client = RowClient(copies.group(), dim=4)
+    keys = np.arange(0, 4000, 7, dtype=np.int64)
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+    table = {rank: copies.copy(rank).plugin(SparseRows).checkpoint_state()[0] for rank in (0, 1)}
+    assert table[0].keys() == table[1].keys()
+    for name in table[0]:
+        np.testing.assert_array_equal(table[0][name], table[1][name], err_msg=name)
+    before, _ = client.pull(keys)
+    copies.kill(0)
+    after, _ = client.pull(keys)  # from copy 1, now the primary
+    assert copies.copy(1).copies.role == PRIMARY
+    np.testing.assert_array_equal(after, before)
+    copies.stop()
+
+
+
+def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_are_incremental(
+        tmp_path: Path) -> None:
+    """Beyond full_write_bytes the primary's checkpoints name row files on its own disk; a
+    copy catching up on another node gets the rows themselves, and writes its own base."""
+    def rows(shard: Shard) -> None:
+        shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5, full_write_bytes=50 * (4 + 5) * 4))
+
+    copies = Copies(tmp_path, attach=rows)
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    client, rng = RowClient(copies.group(), dim=4), np.random.default_rng(4)
+    link = zmq_transport.default().link(copies.addresses, None)
+    copies.kill(1)
+    primary = copies.copy(0)
+    for keys in (np.arange(0, 1000, 2), np.arange(1000, 1200, 2)):  # a base of 500 rows, a delta of 100
+        keys = keys.astype(np.int64)
+        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+        _push(link, seq=primary.step + 1, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))  # a step
+        primary.checkpoint_now()
+    chain = checkpoint.read_meta(checkpoint.list_checkpoints(str(tmp_path / "copy-0"))[0])[rowcheckpoint.CHAIN]
+    assert [entry["file"].split("-")[0] for entry in chain] == ["base", "delta"]
+    returned = copies.start(1, folder=str(tmp_path / "empty"))  # a new node: nothing on disk
+    eventually(lambda: copies.in_sync(0, 1), 20, what="the returned copy rejoins")
+    eventually(lambda: returned.step == primary.step, 20, what="the returned copy loaded the state its primary sent")
+    keys = np.arange(0, 1200, 2, dtype=np.int64)
+    before, _ = client.pull(keys)
+    table = {rank: copies.copy(rank).plugin(SparseRows).saved.whole()[0] for rank in (0, 1)}
+    assert table[1]["sparse.accumulators"].size == 600
+    for name in table[0]:
+        np.testing.assert_array_equal(table[0][name], table[1][name], err_msg=name)
+    _push(link, seq=primary.step + 1, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))
+    returned.checkpoint_now()  # its own checkpoints stand on files in its own folder
+    chain = checkpoint.read_meta(checkpoint.list_checkpoints(str(tmp_path / "empty"))[0])[rowcheckpoint.CHAIN]
+    assert [entry["rows"] for entry in chain] == [600]
+    assert (tmp_path / "empty" / rowcheckpoint.FOLDER / chain[0]["file"]).is_file()
+    copies.kill(0)
+    after, _ = client.pull(keys)  # from copy 1, now the primary
+    np.testing.assert_array_equal(after, before)
+    link.close()
+    copies.stop()
+
+
+def test_a_garbled_forward_is_refused_and_the_backup_keeps_serving(pair: Copies) -> None:
+    backup = pair.copy(1)
+    link = zmq_transport.default().link(pair.addresses[1], None)
+    head = Header(op=forwarding.REPLICATE.code, shard=0, layout=LAYOUT.hash, seq=1).pack()
+    push = Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=1, count=LAYOUT.total).pack()
+    for envelope in (b"not json", b'{"view": "2", "peer": "00"}', b'{"view": 2, "peer": "zz", "user": null}'):
+        link.send([head, envelope, push, UPDATE, np.ones(LAYOUT.total, np.float32).tobytes()])
+        assert zmq_transport.default().wait([link], 10), "no answer"
+        answer = protocol.unpack_header(link.receive().header)
+        assert answer.status == Status.ERROR and answer.error == protocol.ErrorCode.MALFORMED
+    assert backup.step == 0 and backup.copies.role == BACKUP
+    link.close()
+
+
+@pytest.mark.parametrize("payload", [b"[1, 2]", b'{"role": "primary", "view": [1], "step": 3}', b"not json"])
+def test_a_garbled_copy_status_answer_is_refused_and_the_watch_asks_again(payload: bytes) -> None:
+    from distbelief.runtime.shard.copies.watch import Watch
+    from distbelief.runtime.transport.memory_transport import MemoryTransport
+
+    watch = Watch(shard=0, layout=1, addresses={1: "inproc://nobody"}, security=None, transport_=MemoryTransport())
+    header = memoryview(Header(op=30, shard=0, layout=1, seq=watch._seq, status=Status.OK).pack())
+    with pytest.raises((errors.ProtocolError, TypeError)):
+        watch._take(1, interface.Received(header=header, frames=[memoryview(payload)]))
+    assert 1 not in watch.latest  # nothing believed from it
+    watch._round = lambda: watch._take(1, interface.Received(header=header, frames=[memoryview(payload)]))
+    watch.start()
+    time.sleep(0.1)
+    assert watch._thread.is_alive()  # the round's error is logged; the watch goes on
+    watch.close()
+
+
+def _push_for(group: ShardGroup, seconds: float) -> int:
+    """Push ones for `seconds`; how many pushes the shard acknowledged."""
+    acked, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        Float32Dense(group).push(np.ones(LAYOUT.total, np.float32), steps=[0], examples=4, loss=1.0)
+        acked += 1
+    return acked
+
+
+def test_a_backup_stalled_in_a_forward_costs_no_acknowledged_update(tmp_path: Path) -> None:
+    """Issue 31's reproduction: copy 2's REPLICATE handler hangs 7 s while a replica pushes for
+    9 s. The primary goes on serving, takes copy 2 out of the in-sync set once it is slow, and
+    every push it acknowledged is in the final state; copy 2 then catches up again."""
+    copies = Copies(tmp_path, count=3)
+    for rank in range(3):
+        copies.start(rank)
+    eventually(lambda: copies.in_sync(0, 2), 20, what="copy 0 leads with two backups")
+    stalled = copies.copy(2)
+    forwarded, hung = stalled.raw_ops[forwarding.REPLICATE.code], threading.Event()
+
+    def hang(header: Header, incoming: interface.Incoming) -> list:
+        if not hung.is_set():
+            hung.set()
+            time.sleep(7)
+        return forwarded(header, incoming)
+
+    stalled.raw_ops[forwarding.REPLICATE.code] = hang
+    group = ShardGroup([copies.addresses], LAYOUT, timeouts=Timeouts(request=2.0, unavailable=30.0))
+    acked = _push_for(group, 9.0)
+    group.close()
+    assert hung.is_set()
+    primary = copies.copy(0)
+    assert primary.copies.role == PRIMARY, "the primary stalled by its backup must not be replaced"
+    assert primary.step == acked
+    eventually(lambda: copies.in_sync(0, 2), 30, what="copy 2 catches up and rejoins")
+    eventually(lambda: all(copies.copy(r).step == acked for r in range(3)), 20, what="every copy holds every push")
+    for rank in (1, 2):
+        np.testing.assert_array_equal(_params(copies.copy(rank)), _params(primary))
+    copies.stop()
+
+
+def test_a_primary_stalled_in_a_request_is_slow_not_dead(tmp_path: Path) -> None:
+    """The primary's serving thread hangs 4 s (more than its lease): its lease is renewed by a
+    thread of its own, so no backup takes over, and nothing is lost."""
+    copies = Copies(tmp_path)
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    primary = copies.copy(0)
+    pull, hung = primary._handlers[dense.PULL.code], threading.Event()
+
+    def hang(message: protocol.Message) -> object:
+        if not hung.is_set():
+            hung.set()
+            time.sleep(4)
+        return pull(message)
+
+    primary._handlers[dense.PULL.code] = hang
+    group = copies.group()
+    Float32Dense(group).pull(np.empty(LAYOUT.total, np.float32))
+    acked = _push_for(group, 2.0)
+    group.close()
+    assert hung.is_set() and primary.copies.role == PRIMARY and copies.copy(1).copies.role == BACKUP
+    assert primary.copies.stats()["failovers"] == 0
+    assert primary.step == copies.copy(1).step == acked
+    copies.stop()
+
+
+def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The state goes over in many parts, one at a time, while sparse and dense pushes keep
+    coming (some creating rows, some only counted for admission): the copy applies them from
+    the transfer's start and writes each part where it comes, and ends with the primary's
+    every row, admission counter and parameter."""
+    from distbelief.runtime.params.rows import rowparts
+
+    monkeypatch.setattr(forwarding, "PARTS_WINDOW_BYTES", 1)  # a part goes only once the previous is acknowledged
+    monkeypatch.setattr(rowparts, "PART_BYTES", 4096)          # 256 parts of rows
+    monkeypatch.setattr(dense, "PART_VALUES", 4)               # 9 parts of the dense slice
+    caplog.set_level(logging.INFO, logger="distbelief.runtime.shard.copies")
+
+    def rows(shard: Shard) -> None:
+        shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5, admit_after=2))
+
+    copies = Copies(tmp_path, attach=rows)
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies.kill(1)
+    client, rng = RowClient(copies.group(), dim=4), np.random.default_rng(8)
+    wire = Float32Dense(client.group)
+
+    def push_once() -> None:
+        keys = rng.choice(60000, size=300, replace=False).astype(np.int64)
+        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+        wire.push(rng.standard_normal(LAYOUT.total).astype(np.float32), steps=[0], examples=4, loss=1.0)
+
+    for _ in range(60):  # thousands of rows admitted, more only counted, before the copy comes
+        push_once()
+    pushing, stop = threading.Thread(target=lambda: [push_once() for _ in iter(stop.is_set, True)]), threading.Event()
+    pushing.start()
+    joined = copies.start(1, folder=str(tmp_path / "empty"))
+    eventually(lambda: copies.in_sync(0, 1), 60, what="the copy caught up while pushes went on")
+    time.sleep(0.5)
+    stop.set()
+    pushing.join(timeout=30)
+    primary = copies.copy(0)
+    eventually(lambda: joined.step == primary.step, 20, what="the copy applied the last pushes")
+    begun = re.findall(r"event=backup_joining .* step=(\d+) view=\d+ parts=(\d+)", caplog.text)[-1]
+    installed = re.findall(r"event=caught_up shard=0 copy=1 view=\d+ step=(\d+)", caplog.text)[-1]
+    assert int(begun[1]) > 9 + 16, "the rows went in too few parts"
+    assert int(installed) > int(begun[0]), "no push came during the transfer"
+    tables = [copies.copy(r).plugin(SparseRows).table for r in (0, 1)]
+    state = []
+    for t in tables:
+        order = np.argsort(t.keys[:t.n])
+        state.append({"keys": t.keys[:t.n][order], "values": t.values[:t.n][order],
+                      "accumulators": t.accumulators[:t.n][order], "counters": t.counts})
+    assert state[0]["keys"].size > 3000
+    for name in state[0]:
+        np.testing.assert_array_equal(state[1][name], state[0][name], err_msg=name)
+    np.testing.assert_array_equal(_params(joined), _params(primary))
+    client.group.close()
+    copies.stop()
+
+
+class CutOff:
+    """A view store as one copy sees it: cut off (unavailable) while `cut` is set."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.cut = store, False
+
+    def read(self) -> Any:
+        self._check()
+        return self.store.read()
+
+    def compare_and_swap(self, version: str, record: Any) -> Any:
+        self._check()
+        return self.store.compare_and_swap(version, record)
+
+    def describe(self) -> str:
+        return "cut off" if self.cut else self.store.describe()
+
+    def _check(self) -> None:
+        from distbelief.runtime.shard.copies.viewstore import StoreUnavailable
+        if self.cut:
+            raise StoreUnavailable("cut off")
+
+
+def test_a_primary_cut_off_from_the_view_store_stops_acknowledging_and_its_backup_takes_over(tmp_path: Path) -> None:
+    """A partition between the primary and the store alone: its lease runs out by its own
+    clock, so it holds its replies; the backup sees the lease expire by its clock and takes
+    the next view; a push the old primary applied is answered by the new one from its record,
+    never applied twice. Back in touch, the old primary finds its lease gone and catches up."""
+    copies = Copies(tmp_path)
+    seen_by_0 = CutOff(copies.store)
+    copies.start(0, store=seen_by_0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    old, new = copies.copy(0), copies.copy(1)
+    link = zmq_transport.default().link(copies.addresses, None)
+    grad = np.full(LAYOUT.total, 0.5, np.float32)
+    assert _push(link, seq=1, grad=grad).step == 1
+    seen_by_0.cut = True
+    acknowledged, seq, cut = [], 1, time.monotonic()
+    while time.monotonic() - cut < 3 * LEASE_SECONDS:
+        seq += 1
+        acknowledged.append(_push(link, seq=seq, grad=grad).step)
+    assert acknowledged == list(range(2, seq + 1))  # each once, whichever copy answered
+    assert new.copies.role == PRIMARY and new.copies.stats()["failovers"] == 1
+    assert new.step == seq and old.step <= seq
+    seen_by_0.cut = False
+    eventually(lambda: copies.in_sync(1, 1), 20, what="the old primary stepped down and caught up")
+    assert old.step == new.step == seq
+    np.testing.assert_array_equal(_params(old), _params(new))
+    link.close()
+    copies.stop()

@@ -1,0 +1,69 @@
+"""Live shards on loopback in this process (threads serving tcp://127.0.0.1), as Downpour runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import prometheus_client as prom
+
+from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.observe.metrics import ShardMetrics
+from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.wire.layout import Layout
+
+
+@dataclasses.dataclass
+class LiveShards:
+    """Shards serving in threads; stop() ends them (each writes a final checkpoint)."""
+
+    layout: Layout
+    shards: list[Shard]
+    threads: list[threading.Thread]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.endpoint for s in self.shards]
+
+    def group(self, **kwargs: Any) -> ShardGroup:
+        kwargs.setdefault("timeouts", Timeouts(request=2.0, unavailable=10.0))
+        return ShardGroup(self.addresses, self.layout, **kwargs)
+
+    def params(self, index: int) -> np.ndarray:
+        """Shard index's dense slice, as it is now."""
+        return self.shards[index].plugin(DenseSlice).params
+
+    def stop(self) -> None:
+        for shard in self.shards:
+            shard.stop()
+        for thread in self.threads:
+            thread.join(timeout=10)
+
+
+def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
+                 attach: Callable[[Shard], None] = lambda shard: None, **settings: Any) -> LiveShards:
+    """Downpour's shards: a dense slice of initial and Downpour's update hook (warm-start with
+    warmstart_steps), and whatever attach adds to each."""
+    shards, threads = [], []
+    warmstart_steps = settings.pop("warmstart_steps", 0)
+    optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1),
+                 "max_gradient_norm": settings.pop("max_gradient_norm", 1e4),
+                 "wire_format": settings.pop("wire_format", "float32")}
+    for index in range(layout.shards):
+        options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
+        shard = Shard(ShardSettings(shard=index, **options), layout, ShardMetrics(prom.CollectorRegistry(), index))
+        shard.attach(DenseSlice(shard, initial, **optimizer))
+        shard.watch_updates(DownpourUpdates(shard, warmstart_steps=warmstart_steps))
+        attach(shard)
+        shard.restore()
+        thread = threading.Thread(target=shard.serve, daemon=True)
+        thread.start()
+        assert shard.ready.wait(10), "shard did not start"
+        shards.append(shard)
+        threads.append(thread)
+    return LiveShards(layout, shards, threads)

@@ -1,0 +1,126 @@
+"""The typed job (distbelief.runtime.jobspec): resolved once from the spec the ConfigMap
+holds, with the CRD's defaults; the only runtime module that reads the CRD's keys; and
+the one derivation of data, model and layout (model/job.py) that the roles, local mode's
+checks and predict share."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from distbelief.operator.local import preflight
+from distbelief.operator.spec import spec
+from distbelief.runtime import contract, jobspec
+from distbelief.runtime.model.job import Job
+
+from support.examples import load_example
+from support.paths import EXAMPLES, REPO
+
+RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
+CRD = REPO / "crds" / "distbelief.io_distbeliefjobs.yaml"
+RESOLVER = RUNTIME / "jobspec.py"
+MINIMAL = {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND, "metadata": {"name": "tiny"},
+           "spec": {"data": {"source": "builtin:digits"}}}
+
+
+def _crd_keys(schema: dict[str, Any]) -> Iterator[str]:
+    for name, sub in schema.get("properties", {}).items():
+        yield name
+        yield from _crd_keys(sub)
+        if isinstance(sub.get("items"), dict):
+            yield from _crd_keys(sub["items"])
+
+
+def crd_keys() -> set[str]:
+    """Every camelCase key of the CRD's spec (the ones no other name in the code shares)."""
+    crd = yaml.safe_load(CRD.read_text(encoding="utf-8"))
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return {key for key in _crd_keys(schema) if key != key.lower()}
+
+
+def test_the_typed_defaults_are_the_crds() -> None:
+    """What validate_job fills in resolves to exactly the dataclasses' defaults, so a
+    value built in code (or a config from before a field) agrees with the CRD."""
+    resolved = jobspec.resolve(spec.validate_job(MINIMAL)["spec"])
+    assert resolved == jobspec.JobSpec(data=jobspec.Data(source="builtin:digits"))
+    with_rows = dict(MINIMAL, spec={"data": {"source": "synthetic-ctr:fields=2,ids=50,samples=100"},
+                                    "model": {"embeddings": {}}})
+    assert jobspec.resolve(spec.validate_job(with_rows)["spec"]).model.embeddings == jobspec.Embeddings()
+
+
+def test_an_example_resolves_to_the_values_it_gives() -> None:
+    resolved = spec.job_config(spec.validate_job(load_example("ctr-sparse.yaml"))).resolved
+    assert resolved.model.embeddings == jobspec.Embeddings(dim=8, hash_buckets=0, admit_after=1,
+                                                           expire_after_seconds=3600.0)
+    assert resolved.model.hidden_layers == () and resolved.model.written["embeddings"]["dim"] == 8
+    assert (resolved.training.batch_size, resolved.training.learning_rate) == (256, 0.01)
+    assert resolved.training.max_duration_seconds == 300.0 and resolved.training.max_staleness is None
+    assert (resolved.parameter_servers.shards, resolved.parameter_servers.checkpoint.every_seconds) == (2, 10.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.training.batch_size = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("spec_dict, problem", [
+    ({"data": {}}, "spec.data.source: required"),
+    ({"data": {"source": "builtin:digits"}, "training": {"learningRate": "fast"}},
+     "spec.training.learningRate: must be a number"),
+    ({"data": {"source": "builtin:digits"}, "parameterServers": {"shards": 1.5}},
+     "spec.parameterServers.shards: must be an integer"),
+    ({"data": {"source": "builtin:digits"}, "training": {"maxDuration": "soon"}},
+     "spec.training.maxDuration: not a duration"),
+    ({"data": {"source": "builtin:digits"}, "model": {"hiddenLayers": ["64"]}},
+     "spec.model.hiddenLayers: must be a list of integers"),
+    ({"data": {"source": "builtin:digits"}, "model": []}, "spec.model: must be a mapping"),
+])
+def test_a_config_the_resolver_cannot_read_names_the_field(spec_dict: dict, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        jobspec.resolve(spec_dict)
+
+
+def test_the_configmap_still_holds_the_spec_as_a_dict(tmp_path: Path) -> None:
+    """The typed job is derived on both sides; the file the pods read is unchanged."""
+    config = spec.job_config(spec.validate_job(MINIMAL))
+    doc = json.loads(config.to_json())
+    assert set(doc) == {"apiVersion", "kind", "name", "namespace", "spec"}
+    assert doc["spec"] == spec.validate_job(MINIMAL)["spec"]
+    (tmp_path / "job.json").write_text(config.to_json())
+    assert contract.JobConfig.load(str(tmp_path / "job.json")).resolved == config.resolved
+
+
+def test_no_runtime_module_but_the_resolver_names_a_crd_key() -> None:
+    keys = crd_keys()
+    assert {"learningRate", "hiddenLayers", "fetchEvery", "maxEvalExamples", "expireAfterSeconds"} <= keys
+    found = []
+    for path in sorted(RUNTIME.rglob("*.py")):
+        if path == RESOLVER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in keys:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    assert not found, "CRD keys read outside jobspec.resolve:\n" + "\n".join(found)
+
+
+def test_the_scan_sees_a_key() -> None:
+    assert "learningRate" in {n.value for n in ast.walk(ast.parse('spec["training"]["learningRate"]'))
+                              if isinstance(n, ast.Constant)}
+
+
+@pytest.mark.parametrize("name", sorted(p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*.yaml")))
+def test_local_mode_checks_derive_the_model_and_layout_the_roles_do(name: str, monkeypatch) -> None:
+    """Preflight's layout hash is the one the shards' checkpoints carry: the same Job."""
+    monkeypatch.syspath_prepend(str(EXAMPLES / "usercode"))
+    job = spec.validate_job(load_example(name))
+    derived = Job(spec.job_config(job))
+    checked = preflight.check(job)
+    assert checked.layout == derived.layout.hash
+    assert checked.shapes == [(n, tuple(s)) for n, s in derived.model.shapes]
+    embeddings = derived.spec.model.embeddings
+    if embeddings is not None:  # the MLP takes the dense features and a row per id field
+        first_layer = derived.model.shapes[0][1]
+        assert first_layer[0] == derived.dataset.n_features + derived.dataset.fields * embeddings.dim
