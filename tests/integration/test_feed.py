@@ -176,7 +176,7 @@ def test_a_streamed_job_opens_the_coordinator_port_beside_shard_0_for_its_dispen
     from distbelief.operator.spec import spec
     from distbelief.runtime import contract
 
-    from conftest import load_example
+    from support.examples import load_example
 
     def ports(doc):
         objects = render.render_children(spec.validate_job(doc), image="distbelief:test")

@@ -56,7 +56,7 @@ def test_predictions_for_raw_digits_get_trainings_scaling(run_folder, tmp_path: 
     raw_x, y = data._builtin("digits")  # pixel intensities 0..16, as a user's own 8x8 images
     np.savez(tmp_path / "mine.npz", x=raw_x[:200])
     done = run_cli("predict", str(JOB), "--output", str(output), "--data", f"npz:{tmp_path}/mine.npz",
-                      "--out", str(tmp_path / "labels.txt"))
+                   "--out", str(tmp_path / "labels.txt"))
     assert done.returncode == 0, done.stderr
     labels = np.loadtxt(tmp_path / "labels.txt", dtype=np.int64)
     trained = predict.load(str(JOB), output=str(output))
@@ -86,8 +86,8 @@ def test_predict_reads_a_parquet_glob_by_column(run_folder, tmp_path: Path) -> N
     for k, rows in enumerate((slice(0, 900), slice(900, None))):
         columns = {f"p{i}": raw_x[rows, i] for i in range(64)}
         pq.write_table(pa.table({**columns, "y": y[rows]}), tmp_path / f"digits-{k}.parquet", row_group_size=300)
-    done = distbelief("predict", str(JOB), "--output", str(output), "--data", f"parquet:{tmp_path}/digits-*.parquet",
-                      "--out", str(tmp_path / "labels.npz"))
+    done = run_cli("predict", str(JOB), "--output", str(output), "--data", f"parquet:{tmp_path}/digits-*.parquet",
+                   "--out", str(tmp_path / "labels.npz"))
     assert done.returncode == 0, done.stderr
     trained = predict.load(str(JOB), output=str(output))
     with np.load(tmp_path / "labels.npz") as saved:

@@ -176,7 +176,7 @@ def test_a_job_at_its_row_budget_ends_with_the_condition_row_budget_reached(tmp_
     from distbelief.operator.local import local, report
     from distbelief.operator.spec import spec
 
-    from conftest import load_example
+    from support.examples import load_example
     doc = load_example("ctr-sparse.yaml")
     doc["spec"]["model"]["embeddings"]["maxRowsPerShard"] = 1024
     doc["spec"]["training"]["maxSteps"] = 300
