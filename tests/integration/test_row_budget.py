@@ -20,7 +20,7 @@ from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import Status
 from distbelief.runtime.wire.rowkeys import owner_of
 
-from support.shards import LiveShards, start_shards
+from support.shards import LiveShards, start_row_shards, start_shards
 
 DIM, SEED = 4, 11
 LAYOUT = Layout.of([("w", (10, 7)), ("b", (7,))], shards=2)
@@ -28,10 +28,8 @@ BATCH, FIELDS = 256, 12   # a push's examples and ids per example, as batchSize 
 
 
 def _start(folder: Path, **options: object) -> LiveShards:
-    def attach(shard) -> None:
-        shard.attach(SparseRows(shard, dim=DIM, learning_rate=0.1, seed=SEED, push_examples=BATCH, fields=FIELDS,
-                                **options))
-    return start_shards(folder, LAYOUT, np.zeros(LAYOUT.total, np.float32), attach=attach, checkpoint_every=3600)
+    return start_row_shards(folder, LAYOUT, dim=DIM, learning_rate=0.1, seed=SEED, push_examples=BATCH, fields=FIELDS,
+                            **options)
 
 
 @pytest.fixture

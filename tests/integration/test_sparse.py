@@ -29,17 +29,14 @@ from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import Header, Status
 from distbelief.runtime.wire.rowkeys import owner_of
 
-from support.shards import LiveShards, start_shards
+from support.shards import LiveShards, start_row_shards, start_shards
 
 DIM, SEED, LR = 4, 11, 0.5
 LAYOUT = Layout.of([("w", (10, 7)), ("b", (7,))], shards=2)
 
 
 def _start(folder: Path, **options: object) -> LiveShards:
-    def attach(shard) -> None:
-        shard.attach(SparseRows(shard, dim=DIM, learning_rate=LR, seed=SEED, max_gradient_norm=100.0,
-                                **options))
-    return start_shards(folder, LAYOUT, np.zeros(LAYOUT.total, np.float32), attach=attach, checkpoint_every=3600)
+    return start_row_shards(folder, LAYOUT, dim=DIM, learning_rate=LR, seed=SEED, max_gradient_norm=100.0, **options)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.rows.sparse import SparseRows
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire.layout import Layout
 
@@ -67,3 +68,9 @@ def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
         shards.append(shard)
         threads.append(thread)
     return LiveShards(layout, shards, threads)
+
+
+def start_row_shards(folder: Path, layout: Layout, **rows: Any) -> LiveShards:
+    """start_shards at zero parameters, each shard with embedding rows (SparseRows(**rows))."""
+    return start_shards(folder, layout, np.zeros(layout.total, np.float32), checkpoint_every=3600,
+                        attach=lambda shard: shard.attach(SparseRows(shard, **rows)))
