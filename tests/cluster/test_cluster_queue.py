@@ -18,6 +18,7 @@ from support.localnode import (LocalNode, apply, chart, example, get, job_status
 from support.waiting import eventually
 
 TAINT = "example.com/spot"
+MAX_STEPS = 40_000
 
 
 @pytest.fixture
@@ -50,7 +51,9 @@ def phase_reason(kubectl: Kubectl, namespace: str) -> tuple[str | None, str | No
 @pytest.mark.slow
 def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
         kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path, spot_flavor: str) -> None:
-    job = example("digits-mlp.yaml", training__maxSteps=8000, training__maxDuration="5m",
+    # Long enough that the eviction below comes mid-training on a fast machine (about 2,000
+    # steps/s on 2 cores), short enough to finish within the wait once resumed.
+    job = example("digits-mlp.yaml", training__maxSteps=MAX_STEPS, training__maxDuration="5m",
                   parameterServers__checkpoint__everySeconds=1)
     job["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team-a"}
     apply(kubectl, namespace, job)
@@ -113,7 +116,7 @@ def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
     print(f"checkpoint at step {checkpoint} before the eviction; lowest step after it {min(steps)}, "
           f"final {status['globalStep']}")
     assert min(steps) >= checkpoint, (checkpoint, steps[:20])
-    assert status["globalStep"] >= 8000 and status["progress"] == 100 and "eta" not in status
+    assert status["globalStep"] >= MAX_STEPS and status["progress"] == 100 and "eta" not in status
     finished = eventually(lambda: kueue.condition(kueue.workload(kubectl, namespace, name), "Finished")
                           .get("status") == "True", 30, what="the Workload Finished")
     assert finished

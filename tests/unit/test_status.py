@@ -172,6 +172,18 @@ def test_a_crash_looping_shard_says_how_it_last_ended() -> None:
     assert "digits-ps-1 last exited with code 1: error: gone" in message
 
 
+def test_shards_restarted_after_ending_cleanly_do_not_count_toward_the_backoff_limit() -> None:
+    """A shard exits 0 once it has seen the job done; restartPolicy Always starts it again
+    until the operator reads the chief's outcome. Those restarts are not failures."""
+    done = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    pods = [_pod("digits-ps-0", "ps", restarts=6, last=done), _pod("digits-ps-1", "ps", restarts=5, last=done)]
+    seen = pod_failures(pods)
+    assert seen["shard_restarts"] == 0 and seen["restarts"] == 11
+    assert compute_status(job(), Observed(shards_ready=2, workers_ready=2, **seen), NOW)["phase"] == "Running"
+    crashed = pods + [_pod("digits-ps-2", "ps", restarts=4, last={"terminated": {"exitCode": 1}})]
+    assert pod_failures(crashed)["shard_restarts"] == 4
+
+
 def test_the_status_counts_every_container_restart_and_keeps_the_count_once_the_pods_are_gone() -> None:
     pods = [_pod("digits-ps-0", "ps", restarts=1), _pod("digits-worker-a", "worker", restarts=2)]
     running = compute_status(job(), Observed(shards_ready=2, workers_ready=2, **pod_failures(pods)), NOW)

@@ -57,9 +57,10 @@ class Observed:
 
 def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
     """The fields of Observed that a job's pods show: the most restarts of one shard
-    container and how it last ended, and the first container that exited with a config
-    error, and the first replica whose loss went non-finite (neither can a restart fix); and
-    the restarts of all the job's containers (None without pods)."""
+    container whose last run failed (a shard that exits 0 has seen the job done), and how
+    it ended; the first container that exited with a config error, and the first replica
+    whose loss went non-finite (neither can a restart fix); and the restarts of all the
+    job's containers (None without pods)."""
     invalid, diverged, restarts, failure = None, None, 0, None
     total = sum(c.get("restartCount", 0) for pod in pods for c in (pod.get("status") or {}).get("containerStatuses", []))
     for pod in pods:
@@ -72,7 +73,8 @@ def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
             lost = next((end for end in ends if end.get("exitCode") == contract.EXIT_NON_FINITE_LOSS), None)
             if lost is not None and diverged is None:
                 diverged = f"{name}: {_last_line(lost.get('message')) or 'its training loss went non-finite'}"
-            if role == contract.ROLE_PS and container.get("restartCount", 0) >= max(restarts, 1):
+            if role == contract.ROLE_PS and container.get("restartCount", 0) >= max(restarts, 1) \
+                    and ends[1].get("exitCode") != 0:  # a shard that ended cleanly (the job done) did not fail
                 restarts, last = container["restartCount"], ends[1]
                 failure = how_it_ended(name, last) if "exitCode" in last else None
     return {"invalid_config": invalid, "non_finite_loss": diverged, "shard_restarts": restarts,
