@@ -1,8 +1,9 @@
-"""Chaos with shard copies: a local-mode run of the digits job with
-spec.parameterServers.backups: 1 while a seeded killer SIGKILLs shard processes, primaries
-and backups, each time its shard has both copies in sync again. Nothing acknowledged may be
-lost: the job succeeds, the chief's evaluated step never goes back, and each shard's final
-step is exactly the number of pushes the replicas were told it applied. The figures are
+"""Chaos with shard copies: local-mode runs with spec.parameterServers.backups: 1 while a
+seeded killer SIGKILLs shard processes, primaries and backups, each time its shard has both
+copies in sync again. Nothing acknowledged may be lost: the job succeeds, the chief's
+evaluated step never goes back, and each shard's final step is exactly the number of
+pushes the replicas were told it applied (the digits job), or every shard applied the same
+steps (a partitioned job, whose steps commit on every shard or on none). The figures are
 recorded in docs/reliability.md."""
 
 from __future__ import annotations
@@ -74,14 +75,16 @@ def _ordinal(pod: local.LocalPod) -> int:
     return contract.shard_index_from_pod_name(pod.name)
 
 
-def kill_copies(run: local.LocalRun, thread: threading.Thread, rng: random.Random) -> list[dict[str, Any]]:
-    """SIGKILL KILLS shard pods: each time a shard at random, once its two copies are in sync
-    (so each kill leaves one copy with every acknowledged update), and the copy of it killed
-    least so far, or one at random (a pod's restart back-off doubles with each crash)."""
+def kill_copies(run: local.LocalRun, thread: threading.Thread, rng: random.Random, *, count: int = KILLS,
+                until_step: int = KILL_UNTIL_STEP) -> list[dict[str, Any]]:
+    """SIGKILL `count` shard pods: each time a shard at random, once its two copies are in
+    sync (so each kill leaves one copy with every acknowledged update), and the copy of it
+    killed least so far, or one at random (a pod's restart back-off doubles with each crash);
+    all before until_step."""
     kills: list[dict[str, Any]] = []
     started = time.monotonic()
     shards = run_config(run).shards
-    while len(kills) < KILLS and thread.is_alive():
+    while len(kills) < count and thread.is_alive():
         time.sleep(rng.uniform(*PAUSE))
         shard = rng.randrange(shards)
         seen = shard_in_sync(run, shard)
@@ -90,7 +93,7 @@ def kill_copies(run: local.LocalRun, thread: threading.Thread, rng: random.Rando
         fewest = min(sum(k["pod"] == name for k in kills) for name in seen)
         name = rng.choice(sorted(n for n in seen if sum(k["pod"] == n for k in kills) == fewest))
         step = max(f["step"] for f in seen.values())
-        assert step < KILL_UNTIL_STEP, f"the run reached step {step} after {len(kills)} kills: raise MAX_STEPS"
+        assert step < until_step, f"the run reached step {step} after {len(kills)} kills: raise maxSteps"
         pod = next(p for p in run.shards if p.name == name)
         pod.process.send_signal(signal.SIGKILL)
         kill = {"pod": name, "shard": shard, "primary": seen[name]["role"] == PRIMARY, "step": int(step),
@@ -151,3 +154,38 @@ def test_sigkills_of_shard_copies_lose_no_acknowledged_update(tmp_path: Path) ->
     for shard in range(2):
         primaries_killed = sum(k["primary"] and k["shard"] == shard for k in kills)
         assert summary["shards"][str(shard)]["failovers"] == primaries_killed, (shard, summary["shards"])
+
+
+PARTITIONED_KILLS = 6
+PARTITIONED_STEPS = 6000
+
+
+def partitioned_job() -> dict[str, Any]:
+    doc = copy.deepcopy(load_example("digits-partitioned.yaml"))
+    doc["spec"]["training"]["maxSteps"] = PARTITIONED_STEPS
+    doc["spec"]["parameterServers"]["backups"] = 1
+    doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = 2
+    doc["spec"]["runPolicy"]["backoffLimit"] = 20
+    return doc
+
+
+def test_sigkills_of_shard_copies_leave_no_partitioned_step_half_applied(tmp_path: Path) -> None:
+    """Each step of a partitioned replica is held on every shard, pinned, then applied: a
+    primary killed anywhere in it leaves its backup holding every hold and pin it
+    acknowledged, so the step still commits everywhere or nowhere. Without replicated holds
+    a promoted backup refuses APPLY_HELD for a step the other shard applied."""
+    output = tmp_path / "chaos"
+    doc = partitioned_job()
+    run, codes, kills = run_under_fire(doc, output, lambda run, thread: kill_copies(
+        run, thread, random.Random(SEED), count=PARTITIONED_KILLS, until_step=PARTITIONED_STEPS * 5 // 6))
+    summary = json.loads((output / report.REPORT_FILE).read_text())
+    steps = final_steps(output, run)
+    print(json.dumps({"kills": kills, "finalSteps": steps, "shards": summary.get("shards")}))
+    assert codes == [0] and summary["phase"] == "Succeeded", summary
+    assert len(kills) == PARTITIONED_KILLS and any(k["primary"] for k in kills), kills
+    # Every step commits on every shard; when the job ends, a group's last APPLY_HELD may
+    # reach one shard before the chief's DONE and the other after it.
+    assert max(steps) - min(steps) <= doc["spec"]["workers"]["replicas"], steps
+    assert summary["globalStep"] >= PARTITIONED_STEPS
+    history = report.read_history(str(output / "volumes" / run.shards[0].name / contract.CHECKPOINT_VOLUME))
+    assert [row["step"] for row in history] == sorted(row["step"] for row in history)

@@ -147,8 +147,6 @@ RULES: list[tuple[str, str, Edit, Edit]] = [
      setting(spec__workers__autoscaling={"minReplicas": 5, "maxReplicas": 2}),
      setting(spec__workers__autoscaling={"minReplicas": 2, "maxReplicas": 2})),
     ("backups need downpour", "spec.parameterServers.backups", also(BACKUPS, SANDBLASTER), BACKUPS),
-    ("backups need one partition", "spec.parameterServers.backups", also(BACKUPS, PARTITIONED),
-     also(BACKUPS, setting(spec__model__partitions=1))),
     ("backups need unexpired rows", "spec.parameterServers.backups",
      also(BACKUPS, EMBEDDINGS, setting(spec__model__embeddings={"dim": 4, "expireAfterSeconds": 60})),
      also(BACKUPS, EMBEDDINGS)),
@@ -249,10 +247,9 @@ def test_the_api_server_and_the_validator_agree_on_every_rule(api: Api, chart: s
 
 
 def test_kubectl_apply_refuses_a_bad_job_naming_the_field(kubectl: Kubectl, chart: str, namespace: str) -> None:
-    """The cases the issue names: Sandblaster with backups, partitions with backups, a
-    55-character name, synthetic:features=0, autoscaling with min > max."""
+    """Sandblaster with backups, a 55-character name, synthetic:features=0, autoscaling with
+    min > max."""
     cases = [(also(SANDBLASTER, BACKUPS), "spec.parameterServers.backups"),
-             (also(PARTITIONED, BACKUPS), "spec.parameterServers.backups"),
              (setting(metadata__name="a" * 55), "metadata.name"),
              (source("synthetic:features=0,classes=2,samples=100"), "spec.data.source"),
              (setting(spec__workers__autoscaling={"minReplicas": 5, "maxReplicas": 2}),

@@ -5,6 +5,7 @@ refuses a new one (FULL), after which the group backs off and tries again."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,25 +16,29 @@ from distbelief.runtime.algorithms.pipeline.commit import Commit
 from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, DROP_HELD, HOLD, PREPARE_HELD, ApplyHeld, Held
 from distbelief.runtime.algorithms.pipeline.replica import FirstPartition
 from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.shard import core
 from distbelief.runtime.wire.protocol import Status
 from support.partitioned import TIMEOUTS, Cluster, cluster, run_in_thread  # noqa: F401 (cluster: a fixture)
 from support.waiting import eventually
 
 
 class Clock:
-    """staged.py's time, moved by hand (the shards run in this process)."""
+    """The shards' wall clock, which stamps each command they take (core.py), moved by hand
+    (the shards run in this process)."""
+
+    perf_counter = staticmethod(time.perf_counter)
 
     def __init__(self) -> None:
         self.now = 1000.0
 
-    def monotonic(self) -> float:
+    def time(self) -> float:
         return self.now
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(staged, "time", fake)
+    monkeypatch.setattr(core, "time", fake)
     return fake
 
 

@@ -4,6 +4,7 @@ comes back catches up from the primary and rejoins as its backup."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -16,6 +17,8 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.runtime import errors
+from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, HOLD, PREPARE_HELD, ApplyHeld, Held
+from distbelief.runtime.algorithms.pipeline.staged import HeldGradient, HeldGradients
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params import dense
@@ -554,3 +557,75 @@ def test_a_primary_cut_off_from_the_view_store_stops_acknowledging_and_its_backu
     np.testing.assert_array_equal(_params(old), _params(new))
     link.close()
     copies.stop()
+
+
+def _with_holds(shard: Shard) -> None:
+    shard.attach(HeldGradients(shard.plugin(DenseSlice)))
+
+
+def test_held_steps_reach_a_copy_catching_up_and_commit_on_it_once_the_others_are_gone(tmp_path: Path) -> None:
+    """Partitioned jobs with backups: a hold and its pin are acknowledged only once every copy
+    in sync has them, a copy catching up receives them with the state, and whichever copy is
+    left commits the step (no step half applied across a model's shards for want of a hold)."""
+    copies = Copies(tmp_path, count=3, attach=_with_holds)
+    for rank in range(3):
+        copies.start(rank)
+    eventually(lambda: copies.in_sync(0, 2), 20, what="copy 0 leads with two backups")
+    copies.kill(2)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 2 out of the in-sync set")
+    group = copies.group()
+    pinned, open_ = np.full(LAYOUT.total, 0.5, np.float32), np.full(LAYOUT.total, -2.0, np.float32)
+    group.request(HOLD, meta=Held(5, 7), array=[pinned], steps=[0])
+    group.request(PREPARE_HELD, meta=Held(5, 7))
+    group.request(HOLD, meta=Held(6, 8), array=[open_], steps=[0])
+    for rank in (0, 1):  # every copy in sync holds both, the pin included
+        holds = copies.copy(rank).plugin(HeldGradients).held
+        assert {g: (h.token, h.pinned) for g, h in holds.items()} == {5: (7, True), 6: (8, False)}
+    copies.start(2)
+    eventually(lambda: copies.in_sync(0, 2), 30, what="copy 2 catches up")
+    caught_up = copies.copy(2).plugin(HeldGradients).held
+    assert {g: (h.token, h.pinned) for g, h in caught_up.items()} == {5: (7, True), 6: (8, False)}
+    np.testing.assert_array_equal(caught_up[5].grad, pinned)
+    np.testing.assert_array_equal(caught_up[6].grad, open_)
+    expected = _params(copies.copy(0)).copy()
+    copies.kill(0)
+    copies.kill(1)
+    group.request(APPLY_HELD, meta=ApplyHeld(5, 7, 32, 1.0))  # to copy 2, once it took over
+    survivor = copies.copy(2)
+    assert survivor.copies.role == PRIMARY and survivor.step == 1
+    reference = Shard(ShardSettings(shard=0, bind="inproc://reference", checkpoint_dir=str(tmp_path / "ref")),
+                      LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
+    slice_ = DenseSlice(reference, expected, optimizer="adagrad", learning_rate=0.1)
+    slice_.apply(Header(op=APPLY_HELD.code, shard=0, layout=LAYOUT.hash), pinned, examples=32, loss=1.0)
+    np.testing.assert_array_equal(_params(survivor), slice_.params)
+    group.close()
+    copies.stop()
+
+
+def test_a_hold_applied_or_replaced_while_a_copy_catches_up_is_skipped_in_the_transfer(tmp_path: Path) -> None:
+    """The holds' parts come first and each names its step: one applied, dropped or replaced
+    between the plan and its part is left as the commands since made it, on both sides."""
+    settings = ShardSettings(shard=0, bind="inproc://held", checkpoint_dir=str(tmp_path))
+    sender, receiver = (Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0)) for _ in range(2))
+    holds = []
+    for shard in (sender, receiver):
+        shard.attach(DenseSlice(shard, INITIAL, optimizer="sgd", learning_rate=1.0))
+        _with_holds(shard)
+        holds.append(shard.plugin(HeldGradients))
+    head = Header(op=HOLD.code, shard=0, layout=LAYOUT.hash)
+    for group, value in ((1, 1.0), (2, 2.0)):
+        holds[0].held[group] = HeldGradient(group * 10, head, np.full(LAYOUT.total, value, np.float32), 0.0)
+    plan = json.loads(json.dumps(holds[0].transfer_plan()))  # as the wire carries it
+    assert plan["first"] and plan["parts"] == 2 * plan["pieces"]
+    holds[1].begin_receiving(plan)
+    replaced = np.full(LAYOUT.total, 9.0, np.float32)
+    for side in holds:  # a command between the plan and the parts: group 2 holds its next step
+        side.held[2] = HeldGradient(21, head, replaced.copy(), 1.0)
+    for part in range(plan["parts"]):
+        holds[1].write_part(part, holds[0].read_part(plan, part))
+    holds[1].end_receiving()
+    np.testing.assert_array_equal(holds[1].held[1].grad, np.full(LAYOUT.total, 1.0, np.float32))
+    np.testing.assert_array_equal(holds[1].held[2].grad, replaced)
+    with pytest.raises(errors.ProtocolError, match="piece 0 of a held gradient"):
+        holds[1].begin_receiving(plan)
+        holds[1].write_part(0, {"grad": np.ones(3, np.float32)})

@@ -323,8 +323,8 @@ def _check_autoscaling(job: Mapping[str, Any], problems: Problems) -> None:
 
 def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
     """What shard copies cannot cover yet: copies replay the same commands, so every state
-    change must be one (Sandblaster's rollbacks read each copy's own checkpoints, row expiry
-    reads each copy's clock, and model partitions commit stages apart)."""
+    change must be one (Sandblaster's rollbacks read each copy's own checkpoints, and row
+    expiry reads each copy's clock)."""
     path = "spec.parameterServers.backups"
     backups = _get(job, "spec", "parameterServers", "backups")
     if not isinstance(backups, int) or backups == 0 or problems.at(path):
@@ -332,8 +332,6 @@ def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
     if _get(job, "spec", "training", "algorithm") == "sandblaster":
         problems.add(path, "not available with spec.training.algorithm: sandblaster (its rollbacks restore each "
                      "copy's own checkpoints); use 0, or downpour")
-    if (_get(job, "spec", "model", "partitions") or 1) > 1:
-        problems.add(path, "not available with spec.model.partitions > 1 yet; use 0, or one partition")
     if _get(job, "spec", "model", "embeddings", "expireAfterSeconds"):
         problems.add(path, "not available with spec.model.embeddings.expireAfterSeconds (each copy would expire "
                      "rows by its own clock); use 0, or leave rows unexpired")

@@ -82,7 +82,7 @@ class ShardGroup:
         self.base = layout.bounds(self.indices[0])[0]  # where the group's flat vector begins
         self.values = layout.bounds(self.indices[-1])[1] - self.base
         self.worker_id = worker_id if worker_id is not None else random.getrandbits(32)
-        self.policy = timeouts.policy()
+        self.policy, self._timeouts, self._security = timeouts.policy(), timeouts, security
         self.stop = stop or threading.Event()  # set: a waiting request gives up (Stopped)
         self._transport = transport_ or zmq_transport.default()
         # bulk: parameters and gradients go AES-GCM-sealed beside CurveZMQ (sessions.py)
@@ -95,6 +95,17 @@ class ShardGroup:
     def close(self) -> None:
         for link in self._links:
             link.close()
+
+    def subgroup(self, shards: Sequence[int]) -> "ShardGroup":
+        """A group of some of this group's shards, reached alike (each shard's copies, the same
+        timeouts, keys, worker id and stop), over links of its own."""
+        by_shard = dict(zip(self.indices, self.addresses))
+        missing = [s for s in shards if s not in by_shard]
+        if missing:
+            raise errors.ConfigError(f"shards {missing} are not in this group's {self.indices}")
+        addresses = [by_shard.get(i, "") for i in range(self.layout.shards)]
+        return ShardGroup(addresses, self.layout, worker_id=self.worker_id, timeouts=self._timeouts,
+                          transport_=self._transport, security=self._security, stop=self.stop, shards=shards)
 
     # -- the core's ops ----------------------------------------------------------------------
 

@@ -13,18 +13,17 @@ optimizer (params/dense.py), Sandblaster's vectors, and whatever an algorithm ad
 - writes atomic checkpoints of every plugin's state on an interval and at the end; a
   checkpoint that cannot be written is logged and tried again at the next interval.
 
-Plugins (plugin.py) see the core through its members: index, layout, step, finished,
-metrics, settings.checkpoint_dir, applied(), count_examples(), checkpoint_now(), load().
+Plugins (plugin.py) see the core through its members: index, layout, step, finished, metrics,
+command_time, settings.checkpoint_dir, applied(), count_examples(), checkpoint_now(), load().
 An algorithm's update hooks (plugin.UpdateHook, watch_updates) are asked at HELLO whether a
-replica may train now, told of every update applied, and add their figures to STATS and
-to the chief's record (Downpour's: warm-start, staleness, the replicas' loss).
+replica may train now, told of every update applied, and add their figures to STATS and to
+the chief's record (Downpour's: warm-start, staleness, the replicas' loss).
 
 With backups, the role hands the core its copies (serve_copies, copies/replication.py): only
 the primary copy serves clients, and every command it applies is forwarded to its backups;
 the replies wait in the outbox, in order, until the copies say every backup in sync has
 what they answer (the serving thread goes on meanwhile). The copies' own ops are raw_ops,
-answered at once. The core knows them only through the small Replication interface
-(plugin.py).
+answered at once; the core knows them only through plugin.Replication.
 """
 
 from __future__ import annotations
@@ -94,6 +93,7 @@ class Shard:
         self.copies: Replication = SingleCopy()
         self.update_hooks: list[UpdateHook] = []
         self._peer: tuple = ()  # who sent the request being handled: (ZAP user, routing id)
+        self.command_time = time.time()  # the primary's clock when it took this command (answer)
         self._rate = RateWindow(RATE_WINDOW_SECONDS)
         self.last_commands = LastCommands()
         self.saves = CheckpointSchedule(self)
@@ -195,9 +195,7 @@ class Shard:
         return server
 
     def _lingered(self) -> bool:
-        if self.finished is None:
-            return False
-        return time.time() - float(self.finished["at"]) >= self.settings.linger_seconds
+        return self.finished is not None and time.time() - float(self.finished["at"]) >= self.settings.linger_seconds
 
     # -- requests --------------------------------------------------------------------------
 
@@ -241,9 +239,11 @@ class Shard:
             if verdict:
                 self._send(server, peer, reply)
 
-    def answer(self, header: Header, incoming: interface.Incoming) -> list:
-        """The reply to one request from incoming.peer (a backup also answers the requests its
-        primary forwards, as if their first sender had sent them)."""
+    def answer(self, header: Header, incoming: interface.Incoming, *, taken_at: float | None = None) -> list:
+        """The reply to one request from incoming.peer. A backup also answers the requests its
+        primary forwards, as if their first sender had sent them when the primary took them
+        (taken_at): what a plugin decides by time, every copy decides alike."""
+        self.command_time = time.time() if taken_at is None else taken_at
         try:
             self._check(header, incoming.user)
             if header.op in self.raw_ops:

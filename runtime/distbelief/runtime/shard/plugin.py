@@ -91,7 +91,9 @@ class Transferable(Protocol):
     may touch a part only through that part's own state (elementwise, as the dense
     optimizers do), or, while receiving, must skip the parts not received yet (the sparse
     rows, whose parts are sets of keys). Small state that every command may touch goes in
-    the plan, read first."""
+    the plan, read first. A plugin whose commands write into another plugin's state says
+    "first": true in its plan, and its parts are sent before any other plugin's (the held
+    gradients of partitioned jobs, which APPLY_HELD writes into the slice)."""
 
     def transfer_plan(self) -> dict[str, Any]:
         """How the state divides into parts ("parts": their count), and the small state, as JSON."""

@@ -13,7 +13,6 @@ from distbelief.runtime.algorithms.interface import ChiefContext, ReplicaContext
 from distbelief.runtime.algorithms.pipeline.rendezvous import Rendezvous, RendezvousLink
 from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
 from distbelief.runtime.algorithms.pipeline.staged import HeldGradients
-from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard.core import Shard
 from distbelief.runtime.transport import zmq_transport
@@ -47,8 +46,7 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
                                 stop=ctx.stop)
     tp = zmq_transport.default()
     if access.partition == 0:
-        own = ShardGroup(job.config.shard_addresses(), job.layout, worker_id=group.worker_id, stop=ctx.stop,
-                         security=ctx.client_security, shards=job.stage_shards(0))
+        own = group.subgroup(job.stage_shards(0))  # reached as every shard is: their copies too
         links = PodLinks(own, rendezvous, tp, access.client, everyone=group)
         if job.spec.streams_data:  # only partition 0 reads the data; the labels go down with each step
             return FirstPartition(settings, stage, links, ctx.metrics, None, stop=ctx.stop,

@@ -24,22 +24,28 @@ holds are never dropped. A HOLD that finds MAX_HELD holds makes room by dropping
 hold that is no longer live (its group broke mid-step); if all are live, it is refused
 with Status.FULL and the group drops its step, backs off and tries again (replica.py).
 
-Held gradients are not checkpointed: a shard that restarts loses them, as it loses the
-updates since its last checkpoint.
+Time is the shard's command_time: the wall clock of the primary that took the command, so
+that every copy of a shard (spec.parameterServers.backups) holds, drops and refuses alike.
+HOLD, PREPARE_HELD, APPLY_HELD and DROP_HELD are commands: a primary acknowledges each only
+once every copy in sync applied it, so a backup that takes over holds every hold and pin
+its primary acknowledged, and a step pinned everywhere is applied everywhere. A copy
+catching up receives the holds first (plugin.Transferable), before any part of the slice.
+
+Held gradients are not checkpointed: a shard whose every copy restarts loses them, as it
+loses the updates since its last checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Mapping
 
 import numpy as np
 
 from distbelief.runtime import errors
 from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, DROP_HELD, HOLD, PREPARE_HELD, ApplyHeld, Held
-from distbelief.runtime.params.dense import DenseSlice
+from distbelief.runtime.params.dense import PART_VALUES, DenseSlice
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.plugin import Answer, Handler
 from distbelief.runtime.wire import protocol
@@ -69,6 +75,7 @@ class HeldGradients:
         self.dense = dense
         self.held: dict[int, HeldGradient] = {}  # by group
         self.refused = 0                          # HOLDs refused for want of room
+        self._receiving: dict[str, Any] = {}  # a transfer's plan, while it comes in
 
     def handlers(self) -> Mapping[OpSpec, Handler]:
         return {HOLD: self._hold, PREPARE_HELD: self._prepare, APPLY_HELD: self._apply, DROP_HELD: self._drop}
@@ -85,6 +92,54 @@ class HeldGradients:
     def restore(self, ckpt: checkpoint.Checkpoint) -> None:
         """Nothing to restore: held gradients do not outlive the process."""
 
+    # -- a copy catching up (plugin.Transferable) ------------------------------------------------
+
+    def transfer_plan(self) -> dict[str, Any]:
+        """Each hold's step and state, and its gradient in parts of the slice's part size,
+        all sent before the slice's own parts ("first"): APPLY_HELD writes a hold into the
+        slice, so a hold whose gradient has not all come in yet may be applied only while no
+        part of the slice has (the slice's parts then bring the values it applied)."""
+        holds = [{"group": group, "token": h.token, "header": h.header.pack().hex(), "since": h.since,
+                  "pinned": h.pinned} for group, h in self.held.items()]
+        pieces = max(1, -(-self.dense.params.size // PART_VALUES))
+        return {"parts": len(holds) * pieces, "pieces": pieces, "first": True, "holds": holds}
+
+    def read_part(self, plan: dict[str, Any], part: int) -> dict[str, np.ndarray]:
+        """A piece of one of the plan's holds, or nothing if it was applied or dropped since."""
+        wanted, start = plan["holds"][part // plan["pieces"]], (part % plan["pieces"]) * PART_VALUES
+        held = self.held.get(wanted["group"])
+        gone = held is None or held.token != wanted["token"]
+        return {"grad": np.empty(0, np.float32) if gone else held.grad[start:start + PART_VALUES].copy()}
+
+    def begin_receiving(self, plan: dict[str, Any]) -> None:
+        """The plan's holds, their gradients zero until their parts come in."""
+        self.held, self._receiving = {}, plan
+        for hold in plan["holds"]:
+            try:
+                header = protocol.unpack_header(bytes.fromhex(hold["header"]))
+                self.held[int(hold["group"])] = HeldGradient(int(hold["token"]), header,
+                                                             np.zeros_like(self.dense.params),
+                                                             float(hold["since"]), bool(hold["pinned"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise errors.ProtocolError(f"a transferred hold {str(hold)[:200]}: {exc}") from exc
+
+    def write_part(self, part: int, arrays: dict[str, np.ndarray]) -> None:
+        plan = self._receiving
+        if not plan or not 0 <= part < plan["parts"]:
+            raise errors.ProtocolError(f"hold part {part} of {plan.get('parts', 0) if plan else 0}")
+        wanted, start = plan["holds"][part // plan["pieces"]], (part % plan["pieces"]) * PART_VALUES
+        held, grad = self.held.get(wanted["group"]), arrays.get("grad")
+        if held is None or held.token != wanted["token"] or grad is None or grad.size == 0:
+            return  # applied, dropped or replaced since the plan, here as on the primary
+        target = held.grad[start:start + PART_VALUES]
+        if grad.shape != target.shape or grad.dtype != target.dtype:
+            raise errors.ProtocolError(f"piece {part} of a held gradient: {grad.shape} {grad.dtype}, expected "
+                                       f"{target.shape} {target.dtype}")
+        target[...] = grad
+
+    def end_receiving(self) -> None:
+        self._receiving = {}
+
     def _hold(self, message: Message) -> Answer:
         meta: Held = message.meta
         self.held.pop(meta.group, None)  # the group's earlier step is over, applied or not
@@ -92,7 +147,7 @@ class HeldGradients:
             return Answer(status=Status.STALE)
         grad = self.dense.checked(message)
         self.dense.norm(grad)  # a non-finite gradient is refused now, before any shard applies its step
-        now = time.monotonic()
+        now = self.dense.shard.command_time
         if len(self.held) >= MAX_HELD and not self._make_room(now):
             self.refused += 1
             log.debug("event=hold_refused shard=%d group=%016x reason=full held=%d",
@@ -105,7 +160,7 @@ class HeldGradients:
 
     def _prepare(self, message: Message) -> Answer:
         held = self._find(message.meta.group, message.meta.token)
-        held.pinned, held.since = True, time.monotonic()
+        held.pinned, held.since = True, self.dense.shard.command_time
         return Answer()
 
     def _apply(self, message: Message) -> Answer:

@@ -6,7 +6,8 @@ view, another stream or out of order is refused, never applied (an old primary i
 off by the view, a lost message by the number), and the answer says this copy's view, so a
 primary of an older one steps down. A forwarded command is applied through the shard
 core's own path (Shard.answer) under its first sender's identity, so this copy's resend
-record knows it too.
+record knows it too, and at the time the primary took it (its envelope's `at`), so that
+what a plugin decides by time is decided alike on every copy.
 """
 
 from __future__ import annotations
@@ -107,12 +108,15 @@ class Follower:
             peer = bytes.fromhex(envelope["peer"])
         except (KeyError, TypeError, ValueError) as exc:
             raise errors.ProtocolError(f"REPLICATE's sender is not hex: {exc}") from exc
-        user = envelope.get("user")
+        user, taken_at = envelope.get("user"), envelope.get("at")
         if not isinstance(user, str | None):
             raise errors.ProtocolError("REPLICATE's envelope names no sender")
+        if not isinstance(taken_at, int | float) or isinstance(taken_at, bool):
+            raise errors.ProtocolError("REPLICATE's envelope has no time the primary took the command at")
         self.owner.forwarded = True
         try:
-            reply = self.shard.answer(inner, interface.Incoming(peer=peer, user=user, frames=incoming.frames[2:]))
+            reply = self.shard.answer(inner, interface.Incoming(peer=peer, user=user, frames=incoming.frames[2:]),
+                                      taken_at=float(taken_at))
         finally:
             self.owner.forwarded = False
         self.number, self.heard = envelope["number"], time.monotonic()

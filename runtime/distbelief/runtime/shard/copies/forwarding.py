@@ -110,11 +110,13 @@ class Chain:
 
     # -- sending -------------------------------------------------------------------------------
 
-    def forward(self, incoming: interface.Incoming, *, step: int) -> None:
-        """A command just applied: to every stream, in order."""
+    def forward(self, incoming: interface.Incoming, *, step: int, taken_at: float) -> None:
+        """A command just applied (taken at taken_at by this primary's clock): to every
+        stream, in order."""
         self.seq += 1
         for stream in self.streams.values():
-            envelope = self._envelope(stream, stream.sent + 1, user=incoming.user, peer=incoming.peer.hex())
+            envelope = self._envelope(stream, stream.sent + 1, user=incoming.user, peer=incoming.peer.hex(),
+                                      at=taken_at)
             head = Header(op=REPLICATE.code, shard=self.shard, layout=self.layout, seq=stream.sent + 1,
                           step=step).pack()
             self._send(stream, [head, envelope, *incoming.frames], step=step)

@@ -113,7 +113,7 @@ class Copies:
 
     def replicate(self, incoming: interface.Incoming) -> None:
         if self.role == PRIMARY and self.chain is not None:
-            self.chain.forward(incoming, step=self.shard.step)
+            self.chain.forward(incoming, step=self.shard.step, taken_at=self.shard.command_time)
 
     def reply_tag(self) -> Any:
         return (self.term, self.chain.seq) if self.role == PRIMARY and self.chain is not None else None

@@ -60,7 +60,9 @@ class Sender:
         self.shard, self.plugins = shard, transferable(shard)
         self.plans = [p.transfer_plan() for p in self.plugins]
         self.step = shard.step
-        self._todo = [(i, part) for i, plan in enumerate(self.plans) for part in range(int(plan["parts"]))]
+        # The parts of plugins whose plan says "first" go before the others' (plugin.Transferable).
+        order = sorted(range(len(self.plans)), key=lambda i: not self.plans[i].get("first"))
+        self._todo = [(i, part) for i in order for part in range(int(self.plans[i]["parts"]))]
         self._ended = False
         self.parts_sent = 0
 
