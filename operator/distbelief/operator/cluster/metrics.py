@@ -25,6 +25,7 @@ import prometheus_client as prom
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from distbelief.operator import errors
 from distbelief.operator.status.status import PENDING, RUNNING, SUSPENDED
 from distbelief.runtime import contract
 
@@ -133,4 +134,8 @@ def forget_deleted(type: str | None, namespace: str, name: str, **_: Any) -> Non
 def serve(host: str, port: int) -> None:
     """Serve OPERATOR's metrics on host:port from a thread of their own (every path answers
     the metrics, as prometheus_client's server does)."""
-    prom.start_http_server(port, addr=host, registry=OPERATOR.registry)
+    try:
+        prom.start_http_server(port, addr=host, registry=OPERATOR.registry)
+    except OSError as exc:
+        raise errors.OperatorError(f"cannot serve the operator's metrics on {host}:{port} "
+                                   f"(--metrics): {exc.strerror or exc}") from exc
