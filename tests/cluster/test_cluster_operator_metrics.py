@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from distbelief.runtime import keys
@@ -13,6 +14,8 @@ from support.chiefs import Chiefs
 from support.cluster import JOBS, WAIT, Api, Kubectl, Operator
 from support.kubejobs import apply, kubelet_runs, new_job, phase_is, pods_of
 from support.waiting import eventually
+
+pytestmark = pytest.mark.floors  # prometheus_client's server and kopf's event handler at their floors too
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
