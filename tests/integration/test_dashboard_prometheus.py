@@ -82,8 +82,9 @@ def training(tmp_path: Path) -> Iterator[Path]:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
     output = tmp_path / "out"
-    run = subprocess.Popen([sys.executable, "-m", "distbelief.operator.cli", "run", str(job), "--output", str(output),
-                            "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(tmp_path / "run.log", "wb") as log:   # what the run says, beside its pods' logs in out/logs
+        run = subprocess.Popen([sys.executable, "-m", "distbelief.operator.cli", "run", str(job), "--output",
+                                str(output), "--no-progress"], stdout=log, stderr=subprocess.STDOUT)
     try:
         yield output
     finally:
