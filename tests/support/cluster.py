@@ -70,8 +70,10 @@ class Kubectl:
 
 
 def unavailable(reason: str) -> None:
+    """Skip for want of a tool (reason says how to get it); fail instead under CI=true, where
+    every test must run."""
     if os.environ.get("CI") == "true":
-        pytest.fail(f"the cluster tests must run under CI=true: {reason}")
+        pytest.fail(f"this test must run under CI=true: {reason}")
     pytest.skip(reason)
 
 
@@ -251,8 +253,9 @@ class Operator:
     """`distbelief operator` as a local process, run as the chart's Deployment runs it: its
     arguments and environment, as its ServiceAccount (a token from the TokenRequest API),
     so with exactly the chart's RBAC. Only the liveness port moves to a free loopback port,
-    the status interval and the retries of a refused job are shortened, and the chiefs'
-    metrics are read from `chiefs`.
+    the operator's own metrics are served on another (`metrics_url`; the chart serves them
+    with metrics.operator.enabled), the status interval and the retries of a refused job are
+    shortened, and the chiefs' metrics are read from `chiefs`.
 
     It keeps one POD_ID across restarts, as a container restarted in its pod does: kopf
     then knows its own peering entry and does not wait for it to lapse."""
@@ -280,12 +283,15 @@ class Operator:
         self.kubeconfig.chmod(0o600)
         self.namespace = namespace
         self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
+        self.metrics = f"127.0.0.1:{free_port()}"
+        self.metrics_url = f"http://{self.metrics}/metrics"
         self.log_path = folder / "operator.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
-        args = [f"--liveness={self.liveness}" if a.startswith("--liveness=") else a for a in self.container["args"]]
-        return [str(Path(sys.executable).parent / "distbelief"), *args]
+        args = [f"--liveness={self.liveness}" if a.startswith("--liveness=") else a for a in self.container["args"]
+                if not a.startswith("--metrics=")]
+        return [str(Path(sys.executable).parent / "distbelief"), *args, f"--metrics={self.metrics}"]
 
     def environment(self) -> dict[str, str]:
         values = {e["name"]: e["value"] for e in self.container.get("env", []) if "value" in e}

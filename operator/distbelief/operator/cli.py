@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     operator.add_argument("--peering", default="distbelief", help="kopf peering name shared by the replicas")
     operator.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
                           help="liveness endpoint ('' to disable)")
+    operator.add_argument("--metrics", type=metrics_address, default=None, metavar="[HOST:]PORT",
+                          help="serve the operator's own Prometheus metrics there (HOST default 0.0.0.0); "
+                               "off when absent")
     operator.set_defaults(func=_operator)
 
     worker = add_parser("worker", help="run one model replica (what the worker containers run)")
@@ -199,11 +202,19 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def metrics_address(text: str) -> tuple[str, int]:
+    """--metrics [HOST:]PORT as (host, port); HOST defaults to every interface."""
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected [HOST:]PORT with PORT 1..65535")
+    return host or "0.0.0.0", int(port)
+
+
 def _operator(args: argparse.Namespace) -> int:
     from distbelief.operator.cluster import process
 
     process.run(namespaces=args.namespace, standalone=args.standalone, liveness=args.liveness or None,
-                peering=args.peering)
+                peering=args.peering, metrics=args.metrics)
     return 0
 
 

@@ -8,6 +8,8 @@
                                                     delete the job when its TTL has passed
     a child changed or deleted     ->  childwatch.put_back(): the child made to match its job again
 
+reconcile() and observe() count their outcomes, errors and time in cluster/metrics.py.
+
 A job labelled kueue.x-k8s.io/queue-name also follows its Kueue Workload at every
 reconcile and status pass (cluster/queue.py): held suspended until admitted, placed where
 the admission says, suspended again by an eviction.
@@ -40,7 +42,7 @@ from typing import Any, Literal, Mapping, NoReturn
 import kopf
 
 from distbelief.operator import errors
-from distbelief.operator.cluster import children, peering as peering_watch
+from distbelief.operator.cluster import children, metrics, peering as peering_watch
 from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.render import queue, render, sizing
@@ -158,11 +160,17 @@ def locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
 @kopf.on.resume(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
 def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, **_: Any) -> None:
+    with metrics.OPERATOR.reconciling() as attempt:
+        attempt.outcome = apply_job(body, patch, reason, memo)
+
+
+def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) -> str:
+    """Make the job's children what its spec asks for; the outcome (cluster/metrics.py)."""
     try:
         job, refusals = locked_job(validated(body))
     except errors.SpecError as exc:  # the CRD let it through (a server without its rules): observe() fails it
         log.warning("event=invalid_spec job=%s problems=%r", body.metadata.name, str(exc))
-        return
+        return metrics.INVALID_SPEC
     locks = {}
     for lock in LOCKS:
         if lock.condition in refusals:
@@ -206,6 +214,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, 
     if applied.changed:
         kopf.info(body, reason="ChildrenApplied" if reason != "update" else "SpecApplied",
                   message=", ".join(f"{name} {result}" for name, result in applied.changed.items()))
+    return metrics.APPLIED
 
 
 def held(job: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -269,6 +278,12 @@ def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created",
 
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=min(1.0, STATUS_INTERVAL))
 def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    with metrics.OPERATOR.counting_errors("status"):
+        update_status(body, patch, memo)
+
+
+def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
+    """Read what the job's children and chief show, and write the job's status from it."""
     kube = Kube()
     try:
         job, refusals = locked_job(validated(body))
@@ -281,6 +296,7 @@ def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     job["status"] = copy.deepcopy(dict(body.status or {}))
     now = datetime.datetime.now(datetime.timezone.utc)
     status = compute_status(job, observed, now)
+    metrics.OPERATOR.phases.set(body.metadata.namespace, body.metadata.name, status["phase"])
     before = job["status"].get("phase")
     _warn_new_conditions(body, job["status"].get("conditions", []), status["conditions"])
     if status["phase"] in TERMINAL and before not in TERMINAL:

@@ -14,6 +14,7 @@ chief's metrics, and leaves a report in the output folder:
     params.npz     the trained parameters, one array per named tensor
     logs/          one log per pod; volumes/ holds each pod's folders (the checkpoints)
     keys/          the job's CurveZMQ keys (0600 files), made on the first run
+    metrics-targets.json   each pod's metrics address, for a Prometheus (file_sd_configs)
 
 Running the same job again with the same output folder resumes from its checkpoints,
 with the same keys. The keys play the Secret the operator would create: each pod's
@@ -23,6 +24,7 @@ secret volume gets a copy of the files its volume lists (0600, in the pod's fold
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import signal
@@ -32,7 +34,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from distbelief.operator.local import curves, outputdir, podusage, preflight, report
-from distbelief.operator.local.localpods import LocalPod, plan_pods, volume_dir
+from distbelief.operator.local.localpods import LocalPod, metrics_targets, plan_pods, volume_dir
 from distbelief.operator.render import render, sizing
 from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
@@ -47,6 +49,7 @@ BACKOFF_START, BACKOFF_MAX = 1.0, 30.0
 # Polls in a row a replica's last minibatch loss must be non-finite before the job fails:
 # the shards drop such pushes, so a diverged model would otherwise hang the job.
 KEYS_FOLDER = "keys"
+TARGETS_FILE = "metrics-targets.json"
 # The signals that stop a run as Ctrl-C does: every pod checkpoints, the run ends Suspended.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -121,6 +124,7 @@ class LocalRun:
                                initial=resumed_at)
         recorder = curves.Recorder(self.output, resumed_at=resumed_at)
         self._history_at_start = self._history_size()
+        self._write_targets()
         with podusage.MemoryWatchdog(lambda: self.pods):
             try:
                 for pod in self.pods:
@@ -137,6 +141,14 @@ class LocalRun:
                                conditions=self.status.get("conditions"))
         report.print_summary(summary, self.output)
         return _exit_code(phase)
+
+    def _write_targets(self) -> None:
+        """This run's pods' metrics addresses (new ports each run), replaced whole: a
+        Prometheus watching the file never reads half of it."""
+        path = os.path.join(self.output, TARGETS_FILE)
+        with open(path + ".part", "w", encoding="utf-8") as f:
+            json.dump(metrics_targets(self.pods), f, indent=1)
+        os.replace(path + ".part", path)
 
     def interrupt(self, *_: object) -> None:
         """Stop the run as Ctrl-C (or SIGTERM, SIGHUP) does: every pod checkpoints and exits;

@@ -61,6 +61,8 @@ class LocalPod:
     log_path: str
     ports: dict[str, int]
     workload: str = ""   # the StatefulSet's or Deployment's name
+    namespace: str = "default"
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)   # the pod template's
     memory_limit: str | None = None   # the container's resources.limits.memory, as written
     process: subprocess.Popen | None = None
     restarts: int = 0
@@ -228,8 +230,26 @@ def _pod(node: LocalNode, workload: Mapping[str, Any], name: str, ports: dict[st
     return LocalPod(name=name, role=workload["metadata"]["labels"][contract.LABEL_ROLE],
                     argv=local_command(container["command"]) + args + extra_args, env=env,
                     log_path=os.path.join(node.output, "logs", f"{name}.log"), ports=ports,
-                    workload=workload["metadata"]["name"],
+                    workload=workload["metadata"]["name"], namespace=node.namespace,
+                    labels=workload["spec"]["template"]["metadata"]["labels"],
                     memory_limit=(container.get("resources") or {}).get("limits", {}).get("memory"))
+
+
+def metrics_targets(pods: list[LocalPod]) -> list[dict[str, Any]]:
+    """Each pod's metrics address in Prometheus' file_sd format, labelled as the chart's
+    monitors label a cluster's pods: namespace, pod, and the pod labels distbelief.io/job
+    and distbelief.io/role as distbelief_io_job and distbelief_io_role."""
+    def target_labels(pod: LocalPod) -> dict[str, str]:
+        carried = {_label_name(key): pod.labels[key] for key in (contract.LABEL_JOB, contract.LABEL_ROLE)}
+        return {"namespace": pod.namespace, "pod": pod.name, **carried}
+
+    return [{"targets": [f"{LOOPBACK}:{pod.ports[contract.METRICS_PORT_NAME]}"], "labels": target_labels(pod)}
+            for pod in pods]
+
+
+def _label_name(pod_label: str) -> str:
+    """A pod label's name as Prometheus takes it: every character outside [a-zA-Z0-9_] as _."""
+    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in pod_label)
 
 
 def local_command(command: list[str]) -> list[str]:
