@@ -14,7 +14,11 @@ embeddings ("sparse") a push first sends the row of key i (every value -1) to th
 that owns it, then the dense push; row-wise Adagrad at learning rate 1 moves a fresh row by
 1, 1 + 1/sqrt(2), ... for 1, 2, ... applications. A push is acknowledged when every shard
 answered it (the client's ShardGroup sends it again to a shard's next copy as a replica
-does); one whose client stopped waiting is indeterminate.
+does); one whose client stopped waiting is indeterminate. A partitioned job's shards hold
+gradients until their step commits ("partitioned"): each push is HELD on every shard and
+then committed as partition 0 commits a step (PREPARE_HELD, then APPLY_HELD or DROP_HELD);
+it is acknowledged when applied, refused when dropped, and must be applied on every shard
+or on none.
 
 The faults (Nemesis), on one copy of a shard or between two (with backups: 2, sometimes
 on two copies at once): SIGKILL (local mode restarts the pod with back-off), SIGSTOP for
@@ -54,6 +58,8 @@ from distbelief.operator.local import local  # noqa: E402
 from distbelief.operator.local.localpods import LocalPod, volume_dir  # noqa: E402
 from distbelief.operator.spec import spec  # noqa: E402
 from distbelief.runtime import contract, errors, keys  # noqa: E402
+from distbelief.runtime.algorithms.pipeline.commit import Commit, new_token  # noqa: E402
+from distbelief.runtime.algorithms.pipeline.ops import HOLD, Held  # noqa: E402
 from distbelief.runtime.client.group import ShardGroup, Timeouts  # noqa: E402
 from distbelief.runtime.params.dense_client import Float32Dense  # noqa: E402
 from distbelief.runtime.params.rows.row_client import RowClient  # noqa: E402
@@ -69,7 +75,7 @@ SETTLE_SECONDS = 180.0  # at the end, for every shard's copies to be in sync aga
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    kind: str = "dense"          # or "sparse" (embedding rows too)
+    kind: str = "dense"          # or "sparse" (embedding rows too), or "partitioned" (held steps)
     backups: int = 1
     seed: int = 1
     seconds: float = 30.0        # pushing under faults
@@ -89,6 +95,8 @@ def job_doc(plan: Plan) -> dict[str, Any]:
     """The checker's job: two shards, no replicas of its own, SGD at learning rate 1."""
     model: dict[str, Any] = {"type": "mlp", "hiddenLayers": [1024], "activation": "relu"}
     data = {"source": "synthetic:features=64,classes=2,samples=2000,seed=1", "testFraction": 0.2}
+    if plan.kind == "partitioned":  # two stages of about 66k parameters, one shard each
+        model = {"type": "mlp", "hiddenLayers": [1024, 64], "activation": "relu", "partitions": 2}
     if plan.kind == "sparse":
         model = {"type": "mlp", "hiddenLayers": [1024], "activation": "relu",
                  # Plain rows (no wide part, no L2 decay, trained from the first push), so that a
@@ -214,10 +222,10 @@ class Client(threading.Thread):
                 for shard in range(layout.shards):
                     grad[layout.bounds(shard)[0] + i] = -1.0
                 try:
-                    if plan.kind == "sparse":
-                        RowClient(group, ROW_DIM).push(np.array([i], np.int64), -np.ones((1, ROW_DIM), np.float32))
-                    replies = Float32Dense(group).push(grad, steps=[0] * layout.shards, examples=1, loss=0.0)
-                    op.steps, op.acked = [r.step for r in replies], True
+                    if plan.kind == "partitioned":
+                        self.commit(group, grad, op)
+                    else:
+                        self.push(group, grad, op)
                 except errors.RuntimeFailure as exc:  # Stopped, or a shard unavailable for minutes
                     op.error = str(exc)
                     break
@@ -227,6 +235,24 @@ class Client(threading.Thread):
             self.failure = str(exc)
         finally:
             group.close()
+
+    def push(self, group: ShardGroup, grad: np.ndarray, op: Op) -> None:
+        """A push (with sparse: the row of key op.id first), acknowledged once every shard answered."""
+        if self.cluster.plan.kind == "sparse":
+            RowClient(group, ROW_DIM).push(np.array([op.id], np.int64), -np.ones((1, ROW_DIM), np.float32))
+        replies = Float32Dense(group).push(grad, steps=[0] * group.layout.shards, examples=1, loss=0.0)
+        op.steps, op.acked = [r.step for r in replies], True
+
+    def commit(self, group: ShardGroup, grad: np.ndarray, op: Op) -> None:
+        """A partitioned job's step, as its partition 0 makes one: the gradient HELD on every
+        shard under a fresh token, then committed everywhere or nowhere (commit.py). Acknowledged
+        when it was applied; refused (never to be applied anywhere) when it was dropped."""
+        token, step_group = new_token(), self.index + 1
+        replies = group.request(HOLD, meta=Held(step_group, token), array=grad, steps=[0] * group.layout.shards)
+        statuses = {r.header.status for r in replies}
+        held = next((s for s in (Status.DONE, Status.FULL, Status.STALE) if s in statuses), Status.OK)
+        status = Commit(group).settle(step_group, token, held, examples=1, loss=0.0)
+        op.kind, op.acked, op.refused = "held", status == Status.OK, status in (Status.STALE, Status.FULL)
 
 
 class Nemesis(threading.Thread):
@@ -359,7 +385,7 @@ def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
         "plan": {**dataclasses.asdict(plan), "name": plan.name}, "faults": nemesis.faults, "settled": settled,
         "clients_failed": [c.failure for c in clients if c.failure],
         "wall_seconds": round(time.monotonic() - started, 1),
-        "verdict": copyverdict.verdict(history, counts, steps, limit=limit)}
+        "verdict": copyverdict.verdict(history, counts, steps, limit=limit, atomic=plan.kind == "partitioned")}
     if initial_rows is not None:
         rows = RowClient(group, ROW_DIM).pull(keys_)[0]
         result["rows"] = copyverdict.rows_verdict(history, copyverdict.row_counts(initial_rows, rows))
@@ -392,12 +418,12 @@ def copies_differ(cluster: Cluster) -> list[str]:
 
 
 def plans(runs: int, seconds: float, seed: int) -> list[Plan]:
-    """Dense and sparse, backups 1 and 2, seeded; and issue 31's stalls (a copy of three
+    """Dense, sparse and partitioned, backups 1 and 2, seeded; and issue 31's stalls (a copy of three
     frozen for 7 s, again and again: backups on a dense job, primaries on a sparse one)."""
     stalls = dict(backups=2, seed=seed, seconds=max(seconds, 50.0), faults=("stall",), stall_seconds=(7.0, 7.0),
                   pause=(1.0, 1.0))
     chosen = [Plan(kind="dense", target="backup", **stalls), Plan(kind="sparse", target="primary", **stalls)]
-    kinds = [(kind, backups) for backups in (1, 2) for kind in ("dense", "sparse")]
+    kinds = [(kind, backups) for backups in (1, 2) for kind in ("dense", "sparse", "partitioned")]
     for run_index in range(runs):
         kind, backups = kinds[run_index % len(kinds)]
         chosen.append(Plan(kind=kind, backups=backups, seed=seed + run_index, seconds=seconds))

@@ -23,34 +23,44 @@ class Op:
     acked: bool = False
     steps: list[int] | None = None   # each shard's step in its acknowledgement
     error: str | None = None
-    kind: str = "push"               # a partitioned job's HOLD/APPLY_HELD would be other kinds
+    kind: str = "push"               # or "held": a partitioned job's step (HOLD, then its commit)
+    refused: bool = False            # a held step its commit dropped: applied nowhere
 
 
-def verdict(ops: list[Op], counts: np.ndarray, steps: list[int], *, limit: int) -> dict[str, Any]:
+def verdict(ops: list[Op], counts: np.ndarray, steps: list[int], *, limit: int, atomic: bool = False) -> dict[str, Any]:
     """counts[s, i]: the applications of push i found on shard s (ids below limit); steps[s]:
-    shard s's final step. Lists of ids (at most 20 shown) and totals of each finding."""
+    shard s's final step. Lists of ids (at most 20 shown) and totals of each finding. atomic
+    (a partitioned job's held steps): every push, indeterminate ones too, is applied on every
+    shard or on none, and one whose commit was refused on none."""
     shards = counts.shape[0]
     began = np.zeros(limit, dtype=bool)
     acked = np.zeros(limit, dtype=bool)
+    refused = np.zeros(limit, dtype=bool)
     for op in ops:
         began[op.id] = True
         acked[op.id] |= op.acked
+        refused[op.id] |= op.refused
     indeterminate = began & ~acked
     lost = np.flatnonzero(acked & (counts < 1).any(axis=0))
     duplicated = np.flatnonzero((counts > 1).any(axis=0))
     phantom = np.flatnonzero(~began & (counts > 0).any(axis=0))
-    partial = np.flatnonzero(indeterminate & (counts.min(axis=0) != counts.max(axis=0)))
+    uneven = counts.min(axis=0) != counts.max(axis=0)
+    partial = np.flatnonzero(indeterminate & uneven)
+    half_applied = np.flatnonzero(uneven) if atomic else np.empty(0, np.int64)
+    applied_though_refused = np.flatnonzero(refused & (counts > 0).any(axis=0))
     applied = counts.sum(axis=1)
     result = {
         "pushes": int(began.sum()), "acknowledged": int(acked.sum()), "indeterminate": int(indeterminate.sum()),
         "lost": _ids(lost), "duplicated": _ids(duplicated), "phantom": _ids(phantom),
-        "partial": _ids(partial),
+        "partial": _ids(partial), "half_applied": _ids(half_applied),
+        "applied_though_refused": _ids(applied_though_refused), "refused": int(refused.sum()),
         "steps": list(map(int, steps)), "applied": list(map(int, applied)),
         "steps_match_applied": [int(s) == int(a) for s, a in zip(steps, applied)],
         "steps_agree": len(set(map(int, steps))) == 1,
         "went_back": went_back(ops, shards),
     }
-    result["ok"] = (not lost.size and not duplicated.size and not phantom.size and all(result["steps_match_applied"])
+    result["ok"] = (not lost.size and not duplicated.size and not phantom.size and not half_applied.size
+                    and not applied_though_refused.size and all(result["steps_match_applied"])
                     and (result["steps_agree"] or bool(indeterminate.any())) and not result["went_back"])
     return result
 

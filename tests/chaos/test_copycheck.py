@@ -42,6 +42,19 @@ def test_an_acknowledged_push_missing_from_a_shard_is_lost_and_one_applied_twice
     assert clean["ok"], clean
 
 
+def test_a_held_step_applied_on_some_shards_only_or_applied_though_refused_breaks_atomicity() -> None:
+    history = ops((0, 0, 1, True, None), (1, 1, 2, False, None), (2, 2, 3, False, None))
+    history[2].refused = True
+    counts = np.array([[1, 1, 1],
+                       [1, 0, 1]])
+    v = copyverdict.verdict(history, counts, steps=[3, 2], limit=3, atomic=True)
+    assert v["half_applied"]["ids"] == [1] and v["applied_though_refused"]["ids"] == [2] and not v["ok"]
+    assert copyverdict.verdict(history, counts, steps=[3, 2], limit=3)["half_applied"]["count"] == 0
+    history[2].refused = False
+    even = np.array([[1, 0, 1], [1, 0, 1]])
+    assert copyverdict.verdict(history, even, steps=[2, 2], limit=3, atomic=True)["ok"]
+
+
 def test_a_step_below_one_acknowledged_before_the_push_began_went_back() -> None:
     history = ops((0, 0.0, 1.0, True, [5, 5]), (1, 2.0, 3.0, True, [4, 7]), (2, 0.5, 1.5, True, [3, 6]))
     found = copyverdict.went_back(history, shards=2)
@@ -97,7 +110,7 @@ RUNS = [copycheck.Plan(kind="dense", backups=2, seed=31, seconds=10.0, faults=("
                        stall_seconds=(7.0, 7.0), target="backup", pause=(1.0, 1.0)),
         copycheck.Plan(kind="dense", backups=1, seed=11, seconds=15.0),
         copycheck.Plan(kind="sparse", backups=1, seed=12, seconds=15.0),
-        copycheck.Plan(kind="dense", backups=2, seed=13, seconds=15.0),
+        copycheck.Plan(kind="partitioned", backups=1, seed=13, seconds=15.0),
         copycheck.Plan(kind="sparse", backups=2, seed=14, seconds=15.0)]
 
 
