@@ -79,9 +79,11 @@ def stage_access(job: Job, access: Access, listen: str,
 
 
 def new_registry() -> prom.CollectorRegistry:
-    """A role's metrics registry; it reports the process's traffic from the start."""
+    """A role's metrics registry; it reports the process's traffic, resident memory and CPU
+    time from the start (what `kubectl distbelief top` shows)."""
     registry = prom.CollectorRegistry()
     registry.register(TrafficCollector())
+    prom.ProcessCollector(registry=registry)
     return registry
 
 
