@@ -30,15 +30,15 @@ def plugin(kubectl: Kubectl, *args: str, env: dict[str, str] | None = None,
 
 def running(kubectl: Kubectl, namespace: str) -> dict[str, Any]:
     return eventually(lambda: (s := job_status(kubectl, namespace, "digits")).get("phase") == "Running"
-                      and s.get("eta") and s.get("lastCheckpoint") and s, 120, interval=0.3,
-                      what="digits Running with an ETA and a checkpoint")
+                      and s.get("eta") and s.get("lastCheckpoint") and s.get("shards") and s, 120, interval=0.3,
+                      what="digits Running with an ETA, a checkpoint and its shards' copies")
 
 
 @pytest.mark.slow
 def test_kubectl_distbelief_shows_and_drives_a_training_job(
         kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
     job = example("digits-mlp.yaml", training__maxSteps=1_000_000, training__maxDuration="10m",
-                  parameterServers__checkpoint__everySeconds=1)
+                  parameterServers__checkpoint__everySeconds=1, parameterServers__backups=1)
     apply(kubectl, namespace, job)
     status = running(kubectl, namespace)
     ns = ("-n", namespace)
@@ -53,12 +53,15 @@ def test_kubectl_distbelief_shows_and_drives_a_training_job(
     missing = plugin(kubectl, "get", "nosuch", *ns, check=False)
     assert missing.returncode == 1 and f"no DistBeliefJob 'nosuch' in namespace {namespace}" in missing.stderr
 
-    # describe: why it runs, its shards and their pods, its pods, the operator's Events about it.
+    # describe: why it runs, each shard's primary and copies (pods 0 and 2 hold shard 0, 1 and 3 shard 1),
+    # the operator's Events about it.
     described = plugin(kubectl, "describe", "digits", *ns).stdout
     print(described)
     assert re.search(r"^Phase: +Running \(Training: 2 shards and 2 replicas ready\)$", described, re.M), described
+    assert "Shards:        2, 2 copies each; 4/4 pods ready" in described
     for shard in (0, 1):
-        assert re.search(rf"^  {shard} +digits-ps-{shard} +1 .*digits-ps-{shard} \(ready\)$", described, re.M), described
+        assert re.search(rf"^  {shard} +digits-ps-{shard} +2 +0 +digits-ps-{shard} \(ready\), "
+                         rf"digits-ps-{shard + 2} \(ready\)$", described, re.M), described
     assert re.search(r"^Checkpoint: +step \d+ at ", described, re.M), described
     posted = {e["reason"] for e in get(kubectl, "events", *ns, "--field-selector",
                                         "involvedObject.kind=DistBeliefJob")["items"]}
@@ -74,6 +77,7 @@ def test_kubectl_distbelief_shows_and_drives_a_training_job(
     assert len({line.split("]")[0] for line in workers.splitlines()}) == 2, workers[-2000:]
     assert all(line.startswith("[digits-worker-") for line in workers.splitlines())
     shard = plugin(kubectl, "logs", "digits", "--shard", "1", *ns).stdout
+    assert {line.split("]")[0] for line in shard.splitlines()} == {"[digits-ps-1", "[digits-ps-3"}
     assert "shard=1" in shard and "shard=0" not in shard and "event=evaluated" not in shard
     assert _follows(kubectl, namespace, after=max(evaluated))
 
@@ -82,13 +86,13 @@ def test_kubectl_distbelief_shows_and_drives_a_training_job(
     shown = plugin(kubectl, "top", "digits", "--interval", "1", *ns, env=through_node).stdout
     print(shown)
     rows = columns(shown)
-    assert sorted(r["ROLE"] for r in rows) == ["ps", "ps", "worker", "worker"], rows
+    assert sorted(r["ROLE"] for r in rows) == ["ps"] * 4 + ["worker"] * 2, rows
     for pod in rows:
         assert float(pod["STEPS/S"]) > 0 and pod["MEMORY"].endswith("MiB") and pod["IN"] != "-", pod
     # By default through the API server's pod proxy, which refuses the node agent's loopback pod IPs:
     # each pod's refusal is named, and with no pod answering the exit code says so.
     proxied = plugin(kubectl, "top", "digits", "--interval", "0.1", *ns, check=False)
-    assert proxied.returncode == 1 and proxied.stderr.count("address not allowed") == 4, proxied.stderr
+    assert proxied.returncode == 1 and proxied.stderr.count("address not allowed") == 6, proxied.stderr
     assert f"get metrics of pod {namespace}/digits-ps-0: 400" in proxied.stderr
 
     # scale: the API server's own refusal of a count the schema does not allow; then a real one.

@@ -63,7 +63,7 @@ def test_describe_says_why_the_job_is_in_its_phase_how_far_it_is_and_what_holds_
     line = {text.split(":", 1)[0]: text.split(":", 1)[1].strip() for text in screen if not text.startswith(" ")
             and ":" in text}
     assert line["Phase"] == "Running (Training: 2 shards and 2 replicas ready)"
-    assert line["Progress"] == "20%, step 2000 of 10000, ETA 1m20s, 100 steps/s"
+    assert line["Progress"] == "20%, step 2000 of 10000, ETA 1m20s, 100.0 steps/s"
     assert line["Model"] == "accuracy 0.9123, loss 0.3000, examples/s 12,346"
     assert line["Replicas"] == "2/3 ready"
     assert line["Shards"] == "2, 2 copies each; 3/4 pods ready"

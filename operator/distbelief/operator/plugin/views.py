@@ -84,7 +84,7 @@ def progress_line(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:
     if status.get("eta"):
         parts.append(f"ETA {status['eta']}")
     if rate:
-        parts.append(f"{rate:g} steps/s")
+        parts.append(f"{rate:,.1f} steps/s")
     return ", ".join(parts)
 
 
