@@ -16,6 +16,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+import yaml
+
 from distbelief.operator import errors
 from distbelief.operator.cluster.kube import Kube, path_of
 from distbelief.operator.plugin import pods as pods_of
@@ -31,17 +33,32 @@ def connect(kubeconfig: str | None, context: str | None) -> tuple[Kube, str]:
     """The API, and the context's namespace (default when it names none)."""
     from kubernetes import client, config
 
+    files = kubeconfig or config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION  # $KUBECONFIG, else ~/.kube/config
     try:
-        contexts, current = config.list_kube_config_contexts(config_file=kubeconfig)
-        chosen = next((c for c in contexts if c["name"] == context), None) if context else current
+        contexts, _ = config.list_kube_config_contexts(config_file=files)
+        wanted = context or current_context(files)
+        chosen = next((c for c in contexts if c["name"] == wanted), None)
         if chosen is None:
-            raise errors.OperatorError(f"no context {context!r} in the kubeconfig")
+            raise errors.OperatorError(f"no context {wanted!r} in the kubeconfig")
         configuration = client.Configuration()
-        config.load_kube_config(config_file=kubeconfig, context=chosen["name"], client_configuration=configuration)
-    except (config.ConfigException, OSError) as exc:
-        raise errors.OperatorError(f"kubeconfig {kubeconfig or os.environ.get('KUBECONFIG') or '~/.kube/config'}: "
-                                   f"{exc}") from None
+        config.load_kube_config(config_file=files, context=chosen["name"], client_configuration=configuration)
+    except (config.ConfigException, OSError, yaml.YAMLError) as exc:
+        raise errors.OperatorError(f"kubeconfig {files}: {exc}") from None
     return Kube(client.ApiClient(configuration)), (chosen.get("context") or {}).get("namespace") or "default"
+
+
+def current_context(files: str) -> str | None:
+    """The current-context of the first of the ':'-joined files that sets one, as kubectl
+    takes it (the client's merge would take the last)."""
+    for path in files.split(os.pathsep):
+        try:
+            with open(os.path.expanduser(path), encoding="utf-8") as f:
+                found = (yaml.safe_load(f) or {}).get("current-context")
+        except FileNotFoundError:
+            continue
+        if found:
+            return found
+    return None
 
 
 class ClusterJobs:
