@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from support.cluster import Kubectl
 from support.localnode import (METRICS_URL, LocalNode, apply, chart, example, get,  # noqa: F401 (fixtures)
@@ -36,7 +37,7 @@ def running(kubectl: Kubectl, namespace: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_kubectl_distbelief_shows_and_drives_a_training_job(
-        kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
+        kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path, tmp_path: Path) -> None:
     job = example("digits-mlp.yaml", training__maxSteps=1_000_000, training__maxDuration="10m",
                   parameterServers__checkpoint__everySeconds=1, parameterServers__backups=1)
     apply(kubectl, namespace, job)
@@ -50,6 +51,12 @@ def test_kubectl_distbelief_shows_and_drives_a_training_job(
     assert re.fullmatch(r"\d+[smhd](\d+[smh])?", row["ETA"]) and 0 <= float(row["ACCURACY"]) <= 1, row
     every = columns(plugin(kubectl, "get", "-A").stdout)
     assert {"NAMESPACE": namespace, "NAME": "digits"}.items() <= next(r for r in every if r["NAMESPACE"] == namespace).items()
+    # Without -n: the namespace of the kubeconfig's context (here one naming the test's namespace).
+    config = yaml.safe_load(kubectl.plane.kubeconfig.read_text())
+    config["contexts"][0]["context"]["namespace"] = namespace
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+    assert [r["NAME"] for r in columns(plugin(kubectl, "get", "--kubeconfig", str(tmp_path / "kubeconfig")).stdout)] \
+        == ["digits"]
     missing = plugin(kubectl, "get", "nosuch", *ns, check=False)
     assert missing.returncode == 1 and f"no DistBeliefJob 'nosuch' in namespace {namespace}" in missing.stderr
 
