@@ -46,9 +46,13 @@ def test_a_local_run_seen_while_it_trains_and_after_ctrl_c(tmp_path: Path) -> No
         assert re.search(r"^Phase: +Running \(Training: 2 shards and 3 replicas ready\)$", described, re.M)
         assert re.search(r"^  digits-worker-2 +worker +yes +0 +Running$", described, re.M), described
 
-        rows = columns(plugin("top", "digits", "--interval", "0.5", *local))
+        def stepping() -> list[dict[str, str]]:  # every pod read and moving (a loaded machine may stall one)
+            rows = columns(plugin("top", "digits", "--interval", "0.5", *local))
+            return rows if all(re.fullmatch(r"[\d.]+", r["STEPS/S"]) and float(r["STEPS/S"]) > 0 for r in rows) else []
+
+        rows = eventually(stepping, 30, what="every pod stepping")
         assert [r["POD"] for r in rows] == ["digits-ps-0", "digits-ps-1", *(f"digits-worker-{i}" for i in range(3))]
-        assert all(float(r["STEPS/S"]) > 0 and r["MEMORY"].endswith("MiB") for r in rows), rows
+        assert all(r["MEMORY"].endswith("MiB") and r["IN"].endswith("iB") for r in rows), rows
 
         chief = plugin("logs", "digits", "--role", "chief", *local)
         assert "event=evaluated" in chief and "shard=1" not in chief
