@@ -219,7 +219,7 @@ def test_dockerignore_keeps_the_context_to_what_the_dockerfile_copies() -> None:
         assert "__pycache__" not in path and not path.endswith(".pyc") and ".egg-info" not in path, path
 
 
-def test_the_wheel_built_from_the_context_carries_the_crd_and_the_entry_point(tmp_path: Path) -> None:
+def test_the_wheel_built_from_the_context_carries_the_crd_and_the_entry_points(tmp_path: Path) -> None:
     """What the build stage's `pip wheel .` makes from the context: the CRD reached through
     the symlink operator/distbelief/operator/crds is in the wheel, byte for byte."""
     context = tmp_path / "context"
@@ -238,7 +238,9 @@ def test_the_wheel_built_from_the_context_carries_the_crd_and_the_entry_point(tm
         assert archive.read("distbelief/operator/crds/distbelief.io_distbeliefjobs.yaml") == CRD.read_bytes()
         names = archive.namelist()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-        assert "distbelief = distbelief.operator.cli:main" in archive.read(entry_points).decode()
+        commands = archive.read(entry_points).decode()
+        assert "distbelief = distbelief.operator.cli:main" in commands
+        assert "kubectl-distbelief = distbelief.operator.plugin.command:main" in commands  # the kubectl plugin
     assert {n for n in names if n.endswith(".py")} == source_modules()
     assert not [n for n in names if n.startswith(("tests/", "operator/", "runtime/"))]
 

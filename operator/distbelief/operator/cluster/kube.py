@@ -1,4 +1,5 @@
-"""The operator's few calls to the Kubernetes API, over the official client's transport.
+"""The operator's few calls to the Kubernetes API, over the official client's transport
+(and those of `kubectl distbelief`: Events by field, a pod's log or metrics as text).
 
 Objects are plain dicts, addressed by apiVersion and kind. `apply` is idempotent: it
 creates what is missing and merge-patches what differs, leaving fields the API server
@@ -11,8 +12,10 @@ into errors.KubeError with the verb, the object and the reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal, Mapping
 
@@ -32,6 +35,7 @@ PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("v1", "Pod"): "pods",
+    ("v1", "Event"): "events",
     ("v1", "Secret"): "secrets",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("v1", "ServiceAccount"): "serviceaccounts",
@@ -92,15 +96,37 @@ class Kube:
 
     def _call(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
               query: list[tuple[str, str]] | None = None) -> Any:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        data = self._request(method, path, body=body, content_type=content_type, query=query).read()
+        return json.loads(data) if data else None
+
+    def _request(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
+                 query: list[tuple[str, str]] | None = None, timeout: Any = 30) -> Any:
+        """The client's response, its body not read yet (ApiException when not 2xx)."""
+        headers = {"Accept": "application/json, */*", "Content-Type": content_type}
         method, url, headers, _, _ = self.api.param_serialize(
             method, path, query_params=query or [], header_params=headers, auth_settings=["BearerToken"])
         # The client serialises the body itself for every JSON content type (+json too).
-        response = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=30)
-        data = response.read()
+        response = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=timeout)
         if not 200 <= response.status <= 299:
+            data = response.read()
             raise ApiException.from_response(http_resp=response, body=data.decode(errors="replace"), data=None)
-        return json.loads(data) if data else None
+        return response
+
+    def read_text(self, what: str, path: str, query: list[tuple[str, str]] | None = None) -> str:
+        """The body of GET path as text (a pod's log, a pod's metrics through the API server's proxy)."""
+        try:
+            return self._request("GET", path, query=query).read().decode(errors="replace")
+        except ApiException as exc:
+            raise _failed("get", what, exc) from exc
+
+    def stream_lines(self, what: str, path: str, query: list[tuple[str, str]] | None = None) -> Iterator[bytes]:
+        """The lines of GET path as the server sends them (a followed log), with no read timeout."""
+        try:
+            response = self._request("GET", path, query=query, timeout=(10, None))
+        except ApiException as exc:
+            raise _failed("get", what, exc) from exc
+        with contextlib.closing(response.response) as body:
+            yield from body
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         try:
@@ -110,8 +136,13 @@ class Kube:
                 return None
             raise _failed("get", f"{kind} {namespace}/{name}", exc) from exc
 
-    def list(self, api_version: str, kind: str, namespace: str | None, selector: Mapping[str, str]) -> list[Manifest]:
+    def list(self, api_version: str, kind: str, namespace: str | None, selector: Mapping[str, str],
+             fields: Mapping[str, str] | None = None) -> list[Manifest]:
+        """The objects whose labels (and with fields, whose fields) hold those values; every
+        namespace when namespace is None."""
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))]
+        if fields:
+            query.append(("fieldSelector", ",".join(f"{k}={v}" for k, v in fields.items())))
         try:
             return self._call("GET", path_of(api_version, kind, namespace), query=query).get("items", [])
         except ApiException as exc:

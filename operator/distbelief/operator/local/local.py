@@ -11,6 +11,7 @@ chief's metrics, and leaves a report in the output folder:
                    and pods.<pod>: peakRssBytes, bytesIn, bytesOut, restarts (podusage.py)
     training.png   training and held-out loss, accuracy and examples/s over steps
     curves.jsonl   the training figures behind the plot, and where each run started
+    status.json    the job's status and its pods while it runs (livestatus.py)
     params.npz     the trained parameters, one array per named tensor
     logs/          one log per pod; volumes/ holds each pod's folders (the checkpoints)
     keys/          the job's CurveZMQ keys (0600 files), made on the first run
@@ -33,7 +34,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from distbelief.operator.local import curves, outputdir, podusage, preflight, report
+from distbelief.operator.local import curves, livestatus, outputdir, podusage, preflight, report
 from distbelief.operator.local.localpods import LocalPod, metrics_targets, plan_pods, volume_dir
 from distbelief.operator.render import render, sizing
 from distbelief.operator.spec import spec
@@ -197,6 +198,7 @@ class LocalRun:
             figures = _decided(report.read_result(self.chief_dir)) or figures
         self.status = compute_status({**self.job, "status": self.status}, self._observe(figures),
                                      datetime.datetime.now(datetime.timezone.utc))
+        livestatus.write(self.output, self.job, self.status, self.pods)
         return self.status
 
     def _observe(self, figures: scrape.Figures) -> Observed:

@@ -15,6 +15,7 @@ import datetime
 import fcntl
 import os
 import shutil
+import time
 from typing import Any, Iterator, Mapping
 
 from distbelief.operator.local import report
@@ -23,6 +24,7 @@ from distbelief.runtime import contract, errors
 from distbelief.runtime.shard import checkpoint
 
 LOCK_FILE = ".lock"
+PROBE_GRACE_SECONDS = 0.2
 
 
 @contextlib.contextmanager
@@ -31,9 +33,7 @@ def locked(output: str) -> Iterator[None]:
     os.makedirs(output, exist_ok=True)
     fd = os.open(os.path.join(output, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _take(fd):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise errors.RuntimeFailure(f"{output} is in use by another distbelief run (pid {holder}): wait for it "
                                         "to end, or give this run another --output DIR") from None
@@ -42,6 +42,35 @@ def locked(output: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _take(fd: int) -> bool:
+    """The exclusive lock, or False when a run holds it. A moment's wait tells a run apart
+    from held()'s probe, which holds a shared lock for microseconds."""
+    deadline = time.monotonic() + PROBE_GRACE_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
+def held(output: str) -> bool:
+    """Whether a run holds the folder's lock now (it is running)."""
+    try:
+        fd = os.open(os.path.join(output, LOCK_FILE), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (closing drops a lock taken here)
+    return False
 
 
 def clear(output: str) -> None:

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 TIMEOUT_SECONDS = 2.0       # for the whole request: connect, send, every read
 MAX_BODY_BYTES = 1 << 20    # a chief's /metrics is a few KB
 MAX_HEAD_BYTES = 16384
+# Every role's process, as prometheus_client's process collector names it (roles/common.py).
+RESIDENT_MEMORY, CPU_SECONDS_TOTAL = "process_resident_memory_bytes", "process_cpu_seconds_total"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,8 @@ class Figures:
     staleness_p50: float | None = None      # the median's bucket bound, from shard 0's histogram
     bytes_in: int | None = None             # what the pod's process received over the job's transport
     bytes_out: int | None = None            # ... and sent
+    resident_memory: int | None = None      # the pod's process's resident memory, bytes
+    cpu_seconds: float | None = None        # ... and its CPU time so far
     # with backups, each shard by index: {"copies": in sync, "primary": its copy rank, "failovers": n}
     copies: dict[int, dict[str, int]] | None = None
     degraded_reason: str | None = None      # the chief's verdict on the ended job's model (ModelDegraded)
@@ -104,6 +108,8 @@ def parse(text: str) -> Figures:
         replica_examples=integer(M.WORKER_EXAMPLES + "_total"),
         bytes_in=integer(M.TRANSPORT_BYTES_IN + "_total"),
         bytes_out=integer(M.TRANSPORT_BYTES_OUT + "_total"),
+        resident_memory=integer(RESIDENT_MEMORY),
+        cpu_seconds=values.get(CPU_SECONDS_TOTAL),
         copies=copies or None,
         degraded_reason=degraded[0] if degraded else None,
         degraded_message=degraded[1] if degraded else None,

@@ -80,7 +80,8 @@ def stage_access(job: Job, access: Access, listen: str,
 
 def new_registry() -> prom.CollectorRegistry:
     """A role's metrics registry; it reports the process's traffic and its own figures
-    (process_resident_memory_bytes, CPU seconds, open files) from the start."""
+    (process_resident_memory_bytes, CPU seconds, open files) from the start: the dashboard's
+    shard memory, and what `kubectl distbelief top` shows."""
     registry = prom.CollectorRegistry()
     registry.register(TrafficCollector())
     prom.ProcessCollector(registry=registry)
