@@ -443,7 +443,8 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
                                                                     for r in results),
             "duplicated": sum(v["duplicated"]["count"] for v in verdicts)
             + sum(r.get("rows", {}).get("duplicated", {}).get("count", 0) for r in results),
-            "went_back": sum(len(v["went_back"]) for v in verdicts)}
+            "went_back": sum(len(v["went_back"]) for v in verdicts),
+            "half_applied": sum(v["half_applied"]["count"] for v in verdicts)}
 
 
 def main() -> int:
@@ -491,6 +492,7 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
     return {"run": result["plan"]["name"], "faults": faults, "acknowledged": v["acknowledged"],
             "indeterminate": v["indeterminate"], "lost": v["lost"]["count"], "duplicated": v["duplicated"]["count"],
             "rows_lost": result.get("rows", {}).get("lost", {}).get("count"), "went_back": len(v["went_back"]),
+            "half_applied": v["half_applied"]["count"], "refused": v["refused"],
             "steps": v["steps"], "ok": result["ok"], "wall_seconds": result["wall_seconds"]}
 
 

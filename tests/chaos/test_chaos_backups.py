@@ -157,7 +157,7 @@ def test_sigkills_of_shard_copies_lose_no_acknowledged_update(tmp_path: Path) ->
 
 
 PARTITIONED_KILLS = 6
-PARTITIONED_STEPS = 6000
+PARTITIONED_STEPS = 4000
 
 
 def partitioned_job() -> dict[str, Any]:
