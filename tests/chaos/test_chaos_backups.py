@@ -76,11 +76,11 @@ def _ordinal(pod: local.LocalPod) -> int:
 
 
 def kill_copies(run: local.LocalRun, thread: threading.Thread, rng: random.Random, *, count: int = KILLS,
-                until_step: int = KILL_UNTIL_STEP) -> list[dict[str, Any]]:
+                until_step: int = KILL_UNTIL_STEP, from_step: int = 0) -> list[dict[str, Any]]:
     """SIGKILL `count` shard pods: each time a shard at random, once its two copies are in
     sync (so each kill leaves one copy with every acknowledged update), and the copy of it
     killed least so far, or one at random (a pod's restart back-off doubles with each crash);
-    all before until_step."""
+    all from from_step (training under way) and before until_step."""
     kills: list[dict[str, Any]] = []
     started = time.monotonic()
     shards = run_config(run).shards
@@ -93,6 +93,8 @@ def kill_copies(run: local.LocalRun, thread: threading.Thread, rng: random.Rando
         fewest = min(sum(k["pod"] == name for k in kills) for name in seen)
         name = rng.choice(sorted(n for n in seen if sum(k["pod"] == n for k in kills) == fewest))
         step = max(f["step"] for f in seen.values())
+        if step < from_step:
+            continue
         assert step < until_step, f"the run reached step {step} after {len(kills)} kills: raise maxSteps"
         pod = next(p for p in run.shards if p.name == name)
         pod.process.send_signal(signal.SIGKILL)
@@ -177,7 +179,8 @@ def test_sigkills_of_shard_copies_leave_no_partitioned_step_half_applied(tmp_pat
     output = tmp_path / "chaos"
     doc = partitioned_job()
     run, codes, kills = run_under_fire(doc, output, lambda run, thread: kill_copies(
-        run, thread, random.Random(SEED), count=PARTITIONED_KILLS, until_step=PARTITIONED_STEPS * 5 // 6))
+        run, thread, random.Random(SEED), count=PARTITIONED_KILLS, from_step=PARTITIONED_STEPS // 10,
+        until_step=PARTITIONED_STEPS * 5 // 6))
     summary = json.loads((output / report.REPORT_FILE).read_text())
     steps = final_steps(output, run)
     print(json.dumps({"kills": kills, "finalSteps": steps, "shards": summary.get("shards")}))
