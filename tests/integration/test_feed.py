@@ -201,6 +201,10 @@ def test_a_streamed_job_opens_the_coordinator_port_beside_shard_0_for_its_dispen
     assert contract.COORDINATOR_PORT_NAME in ports(doc)
     doc["spec"]["training"]["algorithm"] = "sandblaster"   # loads the files whole: the coordinator's port
     assert contract.COORDINATOR_PORT_NAME in ports(doc)
+    sparse = load_example("ctr-sparse.yaml")                # loads synthetic-ctr: data whole
+    assert contract.COORDINATOR_PORT_NAME not in ports(sparse)
+    sparse["spec"]["data"] = {"source": "parquet:/data/clicks/*.parquet", "ids": ["c0", "c1"], "volume": "clicks"}
+    assert contract.COORDINATOR_PORT_NAME in ports(sparse)   # its replicas stream the files
 
 
 def test_a_restarted_dispenser_resumes_the_epoch_from_its_recorded_position(tmp_path):
