@@ -73,21 +73,24 @@ def test_the_shuffle_buffer_hands_out_each_example_once():
         rows = np.arange(tag * 10, tag * 10 + 10, dtype=np.float32)[:, None]
         buffer.add(rows, rows[:, 0].astype(np.int64), tag)
     drawn = [buffer.take(7) for _ in range(5)]
-    values = np.concatenate([x[:, 0] for x, _, _ in drawn]).astype(int)
+    values = np.concatenate([x[:, 0] for x, _, _, _ in drawn]).astype(int)
     assert sorted(values.tolist()) == list(range(30)) and buffer.size == 0
-    assert all(np.array_equal(x[:, 0].astype(int), y) and np.array_equal(t, y // 10) for x, y, t in drawn)
+    assert all(np.array_equal(x[:, 0].astype(int), y) and np.array_equal(t, y // 10) for x, y, _, t in drawn)
     assert values[:10].tolist() != list(range(10))  # shuffled, not in file order
 
 
 # --- replicas streaming from a dispenser on a real socket -------------------------------------
 
-def write_parts(folder, files=4, per_file=60, group=20):
+def write_parts(folder, files=4, per_file=60, group=20, ids=False):
+    """Rows numbered 0.. in files of row groups, the last file held out; with ids, an id
+    column `item` (the row's number * 7) that the file set reads for embeddings."""
     folder.mkdir()
     for k in range(files):
         index = np.arange(k * per_file, (k + 1) * per_file)
-        pq.write_table(pa.table({"row": index.astype(np.float64), "y": index % 2}), folder / f"p{k}.parquet",
-                       row_group_size=group)
-    return FileSet(jobspec.Data(source=f"parquet:{folder}/*.parquet", test=f"{folder}/p{files - 1}.parquet"))
+        columns = {"row": index.astype(np.float64), "y": index % 2, **({"item": index * 7} if ids else {})}
+        pq.write_table(pa.table(columns), folder / f"p{k}.parquet", row_group_size=group)
+    return FileSet(jobspec.Data(source=f"parquet:{folder}/*.parquet", test=f"{folder}/p{files - 1}.parquet",
+                                ids=("item",) if ids else ()))
 
 
 def start_dispenser(file_set: FileSet, stop: threading.Event, **settings) -> Dispenser:
@@ -95,27 +98,35 @@ def start_dispenser(file_set: FileSet, stop: threading.Event, **settings) -> Dis
                                        layout=LAYOUT, **settings), stop=stop).start()
 
 
-def stream(file_set: FileSet, address: str, worker: int, stop: threading.Event, batch: int = 16) -> StreamedBatches:
+def stream(file_set: FileSet, address: str, worker: int, stop: threading.Event, batch: int = 16,
+           with_ids: bool = False) -> StreamedBatches:
     link = ops.DispenserLink(address, worker_id=worker, layout=LAYOUT, security=None, stop=stop)
-    return StreamedBatches(file_set, link, batch, np.random.default_rng(worker), stop=stop, buffer_examples=50)
+    return StreamedBatches(file_set, link, batch, np.random.default_rng(worker), stop=stop, buffer_examples=50,
+                           with_ids=with_ids)
 
 
-def test_two_replicas_see_every_example_once_per_epoch(tmp_path):
-    file_set = write_parts(tmp_path / "d")      # 3 training files x 3 row groups = 9 units, 180 examples
+@pytest.mark.parametrize("with_ids", [False, True], ids=["dense", "with-ids"])
+def test_two_replicas_see_every_example_once_per_epoch(tmp_path, with_ids):
+    file_set = write_parts(tmp_path / "d", ids=with_ids)   # 3 training files x 3 row groups = 9 units, 180 examples
     stop = threading.Event()
     dispenser = start_dispenser(file_set, stop)
     per_epoch: dict[int, Counter] = {0: Counter(), 1: Counter()}
     by_replica: dict[int, int] = {1: 0, 2: 0}
+    shapes: set[int] = set()       # the id columns each minibatch carried
+    wrong_ids: list[int] = []      # ids that came with another row than their own
     lock = threading.Lock()
 
     def replica(worker: int) -> None:
-        batches = stream(file_set, dispenser.endpoint, worker, stop)
+        batches = stream(file_set, dispenser.endpoint, worker, stop, with_ids=with_ids)
         while not stop.is_set():
             try:
-                x, _, epochs = batches.next_tagged()
+                x, _, ids, epochs = batches.next_batch()
             except errors.Stopped:
                 return
             with lock:
+                shapes.add(ids.shape[1])
+                if with_ids:
+                    wrong_ids.extend(ids[ids[:, 0] != x[:, 0].astype(np.int64) * 7, 0])   # each row's own id
                 for row, epoch in zip(x[:, 0].astype(int), epochs):
                     per_epoch.setdefault(int(epoch), Counter())[int(row)] += 1
                 by_replica[worker] += len(x)
@@ -131,6 +142,7 @@ def test_two_replicas_see_every_example_once_per_epoch(tmp_path):
     dispenser.stop()
     assert per_epoch[0] == Counter(range(180)) and per_epoch[1] == Counter(range(180))
     assert by_replica[1] > 0 and by_replica[2] > 0     # both took a share
+    assert shapes == {1 if with_ids else 0} and wrong_ids == []
     assert dispenser.units.epochs > 1 and dispenser.failure is None  # the last reports may still be on the way
 
 
@@ -144,7 +156,7 @@ def test_a_unit_of_a_replica_that_stopped_asking_is_streamed_by_another(tmp_path
     batches = stream(file_set, dispenser.endpoint, 8, stop, batch=10)
     rows: Counter = Counter()
     while sum(rows.values()) < 80:
-        x, _, epochs = batches.next_tagged()
+        x, _, _, epochs = batches.next_batch()
         rows.update(int(r) for r, e in zip(x[:, 0], epochs) if e == 0)
     stop.set()
     dispenser.stop()
@@ -189,6 +201,10 @@ def test_a_streamed_job_opens_the_coordinator_port_beside_shard_0_for_its_dispen
     assert contract.COORDINATOR_PORT_NAME in ports(doc)
     doc["spec"]["training"]["algorithm"] = "sandblaster"   # loads the files whole: the coordinator's port
     assert contract.COORDINATOR_PORT_NAME in ports(doc)
+    sparse = load_example("ctr-sparse.yaml")                # loads synthetic-ctr: data whole
+    assert contract.COORDINATOR_PORT_NAME not in ports(sparse)
+    sparse["spec"]["data"] = {"source": "parquet:/data/clicks/*.parquet", "ids": ["c0", "c1"], "volume": "clicks"}
+    assert contract.COORDINATOR_PORT_NAME in ports(sparse)   # its replicas stream the files
 
 
 def test_a_restarted_dispenser_resumes_the_epoch_from_its_recorded_position(tmp_path):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -14,7 +15,8 @@ import pytest
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
 from distbelief.runtime import contract, errors
-from support.filejobs import job, write_teacher_parquet
+from distbelief.runtime.model import models
+from support.filejobs import job, sparse_job, write_ctr_parquet, write_teacher_parquet
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +86,33 @@ def test_preflight_counts_the_files_rows_and_checks_the_held_out_part_without_th
     pq.write_table(pa.table(table), held_out, row_group_size=100)
     with pytest.raises(errors.BadData, match=r"part-03.parquet row group 0: column 'f3' row 5"):
         preflight.check(spec.validate_job(doc))
+
+
+def units_read(log: str) -> list[tuple[int, int]]:
+    """(epoch, unit) of each unit a replica read, from its event=unit_read lines."""
+    return [(int(line.split("epoch=")[1].split()[0]), int(line.split(" unit=")[1].split()[0]))
+            for line in log.splitlines() if "event=unit_read" in line]
+
+
+def test_replicas_of_a_job_with_embeddings_stream_their_units_with_the_ids(tmp_path: Path) -> None:
+    logits = write_ctr_parquet(tmp_path / "train", files=8, per_file=2000, group=500)
+    held_out = f"{tmp_path}/train/part-0[67].parquet"            # 4,000 rows; 24 units of 500 to train on
+    doc = sparse_job(f"parquet:{tmp_path}/train/*.parquet", test=held_out)
+    code, summary = run_job(doc, tmp_path / "out")
+    assert code == 0 and summary["phase"] == "Succeeded", summary["reason"]
+    planted = models.auc(logits[12000:], np.concatenate([pq.read_table(p)["y"].to_numpy()
+                                                         for p in sorted((tmp_path / "train").glob("part-0[67]*"))]))
+    print(f"held-out AUC {summary['auc']:.4f}, the planted model's {planted:.4f}, epochs {summary['epoch']}")
+    assert summary["auc"] >= 0.7 and summary["auc"] >= planted - 0.08
+    logs = tmp_path / "out" / "logs"
+    assert "event=dispenser_listening" in (logs / "files-ps-0.log").read_text()
+    replicas = [units_read(path.read_text()) for path in sorted(logs.glob("files-worker-*.log"))]
+    assert len(replicas) == 2 and all(replicas)            # both replicas streamed, a share each
+    complete = int(summary["epoch"])
+    assert complete >= 2
+    for epoch in range(complete):                          # every training unit once per epoch, by one replica
+        shares = [{u for e, u in read if e == epoch} for read in replicas]
+        assert sorted(u for share in shares for u in share) == list(range(24)), epoch
+    history = (tmp_path / "out" / "volumes" / f"files-ps-0/{contract.CHECKPOINT_VOLUME}/{contract.HISTORY_FILE}")
+    epochs = [json.loads(line)["epoch"] for line in history.read_text().splitlines()]
+    assert epochs == sorted(epochs) and complete <= epochs[-1] <= summary["epoch"]

@@ -23,7 +23,7 @@ from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import data, files
 
 from support.examples import load_example
-from support.filejobs import job, write_teacher_parquet
+from support.filejobs import job, sparse_job, write_ctr_parquet, write_teacher_parquet
 from support.paths import REPO
 
 MOTO_BIN = Path(os.environ.get("DISTBELIEF_MOTO", REPO / ".cache" / "moto")) / "bin"
@@ -152,3 +152,18 @@ def test_a_job_with_a_wrong_key_fails_as_invalid_config_naming_the_bucket(tmp_pa
     summary = json.loads((tmp_path / "out" / report.REPORT_FILE).read_text())
     assert code == 1 and summary["phase"] == "Failed" and summary["restarts"] == 0
     assert summary["reason"].startswith("InvalidConfig") and f"bucket '{BUCKET}'" in summary["reason"]
+
+
+@pytest.mark.slow
+def test_a_local_job_with_embeddings_streams_its_units_from_the_bucket(tmp_path, credentials):
+    write_ctr_parquet(tmp_path / "local", files=8, per_file=1000, group=500)
+    upload(credentials, tmp_path / "local", "clicks")
+    doc = sparse_job(f"s3://{BUCKET}/clicks/*.parquet", objectStore={"endpoint": credentials["endpoint"]})
+    doc["spec"]["training"]["maxSteps"] = 300
+    code = local.LocalRun(spec.validate_job(doc), str(tmp_path / "out")).run(progress=False)
+    summary = json.loads((tmp_path / "out" / report.REPORT_FILE).read_text())
+    assert code == 0 and summary["phase"] == "Succeeded", summary["reason"]
+    assert summary["auc"] >= 0.7 and summary["epoch"] >= 1
+    read = [line for path in (tmp_path / "out" / "logs").glob("files-worker-*.log")
+            for line in path.read_text().splitlines() if "event=unit_read" in line]
+    assert read and all(f"where='s3://{BUCKET}/clicks/" in line for line in read)   # each unit from the bucket

@@ -31,3 +31,33 @@ def job(source: str, **data: Any) -> dict[str, Any]:
                                   "maxDuration": "4m", "evalEverySeconds": 0.5},
                      "parameterServers": {"shards": 1, "checkpoint": {"everySeconds": 2}},
                      "workers": {"replicas": 2}}}
+
+
+CTR_FIELDS = 4
+
+
+def write_ctr_parquet(folder: Path, *, files: int = 8, per_file: int = 2000, group: int = 500,
+                      seed: int = 3) -> np.ndarray:
+    """Click-style rows (as synthetic-ctr: data) in files: id columns c0..c3, label y and a
+    dense column `noise`; returns the planted model's logit of each row, in file order."""
+    from distbelief.runtime.model import data
+
+    folder.mkdir(parents=True)
+    ids, y, logits = data.synthetic_ctr(f"fields={CTR_FIELDS},ids=300,samples={files * per_file},zipf=1.1,seed={seed}")
+    noise = np.random.default_rng(seed).standard_normal(len(y))
+    for k in range(files):
+        rows = slice(k * per_file, (k + 1) * per_file)
+        columns = {f"c{f}": ids[rows, f] for f in range(CTR_FIELDS)}
+        columns.update(noise=noise[rows], y=y[rows])
+        pq.write_table(pa.table(columns), folder / f"part-{k:02d}.parquet", row_group_size=group)
+    return logits
+
+
+def sparse_job(source: str, **data: Any) -> dict[str, Any]:
+    """A job with embeddings over write_ctr_parquet's id columns."""
+    doc = job(source, ids=[f"c{f}" for f in range(CTR_FIELDS)], **data)
+    doc["spec"]["model"] = {"type": "mlp", "hiddenLayers": [], "embeddings": {"dim": 8}}
+    doc["spec"]["training"].update(batchSize=128, learningRate=0.05, maxSteps=600)
+    del doc["spec"]["training"]["targetAccuracy"]
+    doc["spec"]["parameterServers"]["shards"] = 2
+    return doc

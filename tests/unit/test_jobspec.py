@@ -11,15 +11,18 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from distbelief.operator.local import preflight
 from distbelief.operator.spec import spec
-from distbelief.runtime import contract, jobspec
+from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.model.job import Job
 
 from support.examples import load_example
+from support.filejobs import CTR_FIELDS, sparse_job, write_ctr_parquet
 from support.paths import EXAMPLES, REPO
 
 RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
@@ -124,3 +127,31 @@ def test_local_mode_checks_derive_the_model_and_layout_the_roles_do(name: str, m
     if embeddings is not None:  # the MLP takes the dense features and a row per id field
         first_layer = derived.model.shapes[0][1]
         assert first_layer[0] == derived.dataset.n_features + derived.dataset.fields * embeddings.dim
+
+
+def test_file_sources_stream_under_downpour_with_or_without_embeddings() -> None:
+    files, embeddings = jobspec.Data(source="parquet:/d/*.parquet", ids=("c0",)), jobspec.Model(embeddings=jobspec.Embeddings())
+    assert jobspec.JobSpec(data=files).streams_data and jobspec.JobSpec(data=files, model=embeddings).streams_data
+    sandblaster = jobspec.Training(algorithm="sandblaster")
+    assert not jobspec.JobSpec(data=files, model=embeddings, training=sandblaster).streams_data   # loads it whole
+    ctr = jobspec.Data(source="synthetic-ctr:fields=2,ids=10,samples=100")
+    assert not jobspec.JobSpec(data=ctr, model=embeddings).streams_data
+
+
+def test_a_streaming_job_with_embeddings_is_shaped_by_its_files_and_holds_only_the_held_out_part(tmp_path: Path) -> None:
+    write_ctr_parquet(tmp_path / "d", files=4, per_file=100, group=50)
+    doc = spec.validate_job(sparse_job(f"parquet:{tmp_path}/d/*.parquet", test=f"{tmp_path}/d/part-03.parquet"))
+    derived = Job(spec.job_config(doc))
+    assert derived.files is not None and len(derived.files.train_units) == 6
+    dim = derived.spec.model.embeddings.dim
+    assert derived.model.shapes[0][1][0] == 1 + CTR_FIELDS * dim   # the column `noise`, then a row per id field
+    assert derived.data_bytes(1) == 0                               # a shard but the chief's holds no data
+    assert derived.data_bytes(0) == derived.dataset.nbytes > 0
+    assert len(derived.dataset.y_train) == 0 and derived.dataset.ids_test.shape == (100, CTR_FIELDS)
+    checked = preflight.check(doc)
+    assert (checked.examples, checked.features, checked.classes) == (400, 1, 2)
+    held_out = pq.read_table(tmp_path / "d" / "part-03.parquet").to_pydict()
+    held_out["c2"][7] = -5
+    pq.write_table(pa.table(held_out), tmp_path / "d" / "part-03.parquet", row_group_size=50)
+    with pytest.raises(errors.BadData, match=r"part-03.parquet row group 0: id column 'c2' must hold integers"):
+        preflight.check(doc)   # the held-out ids are checked before any pod starts

@@ -173,9 +173,9 @@ class JobSpec:
     @property
     def streams_data(self) -> bool:
         """The replicas stream the units the chief hands them (algorithms/feed/), rather than
-        each loading the data set: a file source under Downpour without embeddings (a
-        partitioned replica's partition 0 streams; Sandblaster and embeddings load it whole)."""
-        return self.data.is_file_set and self.training.algorithm == "downpour" and self.model.embeddings is None
+        each loading the data set: a file source under Downpour, with or without embeddings
+        (a partitioned replica's partition 0 streams; Sandblaster loads it whole)."""
+        return self.data.is_file_set and self.training.algorithm == "downpour"
 
 
 def resolve(spec: Mapping[str, Any]) -> JobSpec:

@@ -262,10 +262,15 @@ def split(x: np.ndarray, y: np.ndarray, *, test_fraction: float, seed: int,
                    ids_test=None if ids is None else ids[test])
 
 
-def minibatches(dataset: Dataset, batch_size: int, rng: np.random.Generator) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """An endless stream of minibatches: shuffled epochs over the training part."""
+def minibatches(dataset: Dataset, batch_size: int, rng: np.random.Generator, *,
+                with_ids: bool = False) -> Iterator[tuple[np.ndarray, ...]]:
+    """An endless stream of (x, y) minibatches: shuffled epochs over the training part;
+    with_ids, (x, y, ids) minibatches (a model with embeddings)."""
     for idx in batch_indices(len(dataset.x_train), batch_size, rng):
-        yield dataset.x_train[idx], dataset.y_train[idx]
+        if with_ids:
+            yield dataset.x_train[idx], dataset.y_train[idx], dataset.ids_train[idx]
+        else:
+            yield dataset.x_train[idx], dataset.y_train[idx]
 
 
 def batch_indices(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:

@@ -27,12 +27,12 @@ memorising (docs/benchmarks.md, "Click data shaped like real logs").
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 
 from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import models
-from distbelief.runtime.model.data import Dataset
 from distbelief.runtime.wire.rowkeys import mix
 
 FIELD_SHIFT = 56
@@ -138,13 +138,27 @@ class OffsetLogits:
         return loss, grad
 
 
-def build(spec: jobspec.Model, dataset: Dataset) -> EmbeddingModel:
-    """The model of a spec.model with embeddings, over a data set with ids."""
+class DataShape(Protocol):
+    """What the model's shape takes from the data: a loaded data set (data.Dataset) or the
+    files the replicas stream (files.FileSet)."""
+
+    @property
+    def n_features(self) -> int: ...
+
+    @property
+    def fields(self) -> int: ...
+
+    @property
+    def n_classes(self) -> int: ...
+
+
+def build(spec: jobspec.Model, dataset: DataShape) -> EmbeddingModel:
+    """The model of a spec.model with embeddings, over data with ids."""
     if spec.embeddings is None:
         raise errors.ConfigError("spec.model.embeddings: not set")
     if dataset.fields == 0:
         raise errors.ConfigError("spec.model.embeddings: the data has no ids to embed (an npz array 'ids', "
-                                 "or a synthetic-ctr: source)")
+                                 "a synthetic-ctr: source, or a file source's spec.data.ids)")
     if spec.entrypoint:
         raise errors.ConfigError("spec.model.embeddings: not available with spec.model.entrypoint")
     dim = spec.embeddings.dim

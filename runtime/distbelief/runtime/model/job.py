@@ -26,7 +26,7 @@ class Job:
         self.files: files.FileSet | None = files.FileSet(self.spec.data) if self.spec.streams_data else None
         shape = self.files or self.dataset
         self.model: models.Model = (
-            embedding.build(self.spec.model, self.dataset) if self.spec.model.embeddings is not None
+            embedding.build(self.spec.model, shape) if self.spec.model.embeddings is not None
             else models.build_model(self.spec.model, shape.n_features, shape.n_classes))
         partitions = self.spec.model.partitions
         self.plan: stages.Plan | None = stages.plan(self.model, partitions) if partitions > 1 else None
@@ -40,6 +40,13 @@ class Job:
         if self.files is None:
             return data.load(self.spec.data)
         return data.held_out_only(self.files, self.spec.data.max_eval_examples)
+
+    def data_bytes(self, shard: int) -> int:
+        """The memory a shard's process holds of the data: the data set; when the replicas
+        stream the files, shard 0's chief's held-out part only, and none on any other shard."""
+        if self.files is not None and shard != 0:
+            return 0
+        return self.dataset.nbytes
 
     @property
     def n_classes(self) -> int:

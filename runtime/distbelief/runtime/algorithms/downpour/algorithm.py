@@ -47,30 +47,30 @@ def sparse_rows(shard: Shard, job: Job, dense_bytes: int) -> SparseRows:
                       admit_after=options.admit_after, expire_after=options.expire_after_seconds,
                       max_gradient_norm=training.max_gradient_norm, wide=job.model.wide, l2=options.l2,
                       wide_l2=options.wide_l2, embed_after=options.embed_after,
-                      push_examples=training.batch_size * training.push_every, fields=job.dataset.fields)
+                      push_examples=training.batch_size * training.push_every, fields=job.model.fields)
     budget = options.max_rows_per_shard
     if budget is None:
         budget = row_budget(job.spec.parameter_servers.memory_limit, rows.table.row_bytes(),
-                            job.dataset.nbytes + OPTIMIZER_ARRAYS * dense_bytes)
+                            job.data_bytes(shard.index) + OPTIMIZER_ARRAYS * dense_bytes)
     rows.table.max_rows = budget
     shard.metrics.row_budget.set(budget or 0)
     return rows
 
 
 def replica(ctx: ReplicaContext) -> ReplicaLoop:
-    """An unpartitioned replica's loop."""
-    training = ctx.job.spec.training
+    """An unpartitioned replica's loop. A streaming job's replica holds no data set: only
+    the units the chief hands it."""
+    job, training = ctx.job, ctx.job.spec.training
     settings = WorkerSettings(batch_size=training.batch_size, fetch_every=training.fetch_every,
                               push_every=training.push_every)
-    if isinstance(ctx.job.model, EmbeddingModel):
-        return SparseWorker(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop)
+    sparse = isinstance(job.model, EmbeddingModel)
+    dataset = None if job.spec.streams_data else job.dataset
+    batches = feed.batches(ctx, training.batch_size, with_ids=sparse) if dataset is None else None
+    if sparse:
+        return SparseWorker(settings, ctx.group, job.model, dataset, ctx.metrics, stop=ctx.stop, batches=batches)
     # spec.parameterServers.wireFormat: the operator refuses bfloat16 where only float32 works
-    if ctx.job.spec.streams_data:  # no data set: only the units the chief hands out
-        return Worker(settings, ctx.group, ctx.job.model, None, ctx.metrics, stop=ctx.stop,
-                      wire_format=ctx.job.spec.parameter_servers.wire_format,
-                      batches=feed.batches(ctx, training.batch_size))
-    return Worker(settings, ctx.group, ctx.job.model, ctx.job.dataset, ctx.metrics, stop=ctx.stop,
-                  wire_format=ctx.job.spec.parameter_servers.wire_format)
+    return Worker(settings, ctx.group, job.model, dataset, ctx.metrics, stop=ctx.stop,
+                  wire_format=job.spec.parameter_servers.wire_format, batches=batches)
 
 
 def held_out(job: Job, group: ShardGroup) -> HeldOut | None:

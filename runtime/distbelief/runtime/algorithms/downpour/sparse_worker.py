@@ -18,6 +18,7 @@ are not updated locally, as the dense parameters are not).
 from __future__ import annotations
 
 import threading
+from typing import Iterator
 
 import numpy as np
 
@@ -26,34 +27,40 @@ from distbelief.runtime.algorithms.chief import HeldOut
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
-from distbelief.runtime.model.data import Dataset, batch_indices
+from distbelief.runtime.model.data import Dataset, minibatches
 from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.params.rows.row_client import RowClient
 
 
 class SparseWorker(Worker):
-    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: EmbeddingModel, dataset: Dataset,
-                 metrics: WorkerMetrics, *, stop: threading.Event | None = None) -> None:
-        super().__init__(settings, group, model, dataset, metrics, stop=stop)
-        if dataset.ids_train is None:
-            raise errors.ConfigError("spec.model.embeddings: the data has no ids")
-        self.embedding, self.dataset, self.ids = model, dataset, dataset.ids_train
+    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: EmbeddingModel, dataset: Dataset | None,
+                 metrics: WorkerMetrics, *, stop: threading.Event | None = None,
+                 batches: Iterator[tuple[np.ndarray, ...]] | None = None) -> None:
+        """batches: its (x, y, ids) minibatches when they do not come from the data set (a
+        streamed file source)."""
+        super().__init__(settings, group, model, dataset, metrics, stop=stop, batches=batches)
+        self.embedding = model
         self.rows = RowClient(group, model.width)
         self.held = HeldRows(model.width)
         self.unpushed = RowGradients(model.width)
-        self.indices = batch_indices(len(dataset.y_train), settings.batch_size, self.rng)
+
+    def _minibatches(self, dataset: Dataset | None) -> Iterator[tuple[np.ndarray, ...]]:
+        """Random (x, y, ids) minibatches of the data set's training part."""
+        assert dataset is not None, "a replica is given its data set or its minibatches"
+        if dataset.ids_train is None:
+            raise errors.ConfigError("spec.model.embeddings: the data has no ids")
+        return minibatches(dataset, self.settings.batch_size, self.rng, with_ids=True)
 
     def _gradient(self, out: np.ndarray) -> tuple[float, int]:
-        idx = next(self.indices)
-        keys, index = self.embedding.keys(self.ids[idx])
+        x, y, ids = next(self.batches)
+        keys, index = self.embedding.keys(ids)
         if self.steps % self.settings.fetch_every == 0:
             self.held.clear()
         rows = self._rows(keys)
-        batch = (self.dataset.x_train[idx], index, self.dataset.y_train[idx])
-        loss, _, row_grads = self.embedding.loss_and_grads(self.params, rows, batch, out=out)
+        loss, _, row_grads = self.embedding.loss_and_grads(self.params, rows, (x, index, y), out=out)
         self.unpushed.add(keys, row_grads, np.bincount(index[index >= 0], minlength=keys.size))
-        return loss, len(idx)
+        return loss, len(y)
 
     def _rows(self, keys: np.ndarray) -> np.ndarray:
         """The rows of keys: the ones held, and the others pulled now (then held too)."""

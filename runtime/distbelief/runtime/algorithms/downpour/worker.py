@@ -48,13 +48,13 @@ class WorkerSettings:
 class Worker:
     def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset | None,
                  metrics: WorkerMetrics, *, stop: threading.Event | None = None, wire_format: str = "float32",
-                 batches: Iterator[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+                 batches: Iterator[tuple[np.ndarray, ...]] | None = None) -> None:
         """wire_format: spec.parameterServers.wireFormat, the format of its pulls and pushes;
         batches: its minibatches when they do not come from the data set (a streamed file source)."""
         self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
         self.dense = dense_client.of(group, wire_format)
         self.rng = np.random.default_rng(settings.seed)
-        self.batches = batches if batches is not None else minibatches(dataset, settings.batch_size, self.rng)
+        self.batches = batches if batches is not None else self._minibatches(dataset)
         total = group.layout.total
         self.params = np.empty(total, dtype=np.float32)
         self.accumulated = np.zeros(total, dtype=np.float32)
@@ -66,6 +66,11 @@ class Worker:
         self.acknowledged = [0] * group.layout.shards  # pushes each shard said it applied
         self._counted = (0, 0, 0)
         self._non_finite = 0  # pushes in a row behind a non-finite loss
+
+    def _minibatches(self, dataset: Dataset | None) -> Iterator[tuple[np.ndarray, ...]]:
+        """Random minibatches of the data set's training part."""
+        assert dataset is not None, "a replica is given its data set or its minibatches"
+        return minibatches(dataset, self.settings.batch_size, self.rng)
 
     def run(self) -> str:
         """Train until the job is done or stop is requested; returns why it ended."""

@@ -26,15 +26,16 @@ def dispenser(ctx: ChiefContext, *, position_dir: str | None, serve: bool = True
     return server.start() if serve else server
 
 
-def batches(ctx: ReplicaContext, batch_size: int) -> StreamedBatches:
-    """The replica's minibatches from the units the dispenser hands it."""
+def batches(ctx: ReplicaContext, batch_size: int, *, with_ids: bool = False) -> StreamedBatches:
+    """The replica's minibatches from the units the dispenser hands it; with_ids: (x, y, ids)
+    minibatches, for a model with embeddings."""
     job = ctx.job
     assert job.files is not None, "only a job whose replicas stream files streams"
     link = DispenserLink(job.config.coordinator_address(), worker_id=ctx.group.worker_id, layout=job.layout.hash,
                          security=ctx.client_security, stop=ctx.stop)
     return StreamedBatches(job.files, link, batch_size, np.random.default_rng(), stop=ctx.stop,
                            skip_bad=job.spec.data.on_bad_file == "skip",
-                           buffer_examples=buffer_examples(job.files, batch_size))
+                           buffer_examples=buffer_examples(job.files, batch_size), with_ids=with_ids)
 
 
 def buffer_examples(file_set: FileSet, batch_size: int) -> int:
