@@ -588,6 +588,8 @@ def test_held_steps_reach_a_copy_catching_up_and_commit_on_it_once_the_others_ar
     np.testing.assert_array_equal(caught_up[5].grad, pinned)
     np.testing.assert_array_equal(caught_up[6].grad, open_)
     expected = _params(copies.copy(0)).copy()
+    for rank in (0, 1):  # both at once: had copy 1 taken over first, copy 2 would have to catch up again
+        copies.copy(rank).stop()
     copies.kill(0)
     copies.kill(1)
     group.request(APPLY_HELD, meta=ApplyHeld(5, 7, 32, 1.0))  # to copy 2, once it took over
