@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import time
 from typing import Any, Mapping
 
 from distbelief.operator.local import podusage
+from distbelief.operator.local.ports import LOOPBACK, PortChooser
 from distbelief.operator.render import podparts
 from distbelief.runtime import contract
 
@@ -35,7 +35,6 @@ PORT_FLAGS = {contract.SHARD_PORT_NAME: "--port", contract.METRICS_PORT_NAME: "-
               contract.COORDINATOR_PORT_NAME: "--coordinator-port", contract.BULK_PORT_NAME: "--bulk-port"}
 SHARD_LINGER_SECONDS = 2.0
 VIEWS_FOLDER = "views"
-LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -192,7 +191,8 @@ def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[Local
     sts = next(obj for obj in objects if obj["kind"] == "StatefulSet")
     deployments = [obj for obj in objects if obj["kind"] == "Deployment"]
     shard_names = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
-    shard_ports = {name: _free_ports(_container(sts)) for name in shard_names}
+    chooser = PortChooser()
+    shard_ports = {name: _free_ports(_container(sts), chooser) for name in shard_names}
     addresses = ",".join(f"tcp://{LOOPBACK}:{shard_ports[n][contract.SHARD_PORT_NAME]}" for n in shard_names)
     # A shard's copies keep their view in a file of the output folder, changed under flock.
     env = {contract.ENV_PS_ADDRESSES: addresses, contract.ENV_VIEW_STORE: "file:" + os.path.join(output, VIEWS_FOLDER)}
@@ -205,7 +205,7 @@ def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[Local
     loopback = ["--listen", LOOPBACK]
     shards = [_pod(node, sts, name, shard_ports[name], [*loopback, "--linger", str(SHARD_LINGER_SECONDS)])
               for name in shard_names]
-    workers = [_pod(node, deployment, f"{deployment['metadata']['name']}-{i}", _free_ports(_container(deployment)),
+    workers = [_pod(node, deployment, f"{deployment['metadata']['name']}-{i}", _free_ports(_container(deployment), chooser),
                     loopback)
                for deployment in deployments for i in range(deployment["spec"]["replicas"])]
     return shards, workers
@@ -315,11 +315,6 @@ def local_path(arg: str, mounts: Mapping[str, str]) -> str:
     return arg
 
 
-def _free_ports(container: Mapping[str, Any]) -> dict[str, int]:
-    """A free loopback port for each named container port."""
-    ports = {}
-    for port in container.get("ports", []):
-        with socket.socket() as s:
-            s.bind((LOOPBACK, 0))
-            ports[port["name"]] = s.getsockname()[1]
-    return ports
+def _free_ports(container: Mapping[str, Any], chooser: PortChooser) -> dict[str, int]:
+    """A free loopback port for each named container port (ports.py: why not bind(0)'s)."""
+    return {port["name"]: chooser.port() for port in container.get("ports", [])}
