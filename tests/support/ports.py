@@ -1,20 +1,15 @@
-"""Free loopback ports, for servers whose address must be known before they start."""
+"""Free loopback ports, for servers whose address must be known before they start: drawn
+as local mode draws its pods' (below the kernel's ephemeral range, distbelief.operator.local.ports)."""
 
 from __future__ import annotations
 
-import socket
+from distbelief.operator.local.ports import PortChooser
 
 
 def free_ports(count: int) -> list[int]:
-    """count distinct ports free on 127.0.0.1 now (all held open together, so none repeats)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """count distinct ports free on 127.0.0.1 now."""
+    chooser = PortChooser()
+    return [chooser.port() for _ in range(count)]
 
 
 def free_port() -> int:
