@@ -41,7 +41,7 @@ from figures import save_group, summarize  # noqa: E402
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
 from distbelief.runtime.client.group import ShardGroup
-from distbelief.runtime.model import data, models
+from distbelief.runtime.model import models
 from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.model.job import Job
 from distbelief.runtime.observe.metrics import ShardMetrics

@@ -21,7 +21,6 @@ The chief's evaluation is replaced by a thread that pulls and scores every EVAL_
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract
 from distbelief.runtime.shard import checkpoint

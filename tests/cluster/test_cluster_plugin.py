@@ -4,7 +4,6 @@ pods, the operator fills in its status): get, describe, logs, top, scale, suspen
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import threading

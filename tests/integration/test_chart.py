@@ -27,7 +27,6 @@ import yaml
 
 from distbelief.operator.render import podparts, render
 from distbelief.operator.spec import spec
-from distbelief.runtime import contract
 from support.chartdocs import of_kind, operator_container, operator_deployment, operator_grants
 from support.cli import run_cli
 from support.examples import load_example

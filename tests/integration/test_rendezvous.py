@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from distbelief.runtime import errors, keys
+from distbelief.runtime import keys
 from distbelief.runtime.algorithms.pipeline import commit, rendezvous
 from distbelief.runtime.algorithms.pipeline.ops import JOIN_GROUP
 from distbelief.runtime.algorithms.pipeline.rendezvous import Groups, Rendezvous, RendezvousLink

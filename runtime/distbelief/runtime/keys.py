@@ -53,8 +53,7 @@ from distbelief.runtime.keyfiles import (ADDED_PAIRS, CHIEF_PUBLIC, CHIEF_SECRET
 
 __all__ = ["FILES", "CLIENT_FILES", "STAGE_FILES", "SERVER_PUBLIC", "SERVER_SECRET", "CLIENT_PUBLIC",
            "CLIENT_SECRET", "CHIEF_PUBLIC", "CHIEF_SECRET", "STAGE_PUBLIC", "STAGE_SECRET", "Z85_KEY_LENGTH",
-           "REPLICA", "CHIEF", "JobKeys", "ServerSecurity", "Admission", "ensure", "write_files", "admit_clients",
-           "bind_server"]
+           "REPLICA", "CHIEF", "JobKeys", "ServerSecurity", "ensure", "write_files"]
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from typing import Any, Mapping
 
 import kopf
 
+from distbelief.operator import errors
 from distbelief.operator.cluster import children, handlers
 from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.render import render
-from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.status.status import TERMINAL
 from distbelief.runtime import contract
 

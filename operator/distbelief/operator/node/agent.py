@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from typing import Callable
 
 from kubernetes.client.rest import ApiException
