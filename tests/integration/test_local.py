@@ -112,9 +112,16 @@ def test_the_partitioned_example_trains_with_a_pod_per_partition_of_each_replica
     assert code == 0 and summary["accuracy"] >= 0.95, summary
     workers = sorted(pod for pod in summary["restartsByPod"] if "-worker-" in pod)
     assert workers == [f"digits-partitioned-worker-p{k}-{i}" for k in (0, 1) for i in range(3)]
-    for pod in workers:  # every pod computed its own stage in a group
-        partition = pod.split("-p")[-1].split("-")[0]
-        assert f"event=group_joined partition={partition} " in (tmp_path / "logs" / f"{pod}.log").read_text()
+    # Each pod computed its own stage in a group, or (started late, on a busy machine) found
+    # the job already at its target: then it ended with the job, having trained nothing.
+    joined = {k: 0 for k in "01"}
+    for pod in workers:
+        partition, log = pod.split("-p")[-1].split("-")[0], (tmp_path / "logs" / f"{pod}.log").read_text()
+        if f"event=group_joined partition={partition} " in log:
+            joined[partition] += 1
+        else:
+            assert "steps=0 pushes_acknowledged=- reason=done" in log, (pod, log[-2000:])
+    assert min(joined.values()) >= 2, joined
 
 
 def test_an_unencrypted_job_trains_with_its_keys_checked_and_says_so(tmp_path: Path) -> None:
