@@ -24,7 +24,8 @@ The faults (Nemesis), on one copy of a shard or between two (with backups: 2, so
 on two copies at once): SIGKILL (local mode restarts the pod with back-off), SIGSTOP for
 1-10 s then SIGCONT, the copies' traffic delayed 50-500 ms, a one-way partition for 1-10
 s (held, then healed or cut), and the connections cut. Copies reach each other through
-netfault.py proxies (DISTBELIEF_COPY_ROUTES); clients reach the copies directly. A fault
+netfault.py proxies (DISTBELIEF_COPY_ROUTES), their AES-GCM sessions' bulk traffic
+too; clients reach the copies directly. A fault
 begins only when every copy of its shard is in sync again, so at most `backups` copies of
 a shard are faulty at once, a copy catching up counting as faulty.
 """
@@ -126,7 +127,6 @@ class Cluster:
         self.job = Job(self.config)
         self.net = netfault.Net().start()
         self.links: dict[tuple[str, str], netfault.Link] = {}  # (from pod, to pod) -> the proxy between
-        taken = {port for pod in self.run.pods for port in pod.ports.values()}  # chosen, not yet bound
         for pod in self.run.shards:
             shard, rank = self.config.copy_of(contract.shard_index_from_pod_name(pod.name))
             routes = []
@@ -134,8 +134,7 @@ class Cluster:
                 if other is pod:
                     routes.append(self.address(pod))
                 else:
-                    link = self.links[(pod.name, other.name)] = self.net.proxy(other.ports[contract.SHARD_PORT_NAME],
-                                                                               avoid=taken)
+                    link = self.links[(pod.name, other.name)] = self.net.proxy(*self.copy_ports(other))
                     routes.append(link.address)
             pod.env[contract.ENV_COPY_ROUTES] = ",".join(routes)
         smallest = min(b - a for a, b in (self.job.layout.bounds(s) for s in range(self.config.shards)))
@@ -148,6 +147,16 @@ class Cluster:
     @staticmethod
     def address(pod: LocalPod) -> str:
         return f"tcp://127.0.0.1:{pod.ports[contract.SHARD_PORT_NAME]}"
+
+    @staticmethod
+    def copy_ports(pod: LocalPod) -> list[int]:
+        """The ports another copy reaches pod at: the shard's, and its bulk port (sessions)."""
+        names = (contract.SHARD_PORT_NAME, contract.BULK_PORT_NAME)
+        return [pod.ports[name] for name in names if name in pod.ports]
+
+    def bulk_connections(self) -> int:
+        """Connections the proxies took to copies' bulk ports: forwards sealed under sessions."""
+        return sum(link.connections[port] for link in self.links.values() for port in link.target_ports[1:])
 
     def copies(self, shard: int) -> list[LocalPod]:
         """The pods of a shard's copies, by rank."""
@@ -391,6 +400,7 @@ def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
         result["rows"] = copyverdict.rows_verdict(history, copyverdict.row_counts(initial_rows, rows))
     group.close()
     result["copies_differ"] = copies_differ(cluster)
+    result["bulk_connections"] = cluster.bulk_connections()
     result["ok"] = bool(result["verdict"]["ok"] and result.get("rows", {"ok": True})["ok"] and settled
                         and not result["copies_differ"])
     return result

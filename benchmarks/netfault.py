@@ -2,12 +2,17 @@
 direction at a time: the network faults of the copies checker (copycheck.py).
 
     net = Net().start()
-    link = net.proxy(target_port)          # link.address: connect here instead of the target
+    link = net.proxy(shard_port, bulk_port)  # link.address: connect here instead of the target
     link.up.delay = 0.2                    # what the connecting side sends arrives 0.2 s later
     link.down.blocked = True               # what the target answers is held (not read: TCP
                                            # pushes back, the target's queues fill)
     link.reset()                           # cut every connection: what was held is lost
     net.stop()
+
+A link listens on a loopback address of its own (127.0.0.2, 127.0.0.3, ...) at the very
+port numbers of its targets: a peer that learns a port number from the target (a shard's
+session grant names its bulk port) and connects to it at the host it already uses goes
+through the same link, and suffers the same faults.
 
 Each connection is two pumps (up: client to target, down: target to client). A pump reads
 only while its direction is not blocked, and writes each chunk `delay` seconds after it
@@ -17,6 +22,7 @@ arrived, in order. Everything runs in one asyncio loop on a thread of its own.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import threading
 from typing import Any
@@ -35,18 +41,22 @@ class Direction:
 
 
 class Link:
-    """One listening port forwarding to one target port."""
+    """Ports on one loopback address of its own, each forwarding to the same port on LOOPBACK."""
 
-    def __init__(self, net: Net, target_port: int) -> None:
-        self.net, self.target_port = net, target_port
+    def __init__(self, net: Net, host: str, target_ports: tuple[int, ...]) -> None:
+        self.net, self.host, self.target_ports = net, host, target_ports
         self.up, self.down = Direction(), Direction()
-        self.port = 0
+        self.connections: collections.Counter[int] = collections.Counter()  # target port -> connections taken
         self._writers: set[asyncio.StreamWriter] = set()
-        self._server: asyncio.base_events.Server | None = None
+        self._servers: list[asyncio.base_events.Server] = []
+
+    @property
+    def port(self) -> int:
+        return self.target_ports[0]
 
     @property
     def address(self) -> str:
-        return f"tcp://{LOOPBACK}:{self.port}"
+        return f"tcp://{self.host}:{self.port}"
 
     def heal(self) -> None:
         self.up.heal()
@@ -62,12 +72,15 @@ class Link:
         self._writers.clear()
 
     async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._connected, LOOPBACK, 0)
-        self.port = self._server.sockets[0].getsockname()[1]
+        for port in self.target_ports:
+            self._servers.append(await asyncio.start_server(
+                lambda reader, writer, port=port: self._connected(port, reader, writer), self.host, port))
 
-    async def _connected(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def _connected(self, port: int, client_reader: asyncio.StreamReader,
+                         client_writer: asyncio.StreamWriter) -> None:
+        self.connections[port] += 1
         try:
-            target_reader, target_writer = await asyncio.open_connection(LOOPBACK, self.target_port)
+            target_reader, target_writer = await asyncio.open_connection(LOOPBACK, port)
         except OSError:
             client_writer.transport.abort()
             return
@@ -82,8 +95,8 @@ class Link:
             self._writers.discard(writer)
 
     async def _close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         await self._reset()
 
 
@@ -139,15 +152,10 @@ class Net:
     def call(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine(), self.loop).result(timeout=30)
 
-    def proxy(self, target_port: int, avoid: set[int] = frozenset()) -> Link:  # type: ignore[assignment]
-        """A proxy to target_port, listening on a free port not in `avoid` (ports others chose
-        and have not bound yet)."""
-        link = Link(self, target_port)
+    def proxy(self, *target_ports: int) -> Link:
+        """A link to target_ports on LOOPBACK, on the next loopback address of its own."""
+        link = Link(self, f"127.0.0.{len(self.links) + 2}", target_ports)
         self.call(link._listen)
-        while link.port in avoid:
-            self.call(link._close)
-            link = Link(self, target_port)
-            self.call(link._listen)
         self.links.append(link)
         return link
 

@@ -73,7 +73,7 @@ def test_the_proxy_delays_holds_and_cuts_one_direction_at_a_time() -> None:
     net = netfault.Net().start()
     try:
         link = net.proxy(server.getsockname()[1])
-        client = socket.create_connection(("127.0.0.1", link.port), timeout=5)
+        client = socket.create_connection((link.host, link.port), timeout=5)
         client.sendall(b"a")
         assert client.recv(10) == b"a"
         link.up.delay = 0.3
@@ -129,4 +129,5 @@ def test_copies_under_faults_lose_nothing_acknowledged_and_apply_nothing_twice(p
     assert verdict["steps_agree"] or verdict["indeterminate"], verdict
     assert result.get("rows", {"ok": True})["ok"], result["rows"]
     assert result["settled"] and not result["copies_differ"], result
+    assert result["bulk_connections"] > 0, "no copy forwarded over an AES-GCM session, through its proxy"
     assert result["ok"]

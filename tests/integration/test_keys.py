@@ -185,7 +185,7 @@ def test_a_slice_of_exactly_the_largest_accepted_size_gets_through_the_cipher(
             replies = Float32Dense(group).push_and_pull(np.ones(layout.total, np.float32), out, steps=[step], examples=1,
                                                         loss=1.0)
             assert [r.step for r in replies] == [step + 1] and np.all(out < 0)
-        assert (group._links[0]._session is not None) is encrypted
+        assert (group._links[0].session is not None) is encrypted
     finally:
         group.close()
         live.stop()

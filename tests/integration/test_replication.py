@@ -16,7 +16,7 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, keys
 from distbelief.runtime.algorithms.pipeline.ops import APPLY_HELD, HOLD, PREPARE_HELD, ApplyHeld, Held
 from distbelief.runtime.algorithms.pipeline.staged import HeldGradient, HeldGradients
 from distbelief.runtime.client.group import ShardGroup, Timeouts
@@ -52,20 +52,24 @@ class Copies:
     """Copies of shard 0 serving in threads, each at its fixed loopback address."""
 
     def __init__(self, folder: Path, count: int = 2, attach: Callable[[Shard], None] = lambda shard: None,
-                 wire_format: str = "float32") -> None:
-        self.folder, self.attach, self.wire_format = folder, attach, wire_format
+                 wire_format: str = "float32", job_keys: keys.JobKeys | None = None) -> None:
+        self.folder, self.attach, self.wire_format, self.job_keys = folder, attach, wire_format, job_keys
         self.addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(count)]
         self.shards: list[Shard | None] = [None] * count
         self.threads: list[threading.Thread | None] = [None] * count
         self.store = FileViewStore(str(folder / "views" / "shard-0.json"))
 
     def start(self, rank: int, *, folder: str | None = None, store: Any = None) -> Shard:
+        keyed = self.job_keys is not None  # CurveZMQ, and AES-GCM sessions on a bulk port, as shards of encrypted jobs
         settings = ShardSettings(shard=0, bind=self.addresses[rank], checkpoint_every=3600,
-                                 checkpoint_dir=folder or str(self.folder / f"copy-{rank}"))
+                                 checkpoint_dir=folder or str(self.folder / f"copy-{rank}"),
+                                 security=self.job_keys.server_security() if keyed else None,
+                                 bulk_bind="tcp://127.0.0.1:*" if keyed else None)
         shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
         shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1, wire_format=self.wire_format))
         self.attach(shard)
-        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses, security=None,
+        shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses,
+                                              security=self.client_options(keys.CHIEF),
                                               store=store or self.store, lease_seconds=LEASE_SECONDS))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
@@ -97,8 +101,12 @@ class Copies:
         shard = self.shards[primary]
         return shard is not None and shard.copies.role == PRIMARY and shard.copies.stats()["copies"] == backups + 1
 
+    def client_options(self, role: str) -> dict | None:
+        return self.job_keys.client_options(role=role) if self.job_keys is not None else None
+
     def group(self) -> ShardGroup:
-        return ShardGroup([self.addresses], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=30.0))
+        return ShardGroup([self.addresses], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=30.0),
+                          security=self.client_options(keys.REPLICA))
 
 
 @pytest.fixture
@@ -249,6 +257,40 @@ def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, t
     link.close()
 
 
+def test_copies_of_an_encrypted_job_forward_and_fail_over_over_aes_gcm_sessions(tmp_path: Path) -> None:
+    """The replica's link holds a session with each copy it uses, the primary one with each
+    backup; a copy that restarted (its sessions gone with its process) gets asked anew when
+    the link comes back to it."""
+    copies = Copies(tmp_path, job_keys=keys.JobKeys.generate())
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    wire, out = Float32Dense(copies.group()), np.empty(LAYOUT.total, np.float32)
+    rng = np.random.default_rng(8)
+
+    def push(step: int) -> None:
+        [reply] = wire.push_and_pull(rng.standard_normal(LAYOUT.total).astype(np.float32), out, steps=[step],
+                                     examples=4, loss=1.0)
+        assert reply.step == step + 1
+        assert wire.group._links[0].session is not None, "the replica's link to the copies holds no session"
+
+    for step in range(3):
+        push(step)
+    [stream] = copies.copy(0).copies.chain.streams.values()
+    assert stream.link.session is not None, "the primary forwards to its backup over CurveZMQ alone"
+    copies.kill(0)  # copy 1 takes over; the replica's link moves to it
+    push(3)
+    copies.start(0)  # a new process at copy 0's address: it knows none of the sessions granted before
+    eventually(lambda: copies.in_sync(1, 1), 20, what="the restarted copy 0 rejoins as copy 1's backup")
+    copies.kill(1)  # the link goes back to copy 0, over the CurveZMQ socket ZeroMQ reconnected
+    for step in range(4, 7):
+        push(step)
+    assert copies.copy(0).copies.role == PRIMARY and copies.copy(0).step == 7
+    np.testing.assert_array_equal(out, _params(copies.copy(0)))
+    wire.group.close()
+    copies.stop()
+
+
 def test_a_copy_that_is_not_the_primary_refuses_clients(pair: Copies) -> None:
     group = ShardGroup([pair.addresses[1]], LAYOUT, timeouts=Timeouts(request=1.0, unavailable=5.0))
     with pytest.raises(errors.ShardUnavailable):  # refused every time, then given up
@@ -321,9 +363,9 @@ def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_ar
     link = zmq_transport.default().link(copies.addresses, None)
     copies.kill(1)
     primary = copies.copy(0)
-    for keys in (np.arange(0, 1000, 2), np.arange(1000, 1200, 2)):  # a base of 500 rows, a delta of 100
-        keys = keys.astype(np.int64)
-        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+    for row_keys in (np.arange(0, 1000, 2), np.arange(1000, 1200, 2)):  # a base of 500 rows, a delta of 100
+        row_keys = row_keys.astype(np.int64)
+        client.push(row_keys, rng.standard_normal((row_keys.size, 4)).astype(np.float32))
         _push(link, seq=primary.step + 1, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))  # a step
         primary.checkpoint_now()
     chain = checkpoint.read_meta(checkpoint.list_checkpoints(str(tmp_path / "copy-0"))[0])[rowcheckpoint.CHAIN]
@@ -448,12 +490,14 @@ def test_a_primary_stalled_in_a_request_is_slow_not_dead(tmp_path: Path) -> None
     copies.stop()
 
 
+@pytest.mark.parametrize("encrypted", [False, True], ids=["keyless", "sessions"])
 def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exactly(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, encrypted: bool) -> None:
     """The state goes over in many parts, one at a time, while sparse and dense pushes keep
     coming (some creating rows, some only counted for admission): the copy applies them from
     the transfer's start and writes each part where it comes, and ends with the primary's
-    every row, admission counter and parameter."""
+    every row, admission counter and parameter. Encrypted, the stream's first messages wait
+    for its session's grant and then go sealed, in order."""
     from distbelief.runtime.params.rows import rowparts
 
     monkeypatch.setattr(forwarding, "PARTS_WINDOW_BYTES", 1)  # a part goes only once the previous is acknowledged
@@ -464,7 +508,7 @@ def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exac
     def rows(shard: Shard) -> None:
         shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5, admit_after=2))
 
-    copies = Copies(tmp_path, attach=rows)
+    copies = Copies(tmp_path, attach=rows, job_keys=keys.JobKeys.generate() if encrypted else None)
     copies.start(0)
     copies.start(1)
     eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
@@ -473,8 +517,8 @@ def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exac
     wire = Float32Dense(client.group)
 
     def push_once() -> None:
-        keys = rng.choice(60000, size=300, replace=False).astype(np.int64)
-        client.push(keys, rng.standard_normal((keys.size, 4)).astype(np.float32))
+        row_keys = rng.choice(60000, size=300, replace=False).astype(np.int64)
+        client.push(row_keys, rng.standard_normal((row_keys.size, 4)).astype(np.float32))
         wire.push(rng.standard_normal(LAYOUT.total).astype(np.float32), steps=[0], examples=4, loss=1.0)
 
     for _ in range(60):  # thousands of rows admitted, more only counted, before the copy comes
@@ -483,6 +527,8 @@ def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exac
     pushing.start()
     joined = copies.start(1, folder=str(tmp_path / "empty"))
     eventually(lambda: copies.in_sync(0, 1), 60, what="the copy caught up while pushes went on")
+    if encrypted:
+        assert all(s.link.session is not None for s in copies.copy(0).copies.chain.streams.values())
     time.sleep(0.5)
     stop.set()
     pushing.join(timeout=30)

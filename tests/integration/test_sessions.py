@@ -72,7 +72,7 @@ def test_pulls_and_pushes_over_sessions_match_curvezmq_alone(tmp_path: Path, job
         group = _group(live, job_keys)
         try:
             results[bulk] = _train(group)
-            assert all((link._session is not None) is bulk for link in group._links)
+            assert all((link.session is not None) is bulk for link in group._links)
             assert [s.step for s in live.shards] == [4, 4]
         finally:
             group.close()
@@ -84,10 +84,10 @@ def test_pulls_and_pushes_over_sessions_match_curvezmq_alone(tmp_path: Path, job
 def _session_of(group: ShardGroup, shard: int = 0) -> tuple[sessions.Session, str]:
     """A copy of the session a group's link holds with a shard, and the bulk port's address."""
     link = group._links[shard]
-    assert link._session is not None, "the link has no session yet"
-    held = link._session
+    assert link.session is not None, "the link has no session yet"
+    held = link.session
     copy = sessions.Session(id=held.id, key=held.key, sent=held.sent)
-    return copy, link._bulk.getsockopt_string(zmq.LAST_ENDPOINT)
+    return copy, link.bulk_endpoint
 
 
 def _push_frames(step: int = 0, seq: int = 777) -> list[bytes]:
@@ -247,7 +247,7 @@ def test_a_session_has_the_role_of_the_key_that_asked_for_it(live: LiveShards, j
     try:
         for group in (replica, chief):
             Float32Dense(group).pull(np.zeros(LAYOUT.total, np.float32))
-            assert all(link._session is not None for link in group._links)
+            assert all(link.session is not None for link in group._links)
         with pytest.raises(errors.ShardRefused, match="chief's to send"):
             replica.done("forged", "succeeded")
         assert all(r.done for r in chief.done("finished", "succeeded"))
@@ -294,7 +294,7 @@ def test_a_link_asks_for_a_fresh_key_once_a_session_has_carried_its_share(
         for step in range(6):
             Float32Dense(group).push_and_pull(np.zeros(LAYOUT.total, np.float32), out, steps=[step, step], examples=1,
                                               loss=0.0)
-            ids.add(group._links[0]._session.id if group._links[0]._session else None)
+            ids.add(group._links[0].session.id if group._links[0].session else None)
         assert len(ids - {None}) >= 2 and [s.step for s in live.shards] == [6, 6]
         np.testing.assert_array_equal(out, INITIAL)
     finally:

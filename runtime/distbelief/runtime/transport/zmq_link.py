@@ -2,14 +2,15 @@
 in turn (copy_addresses.py).
 
 A link is made anew after a silence or a disconnect; a monitor reports broken
-connections. For encrypted jobs the first request of each connection asks for an AES-GCM
-session, and parameters then go sealed over a second DEALER to the server's bulk port
+connections. For encrypted jobs each connection first asks for an AES-GCM session, and
+requests and replies then go sealed over a second DEALER to the server's bulk port
 (sessions.py). Replies' array frames are received straight into the caller's array (the
 sink), so a pull costs one copy. ZeroMQ's errors become distbelief.runtime.errors here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Sequence
@@ -26,6 +27,56 @@ from distbelief.runtime.transport.interface import MAX_REPLY_FRAMES, Frame, Rece
 log = logging.getLogger(__name__)
 
 HEARTBEAT_MS = 1000       # a link to a shard's copies pings each; 3 missed pongs count as a disconnect
+MAX_HELD = 1000           # requests held while a session is asked for: ZeroMQ's own send queue
+
+
+@dataclasses.dataclass(eq=False)
+class Connection:
+    """A link's connection to one address: its CurveZMQ DEALER and monitor, and, when it
+    wants one, its AES-GCM session and the DEALER to the server's bulk port.
+
+    While a SESSION request is out (`asking`), requests are held, copied, and go out when the
+    grant comes: so the server takes them in the order they were sent, never some over
+    CurveZMQ and later ones ahead of them over the bulk socket. A fresh key keeps the bulk
+    socket; replies sealed under the key before (`earlier`) are still opened."""
+
+    address: str
+    socket: zmq.Socket
+    monitor: zmq.Socket | None
+    bulk_wanted: bool
+    handshaken: bool = False
+    asking: bool = False
+    held: list[list[Frame]] = dataclasses.field(default_factory=list)
+    session: sessions.Session | None = None
+    earlier: sessions.Session | None = None
+    bulk: zmq.Socket | None = None
+
+    def needs_session(self) -> bool:
+        return self.bulk_wanted and not self.asking and (self.session is None or self.session.worn_out)
+
+    def session_of(self, prefix: Frame) -> sessions.Session | None:
+        """The session a bulk reply is sealed under, by the id its prefix names."""
+        earlier = self.earlier
+        if earlier is not None and bytes(prefix[:sessions.ID_BYTES]) == earlier.id:
+            return earlier
+        return self.session
+
+    def forget_session(self) -> None:
+        """Its session, bulk socket and held requests dropped: the next request asks anew."""
+        if self.bulk is not None:
+            self.bulk.close(linger=0)
+        self.bulk = self.session = self.earlier = None
+        self.asking = False
+        self.held.clear()
+
+    def close(self) -> None:
+        self.forget_session()
+        if self.socket.closed:
+            return
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+        self.socket.close(linger=0)
 
 
 class ZmqLink:
@@ -40,11 +91,10 @@ class ZmqLink:
     between them: a second connection with the same id would take over the first, and
     ZeroMQ renames it, so its queued requests would count as another peer's.
 
-    With `bulk` (a CurveZMQ link to one tcp:// address), the first request of each
-    connection also asks for an AES-GCM session (sessions.py); once granted, requests and
-    replies go sealed over a second DEALER to the server's bulk port. A reply there that
-    fails its counter or a tag is refused (receive() gives None) and the request waits.
-    A link to a shard's copies stays on CurveZMQ alone."""
+    With `bulk` (CurveZMQ links to tcp:// addresses), each connection asks for an AES-GCM
+    session (sessions.py) before its first request; once granted, requests and replies go
+    sealed over a second DEALER to that server's bulk port. A reply there that fails its
+    counter or a tag is refused (receive() gives None) and the request waits."""
 
     def __init__(self, context: zmq.Context, address: str | Sequence[str], options: dict | None, *,
                  watch: bool, bulk: bool = False, heartbeat: float | None = None) -> None:
@@ -52,19 +102,26 @@ class ZmqLink:
         self.heartbeat_ms = int(heartbeat * 1000) if heartbeat else (HEARTBEAT_MS if len(self.copies.addresses) > 1
                                                                       else 0)
         self.routing_id = os.urandom(16)
-        self._idle: dict[str, tuple[zmq.Socket, zmq.Socket | None, bool]] = {}  # the other copies' connections
-        self._bulk_wanted = (bulk and len(self.copies.addresses) == 1 and self.address.startswith("tcp://")
-                             and zmq.CURVE_SERVERKEY in (options or {}))
-        self._session: sessions.Session | None = None
-        self._bulk: zmq.Socket | None = None
-        self._socket, self._monitor = self._connect()
+        self._wants_bulk = bulk and zmq.CURVE_SERVERKEY in (options or {})
+        self._idle: dict[str, Connection] = {}  # the other copies' connections
+        self._conn = self._connect()
 
     @property
     def address(self) -> str:
         return self.copies.address
 
-    def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
-        self._close_bulk()  # a fresh connection asks for a fresh session
+    @property
+    def session(self) -> sessions.Session | None:
+        """The AES-GCM session of the connection in use, once granted."""
+        return self._conn.session
+
+    @property
+    def bulk_endpoint(self) -> str | None:
+        """Where the connection in use sends its sealed requests, once a session is granted."""
+        bulk = self._conn.bulk
+        return bulk.getsockopt_string(zmq.LAST_ENDPOINT) if bulk is not None else None
+
+    def _connect(self) -> Connection:
         socket, monitor = self.context.socket(zmq.DEALER), None
         try:
             socket.setsockopt(zmq.LINGER, 0)
@@ -82,39 +139,53 @@ class ZmqLink:
                 monitor.close(linger=0)
             socket.close(linger=0)
             raise errors.ConfigError(f"cannot connect to {self.address}: {exc}") from exc
-        self._handshaken = False
-        return socket, monitor
+        return Connection(address=self.address, socket=socket, monitor=monitor,
+                          bulk_wanted=self._wants_bulk and self.address.startswith("tcp://"))
 
     def pollables(self) -> list[zmq.Socket]:
-        return [s for s in (self._socket, self._bulk, self._monitor) if s is not None]
+        conn = self._conn
+        return [s for s in (conn.socket, conn.bulk, conn.monitor) if s is not None]
 
     def readable(self, ready: dict) -> bool:
-        return self._socket in ready or (self._bulk is not None and self._bulk in ready)
+        return self._conn.socket in ready or (self._conn.bulk is not None and self._conn.bulk in ready)
 
     def broke(self, ready: dict | None = None) -> bool:
         """Whether a connection that had completed its handshake broke since the last call
-        (a refused handshake ends in a disconnect too; that one lost no request)."""
-        if self._monitor is None or (ready is not None and self._monitor not in ready):
+        (a refused handshake ends in a disconnect too; that one lost no request). A broken
+        connection's session is forgotten: ZeroMQ may reconnect it to a restarted peer."""
+        conn = self._conn
+        if conn.monitor is None or (ready is not None and conn.monitor not in ready):
             return False
         broke = False
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
+        while conn.monitor.poll(0):
+            event = recv_monitor_message(conn.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._handshaken = True
-            elif self._handshaken:
-                self._handshaken, broke = False, True
+                conn.handshaken = True
+            elif conn.handshaken:
+                conn.handshaken, broke = False, True
+        if broke:
+            conn.forget_session()
         return broke
 
     def send(self, frames: Sequence[Frame]) -> bool:
         """Queue a request; False when the queue to the peer is full (the attempt's timeout
         sends it again)."""
-        if self._session is not None and self._session.worn_out:
-            self._close_bulk()  # and ask for a fresh key with this request
-        if self._session is not None:
-            return self._queue(self._bulk, self._session.seal(sessions.TO_SERVER, frames))
-        if self._ask_session:  # the grant comes back ahead of this request's reply
-            self._ask_session = not self._queue(self._socket, [sessions.SESSION_MAGIC])
-        return self._queue(self._socket, frames)
+        conn = self._conn
+        if conn.needs_session():
+            if not self._queue(conn.socket, [sessions.SESSION_MAGIC]):
+                return False
+            conn.asking = True
+        if conn.asking:
+            if len(conn.held) >= MAX_HELD:
+                return False
+            conn.held.append([bytes(f) for f in frames])  # the caller may reuse its buffers once this returns
+            return True
+        return self._send_now(conn, frames)
+
+    def _send_now(self, conn: Connection, frames: Sequence[Frame]) -> bool:
+        if conn.session is not None and conn.bulk is not None:
+            return self._queue(conn.bulk, conn.session.seal(sessions.TO_SERVER, frames))
+        return self._queue(conn.socket, frames)
 
     @staticmethod
     def _queue(socket: zmq.Socket, frames: Sequence[Frame]) -> bool:
@@ -127,80 +198,86 @@ class ZmqLink:
 
     def receive(self, sink: Sink | None = None) -> Received | None:
         """The next reply; None for a session grant, or a bulk reply that was refused."""
+        conn = self._conn
         try:
-            if self._bulk is not None and self._bulk.poll(0):
-                return self._receive_bulk(sink)
-            return self._receive_curve(sink)
+            if conn.bulk is not None and conn.bulk.poll(0):
+                return self._receive_bulk(conn, sink)
+            return self._receive_curve(conn, sink)
         except zmq.ZMQError as exc:
             raise errors.ProtocolError(f"reading a reply from {self.address} failed: {exc}") from exc
 
-    def _receive_curve(self, sink: Sink | None) -> Received | None:
-        header = self._socket.recv(copy=False).buffer
-        if not self._socket.getsockopt(zmq.RCVMORE) and (grant := sessions.parse_grant(header)) is not None:
-            self._take_grant(*grant)
+    def _receive_curve(self, conn: Connection, sink: Sink | None) -> Received | None:
+        socket = conn.socket
+        header = socket.recv(copy=False).buffer
+        if not socket.getsockopt(zmq.RCVMORE) and (grant := sessions.parse_grant(header)) is not None:
+            self._take_grant(conn, *grant)
             return None
         frames: list[memoryview] = []
         into_sink = dropped = 0
         index = 0
-        while self._socket.getsockopt(zmq.RCVMORE):
+        while socket.getsockopt(zmq.RCVMORE):
             target = sink(header, index) if sink is not None and index < MAX_REPLY_FRAMES else None
             if target is not None:
-                into_sink += self._socket.recv_into(target)
+                into_sink += socket.recv_into(target)
             elif index < MAX_REPLY_FRAMES:
-                frames.append(self._socket.recv(copy=False).buffer)
+                frames.append(socket.recv(copy=False).buffer)
             else:
-                dropped += len(self._socket.recv(copy=False))  # beyond any op's reply: dropped
+                dropped += len(socket.recv(copy=False))  # beyond any op's reply: dropped
             index += 1
         received = Received(header=header, frames=frames, into_sink=into_sink)
         PROCESS_TRAFFIC.received(received.nbytes + dropped)
         return received
 
-    def _take_grant(self, session: sessions.Session, port: int) -> None:
-        if port == 0 or self._session is not None:
-            return  # the server has no bulk channel (or this connection has its session)
-        host = self.address.rsplit(":", 1)[0]
-        bulk = self.context.socket(zmq.DEALER)
-        bulk.setsockopt(zmq.LINGER, 0)
-        bulk.connect(f"{host}:{port}")
-        self._session, self._bulk = session, bulk
+    def _take_grant(self, conn: Connection, session: sessions.Session, port: int) -> None:
+        """A SESSION reply: the session (and, the first time, the bulk socket) in use from
+        now on, then the requests held meanwhile; port 0 (no bulk channel there): CurveZMQ
+        alone on this connection."""
+        if not conn.asking:
+            return  # not asked for on this connection
+        conn.asking = False
+        if port == 0:
+            conn.bulk_wanted = False
+        elif conn.bulk is None:
+            bulk = self.context.socket(zmq.DEALER)
+            bulk.setsockopt(zmq.LINGER, 0)
+            bulk.connect(f"{conn.address.rsplit(':', 1)[0]}:{port}")
+            conn.bulk, conn.session = bulk, session
+        else:
+            conn.earlier, conn.session = conn.session, session
+        held, conn.held = conn.held, []
+        for index, frames in enumerate(held):
+            if not self._send_now(conn, frames):  # the queue is full: their attempts' timeouts send them again
+                log.warning("event=held_requests_dropped peer=%r count=%d", conn.address, len(held) - index)
+                break
 
-    def _receive_bulk(self, sink: Sink | None) -> Received | None:
-        assert self._bulk is not None and self._session is not None
-        prefix, *sealed = [f.buffer for f in self._bulk.recv_multipart(copy=False)]
+    def _receive_bulk(self, conn: Connection, sink: Sink | None) -> Received | None:
+        assert conn.bulk is not None
+        prefix, *sealed = [f.buffer for f in conn.bulk.recv_multipart(copy=False)]
         PROCESS_TRAFFIC.received(len(prefix) + sum(len(f) for f in sealed))
         try:
-            if not 1 <= len(sealed) <= MAX_REPLY_FRAMES + 1:
+            session = conn.session_of(prefix)
+            if session is None or not 1 <= len(sealed) <= MAX_REPLY_FRAMES + 1:
                 raise errors.BulkRejected("a reply without frames, or with more than any op has")
-            return Received(*sessions.open_reply(self._session, prefix, sealed, sink))
+            return Received(*sessions.open_reply(session, prefix, sealed, sink))
         except errors.BulkRejected as exc:
             log.warning("event=bulk_refused peer=%r reason=%r", self.address, str(exc))
             return None
 
     def reconnect(self) -> None:
-        """A fresh socket: replies to earlier requests and copies still queued are dropped. A link
-        to copies moves to the next copy's connection instead."""
+        """A fresh connection: replies to earlier requests and the requests still queued or
+        held are dropped. A link to copies moves to the next copy's connection instead."""
         if len(self.copies.addresses) == 1:
-            self.close()
-            self._socket, self._monitor = self._connect()
+            self._conn.close()
+            self._conn = self._connect()
             return
-        self._idle[self.address] = (self._socket, self._monitor, self._handshaken)
+        # The copy may restart before the link comes back, and ZeroMQ reconnects the CurveZMQ
+        # socket to the new process unseen: a session kept till then would be one it never granted.
+        self._conn.forget_session()
+        self._idle[self.address] = self._conn
         self.copies.next()
-        idle = self._idle.pop(self.address, None)
-        self._socket, self._monitor, self._handshaken = idle or (*self._connect(), False)
-
-    def _close_bulk(self) -> None:
-        if self._bulk is not None:
-            self._bulk.close(linger=0)
-        self._session, self._bulk, self._ask_session = None, None, self._bulk_wanted
+        self._conn = self._idle.pop(self.address, None) or self._connect()
 
     def close(self) -> None:
-        self._close_bulk()
-        for socket, monitor, _ in [(self._socket, self._monitor, False), *self._idle.values()]:
-            if socket.closed:
-                continue
-            if monitor is not None:
-                socket.disable_monitor()
-                monitor.close(linger=0)
-            socket.close(linger=0)
+        for conn in [self._conn, *self._idle.values()]:
+            conn.close()
         self._idle.clear()
-

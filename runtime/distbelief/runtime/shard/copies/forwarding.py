@@ -88,7 +88,7 @@ class Chain:
 
     def open(self, rank: int, incarnation: str, address: str, transfer: Sender) -> Stream:
         """A stream to a copy that asked to join, its transfer's first message sent."""
-        link = self._transport.link(address, self._security, heartbeat=HEARTBEAT_SECONDS)
+        link = self._transport.link(address, self._security, bulk=True, heartbeat=HEARTBEAT_SECONDS)
         stream = Stream(rank=rank, incarnation=incarnation, link=link, id=secrets.token_hex(8), transfer=transfer)
         self.streams[stream.member] = stream
         self._send(stream, self._state_frames(stream, *transfer.begin()), step=transfer.step)
