@@ -52,12 +52,14 @@ RUN PIP_ROOT_USER_ACTION=ignore python -m pip uninstall --yes pip setuptools whe
       --shell /usr/sbin/nologin distbelief
 COPY --from=build /opt/distbelief /opt/distbelief
 # The pods run with a read-only root filesystem and an emptyDir at /tmp: everything a
-# process writes (HOME, matplotlib's cache) goes there, and no bytecode is written.
+# process writes (HOME, matplotlib's cache, the shard's compiled update rules) goes
+# there, and no bytecode is written.
 ENV PATH=/opt/distbelief/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     MPLCONFIGDIR=/tmp/matplotlib \
+    NUMBA_CACHE_DIR=/tmp/numba \
     MPLBACKEND=Agg
 # The same uid and gid as the pods' securityContext (render.RUN_AS_ID, the chart's values).
 USER 10001:10001

@@ -50,3 +50,17 @@ def test_the_folder_graph_is_printed_in_layer_order_without_a_circle() -> None:
     assert runtime.index("runtime.roles") < runtime.index("runtime.algorithms") < runtime.index("runtime.shard") \
         < runtime.index("runtime.transport") < runtime.index("runtime.wire")
     assert len(runtime) <= 16
+
+
+def test_only_a_shard_s_update_rule_loads_numba() -> None:
+    """numba costs about half a second to import: the roles' modules (a worker's all it
+    runs) never load it; the first update rule a shard makes does."""
+    code = ("import sys\n"
+            "import distbelief.runtime.roles.worker, distbelief.runtime.roles.ps\n"
+            "print('numba' in sys.modules)\n"
+            "from distbelief.runtime.params.optim import make_optimizer\n"
+            "make_optimizer('sgd', 10, learning_rate=0.1)\n"
+            "print('numba' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]

@@ -12,8 +12,8 @@ import pytest
 from distbelief.runtime import errors
 from distbelief.runtime.params import dense
 from distbelief.runtime.params.dense_client import Bfloat16Dense, Float32Dense
-from distbelief.runtime.params.optim import BLOCK, Adagrad
-from distbelief.runtime.wire.bfloat16 import WIRE_DTYPE, Codec
+from distbelief.runtime.params.optim import Adagrad
+from distbelief.runtime.wire.bfloat16 import BLOCK, WIRE_DTYPE, Codec
 from distbelief.runtime.wire.layout import Layout
 
 from support.shards import LiveShards, start_shards

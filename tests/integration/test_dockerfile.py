@@ -100,7 +100,7 @@ def test_the_final_stage_runs_as_the_pods_user_with_the_distbelief_entry_point()
     assert PYPROJECT["project"]["scripts"]["distbelief"] == "distbelief.operator.cli:main"
     env = " ".join(args_of(final, "ENV"))
     for setting in ("PATH=/opt/distbelief/bin:$PATH", "PYTHONDONTWRITEBYTECODE=1", "HOME=/tmp",
-                    "MPLCONFIGDIR=/tmp/"):
+                    "MPLCONFIGDIR=/tmp/", "NUMBA_CACHE_DIR=/tmp/"):
         assert setting in env, setting
     run = " ".join(args_of(final, "RUN"))
     assert f"--uid {podparts.RUN_AS_ID} --gid {podparts.RUN_AS_ID}" in run

@@ -1,18 +1,23 @@
-"""Unit tests of distbelief.runtime.params.optim: SGD and Adagrad against a naive reference,
-their state, and the promise of no model-sized temporaries."""
+"""Unit tests of distbelief.runtime.params.optim: SGD and Adagrad against a naive reference
+and, bit for bit, against numpy's float32 ufuncs, their state, the promise of no model-sized
+temporaries, and their compiled loops (kernels.py)."""
 
 from __future__ import annotations
 
 import os
 import tracemalloc
 
+import numba
 import numpy as np
+import numpy.testing  # noqa: F401  (here, at collection: numpy 1.26 runs lscpu on its import, a process)
 import pytest
 
-from distbelief.runtime.params import optim
-from distbelief.runtime.params.optim import BLOCK, EPSILON, Adagrad, Sgd
+from distbelief.runtime.params import kernels, optim
+from distbelief.runtime.params.optim import EPSILON, Adagrad, Sgd
 
-SIZES = [1, 10, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17]
+MANY = 64 * 1024
+# Around the compiled loops' vector widths (4 to 16 float32 lanes), and longer.
+SIZES = [1, 10, 15, 16, 17, 33, MANY - 1, MANY + 1, 3 * MANY + 17]
 LR = 0.05
 PUSHES = 5
 
@@ -62,9 +67,80 @@ def test_adagrad_matches_reference(size):
     np.testing.assert_allclose(opt.accumulator, expected_acc, rtol=1e-5)
 
 
+def awkward_values(size: int, seed: int) -> np.ndarray:
+    """float32 values of every magnitude: exact zeros, subnormals, tiny, ordinary and large
+    enough that their square overflows to inf, of both signs."""
+    rng = np.random.default_rng(seed)
+    magnitudes = 10.0 ** rng.uniform(-44, 25, size)
+    values = (np.sign(rng.standard_normal(size)) * magnitudes).astype(np.float32)
+    values[::7] = -1.5  # ordinary: each rule moves it
+    values[1::7] = 3e19  # squared: inf
+    values[2::7] = -1e-40  # subnormal
+    values[3::7] = 0.0
+    return values
+
+
+def numpy_sgd(params: np.ndarray, grad: np.ndarray) -> None:
+    params -= grad * np.float32(LR)
+
+
+def numpy_adagrad(params: np.ndarray, accumulator: np.ndarray, grad: np.ndarray) -> None:
+    """Adagrad in numpy's float32 ufuncs, one operation at a time in the formula's order."""
+    accumulator += grad * grad
+    params -= grad / (np.sqrt(accumulator) + np.float32(EPSILON)) * np.float32(LR)
+
+
+@pytest.mark.floors  # numba's and numpy's lowest versions too
+@pytest.mark.parametrize("size", SIZES)
+def test_the_compiled_rules_give_numpys_float32_results_bit_for_bit(size):
+    start = awkward_values(size, seed=1)
+    sgd, adagrad = Sgd(size, LR), Adagrad(size, LR)
+    sgd_params, adagrad_params = start.copy(), start.copy()
+    numpy_sgd_params, numpy_params, numpy_accumulator = start.copy(), start.copy(), np.zeros(size, np.float32)
+    with np.errstate(over="ignore", under="ignore"):  # a large gradient's square is inf: the rule's own result
+        for push in range(PUSHES):
+            grad = awkward_values(size, seed=10 + push)
+            sgd.apply(sgd_params, grad)
+            numpy_sgd(numpy_sgd_params, grad)
+            adagrad.apply(adagrad_params, grad)
+            numpy_adagrad(numpy_params, numpy_accumulator, grad)
+    np.testing.assert_array_equal(sgd_params, numpy_sgd_params)
+    np.testing.assert_array_equal(adagrad.accumulator, numpy_accumulator)
+    np.testing.assert_array_equal(adagrad_params, numpy_params)
+    assert not np.array_equal(adagrad_params, start)
+
+
+def test_a_gradient_received_into_read_only_memory_is_applied():
+    """A push's gradient may be a read-only view of the received frame."""
+    grad = np.ones(100, np.float32)
+    grad.flags.writeable = False
+    for rule in (Sgd(100, LR), Adagrad(100, LR)):
+        params = np.zeros(100, np.float32)
+        rule.apply(params, grad)
+        np.testing.assert_allclose(params, -LR, rtol=1e-6)
+
+
+def test_a_gradient_of_another_type_is_refused_not_converted():
+    with pytest.raises(TypeError, match="float64"):
+        Adagrad(10, LR).apply(np.zeros(10, np.float32), np.ones(10))
+
+
+def test_a_loop_compiles_where_numba_finds_no_folder_for_its_cache():
+    """Source with no file behind it, as a module in a read-only tree with no writable
+    cache folder: numba cannot cache it, and the loop still compiles, uncached."""
+    namespace: dict = {}
+    exec("def double(values):\n    for i in range(values.size):\n        values[i] *= 2\n", namespace)
+    with pytest.raises(RuntimeError, match="no locator available"):
+        numba.njit(cache=True)(namespace["double"])  # the case is real
+    double = kernels.compiled(numba.types.void(kernels.VALUES))(namespace["double"])
+    values = np.arange(20, dtype=np.float32)
+    double(values)
+    np.testing.assert_array_equal(values, 2 * np.arange(20, dtype=np.float32))
+
+
 def test_adagrad_first_step_moves_each_parameter_by_the_learning_rate():
     """After one push, g / (sqrt(g^2) + eps) ~ sign(g): every coordinate moves by ~lr."""
-    size = 2 * BLOCK + 3
+    size = 2 * MANY + 3
     params, (g,) = np.zeros(size, dtype=np.float32), gradients(size, pushes=1)
     Adagrad(size, LR).apply(params, g)
     g64 = g.astype(np.float64)
@@ -88,7 +164,7 @@ def test_adagrad_rates_shrink_with_accumulated_gradient():
 
 @pytest.mark.parametrize("make", [Sgd, Adagrad])
 def test_apply_updates_a_slice_in_place_and_nothing_around_it(make):
-    size = BLOCK + 5
+    size = MANY + 5
     buffer = np.full(size + 20, 3.0, dtype=np.float32)
     view = buffer[10:10 + size]
     (g,) = gradients(size, pushes=1)
@@ -99,7 +175,7 @@ def test_apply_updates_a_slice_in_place_and_nothing_around_it(make):
 
 @pytest.mark.parametrize("make", [Sgd, Adagrad])
 def test_apply_leaves_the_gradient_alone(make):
-    size = BLOCK + 5
+    size = MANY + 5
     (g,) = gradients(size, pushes=1)
     saved = g.copy()
     make(size, LR).apply(np.zeros(size, dtype=np.float32), g)
@@ -107,7 +183,7 @@ def test_apply_leaves_the_gradient_alone(make):
 
 
 def test_adagrad_state_round_trip():
-    size = 3 * BLOCK + 17
+    size = 3 * MANY + 17
     grads = gradients(size, pushes=4)
     params = np.zeros(size, dtype=np.float32)
     original = Adagrad(size, LR)
@@ -193,7 +269,7 @@ def test_apply_allocates_no_model_sized_temporary(make):
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("make", [Sgd, Adagrad])
 def test_an_update_cut_over_threads_equals_the_one_thread_update_bit_for_bit(make, threads):
-    size = 7 * BLOCK + 13  # parts of uneven length, each more than one block
+    size = 7 * MANY + 13  # parts of uneven length
     start = np.random.default_rng(1).standard_normal(size).astype(np.float32)
     one, many = start.copy(), start.copy()
     one_rule, many_rule = make(size, LR, threads=1), make(size, LR, threads=threads)
@@ -208,22 +284,21 @@ def test_an_update_cut_over_threads_equals_the_one_thread_update_bit_for_bit(mak
 def test_the_parts_cover_the_slice_once_and_run_on_threads_of_their_own():
     import threading
 
-    blocks = optim.Blocks(5 * BLOCK + 1, threads=3)
-    covered = np.zeros(5 * BLOCK + 1, dtype=np.int32)
+    parts = optim.Parts(5 * MANY + 1, threads=3)
+    covered = np.zeros(5 * MANY + 1, dtype=np.int32)
     ran_on = set()
 
-    def kernel(start: int, stop: int, scratch: np.ndarray) -> None:
-        assert stop - start <= BLOCK and scratch.size == stop - start
+    def kernel(start: int, stop: int) -> None:
         covered[start:stop] += 1
         ran_on.add(threading.get_ident())
 
-    blocks.run(kernel)
+    parts.run(kernel)
     assert np.all(covered == 1)
-    assert len(blocks.parts) == 3 and len(ran_on) >= 2  # the caller and at least one pool thread
+    assert len(parts.parts) == 3 and len(ran_on) >= 2  # the caller and at least one pool thread
 
 
 def test_a_small_slice_stays_on_the_calling_thread():
-    assert len(optim.Blocks(optim.MIN_BLOCKS_PER_THREAD * BLOCK - 1).parts) == 1
+    assert len(optim.Parts(2 * optim.MIN_VALUES_PER_THREAD - 1).parts) == 1
 
 
 @pytest.mark.parametrize("cpu_max, limit", [("150000 100000", 2), ("50000 100000", 1), ("max 100000", None),
@@ -244,5 +319,5 @@ def test_the_pod_s_cpus_are_those_the_operator_gave_its_blas(monkeypatch, given,
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", given)
     assert optim.pod_cpus() == (expected or optim.usable_cpus())
-    size = optim.MAX_THREADS * optim.MIN_BLOCKS_PER_THREAD * BLOCK
-    assert len(optim.Blocks(size).parts) == min(optim.MAX_THREADS, optim.pod_cpus())
+    size = optim.MAX_THREADS * optim.MIN_VALUES_PER_THREAD
+    assert len(optim.Parts(size).parts) == min(optim.MAX_THREADS, optim.pod_cpus())

@@ -3,11 +3,10 @@
 spec.training.optimizer picks one from OPTIMIZERS; a third rule is one more class with
 the same four members (name, state, load_state, apply) and a line in that table.
 
-Both run in place over cache-sized blocks with one preallocated scratch block per
-thread, so a push costs no temporary as large as the model. A large slice is cut into
-one part per CPU the pod may use (numpy's ufuncs release the GIL, so the parts run at
-once). Adagrad follows Dean et al. (2012): each parameter i gets the rate
-gamma / sqrt(sum of its squared gradients so far).
+Both update in place in one compiled pass per element (kernels.py), so a push costs no
+temporary at all. A large slice is cut into one part per CPU the pod may use (the
+compiled loops release the GIL, so the parts run at once). Adagrad follows Dean et al.
+(2012): each parameter i gets the rate gamma / sqrt(sum of its squared gradients so far).
 """
 
 from __future__ import annotations
@@ -16,25 +15,21 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import numpy as np
 
-# 64K float32 values = 256 KiB per operand: the gradient block, its accumulator and
-# parameter slices and the scratch (1 MiB together) stay in a 1 MiB L2 cache, and each
-# ufunc call covers 4x more data than with 16K blocks (10-25 % faster measured).
-BLOCK = 64 * 1024
 EPSILON = 1e-8
-# A thread takes a part only if it has at least this many blocks: handing a part over
-# costs tens of microseconds, a block's update a few. At most MAX_THREADS parts: Adagrad
-# with 2 threads ran 1.6-1.75x one thread on 2 cores, and beyond a few cores memory
-# bandwidth, not arithmetic, is the limit.
-MIN_BLOCKS_PER_THREAD = 4
+# A thread takes a part only if it has at least this many values: handing a part over
+# costs tens of microseconds, updating this many values a few hundred. At most
+# MAX_THREADS parts: beyond a few cores memory bandwidth, not arithmetic, is the limit.
+MIN_VALUES_PER_THREAD = 256 * 1024
 MAX_THREADS = 4
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
-# kernel(start, stop, scratch) updates values [start, stop) using scratch[: stop - start].
-Kernel = Callable[[int, int, np.ndarray], None]
+# kernel(start, stop) updates values [start, stop).
+Kernel = Callable[[int, int], None]
 
 
 def pod_cpus() -> int:
@@ -67,28 +62,28 @@ def _shared_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-class Blocks:
-    """[0, size) cut into one contiguous part per thread, each with its own scratch block."""
+class Parts:
+    """[0, size) cut into one contiguous part per thread."""
 
     def __init__(self, size: int, threads: int | None = None) -> None:
         if threads is None:
-            threads = min(MAX_THREADS, pod_cpus(), max(1, size // (MIN_BLOCKS_PER_THREAD * BLOCK)))
+            threads = min(MAX_THREADS, pod_cpus(), max(1, size // MIN_VALUES_PER_THREAD))
         cuts = [size * i // threads for i in range(threads + 1)]
-        self.parts = [(start, stop, np.empty(min(BLOCK, stop - start), dtype=np.float32))
-                      for start, stop in zip(cuts, cuts[1:])]
+        self.parts = list(zip(cuts, cuts[1:]))
 
     def run(self, kernel: Kernel) -> None:
-        """kernel over every block; the calling thread does the first part, the pool the rest."""
-        others = [_shared_pool().submit(_over_blocks, kernel, *part) for part in self.parts[1:]]
-        _over_blocks(kernel, *self.parts[0])
+        """kernel over every part; the calling thread does the first, the pool the rest."""
+        others = [_shared_pool().submit(kernel, *part) for part in self.parts[1:]]
+        kernel(*self.parts[0])
         for done in others:
             done.result()
 
 
-def _over_blocks(kernel: Kernel, start: int, stop: int, scratch: np.ndarray) -> None:
-    for low in range(start, stop, BLOCK):
-        high = min(low + BLOCK, stop)
-        kernel(low, high, scratch[: high - low])
+def _compiled() -> ModuleType:
+    """The compiled loops, imported when the first rule is made: only a shard applies
+    updates, and a worker (which imports this module for the ops) never loads numba."""
+    from distbelief.runtime.params import kernels
+    return kernels
 
 
 class Sgd:
@@ -96,7 +91,8 @@ class Sgd:
 
     def __init__(self, size: int, learning_rate: float, threads: int | None = None) -> None:
         self.learning_rate = np.float32(learning_rate)
-        self._blocks = Blocks(size, threads)
+        self._parts = Parts(size, threads)
+        self._sgd = _compiled().sgd
 
     def state(self) -> dict[str, np.ndarray]:
         return {}
@@ -105,10 +101,9 @@ class Sgd:
         pass
 
     def apply(self, params: np.ndarray, grad: np.ndarray) -> None:
-        def kernel(start: int, stop: int, tmp: np.ndarray) -> None:
-            np.multiply(grad[start:stop], self.learning_rate, out=tmp)
-            params[start:stop] -= tmp
-        self._blocks.run(kernel)
+        def kernel(start: int, stop: int) -> None:
+            self._sgd(params[start:stop], grad[start:stop], self.learning_rate)
+        self._parts.run(kernel)
 
 
 class Adagrad:
@@ -117,7 +112,8 @@ class Adagrad:
     def __init__(self, size: int, learning_rate: float, threads: int | None = None) -> None:
         self.learning_rate = np.float32(learning_rate)
         self.accumulator = np.zeros(size, dtype=np.float32)
-        self._blocks = Blocks(size, threads)
+        self._parts = Parts(size, threads)
+        self._adagrad = _compiled().adagrad
 
     def state(self) -> dict[str, np.ndarray]:
         return {"adagrad_accumulator": self.accumulator}
@@ -129,18 +125,11 @@ class Adagrad:
         self.accumulator[...] = saved
 
     def apply(self, params: np.ndarray, grad: np.ndarray) -> None:
-        acc, lr = self.accumulator, self.learning_rate
+        acc, lr, eps = self.accumulator, self.learning_rate, np.float32(EPSILON)
 
-        def kernel(start: int, stop: int, tmp: np.ndarray) -> None:
-            g, a = grad[start:stop], acc[start:stop]
-            np.multiply(g, g, out=tmp)
-            a += tmp
-            np.sqrt(a, out=tmp)
-            tmp += EPSILON
-            np.divide(g, tmp, out=tmp)
-            tmp *= lr
-            params[start:stop] -= tmp
-        self._blocks.run(kernel)
+        def kernel(start: int, stop: int) -> None:
+            self._adagrad(params[start:stop], grad[start:stop], acc[start:stop], lr, eps)
+        self._parts.run(kernel)
 
 
 Optimizer = Sgd | Adagrad

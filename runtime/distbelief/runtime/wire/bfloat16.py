@@ -8,8 +8,8 @@ float32's bits before dropping the low 16; finite values past the largest bfloat
 inf, as IEEE rounding says, and a NaN stays a (quiet) NaN. Widening is exact: the 16 bits
 become the high half of a float32. The relative error of one narrowing is at most 2^-8.
 
-Both work over cache-sized blocks (BLOCK, the optimizers' block size) with one
-preallocated scratch block, so a conversion costs no temporary as large as the model.
+Both work over cache-sized blocks (BLOCK) with one preallocated scratch block, so a
+conversion costs no temporary as large as the model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from distbelief.runtime.wire.protocol import BFLOAT16 as WIRE_DTYPE
 
-BLOCK = 64 * 1024  # values per block: 256 KiB of float32, as the optimizers' blocks
+BLOCK = 64 * 1024  # values per block: 256 KiB of float32, a block and its scratch stay in L2
 _ROUNDING_BIAS = np.uint32(0x7FFF)
 _QUIET_BIT = np.uint32(0x0040)  # the highest mantissa bit of a bfloat16: set, a NaN stays NaN
 
