@@ -46,9 +46,10 @@ kube-tools: venv
 	PYTHON=$(PYTHON) tools/fetch-moto >/dev/null
 	tools/fetch-prometheus >/dev/null
 
-# Every tier: tests/unit, tests/integration, tests/cluster, tests/chaos (README, "Running the tests").
+# Every tier: tests/unit, tests/integration, tests/cluster, tests/chaos (README, "Running the tests");
+# the 25 slowest tests are listed at the end.
 test: install kube-tools
-	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q
+	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q --durations=25
 
 # The unit tier: no processes, no sockets (tests/unit/conftest.py refuses them), no kube tools.
 test-unit: install
