@@ -503,7 +503,8 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
             "indeterminate": v["indeterminate"], "lost": v["lost"]["count"], "duplicated": v["duplicated"]["count"],
             "rows_lost": result.get("rows", {}).get("lost", {}).get("count"), "went_back": len(v["went_back"]),
             "half_applied": v["half_applied"]["count"], "refused": v["refused"],
-            "steps": v["steps"], "ok": result["ok"], "wall_seconds": result["wall_seconds"]}
+            "steps": v["steps"], "ok": result["ok"], "wall_seconds": result["wall_seconds"],
+            "bulk_connections": result["bulk_connections"]}
 
 
 if __name__ == "__main__":
