@@ -46,10 +46,11 @@ kube-tools: venv
 	PYTHON=$(PYTHON) tools/fetch-moto >/dev/null
 	tools/fetch-prometheus >/dev/null
 
-# Every tier: tests/unit, tests/integration, tests/cluster, tests/chaos (README, "Running the tests");
-# the 25 slowest tests are listed at the end.
+# Every tier: tests/unit, tests/integration, tests/chaos, and beside them, in a pytest process
+# of its own, tests/cluster (tools/test-tiers; README, "Running the tests"); the slowest
+# tests are listed at the end of each.
 test: install kube-tools
-	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q --durations=25
+	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" VENV=$(VENV) tools/test-tiers
 
 # The unit tier: no processes, no sockets (tests/unit/conftest.py refuses them), no kube tools.
 test-unit: install
