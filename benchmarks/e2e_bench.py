@@ -24,16 +24,23 @@ efficiency.{compute_bound, communication_bound, large_dense}  (--what examples, 
       compute_bound        784-512-512-10, batch 128, fetchEvery = pushEvery = 1
       communication_bound  784-256-128-10, batch 32,  fetchEvery = pushEvery = 2
       large_dense          1000-10000-8000-10 (90.1M parameters), batch 32, every step
+efficiency_overlap.compute_bound, examples_per_s.distbelief_overlap  (--what examples)
+    The compute-bound job with spec.training.overlap, run between the others and divided
+    by the same baselines.
 efficiency_bfloat16.{communication_bound, large_dense}  (--what efficiency)
     The same two jobs with spec.parameterServers.wireFormat bfloat16, run between the
     float32 ones and divided by the same baselines.
-time_to_accuracy_s.{downpour, sandblaster, single_process}  (--what accuracy)
+time_to_accuracy_s.{downpour, downpour_overlap, sandblaster, single_process}  (--what accuracy)
     Seconds from launching the job (start-up included) to the first held-out evaluation
     at accuracy >= 0.95 on digits. downpour and sandblaster run examples/digits-mlp.yaml
     and examples/digits-sandblaster.yaml as shipped, with targetAccuracy 0.95 and an
     evaluation every EVAL_EVERY_S. single_process trains the downpour example's model
     (64 hidden, Adagrad lr 0.05, batch 32) in one process with no parameter server,
-    evaluating at the same cadence.
+    evaluating at the same cadence. downpour_overlap: the downpour example with
+    spec.training.overlap.
+final_accuracy_digits.{downpour, downpour_overlap}  (--what accuracy)
+    The held-out accuracy of the digits example as shipped (its maxSteps, no target) at its
+    last evaluation, without and with spec.training.overlap.
 time_to_accuracy_mnist_s.{distbelief, single_process}  (--what accuracy)
     The same clock to 0.94 held-out accuracy on the MNIST-sized set of mnist_sized.py
     (70,000 28x28 images, 10,000 held out, all scored), with the communication-bound
@@ -111,7 +118,7 @@ def example(name: str) -> dict:
 
 
 def workload_job(name: str, w: Workload, *, scale: float = 1.0, encrypted: bool = True,
-                 wire_format: str = "float32") -> dict:
+                 wire_format: str = "float32", overlap: bool = False) -> dict:
     """The DistBeliefJob of a workload: the digits example with the workload's model, data and settings."""
     job = example("digits-mlp.yaml")
     job["metadata"]["name"] = name.replace("_", "-")
@@ -123,6 +130,7 @@ def workload_job(name: str, w: Workload, *, scale: float = 1.0, encrypted: bool 
     spec["parameterServers"]["shards"], spec["workers"]["replicas"] = SHARDS, REPLICAS
     spec["parameterServers"]["encryption"] = encrypted
     spec["parameterServers"]["wireFormat"] = wire_format
+    spec["training"]["overlap"] = overlap
     for role in (spec["parameterServers"], spec["workers"]):
         role["resources"]["limits"]["memory"] = w.memory
     return job
@@ -220,14 +228,19 @@ def measure_workload(name: str, runs: int, scale: float, cores: int, failures: l
 
 
 def measure_examples(runs: int, scale: float, cores: int, failures: list[dict]) -> dict:
-    """examples_per_s (encrypted and not) and efficiency.compute_bound, from the same runs."""
+    """examples_per_s (encrypted and not, overlapped or not) and efficiency.compute_bound
+    (and efficiency_overlap's), from the same runs and baselines."""
     w = WORKLOADS["compute_bound"]
     unencrypted = job_rate(workload_job("compute_bound", w, scale=scale, encrypted=False), w.warmup_s)
+    overlapped = job_rate(workload_job("compute_bound", w, scale=scale, overlap=True), w.warmup_s)
     figure, values = measure_workload("compute_bound", runs, scale, cores, failures,
-                                      {"compute_bound_unencrypted": unencrypted})
+                                      {"compute_bound_unencrypted": unencrypted, "compute_bound_overlap": overlapped})
     return {"examples_per_s": {"distbelief": summarize(values["compute_bound"]),
-                               "distbelief_unencrypted": summarize(values["compute_bound_unencrypted"])},
-            "efficiency": {"compute_bound": figure}}
+                               "distbelief_unencrypted": summarize(values["compute_bound_unencrypted"]),
+                               "distbelief_overlap": summarize(values["compute_bound_overlap"])},
+            "efficiency": {"compute_bound": figure},
+            "efficiency_overlap": {"compute_bound": efficiency_figure(
+                values["compute_bound_overlap"], values["compute_bound_single_process"], cores, w)}}
 
 
 def measure_efficiency(runs: int, scale: float, cores: int, failures: list[dict]) -> dict:
@@ -242,10 +255,21 @@ def measure_efficiency(runs: int, scale: float, cores: int, failures: list[dict]
     return {"efficiency": float32, "efficiency_bfloat16": bfloat16}
 
 
+def overlapped(job: dict) -> dict:
+    job = json.loads(json.dumps(job))
+    job["spec"]["training"]["overlap"] = True
+    return job
+
+
+def final_accuracy(job: dict) -> float:
+    return run_job(job)[1][-1]["accuracy"]
+
+
 def measure_accuracy(runs: int, failures: list[dict]) -> dict:
     downpour, sandblaster = accuracy_job("digits-mlp.yaml"), accuracy_job("digits-sandblaster.yaml")
     digits_values = interleaved(runs, {
         "downpour": lambda run: seconds_to_target(*run_job(downpour)),
+        "downpour_overlap": lambda run: seconds_to_target(*run_job(overlapped(downpour))),
         "sandblaster": lambda run: seconds_to_target(*run_job(sandblaster)),
         "single_process": lambda run: single_process_seconds(example("digits-mlp.yaml")["spec"], TARGET_ACCURACY),
     }, failures, "e2e ")
@@ -254,8 +278,12 @@ def measure_accuracy(runs: int, failures: list[dict]) -> dict:
         "distbelief": lambda run: seconds_to_target(*run_job(job), MNIST_TARGET),
         "single_process": lambda run: single_process_seconds(job["spec"], MNIST_TARGET),
     }, failures, "e2e ")
+    shipped = example("digits-mlp.yaml")
+    final = interleaved(runs, {"downpour": lambda run: final_accuracy(shipped),
+                               "downpour_overlap": lambda run: final_accuracy(overlapped(shipped))}, failures, "e2e ")
     return {"time_to_accuracy_s": {name: summarize(v) for name, v in digits_values.items()},
-            "time_to_accuracy_mnist_s": {name: summarize(v) for name, v in mnist_values.items()}}
+            "time_to_accuracy_mnist_s": {name: summarize(v) for name, v in mnist_values.items()},
+            "final_accuracy_digits": {name: summarize(v) for name, v in final.items()}}
 
 
 def measure_wire_accuracy(runs: int, failures: list[dict]) -> dict:

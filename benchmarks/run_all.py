@@ -50,6 +50,9 @@ TARGETS: list[tuple[str, FigurePath, FigurePath | None, float | None, str]] = [
      ("examples_per_s", "torch_ddp_gloo"), 0.8, "min"),
     # Parallel efficiency: job examples/s / (cores x one plain process on one thread).
     ("efficiency, compute-bound", ("efficiency", "compute_bound"), None, 0.6, "min"),
+    ("efficiency, compute-bound, overlapped", ("efficiency_overlap", "compute_bound"), None, 0.6, "min"),
+    ("examples/s overlapped / torch DDP gloo", ("examples_per_s", "distbelief_overlap"),
+     ("examples_per_s", "torch_ddp_gloo"), 1.2, "min"),
     ("efficiency, communication-bound", ("efficiency", "communication_bound"), None, 0.3, "min"),
     ("efficiency, large dense", ("efficiency", "large_dense"), None, 0.3, "min"),
     # Time to 0.94 on the MNIST-sized set: no target, the ratios to what a user could run instead.
@@ -136,7 +139,8 @@ def measure(runs: int, scale: float) -> dict:
     ours = run_json("e2e_bench.py", failures, "--runs", str(runs), "--scale", str(scale))
     peers = run_json("torch_peers_bench.py", failures, "--what", "all", "--runs", str(runs))
     results.update(merge(ours, peers))
-    for key in ("efficiency", "efficiency_bfloat16", "accuracy_bfloat16"):
+    for key in ("efficiency", "efficiency_overlap", "efficiency_bfloat16", "accuracy_bfloat16",
+                "final_accuracy_digits"):
         if key in ours:
             results[key] = ours[key]
     if sparse := run_json("sparse_bench.py", failures, "--runs", str(runs)):

@@ -61,6 +61,7 @@ EMBEDDINGS = setting(spec__model={"type": "softmax", "embeddings": {"dim": 4}},
 USER_MODEL = setting(spec__model={"entrypoint": "my_pkg.models:build"})
 BF16 = setting(spec__parameterServers__wireFormat="bfloat16")
 BACKUPS = setting(spec__parameterServers__backups=1)
+OVERLAP = setting(spec__training__overlap=True)
 
 
 def worker_template(**template: Any) -> Edit:
@@ -161,6 +162,14 @@ RULES: list[tuple[str, str, Edit, Edit]] = [
      also(EMBEDDINGS, setting(spec__parameterServers__wireFormat="float32"))),
     ("bfloat16 needs one partition", "spec.parameterServers.wireFormat", also(BF16, PARTITIONED),
      also(BF16, setting(spec__model__partitions=1))),
+    ("overlap pushes and pulls every step", "spec.training.overlap",
+     also(OVERLAP, setting(spec__training__fetchEvery=2)), also(OVERLAP, setting(spec__training__fetchEvery=1))),
+    ("overlap needs downpour", "spec.training.overlap", also(OVERLAP, SANDBLASTER), OVERLAP),
+    ("overlap has no embeddings", "spec.training.overlap", also(OVERLAP, EMBEDDINGS), EMBEDDINGS),
+    ("overlap needs one partition", "spec.training.overlap", also(OVERLAP, PARTITIONED),
+     also(OVERLAP, setting(spec__model__partitions=1))),
+    ("overlap needs a staleness bound of 1 or more", "spec.training.overlap",
+     also(OVERLAP, setting(spec__training__maxStaleness=0)), also(OVERLAP, setting(spec__training__maxStaleness=1))),
     ("templates keep the operator's labels", "spec.workers.template.metadata.labels",
      worker_template(metadata={"labels": {"distbelief.io/role": "ps"}}),
      worker_template(metadata={"labels": {"team": "ml"}})),

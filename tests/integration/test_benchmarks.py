@@ -85,7 +85,7 @@ def test_workload_jobs_are_valid_and_keep_the_fixed_settings() -> None:
 
 
 def test_each_job_is_divided_by_the_baseline_measured_beside_it(monkeypatch) -> None:
-    jobs = iter([30_000.0, 40_000.0, 20_000.0, 25_000.0])  # per run: the job, then its unencrypted twin
+    jobs = iter([30_000.0, 40_000.0, 33_000.0, 20_000.0, 25_000.0, 22_000.0])  # per run: job, unencrypted, overlap
     baselines = iter([10_000.0, None, None])  # run 2's baseline crashes on both attempts
 
     def baseline(spec: dict, seconds: float) -> float:
@@ -99,8 +99,10 @@ def test_each_job_is_divided_by_the_baseline_measured_beside_it(monkeypatch) -> 
     out = e2e_bench.measure_examples(2, 1.0, 2, failures)
     assert out["examples_per_s"]["distbelief"]["runs"] == [30_000.0, 20_000.0]
     assert out["examples_per_s"]["distbelief_unencrypted"]["runs"] == [40_000.0, 25_000.0]
+    assert out["examples_per_s"]["distbelief_overlap"]["runs"] == [33_000.0, 22_000.0]
     figure = out["efficiency"]["compute_bound"]
     assert figure["runs"] == [pytest.approx(1.5)]  # run 2 has no baseline: no efficiency
+    assert out["efficiency_overlap"]["compute_bound"]["runs"] == [pytest.approx(1.65)]  # the same baseline
     assert figure["single_process_examples_per_s"]["runs"] == [10_000.0]
     assert (figure["cores"], figure["batch"], figure["fetch_push_every"]) == (2, 128, 1)
     assert [f["run"] for f in failures] == ["e2e compute_bound_single_process run 2"]

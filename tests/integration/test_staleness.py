@@ -75,6 +75,38 @@ def test_with_a_bound_of_zero_two_replicas_only_ever_apply_fresh_gradients(tmp_p
     assert all(w.steps > 50 for w in workers)  # neither starved
 
 
+def test_an_overlapped_replica_applies_every_gradient_one_step_staler_and_learns(tmp_path: Path) -> None:
+    """spec.training.overlap: a lone replica's push k is computed from the parameters after
+    push k-2 (k-1's exchange is still on the wire), and names those steps: each shard counts
+    it one behind, applies it, and the replica's model still learns."""
+    dataset = data.load(jobspec.Data(source="builtin:digits", test_fraction=0.2, seed=0))
+    model = models.build_model(jobspec.Model(type="softmax"), dataset.n_features, dataset.n_classes)
+    layout = Layout.of(model.shapes, shards=2)
+    live = start_shards(tmp_path, layout, model.init_params(0), optimizer="adagrad", learning_rate=0.1)
+    stop, registry = threading.Event(), prom.CollectorRegistry()
+    worker = Worker(WorkerSettings(batch_size=16, seed=3, overlap=True), live.group(), model, dataset,
+                    WorkerMetrics(registry), stop=stop)
+    ended: list[str] = []
+    thread = threading.Thread(target=lambda: ended.append(worker.run()), daemon=True)
+    try:
+        thread.start()
+        while min(s.step for s in live.shards) < 300 and thread.is_alive():
+            stop.wait(0.05)
+    finally:
+        stop.set()
+        thread.join(10)
+        params = np.concatenate([live.params(i) for i in range(layout.shards)])
+        live.stop()
+    assert ended == ["stopped"]
+    assert [s.step for s in live.shards] == worker.acknowledged == [worker.steps] * 2  # none lost, none refused
+    assert all(s.metrics.staleness_max._value.get() == 1 for s in live.shards)
+    behind = {b: registry.get_sample_value("distbelief_worker_staleness_updates_bucket", {"le": b})
+              for b in ("0.0", "1.0")}
+    assert behind == {"0.0": 2, "1.0": 2 * worker.steps}  # per shard: the first push alone came from fresh parameters
+    accuracy = float(np.mean(model.predict(params, dataset.x_test) == dataset.y_test))
+    assert accuracy > 0.85, accuracy
+
+
 def test_the_median_and_the_largest_staleness_are_read_from_shard_0s_metrics() -> None:
     registry = prom.CollectorRegistry()
     metrics = ShardMetrics(registry, 0)
@@ -87,10 +119,15 @@ def test_the_median_and_the_largest_staleness_are_read_from_shard_0s_metrics() -
 
 
 @pytest.mark.slow
-def test_a_local_job_with_a_staleness_bound_honours_it_and_reports_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_a_local_job_with_a_staleness_bound_honours_it_and_reports_it(tmp_path: Path, overlap: bool) -> None:
+    """Overlapped replicas too (spec.training.overlap): their gradients are one update staler,
+    and the bound still holds for every update applied."""
     doc = load_example("digits-mlp.yaml")
-    doc["spec"]["training"]["maxStaleness"] = 1
+    doc["spec"]["training"].update(maxStaleness=1, overlap=overlap)
     code = local.LocalRun(spec.validate_job(doc), str(tmp_path)).run(progress=False)
     summary = json.loads((tmp_path / "report.json").read_text())
     assert code == 0 and summary["accuracy"] >= 0.9
     assert summary["staleness"]["max"] <= 1 and summary["staleness"]["p50"] <= 1
+    replica_log = (tmp_path / "logs" / "digits-worker-0.log").read_text()
+    assert ("event=overlapped" in replica_log) is overlap

@@ -275,22 +275,25 @@ def _del(path: str) -> Callable[[dict[str, Any]], None]:
     return lambda doc: drop(doc, path)
 
 
-def _partitioned(partitions: int, **fields: Any) -> Callable[[dict[str, Any]], None]:
-    """spec.model.partitions set, and other fields (dotted paths, "_" for ".") with it."""
+def _with(path: str, value: Any, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    """path set to value, and other fields (dotted paths, "_" for ".") with it."""
     def mutate(doc: dict[str, Any]) -> None:
-        put(doc, "spec.model.partitions", partitions)
-        for path, value in fields.items():
-            put(doc, path.replace("_", "."), value)
+        put(doc, path, value)
+        for field, other in fields.items():
+            put(doc, field.replace("_", "."), other)
     return mutate
+
+
+def _partitioned(partitions: int, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    return _with("spec.model.partitions", partitions, **fields)
+
+
+def _overlapped(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    return _with("spec.training.overlap", True, **fields)
 
 
 def _bfloat16(**fields: Any) -> Callable[[dict[str, Any]], None]:
-    """spec.parameterServers.wireFormat bfloat16, and other fields (as _partitioned's) with it."""
-    def mutate(doc: dict[str, Any]) -> None:
-        put(doc, "spec.parameterServers.wireFormat", "bfloat16")
-        for path, value in fields.items():
-            put(doc, path.replace("_", "."), value)
-    return mutate
+    return _with("spec.parameterServers.wireFormat", "bfloat16", **fields)
 
 
 BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
@@ -419,6 +422,17 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "bfloat16 is not available with spec.model.embeddings"),
     ("wire-format-partitions", _bfloat16(spec_model_partitions=2), "spec.parameterServers.wireFormat",
      "bfloat16 is not available with spec.model.partitions > 1"),
+    ("overlap-not-boolean", _set("spec.training.overlap", "yes"), "spec.training.overlap", "boolean"),
+    ("overlap-push-every", _overlapped(spec_training_pushEvery=4), "spec.training.overlap",
+     "needs spec.training.fetchEvery and pushEvery 1"),
+    ("overlap-sandblaster", _overlapped(spec_training_algorithm="sandblaster"), "spec.training.overlap",
+     "not available with spec.training.algorithm: sandblaster"),
+    ("overlap-embeddings", _overlapped(spec_model_embeddings={"dim": 4}), "spec.training.overlap",
+     "not available with spec.model.embeddings"),
+    ("overlap-partitions", _overlapped(spec_model_partitions=2), "spec.training.overlap",
+     "not available with spec.model.partitions > 1"),
+    ("overlap-synchronous", _overlapped(spec_training_maxStaleness=0), "spec.training.overlap",
+     "needs spec.training.maxStaleness of at least 1"),
 ]
 
 
@@ -480,7 +494,7 @@ SCHEMA_REFUSES = {
     "hidden-layers-max-items", "image-empty", "retention-enum", "storage-size",
     "quantity-pattern", "quantity-float", "training-not-object", "suspend-int",
     "metrics-max-items", "shards-max", "status-phase", "sandblaster-unit-zero", "partitions-zero",
-    "partitions-max", "wire-format-enum",
+    "partitions-max", "wire-format-enum", "overlap-not-boolean",
 }
 
 

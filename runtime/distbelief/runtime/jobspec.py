@@ -123,6 +123,7 @@ class Training:
     max_staleness: int | None = None            # None: unbounded
     fetch_every: int = 1
     push_every: int = 1
+    overlap: bool = False                       # compute the next step while the last one's exchange is out
     warmstart_steps: int = 0
     max_steps: int = 10000
     target_accuracy: float | None = None
@@ -228,6 +229,7 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
             max_staleness=training.get("maxStaleness", int, None),
             fetch_every=training.get("fetchEvery", int, Training.fetch_every),
             push_every=training.get("pushEvery", int, Training.push_every),
+            overlap=training.get("overlap", bool, Training.overlap),
             warmstart_steps=training.get("warmstartSteps", int, Training.warmstart_steps),
             max_steps=training.get("maxSteps", int, Training.max_steps),
             target_accuracy=training.get("targetAccuracy", float, None),

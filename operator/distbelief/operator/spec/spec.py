@@ -137,6 +137,7 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     _check_autoscaling(job, problems)
     _check_backups(job, problems)
     _check_wire_format(job, problems)
+    _check_overlap(job, problems)
     check_templates(job, problems)
     if problems.lines:
         raise errors.SpecError(problems.lines)
@@ -338,6 +339,26 @@ def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
     if _get(job, "spec", "parameterServers", "template", "spec", "serviceAccountName"):
         problems.add(path, "not available with spec.parameterServers.template.spec.serviceAccountName (the shard "
                      "copies run as their own account, <job>-ps, which keeps their view Leases); use 0, or drop it")
+
+
+def _check_overlap(job: Mapping[str, Any], problems: Problems) -> None:
+    """The overlapped loop is the dense Downpour replica's, one push and one pull a step."""
+    path = "spec.training.overlap"
+    training = _get(job, "spec", "training")
+    if not isinstance(training, Mapping) or training.get("overlap") is not True or problems.at(path):
+        return
+    if training.get("fetchEvery", 1) != 1 or training.get("pushEvery", 1) != 1:
+        problems.add(path, "needs spec.training.fetchEvery and pushEvery 1 (each step's exchange is one push and "
+                     "the pull after it)")
+    if training.get("algorithm") == "sandblaster":
+        problems.add(path, "not available with spec.training.algorithm: sandblaster; use downpour")
+    if _get(job, "spec", "model", "embeddings") is not None:
+        problems.add(path, "not available with spec.model.embeddings")
+    if (_get(job, "spec", "model", "partitions") or 1) > 1:
+        problems.add(path, "not available with spec.model.partitions > 1")
+    if training.get("maxStaleness") == 0:
+        problems.add(path, "needs spec.training.maxStaleness of at least 1 (an overlapped gradient is always one "
+                     "update behind its own replica's last)")
 
 
 def _check_wire_format(job: Mapping[str, Any], problems: Problems) -> None:

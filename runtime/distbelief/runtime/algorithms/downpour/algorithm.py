@@ -62,7 +62,7 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
     the units the chief hands it."""
     job, training = ctx.job, ctx.job.spec.training
     settings = WorkerSettings(batch_size=training.batch_size, fetch_every=training.fetch_every,
-                              push_every=training.push_every)
+                              push_every=training.push_every, overlap=training.overlap)
     sparse = isinstance(job.model, EmbeddingModel)
     dataset = None if job.spec.streams_data else job.dataset
     batches = feed.batches(ctx, training.batch_size, with_ids=sparse) if dataset is None else None

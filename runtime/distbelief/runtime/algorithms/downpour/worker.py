@@ -9,6 +9,16 @@ their parameters, the push included, instead of waiting for a separate pull. A s
 that found the push staler than maxStaleness did not apply it; the replica then
 computes its next gradient from fresh parameters.
 
+With spec.training.overlap, that round trip runs on a thread of its own while the next
+step computes (ps-lite's push -> ticket, then wait(ticket), one ticket out at a time):
+
+    compute step k on the parameters exchange k-2 brought back
+    wait for exchange k-1 (push of step k-1's gradient, pull of the parameters after it)
+    start exchange k (step k's gradient), and compute step k+1 on exchange k-1's parameters
+
+Each gradient is then one step staler, and the shards' maxStaleness check counts that,
+as each push names the steps of the parameters it was computed from.
+
 Warm-start: shard 0 admits one replica at a time until warmstartSteps updates are
 applied; the others wait. The replica stops (exit 0) as soon as any shard says the job
 is done, and on SIGTERM after its current step.
@@ -20,12 +30,13 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.client.group import ShardGroup
+from distbelief.runtime.client.group import Reply, ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset, minibatches
 from distbelief.runtime.observe.metrics import WorkerMetrics
@@ -43,6 +54,7 @@ class WorkerSettings:
     fetch_every: int = 1
     push_every: int = 1
     seed: int | None = None   # None: a fresh stream per process (replicas must differ)
+    overlap: bool = False     # spec.training.overlap (the operator allows it with fetch_every = push_every = 1)
 
 
 class Worker:
@@ -76,6 +88,8 @@ class Worker:
         """Train until the job is done or stop is requested; returns why it ended."""
         if not self._join():
             return "stopped"
+        if self.settings.overlap:
+            return self._run_overlapped()
         examples, loss_sum = 0, 0.0
         fetched = False  # the last push brought the parameters back: this step's fetch is done
         while not self.stop_requested.is_set():
@@ -91,6 +105,45 @@ class Worker:
                     return "done"
                 examples, loss_sum = 0, 0.0
         return "stopped"
+
+    def _run_overlapped(self) -> str:
+        """Steps that compute while the step before's exchange is on the wire (the module's
+        docstring). Only this thread touches params and pulled_steps; the exchange fills the
+        other buffer, and its steps become pulled_steps when this thread swaps it in."""
+        log.info("event=overlapped worker=%08x", self.group.worker_id)
+        if self._pull():
+            return "done"
+        incoming, outgoing = np.empty_like(self.params), np.empty_like(self.accumulated)
+        ticket: Future | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="exchange") as wire:
+            while not self.stop_requested.is_set():
+                computed_on = self.pulled_steps
+                loss, examples = self._compute()
+                self.steps += 1
+                if ticket is not None:
+                    fresh = ticket.result()
+                    if fresh is None:
+                        return "done"
+                    self.params, incoming, self.pulled_steps = incoming, self.params, fresh
+                self.accumulated, outgoing = outgoing, self.accumulated
+                ticket = wire.submit(self._exchange, outgoing, incoming, computed_on, examples, loss)
+            return "done" if ticket is not None and ticket.result() is None else "stopped"
+
+    def _exchange(self, grad: np.ndarray, into: np.ndarray, steps: Sequence[int], examples: int,
+                  loss: float) -> list[int] | None:
+        """Push grad (computed from parameters of `steps`) and pull into `into`: the steps of
+        what came back, or None when the job is done. A gradient behind a non-finite loss is
+        dropped and the parameters pulled alone."""
+        started = time.perf_counter()
+        if self._keeps(loss):
+            replies = self.dense.push_and_pull(grad, into, steps=steps, examples=examples, loss=loss)
+            self.metrics.push_seconds.observe(time.perf_counter() - started)
+            self._account(replies, steps)
+        else:
+            replies = self.dense.pull(into)
+            self.metrics.pull_seconds.observe(time.perf_counter() - started)
+        self._count_traffic()
+        return None if any(r.done for r in replies) else [r.header.step for r in replies]
 
     def _join(self) -> bool:
         """Say hello to every shard (which checks the layout); wait out a warm-start."""
@@ -134,21 +187,10 @@ class Worker:
     def _push(self, examples: int, loss: float, *, fetch: bool) -> bool:
         """Push the accumulated gradient; with fetch, the replies also refill self.params.
 
-        A gradient behind a non-finite loss is dropped, not pushed (the shards would refuse
-        it); after NON_FINITE_PUSHES such pushes in a row the model has diverged, and the
-        replica stops with Diverged (its exit code fails the job as NonFiniteLoss)."""
-        if not np.isfinite(loss):
-            self._non_finite += 1
-            log.error("event=non_finite_loss worker=%08x step=%d action=gradient_dropped", self.group.worker_id,
-                      self.steps)
-            if self._non_finite >= NON_FINITE_PUSHES:
-                raise errors.Diverged(
-                    f"the training loss was {loss} for {self._non_finite} pushes in a row, at global step "
-                    f"{max(self.pulled_steps)} (this replica's minibatch {self.steps}): lower "
-                    "spec.training.learningRate, or check the data")
+        A gradient behind a non-finite loss is dropped, not pushed (_keeps)."""
+        if not self._keeps(loss):
             self.accumulated[...] = 0
             return self._pull() if fetch else False
-        self._non_finite = 0
         started = time.perf_counter()
         if fetch:
             replies = self.dense.push_and_pull(self.accumulated, self.params, steps=self.pulled_steps,
@@ -159,13 +201,7 @@ class Worker:
         self._count_traffic()
         if self._step_grad is not None:
             self.accumulated[...] = 0
-        for shard, (pulled, reply) in enumerate(zip(self.pulled_steps, replies)):
-            if reply.stale:
-                self.metrics.stale.inc()
-            elif not reply.done:  # applied: a shard that finished answers DONE instead
-                self.acknowledged[shard] += 1
-                self.metrics.acknowledged.labels(shard=str(shard)).inc()
-                self.metrics.staleness.observe(max(0, reply.header.step - 1 - pulled))
+        self._account(replies, self.pulled_steps)
         if any(r.done for r in replies):
             return True
         if fetch:
@@ -173,6 +209,34 @@ class Worker:
         elif any(r.stale for r in replies):
             return self._pull()  # a shard found the parameters too old: compute from fresh ones
         return False
+
+    def _keeps(self, loss: float) -> bool:
+        """Whether a gradient behind this loss may be pushed: not when the loss is not finite
+        (the shards would refuse it). After NON_FINITE_PUSHES such gradients in a row the
+        model has diverged, and the replica stops with Diverged (its exit code fails the job
+        as NonFiniteLoss)."""
+        if np.isfinite(loss):
+            self._non_finite = 0
+            return True
+        self._non_finite += 1
+        log.error("event=non_finite_loss worker=%08x step=%d action=gradient_dropped", self.group.worker_id,
+                  self.steps)
+        if self._non_finite >= NON_FINITE_PUSHES:
+            raise errors.Diverged(
+                f"the training loss was {loss} for {self._non_finite} pushes in a row, at global step "
+                f"{max(self.pulled_steps)} (this replica's minibatch {self.steps}): lower "
+                "spec.training.learningRate, or check the data")
+        return False
+
+    def _account(self, replies: Sequence[Reply], pulled_steps: Sequence[int]) -> None:
+        """Count a push's outcome per shard: stale (refused), or applied, and how stale."""
+        for shard, (pulled, reply) in enumerate(zip(pulled_steps, replies)):
+            if reply.stale:
+                self.metrics.stale.inc()
+            elif not reply.done:  # applied: a shard that finished answers DONE instead
+                self.acknowledged[shard] += 1
+                self.metrics.acknowledged.labels(shard=str(shard)).inc()
+                self.metrics.staleness.observe(max(0, reply.header.step - 1 - pulled))
 
     def _count_traffic(self) -> None:
         now = (self.group.bytes_in, self.group.bytes_out, self.group.retries)
