@@ -19,7 +19,7 @@ import time
 import numpy as np
 import zmq
 
-from distbelief.runtime.transport import sessions
+from distbelief.runtime.transport import framing, sessions
 
 SIZES = {"64 KB": 16_000, "1.3 MB (a shard's slice of the benchmark MLP)": 335_000}
 
@@ -40,12 +40,16 @@ def sealed_transfer(client: zmq.Socket, server: zmq.Socket, size: int):
     """One message as the bulk channel sends it: sealed, sent, opened into the array."""
     ends = [sessions.Session(id=bytes(sessions.ID_BYTES), key=bytes(range(sessions.KEY_BYTES))) for _ in range(2)]
     received = memoryview(np.empty(size, np.float32)).cast("B")
+    pool, head = framing.BufferPool(keep=1), framing.HEAD.size + framing.LENGTH.size
 
     def transfer(sent: np.ndarray) -> None:
-        client.send_multipart(ends[0].seal(sessions.TO_SERVER, [memoryview(sent)]), copy=False)
-        prefix, frame = server.recv_multipart(copy=False)
-        counter = ends[1].counter_of(prefix.buffer)
-        ends[1].open(sessions.TO_SERVER, prefix.buffer, counter, 0, 1, frame.buffer, into=received)
+        data, buffer = ends[0].seal_into(sessions.TO_SERVER, [memoryview(sent)], pool)
+        client.send(data)  # copied: the buffer goes back to the pool now
+        pool.release(buffer)
+        message = server.recv(copy=False).buffer
+        prefix = bytes(message[:sessions.PREFIX.size])
+        counter = ends[1].counter_of(prefix)
+        ends[1].open(sessions.TO_SERVER, prefix, counter, 0, 1, message[head:], into=received)
         ends[1].accept(counter)
     return transfer
 

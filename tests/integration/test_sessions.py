@@ -1,24 +1,26 @@
 """The bulk channel of encrypted jobs (distbelief.runtime.transport.sessions): AES-256-GCM sessions
-agreed over CurveZMQ, on a socket without CurveZMQ. Live shards on loopback; the attacker
-sends raw ZeroMQ messages to the bulk port, with or without a session's key."""
+agreed over CurveZMQ, on TCP connections of our own framing (framing.py). Live shards on
+loopback; the attacker writes raw bytes to the bulk port, with or without a session's key."""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import struct
+import time
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from distbelief.runtime import errors, keys
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.params import dense
 from distbelief.runtime.params.dense_client import Float32Dense
-from distbelief.runtime.transport import sessions, zmq_transport
+from distbelief.runtime.transport import framing, sessions, zmq_transport
 from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import Header
 
@@ -97,19 +99,56 @@ def _push_frames(step: int = 0, seq: int = 777) -> list[bytes]:
     return [header.pack(), dense.Update(examples=1, loss=1.0).pack(), grad.tobytes()]
 
 
+def _sealed(session: sessions.Session, frames: list[bytes]) -> list[bytes]:
+    """A message's frames, each sealed as the bulk channel seals it (HEAD and lengths left out)."""
+    data = bytes(session.seal_into(sessions.TO_SERVER, frames, framing.BufferPool(keep=0))[0])
+    lengths = struct.unpack_from(f"<{len(frames)}I", data, framing.HEAD.size)
+    offset, sealed = framing.HEAD.size + 4 * len(frames), []
+    for length in lengths:
+        sealed.append(data[offset:offset + length])
+        offset += length
+    return sealed
+
+
+def _message(session_id: bytes, counter: int, sealed: list[bytes]) -> bytes:
+    """A message as it goes on the wire: HEAD, each frame's length, the frames."""
+    lengths = b"".join(struct.pack("<I", len(frame)) for frame in sealed)
+    return framing.HEAD.pack(session_id, counter, len(sealed)) + lengths + b"".join(sealed)
+
+
+def _seal(session: sessions.Session, frames: list[bytes]) -> bytes:
+    sealed = _sealed(session, frames)  # takes the next counter
+    return _message(session.id, session.sent, sealed)
+
+
 class RawPeer:
-    """A DEALER on the bulk port with no CurveZMQ: sends whatever it is given."""
+    """A TCP connection to a bulk port that writes whatever it is given."""
 
     def __init__(self, address: str) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
+        host, port = framing.split_address(address)
+        self.socket = socket.create_connection((host, port), timeout=5)
 
-    def send(self, frames: list[bytes]) -> None:
-        self.socket.send_multipart(frames)
+    def send(self, data: bytes) -> None:
+        self.socket.sendall(data)
 
-    def reply(self, seconds: float) -> list[bytes] | None:
-        return self.socket.recv_multipart() if self.socket.poll(int(seconds * 1000)) else None
+    def reply(self, seconds: float) -> bytes | None:
+        """The bytes of a reply, or None if none came in `seconds` or the server closed the connection."""
+        self.socket.settimeout(seconds)
+        try:
+            return self.socket.recv(1 << 16) or None
+        except (TimeoutError, ConnectionResetError):
+            return None
+
+    def closed_by_server(self, seconds: float = 5.0) -> bool:
+        self.socket.settimeout(seconds)
+        try:
+            while self.socket.recv(1 << 16):
+                pass
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            pass
+        return True
 
     def close(self) -> None:
         self.socket.close()
@@ -142,18 +181,25 @@ def raw_peer(group: ShardGroup) -> Iterator[RawPeer]:
     peer.close()
 
 
+def _proven(peer: RawPeer, session: sessions.Session) -> RawPeer:
+    """The peer's connection admitted: its hello proves the session."""
+    peer.send(session.hello())
+    return peer
+
+
 def test_a_sealed_push_is_applied_once_and_its_replay_is_refused(live: LiveShards, group: ShardGroup,
                                                                   raw_peer: RawPeer,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     session, _ = _session_of(group)
-    sealed = session.seal(sessions.TO_SERVER, _push_frames(seq=1))  # before the group's next command
+    _proven(raw_peer, session)
+    sealed = _seal(session, _push_frames(seq=1))  # before the group's next command
     raw_peer.send(sealed)
     assert raw_peer.reply(5.0) is not None  # whoever holds the session key is answered...
     assert live.shards[0].step == 1
     before = live.params(0).copy()
     with caplog.at_level(logging.WARNING):
         raw_peer.send(sealed)  # ...and a copy of its message, sent again, is refused
-        assert raw_peer.reply(0.5) is None
+        assert raw_peer.closed_by_server()
     assert "replayed or reordered" in caplog.text
     np.testing.assert_array_equal(live.params(0), before)
     group._links[0].reconnect()  # its counter is behind the copy's: a fresh connection, a new session
@@ -165,81 +211,113 @@ def test_a_forged_or_altered_bulk_message_is_refused(live: LiveShards, job_keys:
                                                       raw_peer: RawPeer, damage: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     session, _ = _session_of(group)
-    sealed = session.seal(sessions.TO_SERVER, _push_frames())
-    if damage == "flipped_bit":
-        array = bytearray(sealed[3])
-        array[100] ^= 1
-        sealed[3] = bytes(array)
-    elif damage == "frames_swapped":
-        sealed[1], sealed[2] = sealed[2], sealed[1]
-    elif damage == "frame_dropped":
-        del sealed[2]
-    else:  # a message sealed under one session, sent under another's id
-        other = _group(live, job_keys)
+    proving = session
+    if damage == "other_session":  # a message sealed under one session, sent under another's id,
+        other = _group(live, job_keys)  # on a connection that proved that other one
         Float32Dense(other).pull(np.zeros(LAYOUT.total, np.float32))
-        sealed[0] = sessions.PREFIX.pack(_session_of(other)[0].id, 10**6)
+        proving = _session_of(other)[0]
         other.close()
+    _proven(raw_peer, proving)
+    sealed = _sealed(session, _push_frames())
+    session_id, counter = session.id, session.sent  # the counter it was sealed under
+    if damage == "flipped_bit":
+        array = bytearray(sealed[2])
+        array[100] ^= 1
+        sealed[2] = bytes(array)
+    elif damage == "frames_swapped":
+        sealed[0], sealed[1] = sealed[1], sealed[0]
+    elif damage == "frame_dropped":
+        del sealed[1]
+    else:
+        session_id, counter = proving.id, 10**6
     with caplog.at_level(logging.WARNING):
-        raw_peer.send(sealed)
-        assert raw_peer.reply(0.5) is None
+        raw_peer.send(_message(session_id, counter, sealed))
+        assert raw_peer.closed_by_server()
     assert "event=bulk_refused" in caplog.text and "authentication tag" in caplog.text
     _still_serving(live, group, step=0)
 
 
-def test_a_peer_without_a_curvezmq_handshake_gets_nothing_from_the_bulk_port(
-        live: LiveShards, group: ShardGroup, raw_peer: RawPeer, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_peer_without_a_session_key_gets_nothing_from_the_bulk_port(
+        live: LiveShards, group: ShardGroup, caplog: pytest.LogCaptureFixture) -> None:
+    session, address = _session_of(group)
     guessed = sessions.Session(id=os.urandom(sessions.ID_BYTES), key=os.urandom(sessions.KEY_BYTES))
-    junk = [guessed.seal(sessions.TO_SERVER, _push_frames()),  # a session it made up
-            _push_frames(),                                  # the protocol's frames, unsealed
-            [b"x" * sessions.PREFIX.size],                   # a prefix alone
-            [b"short", b"y"],                                # no prefix
-            [b"z"] * 40]                                     # more frames than any op has
+    forged = sessions.Session(id=session.id, key=os.urandom(sessions.KEY_BYTES), sent=session.sent + 5)
+    replayed = sessions.Session(id=session.id, key=session.key, sent=session.sent - 1)  # an old counter
+    junk = {"an unknown session": guessed.hello() + _seal(guessed, _push_frames()),
+            "does not start with the bulk channel's hello": b"".join(_push_frames()),
+            "a hello that failed its authentication tag": forged.hello(),
+            "replayed or reordered": replayed.hello()}
     with caplog.at_level(logging.WARNING):
-        for frames in junk:
-            raw_peer.send(frames)
-        assert raw_peer.reply(1.0) is None
-    assert "an unknown session" in caplog.text
+        for reason, data in junk.items():
+            peer = RawPeer(address)
+            try:
+                peer.send(data)
+                assert peer.closed_by_server(), reason
+            finally:
+                peer.close()
+            assert reason in caplog.text
     assert live.shards[0].metrics.rejected._value.get() == 0  # dropped before the shard's handling
     _still_serving(live, group, step=0)
 
 
-def _refused_at_handshake(bulk_endpoint: str, source: str) -> bool:
-    """Whether a DEALER connecting from `source` (an address on loopback) to the bulk port
-    is refused by the ZAP handler, before any message of it reaches the shard."""
-    port = bulk_endpoint.rsplit(":", 1)[1]
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+def _rss_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _flood(address: str, opening: bytes, total: int) -> int:
+    """Write `opening`, then up to `total` bytes of 9 kB frames as fast as the shard takes
+    them; the bytes written before it closed the connection."""
+    peer, frame, written = RawPeer(address), b"f" * 9000, 0
     try:
-        socket.connect(f"tcp://{source}:0;127.0.0.1:{port}")
-        for _ in range(5):  # a frame flood: many frames under the cap, in one message
-            try:
-                socket.send_multipart([b"f" * 60_000] * 100, flags=zmq.NOBLOCK)
-            except zmq.Again:  # queued up to the high-water mark: enough
-                break
-        if not monitor.poll(5000):
-            raise AssertionError("the handshake neither failed nor succeeded within 5 s")
-        return recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        peer.send(opening)
+        peer.socket.settimeout(5)
+        while written < total:
+            written += peer.socket.send(frame)
+    except OSError:  # closed by the shard: reset, broken pipe, or no room for 5 s
+        pass
     finally:
-        socket.disable_monitor()
-        monitor.close()
-        socket.close()
+        peer.close()
+    return written
 
 
-def test_the_bulk_port_admits_only_addresses_that_hold_a_session(
-        live: LiveShards, job_keys: keys.JobKeys, caplog: pytest.LogCaptureFixture) -> None:
-    replica = _group(live, job_keys)
+def test_a_frame_flood_is_refused_before_it_is_buffered(live: LiveShards, group: ShardGroup,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """360 MB (40,000 frames of 9 kB, the size that once took a shard from 58 to 410 MiB)
+    sent by a peer without a session, and by one with a session whose message announces
+    40,000 frames or one frame over the cap: each connection is closed after its first
+    bytes, and the shard's memory does not grow by the flood."""
+    session, address = _session_of(group)
+    openings = {"without a hello": b"\x00" * 9000,
+                "40,000 frames": session.hello() + framing.HEAD.pack(session.id, session.sent + 2, 40_000),
+                "a frame over the cap": (session.hello() + framing.HEAD.pack(session.id, session.sent + 2, 1)
+                                          + struct.pack("<I", (1 << 32) - 1))}
+    before = _rss_bytes()
     with caplog.at_level(logging.WARNING):
-        try:
-            Float32Dense(replica).pull(np.zeros(LAYOUT.total, np.float32))  # its links' sessions: from 127.0.0.1
-            bulk_endpoint = _session_of(replica)[1]
-            assert _refused_at_handshake(bulk_endpoint, "127.0.0.2")  # another host, without a session
-            assert not _refused_at_handshake(bulk_endpoint, "127.0.0.1")
-            _still_serving(live, replica, step=0)
-        finally:
-            replica.close()
-    assert "reason=no_session_from_address" in caplog.text
-    assert "an unknown session" not in caplog.text  # no refused message ever reached the shard
+        for name, opening in openings.items():
+            written = _flood(address, opening, 40_000 * 9000)
+            assert written < 100 * 1024 * 1024, f"{name}: {written} bytes taken before the connection was closed"
+    grown = _rss_bytes() - before
+    assert grown < 32 * 1024 * 1024, f"RSS grew by {grown} bytes"
+    assert "a message of 40000 frames" in caplog.text and "at most" in caplog.text
+    group._links[0].reconnect()  # its session's counter is behind what the floods used
+    _still_serving(live, group, step=0)
+
+
+def test_a_connection_that_never_proves_a_session_is_closed(live: LiveShards, group: ShardGroup,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from distbelief.runtime.transport import bulk_port
+    monkeypatch.setattr(bulk_port, "HELLO_SECONDS", 0.5)
+    _, address = _session_of(group)
+    silent = RawPeer(address)
+    try:
+        silent.send(b"DB-BULK1")  # a hello begun, never finished
+        time.sleep(1.0)
+        RawPeer(address).close()  # a new connection makes the port look at its late ones
+        assert silent.closed_by_server()
+    finally:
+        silent.close()
+    _still_serving(live, group, step=0)
 
 
 def test_a_session_has_the_role_of_the_key_that_asked_for_it(live: LiveShards, job_keys: keys.JobKeys) -> None:
@@ -261,8 +339,8 @@ def test_sessions_are_bounded_per_peer_and_in_total() -> None:
     grants = [sessions.parse_grant(table.create("replica", b"peer-a", port=1))[0] for _ in range(3)]
     assert len(table) == 2  # the peer's oldest went first
     with pytest.raises(errors.BulkRejected, match="unknown session"):
-        table.find(sessions.PREFIX.pack(grants[0].id, 1))
-    assert table.find(sessions.PREFIX.pack(grants[2].id, 1)).key == grants[2].key
+        table.find(grants[0].id)
+    assert table.find(grants[2].id).key == grants[2].key
     for n in range(6):
         table.create("replica", f"peer-{n}".encode(), port=1)
     assert len(table) == 5
@@ -276,13 +354,17 @@ def test_a_server_bounds_the_sessions_one_connection_asks_for(live: LiveShards, 
     for _ in range(sessions.MAX_PER_PEER):
         group._links[0].reconnect()  # each fresh connection asks for a session anew
         Float32Dense(group).pull(np.zeros(LAYOUT.total, np.float32))
-    newest, _ = _session_of(group)
+    newest, address = _session_of(group)
     with caplog.at_level(logging.WARNING):
-        raw_peer.send(first.seal(sessions.TO_SERVER, _push_frames()))
-        assert raw_peer.reply(0.5) is None
+        _proven(raw_peer, first)
+        assert raw_peer.closed_by_server()
     assert "an unknown session" in caplog.text  # the oldest of the connection's sessions is gone
-    raw_peer.send(newest.seal(sessions.TO_SERVER, _push_frames()))
-    assert raw_peer.reply(5.0) is not None and live.shards[0].step == 1
+    fresh = _proven(RawPeer(address), newest)
+    try:
+        fresh.send(_seal(newest, _push_frames()))
+        assert fresh.reply(5.0) is not None and live.shards[0].step == 1
+    finally:
+        fresh.close()
 
 
 def test_a_link_asks_for_a_fresh_key_once_a_session_has_carried_its_share(

@@ -3,10 +3,8 @@
 One handler per ZeroMQ context (pyzmq's ThreadAuthenticator, with PLAIN tokens compared
 in constant time), shared by the serving sockets of that context, each under its own ZAP
 domain: a CurveZMQ or PLAIN socket admits the keys or tokens of its ServerSecurity and
-names the peer by its key (the ZAP User-Id), so that a shard can tell the chief apart; a
-bulk socket (no CurveZMQ) admits a connection only from an address its server says holds
-a session (admit_addresses). A peer without the job's keys fails the handshake and gets
-nothing back.
+names the peer by its key (the ZAP User-Id), so that a shard can tell the chief apart. A
+peer without the job's keys fails the handshake and gets nothing back.
 """
 
 from __future__ import annotations
@@ -28,12 +26,10 @@ ZAP_RESTART_SECONDS = 2.0
 
 
 class _Allowed:
-    """ThreadAuthenticator credentials provider: ZAP domain -> admitted public keys; and, for
-    sockets without CurveZMQ, ZAP domain -> which peer addresses it admits (`gates`)."""
+    """ThreadAuthenticator credentials provider: ZAP domain -> admitted public keys."""
 
     def __init__(self) -> None:
         self.by_domain: dict[str, frozenset[bytes]] = {}
-        self.gates: dict[str, Callable[[str], bool]] = {}
         self._refusals: dict[str, tuple[float, int]] = {}  # domain -> (last logged, since then)
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -54,9 +50,8 @@ class _Allowed:
 
 def _authenticator(context: Any, log: logging.Logger, allowed: _Allowed) -> Any:
     """pyzmq's ThreadAuthenticator, but with PLAIN tokens compared in constant time (its own
-    check is `==`, whose time tells how much of a guess was right), NULL connections to a
-    gated domain admitted by address only (allowed.gates), and a start that waits out the
-    ZAP endpoint of a handler just stopped in the context (libzmq frees it later)."""
+    check is `==`, whose time tells how much of a guess was right), and a start that waits
+    out the ZAP endpoint of a handler just stopped in the context (libzmq frees it later)."""
     import zmq
     from zmq.auth.thread import ThreadAuthenticator
 
@@ -76,17 +71,6 @@ def _authenticator(context: Any, log: logging.Logger, allowed: _Allowed) -> Any:
             expected = self.passwords.get(domain or "*", {}).get(username)
             allowed = expected is not None and hmac.compare_digest(password.encode(), expected.encode())
             return allowed, b"OK" if allowed else b"Invalid credentials"
-
-        async def handle_zap_message(self, msg: list[bytes]) -> None:
-            domain = msg[2].decode("utf-8", "replace") if len(msg) >= 6 and msg[5] == b"NULL" else ""
-            gate = allowed.gates.get(domain)
-            if gate is None:
-                return await super().handle_zap_message(msg)
-            if gate(msg[3].decode("utf-8", "replace")):
-                self._send_zap_reply(msg[1], b"200", b"OK")
-            else:
-                allowed.log_refusal(domain, "no_session_from_address")
-                self._send_zap_reply(msg[1], b"400", b"No session from this address")
 
     return ConstantTimeAuthenticator(context, log=log)
 
@@ -120,7 +104,6 @@ class Admission:
             self.closed = True
             auth = _auth_by_context[id(self.context)]
             auth.allowed.by_domain.pop(self.domain, None)
-            auth.allowed.gates.pop(self.domain, None)
             auth.authenticator.credentials_providers.pop(self.domain, None)
             auth.authenticator.passwords.pop(self.domain, None)
             auth.users -= 1
@@ -145,16 +128,6 @@ def admit_clients(context: Any, domain: str, security: ServerSecurity) -> Admiss
                 domain=domain, passwords={role: token.decode("ascii") for role, token in security.admitted.items()})
         else:
             auth.authenticator.configure_curve_callback(domain=domain, credentials_provider=auth.allowed)
-    return _register(context, domain, configure)
-
-
-def admit_addresses(context: Any, domain: str, admits: Callable[[str], bool]) -> Admission:
-    """Start (or share) the ZAP handler of context; on domain, a socket without CurveZMQ
-    (a shard's bulk port), admit a connection only from a peer address admits() takes.
-    admits runs on the ZAP handler's thread."""
-    def configure(auth: _ContextAuth) -> None:
-        auth.allowed.by_domain[domain] = frozenset()
-        auth.allowed.gates[domain] = admits
     return _register(context, domain, configure)
 
 

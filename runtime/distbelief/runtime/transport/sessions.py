@@ -2,24 +2,28 @@
 
 CurveZMQ encrypts at 0.2-0.4 GB/s; AES-GCM with the CPU's AES instructions at several
 GB/s. So a shard's link does its handshake, and asks for a session, over the CurveZMQ
-socket, and sends its requests (and gets its replies) over a second socket without
-CurveZMQ, each message sealed here:
+socket, and sends its requests (and gets its replies) over a TCP connection of our own
+framing (framing.py) to the server's bulk port, each message sealed here:
 
     SESSION request   SESSION_MAGIC, over CurveZMQ (which proved the peer's key)
     SESSION reply     SESSION_MAGIC + session id (16 random bytes) + key (32 random bytes)
                       + the bulk port (2 bytes, little-endian; 0: no bulk channel here)
-    bulk message      PREFIX (session id, counter), then each frame sealed on its own:
-                      AES-256-GCM under the session key, nonce = direction, frame index,
-                      counter; associated data = PREFIX, direction, frame count
+    hello             the first bytes of a bulk connection: the session id, a counter, and
+                      a tag under the session key over them (the proof the server admits)
+    bulk message      HEAD (session id, counter, frame count), the lengths, then each frame
+                      sealed on its own: AES-256-GCM under the session key, nonce =
+                      direction, frame index, counter; associated data = session id and
+                      counter, direction, frame count
 
 The server makes the key (fresh, random) and binds the session to the CurveZMQ
 connection that asked for it: the ZAP user (so the chief's key keeps its privileges and
-a replica's key gets none) and the link's routing id. A counter is never reused within a
-direction of a session, so no nonce repeats under a key; the receiver takes a message
-only if its counter is above every counter it accepted before (replays and reordered
-messages are refused), and only after every frame's tag checked (nothing of a forged
-message reaches the shard). A frame moved to another message, position or direction
-fails its tag.
+a replica's key gets none) and the link's routing id. A bulk connection is admitted by its
+hello alone, and then carries only sessions of the same peer. A counter is never reused
+within a direction of a session (the hello takes one too), so no nonce repeats under a
+key; the receiver takes a message only if its counter is above every counter it accepted
+before (replays and reordered messages are refused), and only after every frame's tag
+checked (nothing of a forged message reaches the shard). A frame moved to another
+message, position or direction fails its tag.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ import logging
 import os
 import struct
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from distbelief.runtime import errors
+from distbelief.runtime.transport import framing
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,7 @@ NONCE = struct.Struct("<BB2xQ")              # direction, frame index, counter: 
 GRANT = struct.Struct(f"<{len(SESSION_MAGIC)}s{ID_BYTES}s{KEY_BYTES}sH")
 NO_GRANT = GRANT.pack(SESSION_MAGIC, bytes(ID_BYTES), bytes(KEY_BYTES), 0)  # "no bulk channel here"
 TO_SERVER, TO_CLIENT = 0, 1
+HELLO_INDEX = 255        # the hello's frame index in its nonce: no message has that many frames
 MAX_SESSIONS = 4096      # per server; the least recently used goes first
 MAX_PER_PEER = 4         # per CurveZMQ connection (ZAP user and routing id)
 # A client asks for a fresh key after this many bytes under one (both ways): 2^32 AES
@@ -66,8 +72,7 @@ class Session:
     key: bytes
     user: str | None = None     # the ZAP user of the CurveZMQ connection that made it
     peer: bytes = b""           # that connection's routing id
-    address: str | None = None  # that connection's peer IP address
-    route: bytes | None = None  # the bulk socket's routing id its last message came from
+    route: Any = None           # the bulk connection its last message came by (a framing.Stream)
     sent: int = 0
     accepted: int = 0
     volume: int = 0             # bytes sealed and opened under the key
@@ -76,17 +81,46 @@ class Session:
     def worn_out(self) -> bool:
         return self.volume >= REKEY_BYTES
 
+    @property
+    def owner(self) -> tuple[str | None, bytes]:
+        return self.user, self.peer
+
     def __post_init__(self) -> None:
         self._aead = AESGCM(self.key)
 
-    def seal(self, direction: int, frames: Sequence[Frame]) -> list[bytes]:
-        """PREFIX and the frames, each encrypted and tagged under a counter used once."""
+    def hello(self) -> bytes:
+        """A bulk connection's first bytes: this session's id, a fresh counter, and a tag
+        under its key over both: the proof that admits the connection."""
         self.sent += 1
-        prefix = PREFIX.pack(self.id, self.sent)
-        aad = _aad(prefix, direction, len(frames))
-        self.volume += sum(len(_bytes(frame)) for frame in frames)
-        return [prefix, *(self._aead.encrypt(NONCE.pack(direction, i, self.sent), _bytes(frame), aad)
-                          for i, frame in enumerate(frames))]
+        tag = self._aead.encrypt(NONCE.pack(TO_SERVER, HELLO_INDEX, self.sent), b"", _hello_aad(self.id, self.sent))
+        return framing.HELLO.pack(framing.HELLO_MAGIC, self.id, self.sent, tag)
+
+    def check_hello(self, hello: bytes) -> None:
+        """Take a connection's hello for this session; BulkRejected if it is not a fresh one of it."""
+        _, session_id, counter, tag = framing.HELLO.unpack(hello)
+        counter = self.counter_of(PREFIX.pack(session_id, counter))
+        try:
+            self._aead.decrypt(NONCE.pack(TO_SERVER, HELLO_INDEX, counter), tag, _hello_aad(self.id, counter))
+        except InvalidTag as exc:
+            raise errors.BulkRejected("a hello that failed its authentication tag") from exc
+        self.accept(counter)
+
+    def seal_into(self, direction: int, frames: Sequence[Frame], pool: framing.BufferPool) -> tuple[memoryview, bytearray]:
+        """A whole bulk message (HEAD, lengths, each frame encrypted and tagged under a counter
+        used once) written into a buffer of `pool`: the message's bytes, and that buffer."""
+        self.sent += 1
+        plain = [_bytes(frame) for frame in frames]
+        lengths = [len(frame) + TAG_BYTES for frame in plain]
+        head = framing.HEAD.size + framing.LENGTH.size * len(lengths)
+        buffer = pool.get(head + sum(lengths))
+        out = memoryview(buffer)
+        offset = framing.pack_head(self.id, self.sent, lengths, out)
+        aad = _aad(PREFIX.pack(self.id, self.sent), direction, len(plain))
+        for i, frame in enumerate(plain):
+            self._aead.encrypt_into(NONCE.pack(direction, i, self.sent), frame, aad, out[offset:offset + lengths[i]])
+            offset += lengths[i]
+        self.volume += sum(lengths) - TAG_BYTES * len(lengths)
+        return out[:offset], buffer
 
     def counter_of(self, prefix: Frame) -> int:
         """The counter of a message of this session; BulkRejected if it is not above the last taken."""
@@ -126,22 +160,34 @@ def _aad(prefix: Frame, direction: int, count: int) -> bytes:
     return bytes(prefix) + bytes((direction, count))
 
 
-def open_all(session: Session, direction: int, sealed: Sequence[Frame]) -> list[Frame]:
-    """Every frame of a bulk message (PREFIX first) decrypted; BulkRejected, with nothing taken, if any fails."""
-    prefix, frames = sealed[0], sealed[1:]
-    counter = session.counter_of(prefix)
-    plain = [session.open(direction, prefix, counter, i, len(frames), f) for i, f in enumerate(frames)]
+def _hello_aad(session_id: bytes, counter: int) -> bytes:
+    return framing.HELLO_MAGIC + PREFIX.pack(session_id, counter)
+
+
+def open_request(session: Session, message: framing.Message) -> list[memoryview]:
+    """Every frame of a bulk request decrypted into one fresh buffer (the shard may keep
+    its arrays past the request); BulkRejected, with nothing taken, if any fails."""
+    counter, sealed = session.counter_of(message.prefix), message.frames()
+    if any(len(frame) < TAG_BYTES for frame in sealed):
+        raise errors.BulkRejected("a frame shorter than its tag")
+    plain = memoryview(bytearray(sum(len(frame) - TAG_BYTES for frame in sealed)))
+    frames, offset = [], 0
+    for index, frame in enumerate(sealed):
+        into = plain[offset:offset + len(frame) - TAG_BYTES]
+        frames.append(session.open(TO_SERVER, message.prefix, counter, index, len(sealed), frame, into=into))
+        offset += len(into)
     session.accept(counter)
-    return plain
+    return frames
 
 
-def open_reply(session: Session, prefix: Frame, sealed: Sequence[Frame],
+def open_reply(session: Session, message: framing.Message,
                sink: Callable[[memoryview, int], "np.ndarray | None"] | None
                ) -> tuple[memoryview, list[memoryview], int]:
     """A bulk reply decrypted, as interface.Received's fields: its header frame, then each
     frame into the array sink(header, index) names when its size is that array's (a pull
     lands in place), else as bytes. BulkRejected, with nothing taken, if the counter or any tag
     fails (the sink's array may then hold garbage, which the request's resend overwrites)."""
+    prefix, sealed = message.prefix, message.frames()
     counter, count = session.counter_of(prefix), len(sealed)
     header = memoryview(session.open(TO_CLIENT, prefix, counter, 0, count, sealed[0]))
     frames: list[memoryview] = []
@@ -176,50 +222,35 @@ class Table:
         self.max_sessions, self.max_per_peer = max_sessions, max_per_peer
         self._sessions: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self._routes: dict[bytes, Session] = {}  # peer -> the session its last request came by
-        # peer address -> sessions granted to it; read by the ZAP handler's thread (holds()),
-        # written only by the server's: a dict lookup and an item update are atomic in CPython.
-        self._addresses: collections.Counter[str] = collections.Counter()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, user: str | None, peer: bytes, port: int, address: str | None = None) -> bytes:
-        """A new session for this peer (its ZAP user, routing id and IP address): the SESSION reply."""
-        mine = [s for s in self._sessions.values() if (s.user, s.peer) == (user, peer)]
+    def create(self, user: str | None, peer: bytes, port: int) -> bytes:
+        """A new session for this peer (its ZAP user and routing id): the SESSION reply."""
+        mine = [s for s in self._sessions.values() if s.owner == (user, peer)]
         for old in mine[:max(0, len(mine) - self.max_per_peer + 1)]:
             self._drop(old)
-        session = Session(id=os.urandom(ID_BYTES), key=os.urandom(KEY_BYTES), user=user, peer=peer, address=address)
+        session = Session(id=os.urandom(ID_BYTES), key=os.urandom(KEY_BYTES), user=user, peer=peer)
         self._sessions[session.id] = session
-        if address is not None:
-            self._addresses[address] += 1
         while len(self._sessions) > self.max_sessions:
             self._drop(next(iter(self._sessions.values())))
         return GRANT.pack(SESSION_MAGIC, session.id, session.key, port)
 
     def _drop(self, session: Session) -> None:
         del self._sessions[session.id]
-        if session.address is not None:
-            self._addresses[session.address] -= 1
-            if not self._addresses[session.address]:
-                del self._addresses[session.address]
         if self._routes.get(session.peer) is session:
             del self._routes[session.peer]
 
-    def holds(self, address: str) -> bool:
-        """Whether some session was granted to a peer at this IP address (the bulk port's gate)."""
-        return self._addresses.get(address, 0) > 0
-
-    def find(self, prefix: Frame) -> Session:
-        if len(prefix) != PREFIX.size:
-            raise errors.BulkRejected("no session prefix")
-        session = self._sessions.get(bytes(prefix[:ID_BYTES]))
+    def find(self, session_id: bytes) -> Session:
+        session = self._sessions.get(session_id)
         if session is None:
             raise errors.BulkRejected("an unknown session")
         self._sessions.move_to_end(session.id)
         return session
 
-    def route(self, session: Session, route: bytes) -> None:
-        """session's peer sent its last request by it, from the bulk socket `route`."""
+    def route(self, session: Session, route: Any) -> None:
+        """session's peer sent its last request by it, on the bulk connection `route`."""
         session.route = route
         self._routes[session.peer] = session
 

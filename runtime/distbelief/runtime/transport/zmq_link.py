@@ -3,9 +3,11 @@ in turn (copy_addresses.py).
 
 A link is made anew after a silence or a disconnect; a monitor reports broken
 connections. For encrypted jobs each connection first asks for an AES-GCM session, and
-requests and replies then go sealed over a second DEALER to the server's bulk port
-(sessions.py). Replies' array frames are received straight into the caller's array (the
-sink), so a pull costs one copy. ZeroMQ's errors become distbelief.runtime.errors here.
+requests and replies then go sealed over a TCP connection of our own framing to the
+server's bulk port (sessions.py, framing.py). A CurveZMQ reply's array frames are received
+straight into the caller's array (the sink); a bulk reply is read into a buffer the link
+reuses and opened from there into the sink. ZeroMQ's errors become
+distbelief.runtime.errors here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from distbelief.runtime import errors
 from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
-from distbelief.runtime.transport import sessions
+from distbelief.runtime.transport import framing, sessions
 from distbelief.runtime.transport.copy_addresses import CopyAddresses
 from distbelief.runtime.transport.interface import MAX_REPLY_FRAMES, Frame, Received, Sink, frames_nbytes
 
@@ -28,17 +30,20 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_MS = 1000       # a link to a shard's copies pings each; 3 missed pongs count as a disconnect
 MAX_HELD = 1000           # requests held while a session is asked for: ZeroMQ's own send queue
+MAX_QUEUED = 1000         # sealed requests waiting for the bulk connection to take them
+# A reply's frames: a header and MAX_REPLY_FRAMES more; a frame of up to 4 GiB (its u32 length)
+REPLY_LIMITS = framing.Limits(max_frames=MAX_REPLY_FRAMES + 1, max_frame=(1 << 32) - 1)
 
 
 @dataclasses.dataclass(eq=False)
 class Connection:
     """A link's connection to one address: its CurveZMQ DEALER and monitor, and, when it
-    wants one, its AES-GCM session and the DEALER to the server's bulk port.
+    wants one, its AES-GCM session and the connection to the server's bulk port.
 
     While a SESSION request is out (`asking`), requests are held, copied, and go out when the
     grant comes: so the server takes them in the order they were sent, never some over
-    CurveZMQ and later ones ahead of them over the bulk socket. A fresh key keeps the bulk
-    socket; replies sealed under the key before (`earlier`) are still opened."""
+    CurveZMQ and later ones ahead of them over the bulk connection. A fresh key keeps the
+    bulk connection; replies sealed under the key before (`earlier`) are still opened."""
 
     address: str
     socket: zmq.Socket
@@ -49,7 +54,7 @@ class Connection:
     held: list[list[Frame]] = dataclasses.field(default_factory=list)
     session: sessions.Session | None = None
     earlier: sessions.Session | None = None
-    bulk: zmq.Socket | None = None
+    bulk: framing.Stream | None = None
 
     def needs_session(self) -> bool:
         return self.bulk_wanted and not self.asking and (self.session is None or self.session.worn_out)
@@ -62,9 +67,9 @@ class Connection:
         return self.session
 
     def forget_session(self) -> None:
-        """Its session, bulk socket and held requests dropped: the next request asks anew."""
+        """Its session, bulk connection and held requests dropped: the next request asks anew."""
         if self.bulk is not None:
-            self.bulk.close(linger=0)
+            self.bulk.close()
         self.bulk = self.session = self.earlier = None
         self.asking = False
         self.held.clear()
@@ -93,8 +98,12 @@ class ZmqLink:
 
     With `bulk` (CurveZMQ links to tcp:// addresses), each connection asks for an AES-GCM
     session (sessions.py) before its first request; once granted, requests and replies go
-    sealed over a second DEALER to that server's bulk port. A reply there that fails its
-    counter or a tag is refused (receive() gives None) and the request waits."""
+    sealed over a TCP connection to that server's bulk port (framing.py), which opens with
+    the session's hello. A reply there that fails its counter or a tag is refused (receive()
+    gives None), the connection closed, and the request waits for its resend.
+
+    The bulk connection does not block: what it cannot write at once waits, and is written
+    (and replies read) by pump(), which ZmqTransport.wait and ZmqServer.poll call."""
 
     def __init__(self, context: zmq.Context, address: str | Sequence[str], options: dict | None, *,
                  watch: bool, bulk: bool = False, heartbeat: float | None = None) -> None:
@@ -104,6 +113,7 @@ class ZmqLink:
         self.routing_id = os.urandom(16)
         self._wants_bulk = bulk and zmq.CURVE_SERVERKEY in (options or {})
         self._idle: dict[str, Connection] = {}  # the other copies' connections
+        self._pool = framing.BufferPool(keep=1)  # a reply's buffer, reused
         self._conn = self._connect()
 
     @property
@@ -119,7 +129,10 @@ class ZmqLink:
     def bulk_endpoint(self) -> str | None:
         """Where the connection in use sends its sealed requests, once a session is granted."""
         bulk = self._conn.bulk
-        return bulk.getsockopt_string(zmq.LAST_ENDPOINT) if bulk is not None else None
+        if bulk is None or bulk.closed:
+            return None
+        host, port = bulk.sock.getpeername()[:2]
+        return f"tcp://{host}:{port}"
 
     def _connect(self) -> Connection:
         socket, monitor = self.context.socket(zmq.DEALER), None
@@ -142,12 +155,37 @@ class ZmqLink:
         return Connection(address=self.address, socket=socket, monitor=monitor,
                           bulk_wanted=self._wants_bulk and self.address.startswith("tcp://"))
 
-    def pollables(self) -> list[zmq.Socket]:
+    def pollables(self) -> list[tuple[object, int]]:
+        """What to poll, and for what: the bulk connection for writing too while it has queued bytes."""
+        conn, polled = self._conn, [(self._conn.socket, zmq.POLLIN)]
+        if conn.monitor is not None:
+            polled.append((conn.monitor, zmq.POLLIN))
+        if conn.bulk is not None and not conn.bulk.closed:
+            polled.append((conn.bulk.fd, zmq.POLLIN | (zmq.POLLOUT if conn.bulk.queued else 0)))
+        return polled
+
+    def pending(self) -> bool:
+        """Whether a whole bulk reply waits to be received (a poll need not wait)."""
+        bulk = self._conn.bulk
+        return bulk is not None and bulk.message is not None
+
+    def pump(self, ready: dict) -> bool:
+        """Write the bulk connection's queued bytes and read its reply, if the poll found it
+        ready; whether the caller has something to look at (readable, or a monitor event)."""
         conn = self._conn
-        return [s for s in (conn.socket, conn.bulk, conn.monitor) if s is not None]
+        if conn.bulk is not None and conn.bulk.ready_in(ready):
+            try:
+                PROCESS_TRAFFIC.received(conn.bulk.pump())
+            except errors.BulkRejected as exc:
+                log.warning("event=bulk_refused peer=%r reason=%r", self.address, str(exc))
+                conn.bulk.close()
+            if conn.bulk.closed:
+                log.info("event=bulk_connection_closed peer=%r", self.address)
+                conn.forget_session()
+        return self.readable(ready) or (conn.monitor is not None and conn.monitor in ready)
 
     def readable(self, ready: dict) -> bool:
-        return self._conn.socket in ready or (self._conn.bulk is not None and self._conn.bulk in ready)
+        return self._conn.socket in ready or self.pending()
 
     def broke(self, ready: dict | None = None) -> bool:
         """Whether a connection that had completed its handshake broke since the last call
@@ -183,9 +221,14 @@ class ZmqLink:
         return self._send_now(conn, frames)
 
     def _send_now(self, conn: Connection, frames: Sequence[Frame]) -> bool:
-        if conn.session is not None and conn.bulk is not None:
-            return self._queue(conn.bulk, conn.session.seal(sessions.TO_SERVER, frames))
-        return self._queue(conn.socket, frames)
+        if conn.session is None or conn.bulk is None:
+            return self._queue(conn.socket, frames)
+        if conn.bulk.closed or conn.bulk.queued >= MAX_QUEUED:
+            return False
+        data, buffer = conn.session.seal_into(sessions.TO_SERVER, frames, self._pool)
+        conn.bulk.send(data, buffer)
+        PROCESS_TRAFFIC.sent(len(data))
+        return True
 
     @staticmethod
     def _queue(socket: zmq.Socket, frames: Sequence[Frame]) -> bool:
@@ -200,7 +243,7 @@ class ZmqLink:
         """The next reply; None for a session grant, or a bulk reply that was refused."""
         conn = self._conn
         try:
-            if conn.bulk is not None and conn.bulk.poll(0):
+            if self.pending():
                 return self._receive_bulk(conn, sink)
             return self._receive_curve(conn, sink)
         except zmq.ZMQError as exc:
@@ -238,10 +281,8 @@ class ZmqLink:
         if port == 0:
             conn.bulk_wanted = False
         elif conn.bulk is None:
-            bulk = self.context.socket(zmq.DEALER)
-            bulk.setsockopt(zmq.LINGER, 0)
-            bulk.connect(f"{conn.address.rsplit(':', 1)[0]}:{port}")
-            conn.bulk, conn.session = bulk, session
+            if not self._open_bulk(conn, session, port):
+                return
         else:
             conn.earlier, conn.session = conn.session, session
         held, conn.held = conn.held, []
@@ -250,18 +291,35 @@ class ZmqLink:
                 log.warning("event=held_requests_dropped peer=%r count=%d", conn.address, len(held) - index)
                 break
 
-    def _receive_bulk(self, conn: Connection, sink: Sink | None) -> Received | None:
-        assert conn.bulk is not None
-        prefix, *sealed = [f.buffer for f in conn.bulk.recv_multipart(copy=False)]
-        PROCESS_TRAFFIC.received(len(prefix) + sum(len(f) for f in sealed))
+    def _open_bulk(self, conn: Connection, session: sessions.Session, port: int) -> bool:
+        """The connection to the bulk port started, its hello queued first; False (and the
+        held requests dropped: their resends ask anew) when it cannot even start."""
+        host = framing.split_address(conn.address)[0]
         try:
-            session = conn.session_of(prefix)
-            if session is None or not 1 <= len(sealed) <= MAX_REPLY_FRAMES + 1:
-                raise errors.BulkRejected("a reply without frames, or with more than any op has")
-            return Received(*sessions.open_reply(session, prefix, sealed, sink))
+            sock = framing.connect(host, port)
+        except OSError as exc:
+            log.warning("event=bulk_connect_failed peer=%r port=%d error=%r", conn.address, port, str(exc))
+            conn.forget_session()
+            return False
+        conn.bulk, conn.session = framing.Stream(sock, REPLY_LIMITS, self._pool, expects_hello=False), session
+        conn.bulk.send(memoryview(session.hello()))
+        return True
+
+    def _receive_bulk(self, conn: Connection, sink: Sink | None) -> Received | None:
+        assert conn.bulk is not None and conn.bulk.message is not None
+        message = conn.bulk.message
+        try:
+            session = conn.session_of(message.prefix)
+            if session is None:
+                raise errors.BulkRejected("a reply of no session of this link")
+            return Received(*sessions.open_reply(session, message, sink))
         except errors.BulkRejected as exc:
             log.warning("event=bulk_refused peer=%r reason=%r", self.address, str(exc))
+            conn.forget_session()
             return None
+        finally:
+            if conn.bulk is not None:
+                conn.bulk.done()
 
     def reconnect(self) -> None:
         """A fresh connection: replies to earlier requests and the requests still queued or

@@ -10,6 +10,7 @@ distbelief.runtime.errors and nowhere else.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import zmq
@@ -35,11 +36,19 @@ class ZmqTransport:
         return ZmqLink(self.context, address, options, watch=watch, bulk=bulk, heartbeat=heartbeat)
 
     def wait(self, links: Sequence[ZmqLink], seconds: float) -> dict:
-        poller = zmq.Poller()
-        for link in links:
-            for pollable in link.pollables():
-                poller.register(pollable, zmq.POLLIN)
-        return dict(poller.poll(seconds * 1000))
+        """What is ready, once one of links has a reply to read (or a monitor event) or
+        `seconds` passed; meanwhile the links' bulk connections write and read (pump)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            poller = zmq.Poller()
+            for link in links:
+                for pollable, flags in link.pollables():
+                    poller.register(pollable, flags)
+            waiting = any(link.pending() for link in links)
+            ready = dict(poller.poll(0 if waiting else max(0.0, deadline - time.monotonic()) * 1000))
+            woken = [link.pump(ready) for link in links]
+            if any(woken) or time.monotonic() >= deadline:
+                return ready
 
 
 def default() -> ZmqTransport:

@@ -1,0 +1,119 @@
+"""A server's bulk port: where an encrypted job's AES-GCM sessions send their messages.
+
+A TCP listener and its connections (framing.py). A connection is admitted by its hello,
+a proof of a session the server granted over CurveZMQ (sessions.py); until then it is
+read no further than the hello, at most MAX_UNPROVEN such connections are kept, and none
+for longer than HELLO_SECONDS. An admitted connection carries only the sessions of the
+peer its hello proved. A connection that breaks the framing, or sends a message that
+fails its counter or a tag, is closed (the refusal is logged at a bounded rate), and
+nothing of it reaches the shard.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from distbelief.runtime import errors
+from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
+from distbelief.runtime.transport import framing, sessions
+from distbelief.runtime.transport.interface import Frame, Incoming
+
+MAX_UNPROVEN = 64        # connections without their hello yet; the oldest goes first
+HELLO_SECONDS = 10.0     # a connection's hello must come this soon
+SEND_HWM = 64            # replies queued for one connection before further ones are dropped
+POOL_KEEP = 2            # buffers kept for the next messages, across connections
+
+
+class BulkPort:
+    """The listener and connections of a server's bulk port (`tcp://HOST:PORT`)."""
+
+    def __init__(self, address: str, *, who: str, limits: framing.Limits, table: sessions.Table) -> None:
+        self.listener = framing.listen(address)
+        host = framing.split_address(address)[0]
+        self.port = self.listener.getsockname()[1]
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self.limits, self._table = limits, table
+        self._streams: list[framing.Stream] = []
+        self._pool = framing.BufferPool(keep=POOL_KEEP)
+        self._refusals = sessions.RefusalLog(who)
+
+    def watched(self) -> list[tuple[int, bool]]:
+        """What to poll: (file descriptor, whether it waits to write)."""
+        return [(self.listener.fileno(), False), *((s.fd, s.queued > 0) for s in self._streams)]
+
+    def serve(self, ready: dict) -> list[Incoming]:
+        """Accept new connections, write what waits, and the requests that came whole."""
+        if self.listener.fileno() in ready:
+            self._accept()
+        incoming = [request for stream in self._streams if stream.ready_in(ready) for request in self._serve(stream)]
+        self._streams = [s for s in self._streams if not s.closed]
+        return incoming
+
+    def send(self, session: sessions.Session, frames: Sequence[Frame]) -> bool:
+        """A reply sealed and queued on the connection of the session's last request; False
+        when that connection is gone or its queue is full."""
+        stream = session.route
+        if stream is None or stream.closed or stream.queued >= SEND_HWM:
+            return False
+        data, buffer = session.seal_into(sessions.TO_CLIENT, frames, self._pool)
+        stream.send(data, buffer)
+        PROCESS_TRAFFIC.sent(len(data))
+        return True
+
+    def close(self) -> None:
+        self.listener.close()
+        for stream in self._streams:
+            stream.close()
+        self._streams.clear()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:  # out of descriptors, or the peer left already
+                self._refusals.refused(f"accept failed: {exc}")
+                break
+            self._streams.append(framing.Stream(sock, self.limits, self._pool, expects_hello=True))
+        self._close_unproven()
+
+    def _close_unproven(self) -> None:
+        """Connections still without their hello: late ones closed, and the oldest beyond MAX_UNPROVEN."""
+        now = time.monotonic()
+        unproven = [s for s in self._streams if s.owner is None]
+        for index, stream in enumerate(unproven):
+            if now - stream.opened > HELLO_SECONDS or index < len(unproven) - MAX_UNPROVEN:
+                self._refusals.refused("a connection without a hello in time")
+                stream.close()
+
+    def _serve(self, stream: framing.Stream) -> list[Incoming]:
+        incoming = []
+        try:
+            while not stream.closed:
+                PROCESS_TRAFFIC.received(stream.pump())
+                if stream.hello is not None:
+                    self._admit(stream, stream.hello)
+                elif stream.message is not None:
+                    incoming.append(self._open(stream, stream.message))
+                    stream.done()
+                else:
+                    break
+        except errors.BulkRejected as exc:
+            self._refusals.refused(str(exc))
+            stream.close()
+        return incoming
+
+    def _admit(self, stream: framing.Stream, hello: bytes) -> None:
+        session = self._table.find(framing.HELLO.unpack(hello)[1])
+        session.check_hello(hello)
+        stream.admit(session.owner)
+
+    def _open(self, stream: framing.Stream, message: framing.Message) -> Incoming:
+        session = self._table.find(message.session_id)
+        if session.owner != stream.owner:
+            raise errors.BulkRejected("a message of a session its connection's hello did not prove")
+        frames = sessions.open_request(session, message)
+        self._table.route(session, stream)
+        return Incoming(peer=session.peer, user=session.user, frames=frames)

@@ -1,0 +1,108 @@
+"""The bulk channel's framing (distbelief.runtime.transport.framing) on real loopback TCP
+connections: messages arrive whole however the bytes are cut, large ones go through
+non-blocking sockets, buffers are reused, and the limits hold before anything is buffered."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from typing import Iterator
+
+import pytest
+
+from distbelief.runtime import errors
+from distbelief.runtime.transport import framing
+
+LIMITS = framing.Limits(max_frames=4, max_frame=80 << 20)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """Both ends of a TCP connection on loopback."""
+    listener = framing.listen("tcp://127.0.0.1:*")
+    client = socket.create_connection(listener.getsockname())
+    listener.setblocking(True)
+    server, _ = listener.accept()
+    listener.close()
+    yield client, server
+    client.close()
+    server.close()
+
+
+def _message(frames: list[bytes], session_id: bytes = b"s" * 16, counter: int = 7) -> bytes:
+    head = framing.HEAD.pack(session_id, counter, len(frames))
+    return head + b"".join(struct.pack("<I", len(f)) for f in frames) + b"".join(frames)
+
+
+def _pump_until_whole(stream: framing.Stream, *others: framing.Stream, seconds: float = 20.0) -> framing.Message:
+    deadline = time.monotonic() + seconds
+    while stream.message is None:
+        assert time.monotonic() < deadline, "no whole message in time"
+        for other in others:
+            other.flush()
+        stream.pump()
+        assert not stream.closed
+    return stream.message
+
+
+def test_a_message_cut_into_single_bytes_arrives_whole(pair: tuple[socket.socket, socket.socket]) -> None:
+    client, server = pair
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    stream = framing.Stream(server, LIMITS, framing.BufferPool(keep=1), expects_hello=False)
+    frames = [b"header", b"", bytes(range(256)) * 3]
+    for byte in _message(frames):
+        client.send(bytes([byte]))
+        stream.pump()
+    message = _pump_until_whole(stream)
+    assert (message.session_id, message.counter) == (b"s" * 16, 7)
+    assert [bytes(f) for f in message.frames()] == frames
+
+
+def test_a_large_message_goes_through_non_blocking_sockets_into_a_reused_buffer(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    client, server = pair
+    sender = framing.Stream(client, LIMITS, framing.BufferPool(keep=1), expects_hello=False)
+    receiver = framing.Stream(server, LIMITS, framing.BufferPool(keep=1), expects_hello=False)
+    payload = bytes(range(251)) * ((64 << 20) // 251)  # 64 MiB: many times the sockets' buffers
+    buffers = []
+    for counter in (1, 2):
+        sender.send(memoryview(_message([b"h", payload], counter=counter)))
+        assert sender.queued == 1  # the socket took part of it; the rest waits
+        message = _pump_until_whole(receiver, sender)
+        assert message.counter == counter and bytes(message.frames()[1]) == payload
+        buffers.append(message.body.obj)
+        receiver.done()
+    assert buffers[0] is buffers[1]  # the second message went into the first one's pages
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([b"x"] * 5, "a message of 5 frames"),
+    ([b"x" * (LIMITS.max_frame + 1)], f"a frame of {LIMITS.max_frame + 1} bytes"),
+])
+def test_a_message_over_the_limits_is_refused_before_its_frames_are_read(
+        pair: tuple[socket.socket, socket.socket], frames: list[bytes], reason: str) -> None:
+    client, server = pair
+    pool = framing.BufferPool(keep=1)
+    stream = framing.Stream(server, LIMITS, pool, expects_hello=False)
+    wire = _message(frames)
+    client.sendall(wire[:framing.HEAD.size + 4 * len(frames) + 10])  # the head, lengths and a little
+    with pytest.raises(errors.BulkRejected, match=reason):
+        _pump_until_whole(stream)
+    assert stream.message is None and len(stream._body) == 0  # no buffer was taken for the frames
+
+
+def test_a_hello_holds_the_reading_until_it_is_admitted(pair: tuple[socket.socket, socket.socket]) -> None:
+    client, server = pair
+    stream = framing.Stream(server, LIMITS, framing.BufferPool(keep=1), expects_hello=True)
+    hello = framing.HELLO.pack(framing.HELLO_MAGIC, b"s" * 16, 1, b"t" * 16)
+    client.sendall(hello + _message([b"after"]))
+    deadline = time.monotonic() + 10
+    while stream.hello is None:
+        assert time.monotonic() < deadline
+        stream.pump()
+    assert stream.hello == hello
+    stream.pump()
+    assert stream.message is None  # not a byte past the hello is read before admit()
+    stream.admit(owner="peer")
+    assert [bytes(f) for f in _pump_until_whole(stream).frames()] == [b"after"]
