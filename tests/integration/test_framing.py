@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import time
 from typing import Iterator
 
@@ -106,3 +107,24 @@ def test_a_hello_holds_the_reading_until_it_is_admitted(pair: tuple[socket.socke
     assert stream.message is None  # not a byte past the hello is read before admit()
     stream.admit(owner="peer")
     assert [bytes(f) for f in _pump_until_whole(stream).frames()] == [b"after"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+def test_a_loopback_connection_goes_to_the_unix_socket_of_the_port_and_falls_back_to_tcp() -> None:
+    listener = framing.listen("tcp://127.0.0.1:*")
+    port = listener.getsockname()[1]
+    try:
+        tcp = framing.connect("127.0.0.1", port)  # no Unix socket for this port yet: TCP
+        assert tcp.family == socket.AF_INET
+        tcp.close()
+        local = framing.listen_local(port)
+        assert local is not None and framing.listen_local(port) is None  # one holder of the name
+        unix = framing.connect("127.0.0.1", port)
+        assert unix.family == socket.AF_UNIX
+        unix.close()
+        remote = framing.connect("127.0.0.2", port)  # another address (a proxy, say) keeps to TCP
+        assert remote.family == socket.AF_INET
+        remote.close()
+        local.close()
+    finally:
+        listener.close()

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -75,6 +76,8 @@ def test_pulls_and_pushes_over_sessions_match_curvezmq_alone(tmp_path: Path, job
         try:
             results[bulk] = _train(group)
             assert all((link.session is not None) is bulk for link in group._links)
+            if bulk and sys.platform.startswith("linux"):  # shards on this machine: their Unix sockets
+                assert {link.bulk_family for link in group._links} == {socket.AF_UNIX}
             assert [s.step for s in live.shards] == [4, 4]
         finally:
             group.close()
@@ -372,12 +375,14 @@ def test_a_link_asks_for_a_fresh_key_once_a_session_has_carried_its_share(
     monkeypatch.setattr(sessions, "REKEY_BYTES", 3 * LAYOUT.bounds(0)[1] * 4)  # about 2 round trips
     group = _group(live, job_keys)
     try:
-        out, ids = np.zeros(LAYOUT.total, np.float32), set()
+        out, ids, connections = np.zeros(LAYOUT.total, np.float32), set(), set()
         for step in range(6):
             Float32Dense(group).push_and_pull(np.zeros(LAYOUT.total, np.float32), out, steps=[step, step], examples=1,
                                               loss=0.0)
             ids.add(group._links[0].session.id if group._links[0].session else None)
+            connections.add(group._links[0]._conn.bulk)
         assert len(ids - {None}) >= 2 and [s.step for s in live.shards] == [6, 6]
+        assert len(connections) == 1  # every fresh key went over the same bulk connection
         np.testing.assert_array_equal(out, INITIAL)
     finally:
         group.close()

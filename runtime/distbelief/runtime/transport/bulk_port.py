@@ -1,6 +1,7 @@
 """A server's bulk port: where an encrypted job's AES-GCM sessions send their messages.
 
-A TCP listener and its connections (framing.py). A connection is admitted by its hello,
+A TCP listener (and on Linux a Unix socket beside it, for peers on the same machine) and
+their connections (framing.py). A connection is admitted by its hello,
 a proof of a session the server granted over CurveZMQ (sessions.py); until then it is
 read no further than the hello, at most MAX_UNPROVEN such connections are kept, and none
 for longer than HELLO_SECONDS. An admitted connection carries only the sessions of the
@@ -11,6 +12,7 @@ nothing of it reaches the shard.
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Sequence
 
@@ -33,6 +35,7 @@ class BulkPort:
         host = framing.split_address(address)[0]
         self.port = self.listener.getsockname()[1]
         self.endpoint = f"tcp://{host}:{self.port}"
+        self.local = framing.listen_local(self.port)  # the same port, for peers on this machine
         self.limits, self._table = limits, table
         self._streams: list[framing.Stream] = []
         self._pool = framing.BufferPool(keep=POOL_KEEP)
@@ -40,12 +43,17 @@ class BulkPort:
 
     def watched(self) -> list[tuple[int, bool]]:
         """What to poll: (file descriptor, whether it waits to write)."""
-        return [(self.listener.fileno(), False), *((s.fd, s.queued > 0) for s in self._streams)]
+        listeners = [(listener.fileno(), False) for listener in self._listeners()]
+        return [*listeners, *((s.fd, s.queued > 0) for s in self._streams)]
+
+    def _listeners(self) -> list[socket.socket]:
+        return [self.listener] if self.local is None else [self.listener, self.local]
 
     def serve(self, ready: dict) -> list[Incoming]:
         """Accept new connections, write what waits, and the requests that came whole."""
-        if self.listener.fileno() in ready:
-            self._accept()
+        for listener in self._listeners():
+            if listener.fileno() in ready:
+                self._accept(listener)
         incoming = [request for stream in self._streams if stream.ready_in(ready) for request in self._serve(stream)]
         self._streams = [s for s in self._streams if not s.closed]
         return incoming
@@ -62,15 +70,16 @@ class BulkPort:
         return True
 
     def close(self) -> None:
-        self.listener.close()
+        for listener in self._listeners():
+            listener.close()
         for stream in self._streams:
             stream.close()
         self._streams.clear()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, _ = self.listener.accept()
+                sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:  # out of descriptors, or the peer left already

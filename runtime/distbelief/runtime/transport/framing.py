@@ -8,6 +8,11 @@ then reads the frames, into a buffer of its pool that it reuses (`recv_into`). A
 over the limits is refused before a byte of its frames is buffered, so a connection holds
 at most one message of the largest size allowed: no peer can make a process buffer more,
 however many frames it sends. What the bytes mean (sessions, tags) is sessions.py's.
+
+On Linux a bulk port also listens on a Unix socket named after its TCP port, in the
+abstract namespace (which belongs to the network namespace: a pod's own, or the machine's
+in local mode). A link to a loopback address connects there first: the same bytes move
+1.5-2 times as fast as over loopback TCP.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import dataclasses
 import errno
 import socket
 import struct
+import sys
 import time
 
 from distbelief.runtime import errors
@@ -27,6 +33,7 @@ HEAD = struct.Struct("<16sQI")          # session id, counter, frame count
 LENGTH = struct.Struct("<I")
 SOCKET_BUFFER = 4 << 20                 # kernel buffers: a pull of tens of MB in few wake-ups
 READ_CHUNK = 1 << 22                    # at most this much per recv_into: others get their turn
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +100,8 @@ class Stream:
 
     def __init__(self, sock: socket.socket, limits: Limits, pool: BufferPool, *, expects_hello: bool) -> None:
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
         self.sock, self.limits, self.pool, self.fd = sock, limits, pool, sock.fileno()
@@ -256,8 +264,37 @@ def listen(address: str) -> socket.socket:
     return sock
 
 
+def local_name(port: int) -> str:
+    """The abstract Unix socket of the bulk port at `port` (Linux: no file, gone with its process)."""
+    return f"\0distbelief-bulk-{port}"
+
+
+def listen_local(port: int) -> socket.socket | None:
+    """The Unix socket beside the bulk port at `port`; None where there can be none (not
+    Linux) or its name is taken (another process's port of that number, on another address)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(local_name(port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None
+    sock.setblocking(False)
+    return sock
+
+
 def connect(host: str, port: int) -> socket.socket:
-    """A TCP connection started, not waited for: its first writes queue until it is up."""
+    """A connection to the bulk port at host:port: its Unix socket when host is loopback
+    and it has one, else TCP, started and not waited for (its first writes queue until it is up)."""
+    if host in LOOPBACK and sys.platform.startswith("linux"):
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            local.connect(local_name(port))  # at once: accepted into the backlog, or refused
+            return local
+        except OSError:
+            local.close()
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setblocking(False)

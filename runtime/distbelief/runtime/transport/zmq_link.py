@@ -55,6 +55,7 @@ class Connection:
     session: sessions.Session | None = None
     earlier: sessions.Session | None = None
     bulk: framing.Stream | None = None
+    bulk_endpoint: str | None = None  # the bulk port's TCP address (its Unix socket may carry the bytes)
 
     def needs_session(self) -> bool:
         return self.bulk_wanted and not self.asking and (self.session is None or self.session.worn_out)
@@ -128,11 +129,14 @@ class ZmqLink:
     @property
     def bulk_endpoint(self) -> str | None:
         """Where the connection in use sends its sealed requests, once a session is granted."""
+        conn = self._conn
+        return conn.bulk_endpoint if conn.bulk is not None and not conn.bulk.closed else None
+
+    @property
+    def bulk_family(self) -> int | None:
+        """The socket family of the bulk connection in use: AF_UNIX to a shard on this machine."""
         bulk = self._conn.bulk
-        if bulk is None or bulk.closed:
-            return None
-        host, port = bulk.sock.getpeername()[:2]
-        return f"tcp://{host}:{port}"
+        return bulk.sock.family if bulk is not None and not bulk.closed else None
 
     def _connect(self) -> Connection:
         socket, monitor = self.context.socket(zmq.DEALER), None
@@ -302,6 +306,7 @@ class ZmqLink:
             conn.forget_session()
             return False
         conn.bulk, conn.session = framing.Stream(sock, REPLY_LIMITS, self._pool, expects_hello=False), session
+        conn.bulk_endpoint = f"tcp://{host}:{port}"
         conn.bulk.send(memoryview(session.hello()))
         return True
 
