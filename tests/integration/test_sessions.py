@@ -23,6 +23,7 @@ from distbelief.runtime.params import dense
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.transport import framing, sessions, zmq_transport
 from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header
 
 from support.shards import LiveShards, start_shards
@@ -321,6 +322,32 @@ def test_a_connection_that_never_proves_a_session_is_closed(live: LiveShards, gr
     finally:
         silent.close()
     _still_serving(live, group, step=0)
+
+
+def test_requests_sent_while_the_grant_is_slow_reach_the_shard_in_their_order(
+        live: LiveShards, job_keys: keys.JobKeys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link holds its requests while its session is asked for: however long the grant
+    takes, the shard takes them in the order they were sent, all over the session."""
+    create = sessions.Table.create
+
+    def slow_create(self: sessions.Table, *args, **kwargs) -> bytes:
+        time.sleep(0.5)  # the link sends on while the grant is on its way
+        return create(self, *args, **kwargs)
+    monkeypatch.setattr(sessions.Table, "create", slow_create)
+    transport = zmq_transport.ZmqTransport()
+    link = transport.link(live.addresses[0], job_keys.client_options(), bulk=True)
+    try:
+        for seq in range(1, 9):
+            assert link.send([Header(op=protocol.HELLO.code, shard=0, layout=LAYOUT.hash, seq=seq).pack()])
+        seqs, deadline = [], time.monotonic() + 10
+        while len(seqs) < 8 and time.monotonic() < deadline:
+            ready = transport.wait([link], 0.5)
+            if link.readable(ready) and (reply := link.receive()) is not None:
+                seqs.append(protocol.unpack_header(reply.header).seq)
+        assert seqs == list(range(1, 9))
+        assert link.session is not None and link.session.sent == 1 + 8  # the hello, then every request
+    finally:
+        link.close()
 
 
 def test_a_session_has_the_role_of_the_key_that_asked_for_it(live: LiveShards, job_keys: keys.JobKeys) -> None:
