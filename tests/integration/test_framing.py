@@ -32,8 +32,8 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 
 def _message(frames: list[bytes], session_id: bytes = b"s" * 16, counter: int = 7) -> bytes:
-    head = framing.HEAD.pack(session_id, counter, len(frames))
-    return head + b"".join(struct.pack("<I", len(f)) for f in frames) + b"".join(frames)
+    head = framing.HEAD.pack(session_id, counter, len(frames)) + b"".join(struct.pack("<I", len(f)) for f in frames)
+    return head + bytes(framing.HEAD_TAG) + b"".join(frames)  # a tag no check_head looks at here
 
 
 def _pump_until_whole(stream: framing.Stream, *others: framing.Stream, seconds: float = 20.0) -> framing.Message:
@@ -87,7 +87,7 @@ def test_a_message_over_the_limits_is_refused_before_its_frames_are_read(
     pool = framing.BufferPool(keep=1)
     stream = framing.Stream(server, LIMITS, pool, expects_hello=False)
     wire = _message(frames)
-    client.sendall(wire[:framing.HEAD.size + 4 * len(frames) + 10])  # the head, lengths and a little
+    client.sendall(wire[:framing.HEAD.size + 4 * len(frames) + framing.HEAD_TAG + 10])  # the head and a little
     with pytest.raises(errors.BulkRejected, match=reason):
         _pump_until_whole(stream)
     assert stream.message is None and len(stream._body) == 0  # no buffer was taken for the frames
@@ -128,3 +128,20 @@ def test_a_loopback_connection_goes_to_the_unix_socket_of_the_port_and_falls_bac
         local.close()
     finally:
         listener.close()
+
+
+def test_a_head_its_owner_does_not_vouch_for_is_refused_before_its_frames_are_read(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    client, server = pair
+    vetted = []
+
+    def refuse(stream: framing.Stream, head: bytes, tag: bytes) -> None:
+        vetted.append((head, tag))
+        raise errors.BulkRejected("a message head that failed its authentication tag")
+    stream = framing.Stream(server, LIMITS, framing.BufferPool(keep=1), expects_hello=False, check_head=refuse)
+    wire = _message([b"x" * 1000])
+    client.sendall(wire)
+    with pytest.raises(errors.BulkRejected, match="head that failed"):
+        _pump_until_whole(stream)
+    assert vetted == [(wire[:framing.HEAD.size + 4], bytes(framing.HEAD_TAG))]
+    assert len(stream._body) == 0

@@ -104,25 +104,29 @@ def _push_frames(step: int = 0, seq: int = 777) -> list[bytes]:
 
 
 def _sealed(session: sessions.Session, frames: list[bytes]) -> list[bytes]:
-    """A message's frames, each sealed as the bulk channel seals it (HEAD and lengths left out)."""
+    """A message's frames, each sealed as the bulk channel seals it (its head left out).
+    The tests re-tag the heads they alter with the key, so that the frames' own tags are what
+    is tested; an attacker without the key fails at the head already (head_untagged)."""
     data = bytes(session.seal_into(sessions.TO_SERVER, frames, framing.BufferPool(keep=0))[0])
     lengths = struct.unpack_from(f"<{len(frames)}I", data, framing.HEAD.size)
-    offset, sealed = framing.HEAD.size + 4 * len(frames), []
+    offset, sealed = framing.HEAD.size + 4 * len(frames) + framing.HEAD_TAG, []
     for length in lengths:
         sealed.append(data[offset:offset + length])
         offset += length
     return sealed
 
 
-def _message(session_id: bytes, counter: int, sealed: list[bytes]) -> bytes:
-    """A message as it goes on the wire: HEAD, each frame's length, the frames."""
-    lengths = b"".join(struct.pack("<I", len(frame)) for frame in sealed)
-    return framing.HEAD.pack(session_id, counter, len(sealed)) + lengths + b"".join(sealed)
+def _message(session: sessions.Session, session_id: bytes, counter: int, sealed: list[bytes],
+             tagged: bool = True) -> bytes:
+    """A message as it goes on the wire: HEAD, each frame's length, their tag under
+    `session` (or a wrong one), the frames."""
+    head = framing.HEAD.pack(session_id, counter, len(sealed)) + b"".join(struct.pack("<I", len(f)) for f in sealed)
+    tag = session.head_tag(sessions.TO_SERVER, counter, head) if tagged else bytes(framing.HEAD_TAG)
+    return head + tag + b"".join(sealed)
 
 
 def _seal(session: sessions.Session, frames: list[bytes]) -> bytes:
-    sealed = _sealed(session, frames)  # takes the next counter
-    return _message(session.id, session.sent, sealed)
+    return bytes(session.seal_into(sessions.TO_SERVER, frames, framing.BufferPool(keep=0))[0])
 
 
 class RawPeer:
@@ -210,7 +214,8 @@ def test_a_sealed_push_is_applied_once_and_its_replay_is_refused(live: LiveShard
     _still_serving(live, group, step=1)
 
 
-@pytest.mark.parametrize("damage", ["flipped_bit", "frames_swapped", "frame_dropped", "other_session"])
+@pytest.mark.parametrize("damage", ["flipped_bit", "frames_swapped", "frame_dropped", "other_session",
+                                    "head_untagged"])
 def test_a_forged_or_altered_bulk_message_is_refused(live: LiveShards, job_keys: keys.JobKeys, group: ShardGroup,
                                                       raw_peer: RawPeer, damage: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
@@ -232,10 +237,10 @@ def test_a_forged_or_altered_bulk_message_is_refused(live: LiveShards, job_keys:
         sealed[0], sealed[1] = sealed[1], sealed[0]
     elif damage == "frame_dropped":
         del sealed[1]
-    else:
+    elif damage == "other_session":
         session_id, counter = proving.id, 10**6
     with caplog.at_level(logging.WARNING):
-        raw_peer.send(_message(session_id, counter, sealed))
+        raw_peer.send(_message(proving, session_id, counter, sealed, tagged=damage != "head_untagged"))
         assert raw_peer.closed_by_server()
     assert "event=bulk_refused" in caplog.text and "authentication tag" in caplog.text
     _still_serving(live, group, step=0)

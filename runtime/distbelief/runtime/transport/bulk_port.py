@@ -85,7 +85,8 @@ class BulkPort:
             except OSError as exc:  # out of descriptors, or the peer left already
                 self._refusals.refused(f"accept failed: {exc}")
                 break
-            self._streams.append(framing.Stream(sock, self.limits, self._pool, expects_hello=True))
+            self._streams.append(framing.Stream(sock, self.limits, self._pool, expects_hello=True,
+                                                check_head=self._check_head))
         self._close_unproven()
 
     def _close_unproven(self) -> None:
@@ -119,10 +120,17 @@ class BulkPort:
         session.check_hello(hello)
         stream.admit(session.owner)
 
-    def _open(self, stream: framing.Stream, message: framing.Message) -> Incoming:
-        session = self._table.find(message.session_id)
+    def _session_of(self, stream: framing.Stream, session_id: bytes) -> sessions.Session:
+        session = self._table.find(session_id)
         if session.owner != stream.owner:
             raise errors.BulkRejected("a message of a session its connection's hello did not prove")
+        return session
+
+    def _check_head(self, stream: framing.Stream, head: bytes, tag: bytes) -> None:
+        self._session_of(stream, framing.HEAD.unpack_from(head)[0]).check_head(sessions.TO_SERVER, head, tag)
+
+    def _open(self, stream: framing.Stream, message: framing.Message) -> Incoming:
+        session = self._session_of(stream, message.session_id)
         frames = sessions.open_request(session, message)
         self._table.route(session, stream)
         return Incoming(peer=session.peer, user=session.user, frames=frames)

@@ -1,10 +1,11 @@
 """The bulk channel's framing: length-prefixed messages on a non-blocking TCP socket.
 
     hello     HELLO_MAGIC, session id, counter, tag     once, first, client to server
-    message   HEAD (session id, counter, frame count), each frame's length (u32), the frames
+    message   HEAD (session id, counter, frame count), each frame's length (u32), the
+              head's tag (HEAD_TAG bytes), the frames
 
-A receiver reads a message's head and lengths, checks them against its Limits, and only
-then reads the frames, into a buffer of its pool that it reuses (`recv_into`). A message
+A receiver reads a message's head and lengths, checks them against its Limits and the
+head's tag (the stream's owner's check_head: sessions.py), and only then reads the frames, into a buffer of its pool that it reuses (`recv_into`). A message
 over the limits is refused before a byte of its frames is buffered, so a connection holds
 at most one message of the largest size allowed: no peer can make a process buffer more,
 however many frames it sends. What the bytes mean (sessions, tags) is sessions.py's.
@@ -25,12 +26,15 @@ import struct
 import sys
 import time
 
+from typing import Callable
+
 from distbelief.runtime import errors
 
 HELLO_MAGIC = b"DB-BULK1"
 HELLO = struct.Struct("<8s16sQ16s")     # magic, session id, counter, tag
 HEAD = struct.Struct("<16sQI")          # session id, counter, frame count
 LENGTH = struct.Struct("<I")
+HEAD_TAG = 16                           # an AES-GCM tag over HEAD and the lengths
 SOCKET_BUFFER = 4 << 20                 # kernel buffers: a pull of tens of MB in few wake-ups
 READ_CHUNK = 1 << 22                    # at most this much per recv_into: others get their turn
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -86,31 +90,39 @@ class Message:
 
 
 def pack_head(session_id: bytes, counter: int, lengths: list[int], into: memoryview) -> int:
-    """HEAD and the lengths written at the start of `into`; the bytes they take."""
+    """HEAD and the lengths written at the start of `into`; the bytes they take (the head's
+    tag goes right after them)."""
     HEAD.pack_into(into, 0, session_id, counter, len(lengths))
     for i, length in enumerate(lengths):
         LENGTH.pack_into(into, HEAD.size + i * LENGTH.size, length)
     return HEAD.size + len(lengths) * LENGTH.size
 
 
+# (the stream, HEAD and the lengths, their tag): raises BulkRejected unless the head is authentic
+HeadCheck = Callable[["Stream", bytes, bytes], None]
+
+
 class Stream:
     """One TCP connection of the bulk channel, non-blocking. pump() reads what has arrived
     (up to one whole message, kept until done()) and writes what is queued; `closed` once
-    the peer went away or broke the framing."""
+    the peer went away or broke the framing. check_head vets each message's head before a
+    buffer is taken for its frames (None: heads are taken as they come)."""
 
-    def __init__(self, sock: socket.socket, limits: Limits, pool: BufferPool, *, expects_hello: bool) -> None:
+    def __init__(self, sock: socket.socket, limits: Limits, pool: BufferPool, *, expects_hello: bool,
+                 check_head: HeadCheck | None = None) -> None:
         sock.setblocking(False)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
         self.sock, self.limits, self.pool, self.fd = sock, limits, pool, sock.fileno()
+        self.check_head = check_head
         self.closed, self.opened = False, time.monotonic()
         self.hello: bytes | None = None   # a hello read and not yet admit()ted: reading waits
         self.owner: object = None         # who the admitted hello proved the peer to be
         self.message: Message | None = None
         self._outbox: collections.deque[tuple[memoryview, bytearray | None]] = collections.deque()
-        self._small = bytearray(max(HELLO.size, HEAD.size + limits.max_frames * LENGTH.size))
+        self._small = bytearray(max(HELLO.size, HEAD.size + limits.max_frames * LENGTH.size + HEAD_TAG))
         self._expecting_hello = expects_hello
         self._reset()
 
@@ -218,7 +230,7 @@ class Stream:
         count = HEAD.unpack_from(self._small)[2]
         if not 1 <= count <= self.limits.max_frames:
             raise errors.BulkRejected(f"a message of {count} frames (at most {self.limits.max_frames} are taken)")
-        self._stage, self._need = "lengths", HEAD.size + count * LENGTH.size
+        self._stage, self._need = "lengths", HEAD.size + count * LENGTH.size + HEAD_TAG
 
     def _got_lengths(self) -> None:
         count = HEAD.unpack_from(self._small)[2]
@@ -226,6 +238,9 @@ class Stream:
         largest = max(self._lengths)
         if largest > self.limits.max_frame:
             raise errors.BulkRejected(f"a frame of {largest} bytes (at most {self.limits.max_frame} are taken)")
+        if self.check_head is not None:
+            head = HEAD.size + count * LENGTH.size
+            self.check_head(self, bytes(self._small[:head]), bytes(self._small[head:head + HEAD_TAG]))
         total = sum(self._lengths)
         self._body = self.pool.get(total)
         self._stage, self._need, self._filled = "body", total, 0

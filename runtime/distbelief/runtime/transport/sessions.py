@@ -10,8 +10,9 @@ framing (framing.py) to the server's bulk port, each message sealed here:
                       + the bulk port (2 bytes, little-endian; 0: no bulk channel here)
     hello             the first bytes of a bulk connection: the session id, a counter, and
                       a tag under the session key over them (the proof the server admits)
-    bulk message      HEAD (session id, counter, frame count), the lengths, then each frame
-                      sealed on its own: AES-256-GCM under the session key, nonce =
+    bulk message      HEAD (session id, counter, frame count), the lengths, a tag over
+                      both (checked before a byte of the frames is buffered), then each
+                      frame sealed on its own: AES-256-GCM under the session key, nonce =
                       direction, frame index, counter; associated data = session id and
                       counter, direction, frame count
 
@@ -53,6 +54,7 @@ GRANT = struct.Struct(f"<{len(SESSION_MAGIC)}s{ID_BYTES}s{KEY_BYTES}sH")
 NO_GRANT = GRANT.pack(SESSION_MAGIC, bytes(ID_BYTES), bytes(KEY_BYTES), 0)  # "no bulk channel here"
 TO_SERVER, TO_CLIENT = 0, 1
 HELLO_INDEX = 255        # the hello's frame index in its nonce: no message has that many frames
+HEAD_INDEX = 254         # a message head's, likewise
 MAX_SESSIONS = 4096      # per server; the least recently used goes first
 MAX_PER_PEER = 4         # per CurveZMQ connection (ZAP user and routing id)
 # A client asks for a fresh key after this many bytes under one (both ways): 2^32 AES
@@ -112,15 +114,31 @@ class Session:
         plain = [_bytes(frame) for frame in frames]
         lengths = [len(frame) + TAG_BYTES for frame in plain]
         head = framing.HEAD.size + framing.LENGTH.size * len(lengths)
-        buffer = pool.get(head + sum(lengths))
+        buffer = pool.get(head + framing.HEAD_TAG + sum(lengths))
         out = memoryview(buffer)
         offset = framing.pack_head(self.id, self.sent, lengths, out)
+        out[offset:offset + framing.HEAD_TAG] = self.head_tag(direction, self.sent, out[:offset])
+        offset += framing.HEAD_TAG
         aad = _aad(PREFIX.pack(self.id, self.sent), direction, len(plain))
         for i, frame in enumerate(plain):
             self._aead.encrypt_into(NONCE.pack(direction, i, self.sent), frame, aad, out[offset:offset + lengths[i]])
             offset += lengths[i]
         self.volume += sum(lengths) - TAG_BYTES * len(lengths)
         return out[:offset], buffer
+
+    def head_tag(self, direction: int, counter: int, head: Frame) -> bytes:
+        """The tag of a message's HEAD and lengths: so a receiver knows they are the sender's
+        before it takes a buffer for the frames they announce."""
+        return self._aead.encrypt(NONCE.pack(direction, HEAD_INDEX, counter), b"", bytes(head))
+
+    def check_head(self, direction: int, head: bytes, tag: bytes) -> None:
+        """BulkRejected unless `head` (HEAD and lengths) is a fresh one of this session, with its tag."""
+        session_id, counter, _ = framing.HEAD.unpack_from(head)
+        counter = self.counter_of(PREFIX.pack(session_id, counter))
+        try:
+            self._aead.decrypt(NONCE.pack(direction, HEAD_INDEX, counter), tag, head)
+        except InvalidTag as exc:
+            raise errors.BulkRejected("a message head that failed its authentication tag") from exc
 
     def counter_of(self, prefix: Frame) -> int:
         """The counter of a message of this session; BulkRejected if it is not above the last taken."""

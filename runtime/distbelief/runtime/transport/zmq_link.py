@@ -67,6 +67,13 @@ class Connection:
             return earlier
         return self.session
 
+    def check_head(self, _: framing.Stream, head: bytes, tag: bytes) -> None:
+        """A reply's head is one of this connection's sessions, fresh, with its tag (framing.HeadCheck)."""
+        session = self.session_of(head)
+        if session is None:
+            raise errors.BulkRejected("a reply of no session of this link")
+        session.check_head(sessions.TO_CLIENT, head, tag)
+
     def forget_session(self) -> None:
         """Its session, bulk connection and held requests dropped: the next request asks anew."""
         if self.bulk is not None:
@@ -305,7 +312,8 @@ class ZmqLink:
             log.warning("event=bulk_connect_failed peer=%r port=%d error=%r", conn.address, port, str(exc))
             conn.forget_session()
             return False
-        conn.bulk, conn.session = framing.Stream(sock, REPLY_LIMITS, self._pool, expects_hello=False), session
+        conn.bulk = framing.Stream(sock, REPLY_LIMITS, self._pool, expects_hello=False, check_head=conn.check_head)
+        conn.session = session
         conn.bulk_endpoint = f"tcp://{host}:{port}"
         conn.bulk.send(memoryview(session.hello()))
         return True
