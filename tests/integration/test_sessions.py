@@ -4,6 +4,7 @@ loopback; the attacker writes raw bytes to the bulk port, with or without a sess
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header
 
 from support.shards import LiveShards, start_shards
+from support.waiting import eventually
 
 LAYOUT = Layout.of([("w", (300, 7)), ("b", (7,))], shards=2)
 INITIAL = np.arange(LAYOUT.total, dtype=np.float32) / 1000
@@ -311,6 +313,45 @@ def test_a_frame_flood_is_refused_before_it_is_buffered(live: LiveShards, group:
     assert "a message of 40000 frames" in caplog.text and "at most" in caplog.text
     group._links[0].reconnect()  # its session's counter is behind what the floods used
     _still_serving(live, group, step=0)
+
+
+def test_replies_a_session_holder_never_reads_do_not_pile_up(tmp_path: Path, job_keys: keys.JobKeys) -> None:
+    """60 sealed pulls of a 10 MB slice, none of their replies read: the shard keeps at most
+    64 MiB of replies queued for the connection (600 MB without the bound), drops the rest,
+    and goes on serving others."""
+    layout = Layout.of([("w", (2_500_000,))], shards=1)
+    live = start_shards(tmp_path, layout, np.zeros(layout.total, np.float32), security=job_keys.server_security(),
+                        bulk_bind="tcp://127.0.0.1:*")
+    group = live.group(security=job_keys.client_options())
+    out = np.empty(layout.total, np.float32)
+    greedy = None
+    try:
+        Float32Dense(group).pull(out)
+        session, address = _session_of(group)
+        greedy = _proven(RawPeer(address), session)
+        greedy.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # it reads nothing
+        before = _rss_bytes()
+        pull = Header(op=dense.PULL.code, shard=0, layout=layout.hash)
+        for seq in range(60):
+            greedy.send(_seal(session, [dataclasses.replace(pull, seq=seq).pack()]))
+        pulls = live.shards[0].metrics.request_seconds("PULL")
+        eventually(lambda: _count(pulls) >= 61, 60, what="every pull answered (or dropped)")
+        grown = _rss_bytes() - before
+        assert grown < 150 * 1024 * 1024, f"RSS grew by {grown} bytes"
+        other = live.group(security=job_keys.client_options())
+        try:
+            assert [r.step for r in Float32Dense(other).pull(out)] == [0]  # and others are still served
+        finally:
+            other.close()
+    finally:
+        if greedy is not None:
+            greedy.close()
+        group.close()
+        live.stop()
+
+
+def _count(histogram) -> float:
+    return next(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
 
 
 def test_a_connection_that_never_proves_a_session_is_closed(live: LiveShards, group: ShardGroup,

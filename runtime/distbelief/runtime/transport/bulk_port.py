@@ -19,11 +19,12 @@ from typing import Sequence
 from distbelief.runtime import errors
 from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
 from distbelief.runtime.transport import framing, sessions
-from distbelief.runtime.transport.interface import Frame, Incoming
+from distbelief.runtime.transport.interface import Frame, Incoming, frames_nbytes
 
 MAX_UNPROVEN = 64        # connections without their hello yet; the oldest goes first
 HELLO_SECONDS = 10.0     # a connection's hello must come this soon
 SEND_HWM = 64            # replies queued for one connection before further ones are dropped
+SEND_HWM_BYTES = 64 << 20  # ...or this many bytes (one reply always gets in)
 POOL_KEEP = 2            # buffers kept for the next messages, across connections
 
 
@@ -60,9 +61,11 @@ class BulkPort:
 
     def send(self, session: sessions.Session, frames: Sequence[Frame]) -> bool:
         """A reply sealed and queued on the connection of the session's last request; False
-        when that connection is gone or its queue is full."""
+        when that connection is gone or its queue is full (a peer that does not read its
+        replies gets no more piled up for it)."""
         stream = session.route
-        if stream is None or stream.closed or stream.queued >= SEND_HWM:
+        if stream is None or stream.closed or stream.queued >= SEND_HWM or (
+                stream.queued and stream.queued_bytes + frames_nbytes(frames) > SEND_HWM_BYTES):
             return False
         data, buffer = session.seal_into(sessions.TO_CLIENT, frames, self._pool)
         stream.send(data, buffer)

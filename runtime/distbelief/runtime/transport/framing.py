@@ -122,6 +122,7 @@ class Stream:
         self.owner: object = None         # who the admitted hello proved the peer to be
         self.message: Message | None = None
         self._outbox: collections.deque[tuple[memoryview, bytearray | None]] = collections.deque()
+        self._queued_bytes = 0
         self._small = bytearray(max(HELLO.size, HEAD.size + limits.max_frames * LENGTH.size + HEAD_TAG))
         self._expecting_hello = expects_hello
         self._reset()
@@ -134,12 +135,17 @@ class Stream:
     def queued(self) -> int:
         return len(self._outbox)
 
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
     # -- writing --------------------------------------------------------------------------
 
     def send(self, data: memoryview, buffer: bytearray | None = None) -> None:
         """Queue `data` (a view of `buffer`, which goes back to the pool once sent) and write
         what the socket takes now."""
         self._outbox.append((data, buffer))
+        self._queued_bytes += len(data)
         self.flush()
 
     def flush(self) -> int:
@@ -155,6 +161,7 @@ class Stream:
                 self.close()
                 break
             written += sent
+            self._queued_bytes -= sent
             if sent < len(data):
                 self._outbox[0] = (data[sent:], buffer)
                 continue
@@ -261,6 +268,7 @@ class Stream:
                 if buffer is not None:
                     self.pool.release(buffer)
             self._outbox.clear()
+            self._queued_bytes = 0
 
 
 def listen(address: str) -> socket.socket:
