@@ -15,7 +15,7 @@ from distbelief.runtime import contract, errors
 from distbelief.runtime.algorithms.chief import WholeModel
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
-from distbelief.runtime.algorithms.pipeline.ops import FORWARD, Forward
+from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, PREFETCH, Forward, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import RendezvousLink
 from distbelief.runtime.model.job import Job
 from distbelief.runtime.model.models import evaluate
@@ -78,40 +78,79 @@ def test_a_group_that_loses_a_pod_applies_nothing_half_and_re_forms(cluster) -> 
     assert steps[0] == steps[1] >= 60
 
 
+class StageByHand:
+    """Partition 0 played by the test: joins a group with a running stage 1 and sends it
+    requests one at a time."""
+
+    def __init__(self, c, later) -> None:
+        self.c, self.width = c, later.stage.input_width
+        self.me = RendezvousLink(c.rendezvous.endpoint, partition=0, me="tester", worker_id=1, layout=c.layout.hash,
+                                 security=None, stop=threading.Event())
+        view = self.me.wait_for_group()
+        self.group = view["group"]
+        self.tp = zmq_transport.default()
+        self.link = self.tp.link(view["downstream"], None, watch=False)
+
+    def rows(self, labels: list[float]) -> np.ndarray:
+        return np.concatenate([np.zeros(len(labels) * self.width, np.float32), np.array(labels, np.float32)])
+
+    def forward(self, seq: int, group: int, body: np.ndarray, *, token: int = 5, flags: int = 0):
+        rows = body.size // (self.width + 1)
+        header = protocol.Header(op=FORWARD.code, shard=0, layout=self.c.layout.hash, seq=seq, count=body.size)
+        self.link.send([header.pack(), Forward(group, token, rows, self.width, flags).pack(), memoryview(body)])
+        assert self.tp.wait([self.link], 10.0)
+        received = self.link.receive()
+        return protocol.unpack_header(received.header), received
+
+    def prefetch(self, seq: int, token: int) -> None:
+        header = protocol.Header(op=PREFETCH.code, shard=0, layout=self.c.layout.hash, seq=seq)
+        self.link.send([header.pack(), Held(self.group, token).pack()])
+
+    def close(self) -> None:
+        self.link.close()
+        self.me.close()
+
+
 def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluster) -> None:
     c = cluster(2, 2)
     later = c.pod(1)
     thread = run_in_thread(later)
-    stop = threading.Event()
-    me = RendezvousLink(c.rendezvous.endpoint, partition=0, me="tester", worker_id=1, layout=c.layout.hash,
-                        security=None, stop=stop)
-    view = me.wait_for_group()
-    tp = zmq_transport.default()
-    link = tp.link(view["downstream"], None, watch=False)
-    width = later.stage.input_width
-    good = np.concatenate([np.zeros(4 * width, np.float32), np.array([1, 2, 3, 4], np.float32)])
-    bad_labels = good.copy()
-    bad_labels[-1] = 0.5
-
-    def forward(seq: int, group: int, body: np.ndarray, rows: int = 4):
-        header = protocol.Header(op=FORWARD.code, shard=0, layout=c.layout.hash, seq=seq, count=body.size)
-        link.send([header.pack(), Forward(group, 5, rows, width, 0).pack(), memoryview(body)])
-        assert tp.wait([link], 10.0)
-        received = link.receive()
-        return protocol.unpack_header(received.header), received
-
-    link.send([b"not a header"])  # dropped: nothing to address an answer to
-    assert not tp.wait([link], 0.5)
-    header, received = forward(1, view["group"] ^ 2, good)
+    tester = StageByHand(c, later)
+    good = tester.rows([1, 2, 3, 4])
+    bad_labels = tester.rows([1, 2, 3, 0.5])
+    tester.link.send([b"not a header"])  # dropped: nothing to address an answer to
+    assert not tester.tp.wait([tester.link], 0.5)
+    header, received = tester.forward(1, tester.group ^ 2, good)
     assert header.status == Status.ERROR and b"group" in bytes(received.frames[0])
-    header, received = forward(2, view["group"], bad_labels)
+    header, received = tester.forward(2, tester.group, bad_labels)
     assert header.status == Status.ERROR and b"labels" in bytes(received.frames[0])
-    header, received = forward(3, view["group"], good)
-    assert header.status == Status.OK and header.count == 4 * width
+    header, received = tester.forward(3, tester.group, good)
+    assert header.status == Status.OK and header.count == 4 * tester.width
     assert np.isfinite(protocol.float_view(received.frames[1], header.count)).all()
     assert c.steps() == [0, 0]  # no PUSH flag: nothing held, nothing applied
-    link.close()
-    me.close()
+    tester.close()
+    c.stop.set()
+    thread.join(timeout=10)
+
+
+def test_a_stage_pulls_on_prefetch_before_its_step_arrives_and_not_again_for_it(cluster) -> None:
+    c = cluster(2, 2)
+    later = c.pod(1)
+    thread = run_in_thread(later)
+    tester = StageByHand(c, later)
+    pulled = later.links.own.bytes_in
+    eventually(lambda: later.links.own.bytes_in > pulled, 10)   # the group's first pull
+    settled = later.links.own.bytes_in
+    tester.prefetch(1, token=7)
+    eventually(lambda: later.links.own.bytes_in - settled >= later.params.nbytes, 10)  # no FORWARD yet
+    prefetched = later.links.own.bytes_in
+    header, _ = tester.forward(2, tester.group, tester.rows([1, 2]), token=7, flags=FETCH)
+    assert header.status == Status.OK
+    assert later.links.own.bytes_in == prefetched   # the step used the prefetched parameters
+    header, _ = tester.forward(3, tester.group, tester.rows([1, 2]), token=8, flags=FETCH)
+    assert header.status == Status.OK
+    assert later.links.own.bytes_in - prefetched >= later.params.nbytes  # a step nobody announced pulls itself
+    tester.close()
     c.stop.set()
     thread.join(timeout=10)
 

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.algorithms.pipeline.ops import FORWARD, Backward, Forward
+from distbelief.runtime.algorithms.pipeline.ops import FORWARD, PREFETCH, Backward, Forward, Held
 from distbelief.runtime.transport import interface
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, Message, Status
@@ -46,6 +46,12 @@ class Neighbour:
         self._shape: tuple[int, int] = (0, 0)  # the activations of the step in flight
         self.bytes_in = self.bytes_out = 0
 
+    def notify(self, group: int, token: int) -> None:
+        """PREFETCH: the next stage starts pulling for the step `token` now (not answered)."""
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        header = Header(op=PREFETCH.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id)
+        self._send([header.pack(), Held(group, token).pack()])
+
     def forward(self, group: int, token: int, activations: np.ndarray, labels: np.ndarray, flags: int) -> Downstream:
         rows, width = self._shape = activations.shape
         self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -54,12 +60,14 @@ class Neighbour:
         body[rows * width:] = labels
         header = Header(op=FORWARD.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id,
                         count=body.size)
-        frames = [header.pack(), Forward(group, token, rows, width, flags).pack(), memoryview(body)]
+        self._send([header.pack(), Forward(group, token, rows, width, flags).pack(), memoryview(body)])
+        return self._answer(time.monotonic() + FORWARD_GIVE_UP_SECONDS)
+
+    def _send(self, frames: list) -> None:
         self._link.broke()  # a break before this request cost it nothing
         if not self._link.send(frames):
             raise errors.GroupBroken(f"the next stage at {self.address} is not taking requests")
         self.bytes_out += interface.frames_nbytes(frames)
-        return self._answer(time.monotonic() + FORWARD_GIVE_UP_SECONDS)
 
     def _answer(self, deadline: float) -> Downstream:
         while time.monotonic() < deadline:
@@ -105,10 +113,7 @@ def read_forward(message: Message, *, group: int, width: int, classes: int,
                  layout: int) -> tuple[np.ndarray, np.ndarray]:
     """(activations, labels) of a FORWARD to this stage; ProtocolError names what is wrong."""
     meta: Forward = message.meta
-    if message.header.layout != layout:
-        raise errors.LayoutMismatch(f"layout mismatch: peer has {message.header.layout:016x}, this stage {layout:016x}")
-    if meta.group != group:
-        raise errors.StateConflict(f"a step of group {meta.group:016x}; this stage is in group {group:016x}")
+    check_group(message, group=group, layout=layout)
     if meta.width != width or message.header.count != meta.values:
         raise errors.ProtocolError(f"a forward of width {meta.width} and {message.header.count} values; "
                                    f"this stage takes width {width}")
@@ -119,6 +124,14 @@ def read_forward(message: Message, *, group: int, width: int, classes: int,
     if not (labels == raw).all() or labels.min() < 0 or labels.max() >= classes:
         raise errors.ProtocolError(f"labels must be integers within 0..{classes - 1}")
     return activations, labels
+
+
+def check_group(message: Message, *, group: int, layout: int) -> None:
+    """A FORWARD's or PREFETCH's layout and group are this stage's; ProtocolError otherwise."""
+    if message.header.layout != layout:
+        raise errors.LayoutMismatch(f"layout mismatch: peer has {message.header.layout:016x}, this stage {layout:016x}")
+    if message.meta.group != group:
+        raise errors.StateConflict(f"a step of group {message.meta.group:016x}; this stage is in group {group:016x}")
 
 
 def forward_reply(request: Header, status: int, loss: float = 0.0, grad: np.ndarray | None = None) -> list:

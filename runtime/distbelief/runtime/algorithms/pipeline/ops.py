@@ -4,6 +4,9 @@ Between the pods of one replica group (stage k to stage k+1, on the stage port):
 
     FORWARD   stage k's output activations and the minibatch's labels
               -> d(loss)/d(those activations), and the loss of the stages after k
+    PREFETCH  "the step with this token will fetch": each stage passes it on and starts
+              pulling its parameters at once, not when the step's FORWARD reaches it
+              (no answer)
 
 Between a partition pod and the shards of its stage, and partition 0 and every shard
 (staged.py has the rules; every one names the group and its step's token):
@@ -102,3 +105,4 @@ APPLY_HELD = protocol.define(OpSpec(42, "APPLY_HELD", request=ApplyHeld, command
 JOIN_GROUP = protocol.define(OpSpec(43, "JOIN_GROUP", request=protocol.JsonObject, reply=protocol.JsonObject))
 PREPARE_HELD = protocol.define(OpSpec(44, "PREPARE_HELD", request=Held, command=True))
 DROP_HELD = protocol.define(OpSpec(45, "DROP_HELD", request=Held, command=True))
+PREFETCH = protocol.define(OpSpec(46, "PREFETCH", request=Held))

@@ -2,7 +2,8 @@
 every other partition.
 
     partition 0 (drives the group's steps)      partition k > 0 (answers FORWARDs)
-    pull its stage every fetchEvery steps       pull when the FORWARD says FETCH
+    pull its stage every fetchEvery steps,      pull when PREFETCH says a step will
+    after PREFETCH to the stages after it       fetch (a thread), pass it on
     forward its minibatch -> FORWARD to 1 ...   forward -> FORWARD to k+1 (the last
                                                 stage computes the loss instead)
     backward from the gradient that came back   backward, HOLD its gradient on a PUSH
@@ -17,6 +18,12 @@ stale somewhere, a shard without room to hold it, a part lost) is dropped on eve
 after a shard had no room (FULL) the group backs off before its next step. A group that
 breaks mid-step leaves nothing applied; its pods drop what they accumulated and join new
 groups.
+
+PREFETCH takes the later stages' pulls off the step's critical path: partition 0 sends it
+once the last step is settled (applied everywhere or dropped), so every stage pulls at
+the same moment as partition 0 itself, while partition 0 computes, and finds its
+parameters there when the step's FORWARD arrives. Each stage pulls what it pulled before
+(the state after the same commits), so the steps' staleness is unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent import futures
 from typing import Iterator
 
 import numpy as np
@@ -33,7 +41,7 @@ import numpy as np
 from distbelief.runtime import errors
 from distbelief.runtime.algorithms.pipeline import neighbour
 from distbelief.runtime.algorithms.pipeline.commit import Backoff, Commit, new_token
-from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, HOLD, PUSH, Held
+from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, HOLD, PREFETCH, PUSH, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import HEARTBEAT_SECONDS, RendezvousLink
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.data import Dataset, minibatches
@@ -233,9 +241,9 @@ class FirstPartition(PartitionPod):
         while not self.stop_requested.is_set():
             fetch = fetch or step % self.settings.fetch_every == 0
             push = (step + 1) % self.settings.push_every == 0
-            if fetch and self.pull():
-                return True
             token = new_token()
+            if fetch and self._fetch(token):
+                return True
             try:
                 downstream, loss, n = self._step(token, (FETCH if fetch else 0) | (PUSH if push else 0))
             except errors.GroupBroken:
@@ -257,6 +265,11 @@ class FirstPartition(PartitionPod):
                     self.backoff.reset()
             self.heartbeat()
         return False
+
+    def _fetch(self, token: int) -> bool:
+        """The later stages start pulling for the step (PREFETCH) as this stage pulls; True if the job is done."""
+        self._downstream.notify(self.group, token)
+        return self.pull()
 
     def _step(self, token: int, flags: int) -> tuple[neighbour.Downstream, float, int]:
         x, y = next(self.batches)
@@ -297,12 +310,23 @@ class LaterPartition(PartitionPod):
                  server: interface.Server, *, stop: threading.Event) -> None:
         super().__init__(settings, stage, links, metrics, stop=stop)
         self.server = server
+        self._puller = futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._prefetch: tuple[int, futures.Future[bool]] | None = None  # (the step's token, its pull)
 
     def close(self) -> None:
         super().close()
+        self._puller.shutdown(wait=True)
         self.server.close()
 
     def train(self) -> bool:
+        try:
+            return self._serve()
+        finally:  # the group is over: its pull in flight, if any, ends before the next group's
+            if self._prefetch is not None:
+                futures.wait([self._prefetch[1]])
+                self._prefetch = None
+
+    def _serve(self) -> bool:
         if self.pull():  # whatever the group's first FORWARD says, this pod computes from its shards' state
             return True
         while not self.stop_requested.is_set():
@@ -312,6 +336,28 @@ class LaterPartition(PartitionPod):
                     return True
             self.heartbeat()
         return False
+
+    def _start_prefetch(self, token: int) -> None:
+        """Pass PREFETCH on, and pull for the step `token` on the puller thread meanwhile."""
+        if self._downstream is not None:
+            self._downstream.notify(self.group, token)
+        self._take_prefetch()  # one pull at a time into self.params
+        self._prefetch = (token, self._puller.submit(self.pull))
+
+    def _take_prefetch(self) -> tuple[int, bool] | None:
+        """Wait for the pull in flight, if any: (its step's token, whether the job is done)."""
+        if self._prefetch is None:
+            return None
+        (token, pull), self._prefetch = self._prefetch, None
+        return token, pull.result()
+
+    def _fetch(self, token: int, flags: int) -> bool:
+        """Before a step uses the parameters or the shards, the pull in flight ends; a FETCH
+        step that it was not for pulls now. True if the job is done."""
+        prefetched = self._take_prefetch()
+        if prefetched is not None and (prefetched[0] == token or prefetched[1]):
+            return prefetched[1]
+        return bool(flags & FETCH) and self.pull()
 
     def _answer(self, incoming: interface.Incoming) -> bool:
         """Answer one FORWARD; True when the job is done."""
@@ -325,8 +371,12 @@ class LaterPartition(PartitionPod):
             return False
         try:
             message = protocol.parse_request(incoming.frames, header)
+            if message.spec is PREFETCH:
+                neighbour.check_group(message, group=self.group, layout=self.links.own.layout.hash)
+                self._start_prefetch(message.meta.token)
+                return False
             if message.spec is not FORWARD:
-                raise errors.NotServed(f"a stage serves FORWARD only, not {message.spec.name}")
+                raise errors.NotServed(f"a stage serves FORWARD and PREFETCH only, not {message.spec.name}")
             x, labels = neighbour.read_forward(message, group=self.group, width=self.stage.input_width,
                                                classes=self.settings.classes, layout=self.links.own.layout.hash)
         except errors.ProtocolError as exc:
@@ -338,7 +388,7 @@ class LaterPartition(PartitionPod):
         return status == Status.DONE
 
     def _step(self, meta, x: np.ndarray, labels: np.ndarray) -> tuple[int, float, np.ndarray | None]:
-        if meta.flags & FETCH and self.pull():
+        if self._fetch(meta.token, meta.flags):
             return Status.DONE, 0.0, None
         activations = self.stage.forward(self.params, x)
         if self._downstream is None:
