@@ -94,10 +94,12 @@ class StageByHand:
     def rows(self, labels: list[float]) -> np.ndarray:
         return np.concatenate([np.zeros(len(labels) * self.width, np.float32), np.array(labels, np.float32)])
 
-    def forward(self, seq: int, group: int, body: np.ndarray, *, token: int = 5, flags: int = 0):
+    def forward(self, seq: int, group: int, body: np.ndarray, *, token: int = 5, flags: int = 0, part: int = 0,
+                parts: int = 1):
         rows = body.size // (self.width + 1)
         header = protocol.Header(op=FORWARD.code, shard=0, layout=self.c.layout.hash, seq=seq, count=body.size)
-        self.link.send([header.pack(), Forward(group, token, rows, self.width, flags).pack(), memoryview(body)])
+        meta = Forward(group, token, rows, self.width, flags, part=part, parts=parts, step_rows=rows * parts)
+        self.link.send([header.pack(), meta.pack(), memoryview(body)])
         assert self.tp.wait([self.link], 10.0)
         received = self.link.receive()
         return protocol.unpack_header(received.header), received
@@ -124,10 +126,16 @@ def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluste
     assert header.status == Status.ERROR and b"group" in bytes(received.frames[0])
     header, received = tester.forward(2, tester.group, bad_labels)
     assert header.status == Status.ERROR and b"labels" in bytes(received.frames[0])
-    header, received = tester.forward(3, tester.group, good)
+    header, received = tester.forward(3, tester.group, good, part=1, parts=2)  # its step's first part never came
+    assert header.status == Status.ERROR and b"out of order" in bytes(received.frames[0])
+    header, received = tester.forward(4, tester.group, good)
     assert header.status == Status.OK and header.count == 4 * tester.width
     assert np.isfinite(protocol.float_view(received.frames[1], header.count)).all()
     assert c.steps() == [0, 0]  # no PUSH flag: nothing held, nothing applied
+    header, _ = tester.forward(5, tester.group, good, token=6, parts=2)  # the last stage answers each part
+    assert header.status == Status.OK
+    header, received = tester.forward(6, tester.group, good, token=9)
+    assert header.status == Status.ERROR and b"a new step while" in bytes(received.frames[0])
     tester.close()
     c.stop.set()
     thread.join(timeout=10)
@@ -138,8 +146,7 @@ def test_a_stage_pulls_on_prefetch_before_its_step_arrives_and_not_again_for_it(
     later = c.pod(1)
     thread = run_in_thread(later)
     tester = StageByHand(c, later)
-    pulled = later.links.own.bytes_in
-    eventually(lambda: later.links.own.bytes_in > pulled, 10)   # the group's first pull
+    eventually(lambda: later.links.own.bytes_in >= later.params.nbytes, 10)   # the group's first pull
     settled = later.links.own.bytes_in
     tester.prefetch(1, token=7)
     eventually(lambda: later.links.own.bytes_in - settled >= later.params.nbytes, 10)  # no FORWARD yet
@@ -155,11 +162,14 @@ def test_a_stage_pulls_on_prefetch_before_its_step_arrives_and_not_again_for_it(
     thread.join(timeout=10)
 
 
-def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cluster) -> None:
+@pytest.mark.parametrize("partitions,micro_batches", [(2, 1), (2, 4), (3, 5)])  # 5: micro-batches of 7 and 6 rows
+def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cluster, partitions: int,
+                                                              micro_batches: int) -> None:
     """One replica, one step at a time, same minibatches: the partitioned pods apply the same
-    updates as an unpartitioned worker, so they end at the same parameters and accuracy."""
+    updates as an unpartitioned worker, so they end at the same parameters and accuracy,
+    whether each minibatch goes through the stages whole or in micro-batches."""
     steps = 300
-    c = cluster(2, 2)
+    c = cluster(partitions, partitions)
     whole_layout = Layout.of(c.model.shapes, 2)
     whole = start_shards(tmp_path / "whole", whole_layout, c.model.init_params(0), learning_rate=0.05,
                          checkpoint_every=3600)
@@ -176,12 +186,12 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
         expected = np.concatenate([whole.params(i) for i in range(2)])
     finally:
         whole.stop()
-    pods = [c.pod(0, seed=0), c.pod(1)]
+    pods = [c.pod(0, seed=0, micro_batches=micro_batches), *(c.pod(k) for k in range(1, partitions))]
     c.shards.shards[0].step_reached = lambda step: step >= steps and c.stop.set()
     threads = [run_in_thread(p) for p in pods]
     for t in threads:
         t.join(timeout=120)
-    eventually(lambda: c.steps() == [steps, steps], 60)  # the last step's APPLY_HELD reached both shards
+    eventually(lambda: c.steps() == [steps] * partitions, 60)  # the last step's APPLY_HELD reached every shard
     np.testing.assert_allclose(c.params(), expected, rtol=1e-3, atol=1e-5)
     accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)[1]
     assert abs(accuracy - evaluate(c.model, expected, c.dataset.x_test, c.dataset.y_test)[1]) <= 0.01

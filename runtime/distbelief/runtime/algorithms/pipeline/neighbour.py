@@ -1,5 +1,9 @@
-"""Stage to stage: a partition pod's FORWARD to the next stage of its group, and the
+"""Stage to stage: a partition pod's FORWARDs to the next stage of its group, and the
 checks of a FORWARD a stage receives.
+
+A step's micro-batches are sent one after the other without waiting (send), so the next
+stage works on one while this one computes the next; their answers come back in order
+(answer).
 
 A FORWARD is not resent: a step whose downstream pod vanished is abandoned (its group
 breaks and nothing of the step is applied), so the link watches its connection and gives
@@ -10,6 +14,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Callable
@@ -43,7 +48,7 @@ class Neighbour:
         self._heartbeat = heartbeat
         self._link = tp.link(address, security, watch=True)
         self._seq = 0
-        self._shape: tuple[int, int] = (0, 0)  # the activations of the step in flight
+        self._in_flight: collections.deque[tuple[int, tuple[int, int]]] = collections.deque()  # (seq, shape), in order
         self.bytes_in = self.bytes_out = 0
 
     def notify(self, group: int, token: int) -> None:
@@ -52,16 +57,27 @@ class Neighbour:
         header = Header(op=PREFETCH.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id)
         self._send([header.pack(), Held(group, token).pack()])
 
-    def forward(self, group: int, token: int, activations: np.ndarray, labels: np.ndarray, flags: int) -> Downstream:
-        rows, width = self._shape = activations.shape
+    def send(self, group: int, token: int, activations: np.ndarray, labels: np.ndarray, *, flags: int,
+             part: int = 0, parts: int = 1, step_rows: int | None = None) -> None:
+        """FORWARD micro-batch `part` of `parts` of the step (of step_rows rows; these rows alone by default)."""
+        rows, width = activations.shape
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         body = np.empty(rows * width + rows, dtype=np.float32)
         body[:rows * width] = activations.ravel()
         body[rows * width:] = labels
         header = Header(op=FORWARD.code, shard=0, layout=self.layout, seq=self._seq, worker=self.worker_id,
                         count=body.size)
-        self._send([header.pack(), Forward(group, token, rows, width, flags).pack(), memoryview(body)])
-        return self._answer(time.monotonic() + FORWARD_GIVE_UP_SECONDS)
+        meta = Forward(group, token, rows, width, flags, part, parts, step_rows or rows)
+        self._send([header.pack(), meta.pack(), memoryview(body)])
+        self._in_flight.append((self._seq, (rows, width)))
+
+    def answer(self) -> Downstream:
+        """The answer to the oldest FORWARD not answered yet."""
+        if not self._in_flight:
+            raise RuntimeError("no FORWARD is waiting for its answer")
+        answer = self._answer(time.monotonic() + FORWARD_GIVE_UP_SECONDS)
+        self._in_flight.popleft()
+        return answer
 
     def _send(self, frames: list) -> None:
         self._link.broke()  # a break before this request cost it nothing
@@ -91,7 +107,8 @@ class Neighbour:
 
     def _parse(self, received: interface.Received) -> Downstream | None:
         header = protocol.unpack_header(received.header)
-        if header.seq != self._seq:
+        seq, shape = self._in_flight[0]
+        if header.seq != seq:
             return None  # an answer to an abandoned step
         if header.status == Status.ERROR:
             text = protocol.decode_text(received.frames[0]) if received.frames else ""
@@ -101,9 +118,9 @@ class Neighbour:
         if len(received.frames) != 2:
             raise errors.GroupBroken(f"the next stage at {self.address} answered without its gradient")
         loss = Backward.unpack(received.frames[0]).loss
-        if header.count != self._shape[0] * self._shape[1]:
-            raise errors.ProtocolError(f"a gradient of {header.count} values for activations of shape {self._shape}")
-        return Downstream(header.status, loss, protocol.float_view(received.frames[1], header.count).reshape(self._shape))
+        if header.count != shape[0] * shape[1]:
+            raise errors.ProtocolError(f"a gradient of {header.count} values for activations of shape {shape}")
+        return Downstream(header.status, loss, protocol.float_view(received.frames[1], header.count).reshape(shape))
 
     def close(self) -> None:
         self._link.close()

@@ -2,8 +2,11 @@
 
 Between the pods of one replica group (stage k to stage k+1, on the stage port):
 
-    FORWARD   stage k's output activations and the minibatch's labels
+    FORWARD   stage k's output activations and the labels of one micro-batch of a step
+              (the whole minibatch unless spec.model.microBatches > 1)
               -> d(loss)/d(those activations), and the loss of the stages after k
+              A step's micro-batches come in order, each sent before the one before it
+              was answered; the answers come back in the same order.
     PREFETCH  "the step with this token will fetch": each stage passes it on and starts
               pulling its parameters at once, not when the step's FORWARD reaches it
               (no answer)
@@ -38,24 +41,43 @@ FETCH = 1   # Forward.flags: pull the stage's parameters before computing this s
 PUSH = 2    # Forward.flags: hold the accumulated gradient on the shards after this step
 MAX_ROWS = 1 << 20
 MAX_WIDTH = 1 << 24
+MAX_MICRO_BATCHES = 64   # spec.model.microBatches' bound
 
 
 @dataclasses.dataclass(frozen=True)
 class Forward(protocol.Payload):
-    """One minibatch's activations: rows x width values, then rows labels (in the array)."""
+    """Micro-batch `part` of `parts` of a step of step_rows rows: rows x width activations,
+    then rows labels (in the array). FETCH comes with the first part, PUSH with the last."""
 
     group: int
     token: int
     rows: int
     width: int
     flags: int
-    FORMAT = struct.Struct("<QQIIB")
+    part: int
+    parts: int
+    step_rows: int
+    FORMAT = struct.Struct("<QQIIBHHI")
 
     def check(self) -> None:
-        if not (0 < self.rows <= MAX_ROWS and 0 < self.width <= MAX_WIDTH):
-            raise errors.ProtocolError(f"a forward of {self.rows} rows of width {self.width} is out of bounds")
+        if not (0 < self.rows <= self.step_rows <= MAX_ROWS and 0 < self.width <= MAX_WIDTH):
+            raise errors.ProtocolError(f"a forward of {self.rows} of {self.step_rows} rows of width {self.width} "
+                                       "is out of bounds")
         if self.flags & ~(FETCH | PUSH):
             raise errors.ProtocolError(f"unknown forward flags {self.flags:#x}")
+        if not 0 <= self.part < self.parts <= MAX_MICRO_BATCHES:
+            raise errors.ProtocolError(f"micro-batch {self.part} of {self.parts} (at most {MAX_MICRO_BATCHES})")
+        if (self.flags & FETCH and self.part > 0) or (self.flags & PUSH and not self.last):
+            raise errors.ProtocolError("FETCH goes with a step's first micro-batch, PUSH with its last")
+
+    @property
+    def last(self) -> bool:
+        return self.part == self.parts - 1
+
+    @property
+    def share(self) -> float:
+        """This micro-batch's fraction of its step's rows."""
+        return self.rows / self.step_rows
 
     @property
     def values(self) -> int:

@@ -19,6 +19,15 @@ after a shard had no room (FULL) the group backs off before its next step. A gro
 breaks mid-step leaves nothing applied; its pods drop what they accumulated and join new
 groups.
 
+With spec.model.microBatches M > 1 a step's minibatch goes down in M FORWARDs, GPipe's
+order: partition 0 computes and sends every part's forward before it waits for the first
+answer, each stage passes each part on as it comes and, once the last is passed on,
+computes each part's backward as its answer comes back and answers it at once. The parts'
+gradients add up to the minibatch's (stages.py) and are held once, with the last part.
+Every part of a step is computed from the step's one pull and the step is applied on
+every shard at once, so no part ever meets weights newer than its own: PipeDream's weight
+stashing (a copy of the weights per minibatch in flight) is not needed.
+
 PREFETCH takes the later stages' pulls off the step's critical path: partition 0 sends it
 once the last step is settled (applied everywhere or dropped), so every stage pulls at
 the same moment as partition 0 itself, while partition 0 computes, and finds its
@@ -33,7 +42,6 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent import futures
 from typing import Iterator
 
 import numpy as np
@@ -41,7 +49,7 @@ import numpy as np
 from distbelief.runtime import errors
 from distbelief.runtime.algorithms.pipeline import neighbour
 from distbelief.runtime.algorithms.pipeline.commit import Backoff, Commit, new_token
-from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, HOLD, PREFETCH, PUSH, Held
+from distbelief.runtime.algorithms.pipeline.ops import FETCH, HOLD, PUSH, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import HEARTBEAT_SECONDS, RendezvousLink
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.data import Dataset, minibatches
@@ -49,13 +57,11 @@ from distbelief.runtime.model.stages import Stage
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.transport import interface
-from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Status
 
 log = logging.getLogger(__name__)
 
 NON_FINITE_STEPS = 3  # pushes in a row behind a non-finite loss before the replica gives up
-SERVE_POLL_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,7 @@ class PodSettings:
     push_every: int = 1
     classes: int = 2
     seed: int | None = None
+    micro_batches: int = 1    # spec.model.microBatches: each minibatch goes through the stages in as many parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,13 +186,17 @@ class PartitionPod(abc.ABC):
         self.pulled_steps = [r.step for r in replies]
         return False
 
-    def compute(self, activations: list[np.ndarray], upstream: np.ndarray) -> tuple[float, np.ndarray | None]:
-        """Backward through the stage, the step's gradient added to the accumulated one."""
-        loss, input_grad = self.stage.backward(self.params, activations, upstream, self._step_grad)
+    def compute(self, activations: list[np.ndarray], upstream: np.ndarray, *, share: float = 1.0,
+                last: bool = True) -> tuple[float, np.ndarray | None]:
+        """Backward through the stage for one micro-batch (share: its fraction of the step's
+        rows; last: the step's last), its gradient added to the accumulated one."""
+        loss, input_grad = self.stage.backward(self.params, activations, upstream, self._step_grad, share=share,
+                                               l2=last)
         self.accumulated += self._step_grad
-        self.steps += 1
-        self.metrics.steps.inc()
-        self._count_traffic()
+        if last:
+            self.steps += 1
+            self.metrics.steps.inc()
+            self._count_traffic()
         return loss, input_grad
 
     def hold(self, token: int, downstream: int = Status.OK) -> int:
@@ -272,13 +283,25 @@ class FirstPartition(PartitionPod):
         return self.pull()
 
     def _step(self, token: int, flags: int) -> tuple[neighbour.Downstream, float, int]:
+        """One minibatch through the stages, micro-batch after micro-batch: every forward
+        first (the next stage works on one while this stage computes the next), then each
+        backward as its answer comes back. The last answer carries the step's status."""
         x, y = next(self.batches)
-        activations = self.stage.forward(self.params, x)
-        downstream = self._downstream.forward(self.group, token, activations[-1], y, flags)
-        if downstream.status == Status.DONE:
-            return downstream, 0.0, 0
-        loss, _ = self.compute(activations, downstream.grad)
-        loss += downstream.loss
+        parts = min(self.settings.micro_batches, len(x))
+        micro = list(zip(np.array_split(x, parts), np.array_split(y, parts)))
+        stashed = []
+        for part, (xm, ym) in enumerate(micro):
+            stashed.append(self.stage.forward(self.params, xm))
+            part_flags = (flags & FETCH if part == 0 else 0) | (flags & PUSH if part == parts - 1 else 0)
+            self._downstream.send(self.group, token, stashed[-1][-1], ym, flags=part_flags, part=part, parts=parts,
+                                  step_rows=len(x))
+        loss = 0.0
+        for part, ((xm, _), activations) in enumerate(zip(micro, stashed)):
+            downstream = self._downstream.answer()
+            if downstream.status == Status.DONE:
+                return downstream, 0.0, 0
+            own, _ = self.compute(activations, downstream.grad, share=len(xm) / len(x), last=part == parts - 1)
+            loss += own + downstream.loss
         self.metrics.examples.inc(len(x))
         self.metrics.loss.set(loss)
         return downstream, loss, len(x)
@@ -301,108 +324,3 @@ class FirstPartition(PartitionPod):
         if self._non_finite >= NON_FINITE_STEPS:
             raise errors.Diverged(f"the training loss was {loss} for {self._non_finite} steps in a row: "
                                   "lower spec.training.learningRate, or check the data")
-
-
-class LaterPartition(PartitionPod):
-    """Partition k > 0: answers its group's FORWARDs from partition k-1."""
-
-    def __init__(self, settings: PodSettings, stage: Stage, links: PodLinks, metrics: WorkerMetrics,
-                 server: interface.Server, *, stop: threading.Event) -> None:
-        super().__init__(settings, stage, links, metrics, stop=stop)
-        self.server = server
-        self._puller = futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-        self._prefetch: tuple[int, futures.Future[bool]] | None = None  # (the step's token, its pull)
-
-    def close(self) -> None:
-        super().close()
-        self._puller.shutdown(wait=True)
-        self.server.close()
-
-    def train(self) -> bool:
-        try:
-            return self._serve()
-        finally:  # the group is over: its pull in flight, if any, ends before the next group's
-            if self._prefetch is not None:
-                futures.wait([self._prefetch[1]])
-                self._prefetch = None
-
-    def _serve(self) -> bool:
-        if self.pull():  # whatever the group's first FORWARD says, this pod computes from its shards' state
-            return True
-        while not self.stop_requested.is_set():
-            if self.server.poll(SERVE_POLL_SECONDS):
-                incoming = self.server.receive()
-                if incoming is not None and self._answer(incoming):
-                    return True
-            self.heartbeat()
-        return False
-
-    def _start_prefetch(self, token: int) -> None:
-        """Pass PREFETCH on, and pull for the step `token` on the puller thread meanwhile."""
-        if self._downstream is not None:
-            self._downstream.notify(self.group, token)
-        self._take_prefetch()  # one pull at a time into self.params
-        self._prefetch = (token, self._puller.submit(self.pull))
-
-    def _take_prefetch(self) -> tuple[int, bool] | None:
-        """Wait for the pull in flight, if any: (its step's token, whether the job is done)."""
-        if self._prefetch is None:
-            return None
-        (token, pull), self._prefetch = self._prefetch, None
-        return token, pull.result()
-
-    def _fetch(self, token: int, flags: int) -> bool:
-        """Before a step uses the parameters or the shards, the pull in flight ends; a FETCH
-        step that it was not for pulls now. True if the job is done."""
-        prefetched = self._take_prefetch()
-        if prefetched is not None and (prefetched[0] == token or prefetched[1]):
-            return prefetched[1]
-        return bool(flags & FETCH) and self.pull()
-
-    def _answer(self, incoming: interface.Incoming) -> bool:
-        """Answer one FORWARD; True when the job is done."""
-        self.metrics.bytes_in.inc(incoming.nbytes)
-        try:
-            if not incoming.frames:
-                raise errors.ProtocolError("an empty message")
-            header = protocol.unpack_header(incoming.frames[0])
-        except errors.ProtocolError as exc:  # no header to address an answer to: dropped
-            log.warning("event=rejected role=stage partition=%d reason=%r", self.stage.index, str(exc))
-            return False
-        try:
-            message = protocol.parse_request(incoming.frames, header)
-            if message.spec is PREFETCH:
-                neighbour.check_group(message, group=self.group, layout=self.links.own.layout.hash)
-                self._start_prefetch(message.meta.token)
-                return False
-            if message.spec is not FORWARD:
-                raise errors.NotServed(f"a stage serves FORWARD and PREFETCH only, not {message.spec.name}")
-            x, labels = neighbour.read_forward(message, group=self.group, width=self.stage.input_width,
-                                               classes=self.settings.classes, layout=self.links.own.layout.hash)
-        except errors.ProtocolError as exc:
-            log.warning("event=rejected role=stage partition=%d reason=%r", self.stage.index, str(exc))
-            self._send(incoming.peer, protocol.error_frames(header, protocol.error_code(exc), str(exc)))
-            return False
-        status, loss, grad = self._step(message.meta, x, labels)
-        self._send(incoming.peer, neighbour.forward_reply(message.header, status, loss, grad))
-        return status == Status.DONE
-
-    def _step(self, meta, x: np.ndarray, labels: np.ndarray) -> tuple[int, float, np.ndarray | None]:
-        if self._fetch(meta.token, meta.flags):
-            return Status.DONE, 0.0, None
-        activations = self.stage.forward(self.params, x)
-        if self._downstream is None:
-            status, downstream_loss, upstream = Status.OK, 0.0, labels
-        else:
-            answer = self._downstream.forward(self.group, meta.token, activations[-1], labels, meta.flags)
-            if answer.status == Status.DONE:
-                return Status.DONE, 0.0, None
-            status, downstream_loss, upstream = answer.status, answer.loss, answer.grad
-        loss, input_grad = self.compute(activations, upstream)
-        if meta.flags & PUSH:
-            status = self.hold(meta.token, status)
-        return status, loss + downstream_loss, input_grad
-
-    def _send(self, peer: bytes, frames: list) -> None:
-        if self.server.send(peer, frames):
-            self.metrics.bytes_out.inc(interface.frames_nbytes(frames))
