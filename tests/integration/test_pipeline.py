@@ -15,7 +15,8 @@ from distbelief.runtime import contract, errors
 from distbelief.runtime.algorithms.chief import WholeModel
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
-from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, PREFETCH, Forward, Held
+from distbelief.runtime.algorithms.pipeline import staged
+from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, PREFETCH, PUSH, Forward, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import RendezvousLink
 from distbelief.runtime.model.job import Job
 from distbelief.runtime.model.models import evaluate
@@ -100,6 +101,9 @@ class StageByHand:
         header = protocol.Header(op=FORWARD.code, shard=0, layout=self.c.layout.hash, seq=seq, count=body.size)
         meta = Forward(group, token, rows, self.width, flags, part=part, parts=parts, step_rows=rows * parts)
         self.link.send([header.pack(), meta.pack(), memoryview(body)])
+        return self.receive()
+
+    def receive(self):
         assert self.tp.wait([self.link], 10.0)
         received = self.link.receive()
         return protocol.unpack_header(received.header), received
@@ -136,6 +140,24 @@ def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluste
     assert header.status == Status.OK
     header, received = tester.forward(6, tester.group, good, token=9)
     assert header.status == Status.ERROR and b"a new step while" in bytes(received.frames[0])
+    tester.close()
+    c.stop.set()
+    thread.join(timeout=10)
+
+
+def test_a_stage_answers_a_push_with_its_gradient_then_with_its_hold_status(cluster) -> None:
+    """The gradient goes back before the stage holds its own (so the stage before it
+    computes meanwhile); the second answer comes once the hold is on its shards."""
+    c = cluster(2, 2)
+    later = c.pod(1)
+    thread = run_in_thread(later)
+    tester = StageByHand(c, later)
+    header, received = tester.forward(1, tester.group, tester.rows([1, 2, 3]), token=11, flags=FETCH | PUSH)
+    assert header.status == Status.OK and header.count == 3 * tester.width and len(received.frames) == 2
+    header, received = tester.receive()
+    assert header.seq == 1 and header.status == Status.OK and received.frames == []
+    assert [h.token for h in c.shards.shards[1].plugin(staged.HeldGradients).held.values()] == [11]
+    assert c.steps() == [0, 0]  # held, not applied: that is partition 0's to commit
     tester.close()
     c.stop.set()
     thread.join(timeout=10)

@@ -14,7 +14,7 @@ import numpy as np
 from distbelief.runtime import errors
 from distbelief.runtime.algorithms.pipeline import neighbour
 from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, PREFETCH, PUSH, Forward
-from distbelief.runtime.algorithms.pipeline.replica import PartitionPod, PodLinks, PodSettings
+from distbelief.runtime.algorithms.pipeline.replica import PartitionPod, PodLinks, PodSettings, worst
 from distbelief.runtime.model.stages import Stage
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.transport import interface
@@ -159,28 +159,34 @@ class LaterPartition(PartitionPod):
         return False
 
     def _answer_pending(self) -> bool:
-        """Backward through the micro-batches passed on, in order, answering each as it is done."""
+        """Backward through the micro-batches passed on, in order, answering each as it is
+        done; after a PUSH part's gradient, its HOLD status. True when the job is done."""
         pending, self._pending = self._pending, []
         for micro in pending:
             status, loss, grad = self._backward(micro)
             self._send(micro.peer, neighbour.forward_reply(micro.header, status, loss, grad))
             if status == Status.DONE:
                 return True
-        return False
+        last = pending[-1]
+        if not last.meta.flags & PUSH:
+            return False
+        held = self.hold(last.meta.token)  # while the stages before this one compute their backward
+        if self._downstream is not None:
+            held = worst([held, self._downstream.held()])
+        self._send(last.peer, neighbour.held_reply(last.header, held))
+        return held == Status.DONE
 
     def _backward(self, micro: MicroBatch) -> tuple[int, float, np.ndarray | None]:
         meta = micro.meta
         if self._downstream is None:
-            status, downstream_loss, upstream = Status.OK, 0.0, micro.labels
+            downstream_loss, upstream = 0.0, micro.labels
         else:
             answer = self._downstream.answer()
             if answer.status == Status.DONE:
                 return Status.DONE, 0.0, None
-            status, downstream_loss, upstream = answer.status, answer.loss, answer.grad
+            downstream_loss, upstream = answer.loss, answer.grad
         loss, input_grad = self.compute(micro.activations, upstream, share=meta.share, last=meta.last)
-        if meta.flags & PUSH:
-            status = self.hold(meta.token, status)
-        return status, loss + downstream_loss, input_grad
+        return Status.OK, loss + downstream_loss, input_grad
 
     def _send(self, peer: bytes, frames: list) -> None:
         if self.server.send(peer, frames):

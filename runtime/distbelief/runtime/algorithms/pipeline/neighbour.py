@@ -3,7 +3,9 @@ checks of a FORWARD a stage receives.
 
 A step's micro-batches are sent one after the other without waiting (send), so the next
 stage works on one while this one computes the next; their answers come back in order
-(answer).
+(answer). A step's PUSH part is answered twice: first with its gradient, so that this
+stage computes its backward while the stages after it HOLD theirs, then with the worst
+status of those HOLDs (held).
 
 A FORWARD is not resent: a step whose downstream pod vanished is abandoned (its group
 breaks and nothing of the step is applied), so the link watches its connection and gives
@@ -22,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.algorithms.pipeline.ops import FORWARD, PREFETCH, Backward, Forward, Held
+from distbelief.runtime.algorithms.pipeline.ops import FORWARD, PREFETCH, PUSH, Backward, Forward, Held
 from distbelief.runtime.transport import interface
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header, Message, Status
@@ -48,7 +50,8 @@ class Neighbour:
         self._heartbeat = heartbeat
         self._link = tp.link(address, security, watch=True)
         self._seq = 0
-        self._in_flight: collections.deque[tuple[int, tuple[int, int]]] = collections.deque()  # (seq, shape), in order
+        self._in_flight: collections.deque[tuple[int, tuple[int, int], bool]] = collections.deque()  # (seq, shape, push)
+        self._holding: int | None = None  # the seq of the PUSH part whose HOLD status is still to come
         self.bytes_in = self.bytes_out = 0
 
     def notify(self, group: int, token: int) -> None:
@@ -69,15 +72,26 @@ class Neighbour:
                         count=body.size)
         meta = Forward(group, token, rows, width, flags, part, parts, step_rows or rows)
         self._send([header.pack(), meta.pack(), memoryview(body)])
-        self._in_flight.append((self._seq, (rows, width)))
+        self._in_flight.append((self._seq, (rows, width), bool(flags & PUSH)))
 
     def answer(self) -> Downstream:
-        """The answer to the oldest FORWARD not answered yet."""
+        """The gradient answering the oldest FORWARD not answered yet."""
         if not self._in_flight:
             raise RuntimeError("no FORWARD is waiting for its answer")
-        answer = self._answer(time.monotonic() + FORWARD_GIVE_UP_SECONDS)
+        seq, shape, push = self._in_flight[0]
+        answer = self._answer(seq, shape)
         self._in_flight.popleft()
+        if push and answer.status != Status.DONE:
+            self._holding = seq
         return answer
+
+    def held(self) -> int:
+        """The worst HOLD status of the stages after this one for the last PUSH part answered:
+        OK, STALE, FULL or DONE."""
+        if self._holding is None:
+            raise RuntimeError("no PUSH part is waiting for its HOLD status")
+        seq, self._holding = self._holding, None
+        return self._answer(seq, None).status
 
     def _send(self, frames: list) -> None:
         self._link.broke()  # a break before this request cost it nothing
@@ -85,13 +99,14 @@ class Neighbour:
             raise errors.GroupBroken(f"the next stage at {self.address} is not taking requests")
         self.bytes_out += interface.frames_nbytes(frames)
 
-    def _answer(self, deadline: float) -> Downstream:
+    def _answer(self, seq: int, shape: tuple[int, int] | None) -> Downstream:
+        deadline = time.monotonic() + FORWARD_GIVE_UP_SECONDS
         while time.monotonic() < deadline:
             ready = self._transport.wait([self._link], WAIT_SLICE_SECONDS)
             if self._link.readable(ready):
                 received = self._link.receive()
                 self.bytes_in += received.nbytes
-                answer = self._read(received)
+                answer = self._read(received, seq, shape)
                 if answer is not None:
                     return answer
             elif self._link.broke(ready):
@@ -99,15 +114,15 @@ class Neighbour:
             self._heartbeat()
         raise errors.GroupBroken(f"the next stage at {self.address} did not answer for {FORWARD_GIVE_UP_SECONDS:.0f} s")
 
-    def _read(self, received: interface.Received) -> Downstream | None:
+    def _read(self, received: interface.Received, seq: int, shape: tuple[int, int] | None) -> Downstream | None:
         try:
-            return self._parse(received)
+            return self._parse(received, seq, shape)
         except errors.ProtocolError as exc:
             raise errors.GroupBroken(f"the next stage at {self.address} answered unreadably: {exc}") from exc
 
-    def _parse(self, received: interface.Received) -> Downstream | None:
+    def _parse(self, received: interface.Received, seq: int, shape: tuple[int, int] | None) -> Downstream | None:
+        """The answer to FORWARD seq: its gradient for activations of `shape`, or (shape None) its HOLD status."""
         header = protocol.unpack_header(received.header)
-        seq, shape = self._in_flight[0]
         if header.seq != seq:
             return None  # an answer to an abandoned step
         if header.status == Status.ERROR:
@@ -115,6 +130,10 @@ class Neighbour:
             raise errors.GroupBroken(f"the next stage at {self.address} refused the step: {text}")
         if header.status == Status.DONE:
             return Downstream(Status.DONE)
+        if shape is None:
+            if received.frames:
+                raise errors.GroupBroken(f"the next stage at {self.address} answered with more than its HOLD status")
+            return Downstream(header.status)
         if len(received.frames) != 2:
             raise errors.GroupBroken(f"the next stage at {self.address} answered without its gradient")
         loss = Backward.unpack(received.frames[0]).loss
@@ -149,6 +168,11 @@ def check_group(message: Message, *, group: int, layout: int) -> None:
         raise errors.LayoutMismatch(f"layout mismatch: peer has {message.header.layout:016x}, this stage {layout:016x}")
     if message.meta.group != group:
         raise errors.StateConflict(f"a step of group {message.meta.group:016x}; this stage is in group {group:016x}")
+
+
+def held_reply(request: Header, status: int) -> list:
+    """The second answer to a PUSH part: the worst HOLD status of this stage and those after it."""
+    return protocol.reply_frames(request, step=0, status=status)
 
 
 def forward_reply(request: Header, status: int, loss: float = 0.0, grad: np.ndarray | None = None) -> list:

@@ -6,7 +6,9 @@ Between the pods of one replica group (stage k to stage k+1, on the stage port):
               (the whole minibatch unless spec.model.microBatches > 1)
               -> d(loss)/d(those activations), and the loss of the stages after k
               A step's micro-batches come in order, each sent before the one before it
-              was answered; the answers come back in the same order.
+              was answered; the answers come back in the same order. A PUSH part is
+              answered twice: its gradient, then (once this stage and those after it
+              held theirs) the worst of their HOLD statuses, with no payload.
     PREFETCH  "the step with this token will fetch": each stage passes it on and starts
               pulling its parameters at once, not when the step's FORWARD reaches it
               (no answer)

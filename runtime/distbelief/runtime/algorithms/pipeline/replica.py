@@ -6,14 +6,16 @@ every other partition.
     after PREFETCH to the stages after it       fetch (a thread), pass it on
     forward its minibatch -> FORWARD to 1 ...   forward -> FORWARD to k+1 (the last
                                                 stage computes the loss instead)
-    backward from the gradient that came back   backward, HOLD its gradient on a PUSH
-    HOLD, then PREPARE_HELD and APPLY_HELD      step, answer k-1 with d(loss)/d(input)
-    on every shard (or DROP_HELD)
+    backward from the gradient that came back   backward, answer k-1 with d(loss)/d(input);
+    HOLD, wait for the others' HOLD status,     on a PUSH step HOLD its gradient, then
+    then PREPARE_HELD and APPLY_HELD on every   answer k-1 again with the worst HOLD
+    shard (or DROP_HELD)                        status of its own and k+1's
 
-Each pod pulls from and holds gradients on only the shards of its own stage. A step
-counts (its update applied on every shard) only once partition 0 sends APPLY_HELD, which
-it does after the backward pass reached it (every stage's gradient is then held) and
-every shard pinned its part (PREPARE_HELD, staged.py). A step that is not applied (too
+Each pod pulls from and holds gradients on only the shards of its own stage. Every stage
+holds its gradient as soon as its backward is done, while the stages before it compute
+theirs, so the holds run at once rather than one after another. A step counts (its update
+applied on every shard) only once partition 0 sends APPLY_HELD, which it does after every
+stage's HOLD status reached it and every shard pinned its part (PREPARE_HELD, staged.py). A step that is not applied (too
 stale somewhere, a shard without room to hold it, a part lost) is dropped on every shard;
 after a shard had no room (FULL) the group backs off before its next step. A group that
 breaks mid-step leaves nothing applied; its pods drop what they accumulated and join new
@@ -38,11 +40,12 @@ parameters there when the step's FORWARD arrives. Each stage pulls what it pulle
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -84,6 +87,12 @@ class PodLinks:
     transport: interface.Transport
     stage_security: dict | None
     everyone: ShardGroup | None = None
+
+
+def worst(statuses: Iterable[int]) -> int:
+    """Of a step's HOLD statuses, the one that decides it: DONE, FULL, STALE, else OK."""
+    seen = set(statuses)
+    return next((s for s in (Status.DONE, Status.FULL, Status.STALE) if s in seen), Status.OK)
 
 
 class PartitionPod(abc.ABC):
@@ -199,21 +208,16 @@ class PartitionPod(abc.ABC):
             self._count_traffic()
         return loss, input_grad
 
-    def hold(self, token: int, downstream: int = Status.OK) -> int:
+    def hold(self, token: int) -> int:
         """Hold the accumulated gradient on this stage's shards: OK, STALE, FULL (a shard
-        had no room for it) or DONE. If the stages downstream did not hold theirs
-        (downstream is not OK), the step will not be applied: the gradient is dropped and
-        downstream's status returned."""
-        if downstream != Status.OK:
-            self.accumulated[...] = 0
-            return downstream
+        had no room for it) or DONE. Every stage holds its part at once, whatever the
+        others' came to: a step that is not applied is dropped on every shard after."""
         started = time.perf_counter()
         replies = self.links.own.request(HOLD, meta=Held(self.group, token), array=self.accumulated,
                                          steps=self.pulled_steps)
         self.metrics.push_seconds.observe(time.perf_counter() - started)
         self.accumulated[...] = 0
-        statuses = {r.header.status for r in replies}
-        return next((s for s in (Status.DONE, Status.FULL, Status.STALE) if s in statuses), Status.OK)
+        return worst(r.header.status for r in replies)
 
     def _count_traffic(self) -> None:
         """What this pod's clients moved since the last count, into its metrics."""
@@ -255,17 +259,13 @@ class FirstPartition(PartitionPod):
             token = new_token()
             if fetch and self._fetch(token):
                 return True
-            try:
+            with self._dropped_on_break(token) if push else contextlib.nullcontext():
                 downstream, loss, n = self._step(token, (FETCH if fetch else 0) | (PUSH if push else 0))
-            except errors.GroupBroken:
-                if push:  # the stages after the break may hold the step: free their room now
-                    self.commits.drop(self.group, token, Status.STALE)
-                raise
             if downstream.status == Status.DONE:
                 return True
             examples, loss_sum, step, fetch = examples + n, loss_sum + loss * n, step + 1, False
             if push:
-                outcome = self._commit(token, downstream.status, examples, loss_sum / examples)
+                outcome = self._commit(token, examples, loss_sum / examples)
                 if outcome == Status.DONE:
                     return True
                 fetch, examples, loss_sum = outcome != Status.OK, 0, 0.0
@@ -306,16 +306,27 @@ class FirstPartition(PartitionPod):
         self.metrics.loss.set(loss)
         return downstream, loss, len(x)
 
-    def _commit(self, token: int, downstream: int, examples: int, loss: float) -> int:
+    def _commit(self, token: int, examples: int, loss: float) -> int:
         """Apply the step on every shard or on none (commit.py): OK, STALE, FULL or DONE."""
+        with self._dropped_on_break(token):
+            own = self.hold(token) if np.isfinite(loss) else Status.STALE  # a shard would refuse it
+            held = worst([own, self._downstream.held()])  # every stage held its part meanwhile
         if not np.isfinite(loss):
             self._drop_non_finite(loss)
             return self.commits.drop(self.group, token, Status.STALE)
         self._non_finite = 0
-        held = self.hold(token, downstream)
         if held == Status.STALE:
             self.metrics.stale.inc()
         return self.commits.settle(self.group, token, held, examples=examples, loss=loss)
+
+    @contextlib.contextmanager
+    def _dropped_on_break(self, token: int) -> Iterator[None]:
+        """A group that breaks during a step may have left it held on some shards: free that room now."""
+        try:
+            yield
+        except errors.GroupBroken:
+            self.commits.drop(self.group, token, Status.STALE)
+            raise
 
     def _drop_non_finite(self, loss: float) -> None:
         self._non_finite += 1
