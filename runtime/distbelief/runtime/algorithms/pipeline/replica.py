@@ -285,7 +285,7 @@ class FirstPartition(PartitionPod):
     def _step(self, token: int, flags: int) -> tuple[neighbour.Downstream, float, int]:
         """One minibatch through the stages, micro-batch after micro-batch: every forward
         first (the next stage works on one while this stage computes the next), then each
-        backward as its answer comes back. The last answer carries the step's status."""
+        backward as its answer comes back. Its HOLD statuses come after (_commit)."""
         x, y = next(self.batches)
         parts = min(self.settings.micro_batches, len(x))
         micro = list(zip(np.array_split(x, parts), np.array_split(y, parts)))
