@@ -2,7 +2,8 @@
 """Model-parallel replicas: what each pod holds and moves, the pipeline's cost, and the
 largest model that trains under a per-pod memory limit.
 
-    python benchmarks/partition_bench.py [--runs 3] [--what pods|accuracy|limit|all] [--json out.json]
+    python benchmarks/partition_bench.py [--runs 3] [--what pods|accuracy|limit|all] [--micro-batches M]
+                                         [--json out.json]
 
 Figures (merged into --json under "partitions"):
 
@@ -10,7 +11,9 @@ Figures (merged into --json under "partitions"):
                          parameters, 95 MB) over 4 shards, as 1, 2 or 4 partitions (local
                          mode, encryption on, batch 32, fetchEvery = pushEvery = 1):
                          every worker pod's peakRssBytes and bytes moved per step
-                         ((bytesIn + bytesOut) / globalStep), from report.json
+                         ((bytesIn + bytesOut) / globalStep), from report.json; with
+                         --micro-batches M, N = 2 and 4 split each minibatch into M
+                         micro-batches (spec.model.microBatches)
   updates_per_s.N{1,2,4} the job's steady global steps per second (history.jsonl, after a
                          warm-up), beside single_process: the same model, batch and
                          optimizer in one plain process on one thread
@@ -22,8 +25,8 @@ Figures (merged into --json under "partitions"):
                          steps, unpartitioned and with 4 partitions over 4 shards, and the
                          first W that does not (with the pod that was OOMKilled)
 
-Two cores run every process of a job here, so the updates/s figures show what the
-pipeline costs, not a speed-up: a partitioned replica computes one stage at a time.
+Two cores run every process of a job here, so the updates/s figures show mostly what the
+pipeline costs: at most two of a replica's stages (and its shards) can compute at once.
 """
 from __future__ import annotations
 
@@ -51,11 +54,14 @@ WIDTHS = [4000, 6000, 8000, 10000, 12000]
 LIMIT, LIMIT_STEPS = "2Gi", 3
 
 
-def job(name: str, partitions: int, hidden: list[int], features: int, *, steps: int, memory: str) -> dict:
+def job(name: str, partitions: int, hidden: list[int], features: int, *, steps: int, memory: str,
+        micro_batches: int = 1) -> dict:
     doc = yaml.safe_load((HERE.parent / "examples" / "digits-mlp.yaml").read_text())
     doc["metadata"]["name"] = name
     s = doc["spec"]
     s["model"] = {"type": "mlp", "hiddenLayers": hidden, "activation": "relu", "partitions": partitions}
+    if partitions > 1:
+        s["model"]["microBatches"] = micro_batches
     s["data"] = {"source": f"synthetic:features={features},classes=10,samples=512,seed=1"
                  if features != FEATURES else SOURCE, "testFraction": 0.1, "maxEvalExamples": 128}
     s["training"].update({"batchSize": BATCH, "fetchEvery": 1, "pushEvery": 1, "maxSteps": steps,
@@ -83,12 +89,12 @@ def steady_steps_per_s(history: list[dict], warmup_s: float) -> float:
     return (warm[-1]["step"] - warm[0]["step"]) / (warm[-1]["time"] - warm[0]["time"])
 
 
-def measure_pods(runs: int, failures: list[dict]) -> dict:
+def measure_pods(runs: int, failures: list[dict], micro_batches: int = 1) -> dict:
     def one(partitions: int):
         def measure(_: int) -> dict:
             with tempfile.TemporaryDirectory() as tmp:
                 code, summary, history = run(job(f"pods-n{partitions}", partitions, HIDDEN, FEATURES, steps=STEPS,
-                                                 memory="4Gi"), Path(tmp))
+                                                 memory="4Gi", micro_batches=micro_batches), Path(tmp))
             if code != 0:
                 raise RunFailed(f"partitions={partitions}: {summary.get('reason')}", code)
             steps = summary["globalStep"]
@@ -99,7 +105,7 @@ def measure_pods(runs: int, failures: list[dict]) -> dict:
     values = interleaved(runs, {f"N{n}": one(n) for n in (1, 2, 4)}, failures, what="partitions ")
     single = [e2e_bench.baseline_rate(job("plain", 1, HIDDEN, FEATURES, steps=1, memory="4Gi")["spec"], 10.0) / BATCH
               for _ in range(runs)]
-    return {"pods": {n: _median_pods([v for v in vs if v]) for n, vs in values.items()},
+    return {"micro_batches": micro_batches, "pods": {n: _median_pods([v for v in vs if v]) for n, vs in values.items()},
             "updates_per_s": {**{n: summarize([v["updates_per_s"] for v in vs if v]) for n, vs in values.items()},
                               "single_process": summarize(single)}}
 
@@ -155,12 +161,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--what", choices=["pods", "accuracy", "limit", "all"], default="all")
+    p.add_argument("--micro-batches", type=int, default=1, help="spec.model.microBatches of the N > 1 pods jobs")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     failures: list[dict] = []
     results: dict = {}
     if args.what in ("pods", "all"):
-        results.update(measure_pods(args.runs, failures))
+        results.update(measure_pods(args.runs, failures, args.micro_batches))
     if args.what in ("accuracy", "all"):
         results["accuracy"] = measure_accuracy(args.runs, failures)
     if args.what in ("limit", "all"):

@@ -294,9 +294,10 @@ def test_the_digits_example_trains_to_succeeded_through_the_real_controllers(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("micro_batches", [1, 4])
 def test_a_partitioned_job_trains_to_succeeded(kubectl: Kubectl, local_node: LocalNode, namespace: str,
-                                               operator: Path) -> None:
-    job = example("digits-partitioned.yaml")
+                                               operator: Path, micro_batches: int) -> None:
+    job = example("digits-partitioned.yaml", model__microBatches=micro_batches)
     since = time.monotonic()
     apply(kubectl, namespace, job)
     assert_trained(kubectl, namespace, finished(kubectl, namespace, job["metadata"]["name"], operator, since), job)

@@ -15,7 +15,8 @@ from distbelief.runtime import contract, errors
 from distbelief.runtime.algorithms.chief import WholeModel
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
-from distbelief.runtime.algorithms.pipeline.ops import FORWARD, Forward
+from distbelief.runtime.algorithms.pipeline import staged
+from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, PREFETCH, PUSH, Forward, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import RendezvousLink
 from distbelief.runtime.model.job import Job
 from distbelief.runtime.model.models import evaluate
@@ -78,49 +79,119 @@ def test_a_group_that_loses_a_pod_applies_nothing_half_and_re_forms(cluster) -> 
     assert steps[0] == steps[1] >= 60
 
 
+class StageByHand:
+    """Partition 0 played by the test: joins a group with a running stage 1 and sends it
+    requests one at a time."""
+
+    def __init__(self, c, later) -> None:
+        self.c, self.width = c, later.stage.input_width
+        self.me = RendezvousLink(c.rendezvous.endpoint, partition=0, me="tester", worker_id=1, layout=c.layout.hash,
+                                 security=None, stop=threading.Event())
+        view = self.me.wait_for_group()
+        self.group = view["group"]
+        self.tp = zmq_transport.default()
+        self.link = self.tp.link(view["downstream"], None, watch=False)
+
+    def rows(self, labels: list[float]) -> np.ndarray:
+        return np.concatenate([np.zeros(len(labels) * self.width, np.float32), np.array(labels, np.float32)])
+
+    def forward(self, seq: int, group: int, body: np.ndarray, *, token: int = 5, flags: int = 0, part: int = 0,
+                parts: int = 1):
+        rows = body.size // (self.width + 1)
+        header = protocol.Header(op=FORWARD.code, shard=0, layout=self.c.layout.hash, seq=seq, count=body.size)
+        meta = Forward(group, token, rows, self.width, flags, part=part, parts=parts, step_rows=rows * parts)
+        self.link.send([header.pack(), meta.pack(), memoryview(body)])
+        return self.receive()
+
+    def receive(self):
+        assert self.tp.wait([self.link], 10.0)
+        received = self.link.receive()
+        return protocol.unpack_header(received.header), received
+
+    def prefetch(self, seq: int, token: int) -> None:
+        header = protocol.Header(op=PREFETCH.code, shard=0, layout=self.c.layout.hash, seq=seq)
+        self.link.send([header.pack(), Held(self.group, token).pack()])
+
+    def close(self) -> None:
+        self.link.close()
+        self.me.close()
+
+
 def test_a_stage_refuses_a_foreign_or_malformed_forward_and_keeps_serving(cluster) -> None:
     c = cluster(2, 2)
     later = c.pod(1)
     thread = run_in_thread(later)
-    stop = threading.Event()
-    me = RendezvousLink(c.rendezvous.endpoint, partition=0, me="tester", worker_id=1, layout=c.layout.hash,
-                        security=None, stop=stop)
-    view = me.wait_for_group()
-    tp = zmq_transport.default()
-    link = tp.link(view["downstream"], None, watch=False)
-    width = later.stage.input_width
-    good = np.concatenate([np.zeros(4 * width, np.float32), np.array([1, 2, 3, 4], np.float32)])
-    bad_labels = good.copy()
-    bad_labels[-1] = 0.5
-
-    def forward(seq: int, group: int, body: np.ndarray, rows: int = 4):
-        header = protocol.Header(op=FORWARD.code, shard=0, layout=c.layout.hash, seq=seq, count=body.size)
-        link.send([header.pack(), Forward(group, 5, rows, width, 0).pack(), memoryview(body)])
-        assert tp.wait([link], 10.0)
-        received = link.receive()
-        return protocol.unpack_header(received.header), received
-
-    link.send([b"not a header"])  # dropped: nothing to address an answer to
-    assert not tp.wait([link], 0.5)
-    header, received = forward(1, view["group"] ^ 2, good)
+    tester = StageByHand(c, later)
+    good = tester.rows([1, 2, 3, 4])
+    bad_labels = tester.rows([1, 2, 3, 0.5])
+    tester.link.send([b"not a header"])  # dropped: nothing to address an answer to
+    assert not tester.tp.wait([tester.link], 0.5)
+    header, received = tester.forward(1, tester.group ^ 2, good)
     assert header.status == Status.ERROR and b"group" in bytes(received.frames[0])
-    header, received = forward(2, view["group"], bad_labels)
+    header, received = tester.forward(2, tester.group, bad_labels)
     assert header.status == Status.ERROR and b"labels" in bytes(received.frames[0])
-    header, received = forward(3, view["group"], good)
-    assert header.status == Status.OK and header.count == 4 * width
+    header, received = tester.forward(3, tester.group, good, part=1, parts=2)  # its step's first part never came
+    assert header.status == Status.ERROR and b"out of order" in bytes(received.frames[0])
+    header, received = tester.forward(4, tester.group, good)
+    assert header.status == Status.OK and header.count == 4 * tester.width
     assert np.isfinite(protocol.float_view(received.frames[1], header.count)).all()
     assert c.steps() == [0, 0]  # no PUSH flag: nothing held, nothing applied
-    link.close()
-    me.close()
+    header, _ = tester.forward(5, tester.group, good, token=6, parts=2)  # the last stage answers each part
+    assert header.status == Status.OK
+    header, received = tester.forward(6, tester.group, good, token=9)
+    assert header.status == Status.ERROR and b"a new step while" in bytes(received.frames[0])
+    tester.close()
     c.stop.set()
     thread.join(timeout=10)
 
 
-def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cluster) -> None:
-    """One replica, one step at a time, same minibatches: the partitioned pods apply the same
-    updates as an unpartitioned worker, so they end at the same parameters and accuracy."""
-    steps = 300
+def test_a_stage_answers_a_push_with_its_gradient_then_with_its_hold_status(cluster) -> None:
+    """The gradient goes back before the stage holds its own (so the stage before it
+    computes meanwhile); the second answer comes once the hold is on its shards."""
     c = cluster(2, 2)
+    later = c.pod(1)
+    thread = run_in_thread(later)
+    tester = StageByHand(c, later)
+    header, received = tester.forward(1, tester.group, tester.rows([1, 2, 3]), token=11, flags=FETCH | PUSH)
+    assert header.status == Status.OK and header.count == 3 * tester.width and len(received.frames) == 2
+    header, received = tester.receive()
+    assert header.seq == 1 and header.status == Status.OK and received.frames == []
+    assert [h.token for h in c.shards.shards[1].plugin(staged.HeldGradients).held.values()] == [11]
+    assert c.steps() == [0, 0]  # held, not applied: that is partition 0's to commit
+    tester.close()
+    c.stop.set()
+    thread.join(timeout=10)
+
+
+def test_a_stage_pulls_on_prefetch_before_its_step_arrives_and_not_again_for_it(cluster) -> None:
+    c = cluster(2, 2)
+    later = c.pod(1)
+    thread = run_in_thread(later)
+    tester = StageByHand(c, later)
+    eventually(lambda: later.links.own.bytes_in >= later.params.nbytes, 10)   # the group's first pull
+    settled = later.links.own.bytes_in
+    tester.prefetch(1, token=7)
+    eventually(lambda: later.links.own.bytes_in - settled >= later.params.nbytes, 10)  # no FORWARD yet
+    prefetched = later.links.own.bytes_in
+    header, _ = tester.forward(2, tester.group, tester.rows([1, 2]), token=7, flags=FETCH)
+    assert header.status == Status.OK
+    assert later.links.own.bytes_in == prefetched   # the step used the prefetched parameters
+    header, _ = tester.forward(3, tester.group, tester.rows([1, 2]), token=8, flags=FETCH)
+    assert header.status == Status.OK
+    assert later.links.own.bytes_in - prefetched >= later.params.nbytes  # a step nobody announced pulls itself
+    tester.close()
+    c.stop.set()
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("partitions,micro_batches", [(2, 1), (2, 4), (3, 5)])  # 5: micro-batches of 7 and 6 rows
+def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cluster, partitions: int,
+                                                              micro_batches: int) -> None:
+    """One replica, one step at a time, same minibatches: the partitioned pods apply the same
+    updates as an unpartitioned worker, so they end at the same parameters and accuracy,
+    whether each minibatch goes through the stages whole or in micro-batches."""
+    steps = 300
+    c = cluster(partitions, partitions)
     whole_layout = Layout.of(c.model.shapes, 2)
     whole = start_shards(tmp_path / "whole", whole_layout, c.model.init_params(0), learning_rate=0.05,
                          checkpoint_every=3600)
@@ -137,12 +208,12 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
         expected = np.concatenate([whole.params(i) for i in range(2)])
     finally:
         whole.stop()
-    pods = [c.pod(0, seed=0), c.pod(1)]
+    pods = [c.pod(0, seed=0, micro_batches=micro_batches), *(c.pod(k) for k in range(1, partitions))]
     c.shards.shards[0].step_reached = lambda step: step >= steps and c.stop.set()
     threads = [run_in_thread(p) for p in pods]
     for t in threads:
         t.join(timeout=120)
-    eventually(lambda: c.steps() == [steps, steps], 60)  # the last step's APPLY_HELD reached both shards
+    eventually(lambda: c.steps() == [steps] * partitions, 60)  # the last step's APPLY_HELD reached every shard
     np.testing.assert_allclose(c.params(), expected, rtol=1e-3, atol=1e-5)
     accuracy = evaluate(c.model, c.params(), c.dataset.x_test, c.dataset.y_test)[1]
     assert abs(accuracy - evaluate(c.model, expected, c.dataset.x_test, c.dataset.y_test)[1]) <= 0.01

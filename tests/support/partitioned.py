@@ -20,7 +20,8 @@ from support.shards import LiveShards, start_shards
 from distbelief.runtime import jobspec
 from distbelief.runtime.algorithms.pipeline import staged
 from distbelief.runtime.algorithms.pipeline.rendezvous import Rendezvous, RendezvousLink
-from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
+from distbelief.runtime.algorithms.pipeline.later import LaterPartition
+from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, PodLinks, PodSettings
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.model import data
 from distbelief.runtime.model.models import Mlp
@@ -51,7 +52,8 @@ class Cluster:
     def steps(self) -> list[int]:
         return [s.step for s in self.shards.shards]
 
-    def pod(self, partition: int, stop: threading.Event | None = None, batch: int = 32, seed: int | None = None):
+    def pod(self, partition: int, stop: threading.Event | None = None, batch: int = 32, seed: int | None = None,
+            micro_batches: int = 1):
         stop = stop or self.stop
         stages = plan(self.model, len(self.layout.stages) + 1).stages
         stage = stages[partition]
@@ -66,7 +68,7 @@ class Cluster:
         me = server.endpoint if server else f"partition-0/{group.worker_id:08x}"
         rendezvous = RendezvousLink(self.rendezvous.endpoint, partition=partition, me=me, worker_id=group.worker_id,
                                     layout=self.layout.hash, security=None, stop=stop)
-        settings = PodSettings(batch_size=batch, classes=self.dataset.n_classes, seed=seed)
+        settings = PodSettings(batch_size=batch, classes=self.dataset.n_classes, seed=seed, micro_batches=micro_batches)
         metrics = WorkerMetrics(prom.CollectorRegistry())
         if partition == 0:
             everyone = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop,

@@ -423,6 +423,12 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("wire-format-partitions", _bfloat16(spec_model_partitions=2), "spec.parameterServers.wireFormat",
      "bfloat16 is not available with spec.model.partitions > 1"),
     ("overlap-not-boolean", _set("spec.training.overlap", "yes"), "spec.training.overlap", "boolean"),
+    ("micro-batches-zero", _partitioned(2, spec_model_microBatches=0), "spec.model.microBatches", ">= 1"),
+    ("micro-batches-max", _partitioned(2, spec_model_microBatches=65), "spec.model.microBatches", "<= 64"),
+    ("micro-batches-unpartitioned", _set("spec.model.microBatches", 4), "spec.model.microBatches",
+     "micro-batches above 1 need spec.model.partitions > 1"),
+    ("micro-batches-batch", _partitioned(2, spec_model_microBatches=8, spec_training_batchSize=4),
+     "spec.model.microBatches", "8 micro-batches need a minibatch of at least 8 rows"),
     ("overlap-push-every", _overlapped(spec_training_pushEvery=4), "spec.training.overlap",
      "needs spec.training.fetchEvery and pushEvery 1"),
     ("overlap-sandblaster", _overlapped(spec_training_algorithm="sandblaster"), "spec.training.overlap",
@@ -494,7 +500,7 @@ SCHEMA_REFUSES = {
     "hidden-layers-max-items", "image-empty", "retention-enum", "storage-size",
     "quantity-pattern", "quantity-float", "training-not-object", "suspend-int",
     "metrics-max-items", "shards-max", "status-phase", "sandblaster-unit-zero", "partitions-zero",
-    "partitions-max", "wire-format-enum", "overlap-not-boolean",
+    "partitions-max", "wire-format-enum", "overlap-not-boolean", "micro-batches-zero", "micro-batches-max",
 }
 
 

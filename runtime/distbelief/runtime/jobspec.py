@@ -1,7 +1,7 @@
 """The job as the runtime uses it: a DistBeliefJob's spec, resolved once into frozen values.
 
     JobSpec
-    ├── model: Model                 type, hiddenLayers, activation, l2, entrypoint, partitions
+    ├── model: Model                 type, hiddenLayers, activation, l2, entrypoint, partitions, microBatches
     │   └── embeddings: Embeddings   dim, hashBuckets, admitAfter, expireAfterSeconds, wide,
     │                                l2, wideL2, embedAfter, maxRowsPerShard (or None)
     ├── data: Data                   source, testFraction, seed, maxEvalExamples, volume,
@@ -63,6 +63,7 @@ class Model:
     l2: float = 0.0
     entrypoint: str | None = None               # "module:function"
     partitions: int = 1                         # stages of one replica (model parallelism)
+    micro_batches: int = 1                      # parts of a minibatch that go through the stages one after another
     embeddings: Embeddings | None = None
     written: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -195,6 +196,7 @@ def resolve(spec: Mapping[str, Any]) -> JobSpec:
             l2=model.get("l2", float, Model.l2),
             entrypoint=model.get("entrypoint", str, None) or None,
             partitions=model.get("partitions", int, Model.partitions),
+            micro_batches=model.get("microBatches", int, Model.micro_batches),
             embeddings=None if embeddings is None else Embeddings(
                 dim=embeddings.get("dim", int, Embeddings.dim),
                 hash_buckets=embeddings.get("hashBuckets", int, Embeddings.hash_buckets),

@@ -132,6 +132,7 @@ def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
     _check_metadata(job.get("metadata"), problems)
     _check_model(doc, problems)
     _check_partitions(job, problems)
+    _check_micro_batches(job, problems)
     _check_data(job, problems)
     _check_training(job, problems)
     _check_autoscaling(job, problems)
@@ -253,6 +254,22 @@ def _check_partitions(job: Mapping[str, Any], problems: Problems) -> None:
     if isinstance(shards, int) and shards < partitions:
         problems.add(path, f"{partitions} partitions need at least {partitions} parameter shards, each "
                      f"partition its own (spec.parameterServers.shards is {shards})")
+
+
+def _check_micro_batches(job: Mapping[str, Any], problems: Problems) -> None:
+    """Micro-batches are the parts of a step's minibatch that go through a partitioned
+    replica's stages one after another."""
+    path = "spec.model.microBatches"
+    micro = _get(job, "spec", "model", "microBatches")
+    if not isinstance(micro, int) or micro <= 1 or problems.at(path):
+        return
+    if (_get(job, "spec", "model", "partitions") or 1) <= 1:
+        problems.add(path, "micro-batches above 1 need spec.model.partitions > 1 (they go through a partitioned "
+                     "replica's stages one after another)")
+    batch = _get(job, "spec", "training", "batchSize")
+    if isinstance(batch, int) and micro > batch:
+        problems.add(path, f"{micro} micro-batches need a minibatch of at least {micro} rows "
+                     f"(spec.training.batchSize is {batch})")
 
 
 def _check_data(job: Mapping[str, Any], problems: Problems) -> None:

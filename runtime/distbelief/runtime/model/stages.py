@@ -10,6 +10,11 @@ activations it gets, and on the way back turns the gradient w.r.t. its output in
 parameters' gradient and the gradient w.r.t. its input (for the stage before it). The
 last stage ends in the loss. Each stage adds the L2 term of its own weights, so the
 stages' gradients, concatenated, are the whole model's gradient.
+
+A step's minibatch may go through the stages as micro-batches (spec.model.microBatches):
+the last stage weighs each micro-batch's mean cross-entropy by its share of the step's
+rows, and each stage adds its L2 term with one micro-batch only, so the micro-batches'
+gradients add up to the whole minibatch's.
 """
 
 from __future__ import annotations
@@ -95,21 +100,24 @@ class Stage:
         return self.model.forward_layers(self.layers(params), x, self.first)
 
     def backward(self, params: np.ndarray, activations: list[np.ndarray], upstream: np.ndarray,
-                 out: np.ndarray) -> tuple[float, np.ndarray | None]:
+                 out: np.ndarray, *, share: float = 1.0, l2: bool = True) -> tuple[float, np.ndarray | None]:
         """Write this stage's gradient into out. upstream: the labels for the last stage,
-        else d(loss)/d(this stage's output). Returns (this stage's part of the loss: the
-        cross-entropy in the last stage plus each stage's L2 term, d(loss)/d(input) or
-        None for the first stage)."""
+        else d(loss)/d(this stage's output). share: the micro-batch's fraction of its step's
+        rows; l2: add the L2 term (once a step). Returns (this stage's part of the loss: the
+        weighed cross-entropy in the last stage plus the L2 term, d(loss)/d(input) or None
+        for the first stage)."""
         layers, grads = self.layers(params), self.layers(out)
         output = activations[-1]
         if self.is_last:
-            delta, loss = output, softmax_cross_entropy_inplace(output, upstream)
+            delta, loss = output, share * softmax_cross_entropy_inplace(output, upstream)
+            if share != 1.0:
+                delta *= np.float32(share)
         else:
             delta, loss = np.array(upstream, dtype=np.float32), 0.0
             self.model.activation_grad(delta, output)
         input_grad = self.model.backward_layers(layers, grads, activations[:-1], delta,
                                                 input_grad=not self.is_first)
-        return loss + self.model.add_l2(layers, grads), input_grad
+        return loss + (self.model.add_l2(layers, grads) if l2 else 0.0), input_grad
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from distbelief.runtime.algorithms.feed import hooks as feed
 from distbelief.runtime.algorithms.interface import ChiefContext, ReplicaContext, ReplicaLoop
 from distbelief.runtime.algorithms.pipeline.rendezvous import Rendezvous, RendezvousLink
-from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, LaterPartition, PodLinks, PodSettings
+from distbelief.runtime.algorithms.pipeline.later import LaterPartition
+from distbelief.runtime.algorithms.pipeline.replica import FirstPartition, PodLinks, PodSettings
 from distbelief.runtime.algorithms.pipeline.staged import HeldGradients
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.shard.core import Shard
@@ -39,7 +40,8 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
     assert job.plan is not None, "a pod of a partitioned replica"
     stage = job.plan.stages[access.partition]
     settings = PodSettings(batch_size=training.batch_size, fetch_every=training.fetch_every,
-                           push_every=training.push_every, classes=job.n_classes)
+                           push_every=training.push_every, classes=job.n_classes,
+                           micro_batches=job.spec.model.micro_batches)
     me = access.address or f"partition-0/{group.worker_id:08x}"  # partition 0 serves nothing: a name will do
     rendezvous = RendezvousLink(job.config.coordinator_address(), partition=access.partition, me=me,
                                 worker_id=group.worker_id, layout=job.layout.hash, security=ctx.client_security,

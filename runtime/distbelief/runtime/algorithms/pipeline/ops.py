@@ -2,8 +2,16 @@
 
 Between the pods of one replica group (stage k to stage k+1, on the stage port):
 
-    FORWARD   stage k's output activations and the minibatch's labels
+    FORWARD   stage k's output activations and the labels of one micro-batch of a step
+              (the whole minibatch unless spec.model.microBatches > 1)
               -> d(loss)/d(those activations), and the loss of the stages after k
+              A step's micro-batches come in order, each sent before the one before it
+              was answered; the answers come back in the same order. A PUSH part is
+              answered twice: its gradient, then (once this stage and those after it
+              held theirs) the worst of their HOLD statuses, with no payload.
+    PREFETCH  "the step with this token will fetch": each stage passes it on and starts
+              pulling its parameters at once, not when the step's FORWARD reaches it
+              (no answer)
 
 Between a partition pod and the shards of its stage, and partition 0 and every shard
 (staged.py has the rules; every one names the group and its step's token):
@@ -35,24 +43,43 @@ FETCH = 1   # Forward.flags: pull the stage's parameters before computing this s
 PUSH = 2    # Forward.flags: hold the accumulated gradient on the shards after this step
 MAX_ROWS = 1 << 20
 MAX_WIDTH = 1 << 24
+MAX_MICRO_BATCHES = 64   # spec.model.microBatches' bound
 
 
 @dataclasses.dataclass(frozen=True)
 class Forward(protocol.Payload):
-    """One minibatch's activations: rows x width values, then rows labels (in the array)."""
+    """Micro-batch `part` of `parts` of a step of step_rows rows: rows x width activations,
+    then rows labels (in the array). FETCH comes with the first part, PUSH with the last."""
 
     group: int
     token: int
     rows: int
     width: int
     flags: int
-    FORMAT = struct.Struct("<QQIIB")
+    part: int
+    parts: int
+    step_rows: int
+    FORMAT = struct.Struct("<QQIIBHHI")
 
     def check(self) -> None:
-        if not (0 < self.rows <= MAX_ROWS and 0 < self.width <= MAX_WIDTH):
-            raise errors.ProtocolError(f"a forward of {self.rows} rows of width {self.width} is out of bounds")
+        if not (0 < self.rows <= self.step_rows <= MAX_ROWS and 0 < self.width <= MAX_WIDTH):
+            raise errors.ProtocolError(f"a forward of {self.rows} of {self.step_rows} rows of width {self.width} "
+                                       "is out of bounds")
         if self.flags & ~(FETCH | PUSH):
             raise errors.ProtocolError(f"unknown forward flags {self.flags:#x}")
+        if not 0 <= self.part < self.parts <= MAX_MICRO_BATCHES:
+            raise errors.ProtocolError(f"micro-batch {self.part} of {self.parts} (at most {MAX_MICRO_BATCHES})")
+        if (self.flags & FETCH and self.part > 0) or (self.flags & PUSH and not self.last):
+            raise errors.ProtocolError("FETCH goes with a step's first micro-batch, PUSH with its last")
+
+    @property
+    def last(self) -> bool:
+        return self.part == self.parts - 1
+
+    @property
+    def share(self) -> float:
+        """This micro-batch's fraction of its step's rows."""
+        return self.rows / self.step_rows
 
     @property
     def values(self) -> int:
@@ -102,3 +129,4 @@ APPLY_HELD = protocol.define(OpSpec(42, "APPLY_HELD", request=ApplyHeld, command
 JOIN_GROUP = protocol.define(OpSpec(43, "JOIN_GROUP", request=protocol.JsonObject, reply=protocol.JsonObject))
 PREPARE_HELD = protocol.define(OpSpec(44, "PREPARE_HELD", request=Held, command=True))
 DROP_HELD = protocol.define(OpSpec(45, "DROP_HELD", request=Held, command=True))
+PREFETCH = protocol.define(OpSpec(46, "PREFETCH", request=Held))

@@ -2,38 +2,57 @@
 every other partition.
 
     partition 0 (drives the group's steps)      partition k > 0 (answers FORWARDs)
-    pull its stage every fetchEvery steps       pull when the FORWARD says FETCH
+    pull its stage every fetchEvery steps,      pull when PREFETCH says a step will
+    after PREFETCH to the stages after it       fetch (a thread), pass it on
     forward its minibatch -> FORWARD to 1 ...   forward -> FORWARD to k+1 (the last
                                                 stage computes the loss instead)
-    backward from the gradient that came back   backward, HOLD its gradient on a PUSH
-    HOLD, then PREPARE_HELD and APPLY_HELD      step, answer k-1 with d(loss)/d(input)
-    on every shard (or DROP_HELD)
+    backward from the gradient that came back   backward, answer k-1 with d(loss)/d(input);
+    HOLD, wait for the others' HOLD status,     on a PUSH step HOLD its gradient, then
+    then PREPARE_HELD and APPLY_HELD on every   answer k-1 again with the worst HOLD
+    shard (or DROP_HELD)                        status of its own and k+1's
 
-Each pod pulls from and holds gradients on only the shards of its own stage. A step
-counts (its update applied on every shard) only once partition 0 sends APPLY_HELD, which
-it does after the backward pass reached it (every stage's gradient is then held) and
-every shard pinned its part (PREPARE_HELD, staged.py). A step that is not applied (too
+Each pod pulls from and holds gradients on only the shards of its own stage. Every stage
+holds its gradient as soon as its backward is done, while the stages before it compute
+theirs, so the holds run at once rather than one after another. A step counts (its update
+applied on every shard) only once partition 0 sends APPLY_HELD, which it does after every
+stage's HOLD status reached it and every shard pinned its part (PREPARE_HELD, staged.py). A step that is not applied (too
 stale somewhere, a shard without room to hold it, a part lost) is dropped on every shard;
 after a shard had no room (FULL) the group backs off before its next step. A group that
 breaks mid-step leaves nothing applied; its pods drop what they accumulated and join new
 groups.
+
+With spec.model.microBatches M > 1 a step's minibatch goes down in M FORWARDs, GPipe's
+order: partition 0 computes and sends every part's forward before it waits for the first
+answer, each stage passes each part on as it comes and, once the last is passed on,
+computes each part's backward as its answer comes back and answers it at once. The parts'
+gradients add up to the minibatch's (stages.py) and are held once, with the last part.
+Every part of a step is computed from the step's one pull and the step is applied on
+every shard at once, so no part ever meets weights newer than its own: PipeDream's weight
+stashing (a copy of the weights per minibatch in flight) is not needed.
+
+PREFETCH takes the later stages' pulls off the step's critical path: partition 0 sends it
+once the last step is settled (applied everywhere or dropped), so every stage pulls at
+the same moment as partition 0 itself, while partition 0 computes, and finds its
+parameters there when the step's FORWARD arrives. Each stage pulls what it pulled before
+(the state after the same commits), so the steps' staleness is unchanged.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from distbelief.runtime import errors
 from distbelief.runtime.algorithms.pipeline import neighbour
 from distbelief.runtime.algorithms.pipeline.commit import Backoff, Commit, new_token
-from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, HOLD, PUSH, Held
+from distbelief.runtime.algorithms.pipeline.ops import FETCH, HOLD, PUSH, Held
 from distbelief.runtime.algorithms.pipeline.rendezvous import HEARTBEAT_SECONDS, RendezvousLink
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model.data import Dataset, minibatches
@@ -41,13 +60,11 @@ from distbelief.runtime.model.stages import Stage
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.transport import interface
-from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Status
 
 log = logging.getLogger(__name__)
 
 NON_FINITE_STEPS = 3  # pushes in a row behind a non-finite loss before the replica gives up
-SERVE_POLL_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +74,7 @@ class PodSettings:
     push_every: int = 1
     classes: int = 2
     seed: int | None = None
+    micro_batches: int = 1    # spec.model.microBatches: each minibatch goes through the stages in as many parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +87,12 @@ class PodLinks:
     transport: interface.Transport
     stage_security: dict | None
     everyone: ShardGroup | None = None
+
+
+def worst(statuses: Iterable[int]) -> int:
+    """Of a step's HOLD statuses, the one that decides it: DONE, FULL, STALE, else OK."""
+    seen = set(statuses)
+    return next((s for s in (Status.DONE, Status.FULL, Status.STALE) if s in seen), Status.OK)
 
 
 class PartitionPod(abc.ABC):
@@ -171,30 +195,29 @@ class PartitionPod(abc.ABC):
         self.pulled_steps = [r.step for r in replies]
         return False
 
-    def compute(self, activations: list[np.ndarray], upstream: np.ndarray) -> tuple[float, np.ndarray | None]:
-        """Backward through the stage, the step's gradient added to the accumulated one."""
-        loss, input_grad = self.stage.backward(self.params, activations, upstream, self._step_grad)
+    def compute(self, activations: list[np.ndarray], upstream: np.ndarray, *, share: float = 1.0,
+                last: bool = True) -> tuple[float, np.ndarray | None]:
+        """Backward through the stage for one micro-batch (share: its fraction of the step's
+        rows; last: the step's last), its gradient added to the accumulated one."""
+        loss, input_grad = self.stage.backward(self.params, activations, upstream, self._step_grad, share=share,
+                                               l2=last)
         self.accumulated += self._step_grad
-        self.steps += 1
-        self.metrics.steps.inc()
-        self._count_traffic()
+        if last:
+            self.steps += 1
+            self.metrics.steps.inc()
+            self._count_traffic()
         return loss, input_grad
 
-    def hold(self, token: int, downstream: int = Status.OK) -> int:
+    def hold(self, token: int) -> int:
         """Hold the accumulated gradient on this stage's shards: OK, STALE, FULL (a shard
-        had no room for it) or DONE. If the stages downstream did not hold theirs
-        (downstream is not OK), the step will not be applied: the gradient is dropped and
-        downstream's status returned."""
-        if downstream != Status.OK:
-            self.accumulated[...] = 0
-            return downstream
+        had no room for it) or DONE. Every stage holds its part at once, whatever the
+        others' came to: a step that is not applied is dropped on every shard after."""
         started = time.perf_counter()
         replies = self.links.own.request(HOLD, meta=Held(self.group, token), array=self.accumulated,
                                          steps=self.pulled_steps)
         self.metrics.push_seconds.observe(time.perf_counter() - started)
         self.accumulated[...] = 0
-        statuses = {r.header.status for r in replies}
-        return next((s for s in (Status.DONE, Status.FULL, Status.STALE) if s in statuses), Status.OK)
+        return worst(r.header.status for r in replies)
 
     def _count_traffic(self) -> None:
         """What this pod's clients moved since the last count, into its metrics."""
@@ -233,20 +256,16 @@ class FirstPartition(PartitionPod):
         while not self.stop_requested.is_set():
             fetch = fetch or step % self.settings.fetch_every == 0
             push = (step + 1) % self.settings.push_every == 0
-            if fetch and self.pull():
-                return True
             token = new_token()
-            try:
+            if fetch and self._fetch(token):
+                return True
+            with self._dropped_on_break(token) if push else contextlib.nullcontext():
                 downstream, loss, n = self._step(token, (FETCH if fetch else 0) | (PUSH if push else 0))
-            except errors.GroupBroken:
-                if push:  # the stages after the break may hold the step: free their room now
-                    self.commits.drop(self.group, token, Status.STALE)
-                raise
             if downstream.status == Status.DONE:
                 return True
             examples, loss_sum, step, fetch = examples + n, loss_sum + loss * n, step + 1, False
             if push:
-                outcome = self._commit(token, downstream.status, examples, loss_sum / examples)
+                outcome = self._commit(token, examples, loss_sum / examples)
                 if outcome == Status.DONE:
                     return True
                 fetch, examples, loss_sum = outcome != Status.OK, 0, 0.0
@@ -258,28 +277,56 @@ class FirstPartition(PartitionPod):
             self.heartbeat()
         return False
 
+    def _fetch(self, token: int) -> bool:
+        """The later stages start pulling for the step (PREFETCH) as this stage pulls; True if the job is done."""
+        self._downstream.notify(self.group, token)
+        return self.pull()
+
     def _step(self, token: int, flags: int) -> tuple[neighbour.Downstream, float, int]:
+        """One minibatch through the stages, micro-batch after micro-batch: every forward
+        first (the next stage works on one while this stage computes the next), then each
+        backward as its answer comes back. Its HOLD statuses come after (_commit)."""
         x, y = next(self.batches)
-        activations = self.stage.forward(self.params, x)
-        downstream = self._downstream.forward(self.group, token, activations[-1], y, flags)
-        if downstream.status == Status.DONE:
-            return downstream, 0.0, 0
-        loss, _ = self.compute(activations, downstream.grad)
-        loss += downstream.loss
+        parts = min(self.settings.micro_batches, len(x))
+        micro = list(zip(np.array_split(x, parts), np.array_split(y, parts)))
+        stashed = []
+        for part, (xm, ym) in enumerate(micro):
+            stashed.append(self.stage.forward(self.params, xm))
+            part_flags = (flags & FETCH if part == 0 else 0) | (flags & PUSH if part == parts - 1 else 0)
+            self._downstream.send(self.group, token, stashed[-1][-1], ym, flags=part_flags, part=part, parts=parts,
+                                  step_rows=len(x))
+        loss = 0.0
+        for part, ((xm, _), activations) in enumerate(zip(micro, stashed)):
+            downstream = self._downstream.answer()
+            if downstream.status == Status.DONE:
+                return downstream, 0.0, 0
+            own, _ = self.compute(activations, downstream.grad, share=len(xm) / len(x), last=part == parts - 1)
+            loss += own + downstream.loss
         self.metrics.examples.inc(len(x))
         self.metrics.loss.set(loss)
         return downstream, loss, len(x)
 
-    def _commit(self, token: int, downstream: int, examples: int, loss: float) -> int:
+    def _commit(self, token: int, examples: int, loss: float) -> int:
         """Apply the step on every shard or on none (commit.py): OK, STALE, FULL or DONE."""
+        with self._dropped_on_break(token):
+            own = self.hold(token) if np.isfinite(loss) else Status.STALE  # a shard would refuse it
+            held = worst([own, self._downstream.held()])  # every stage held its part meanwhile
         if not np.isfinite(loss):
             self._drop_non_finite(loss)
             return self.commits.drop(self.group, token, Status.STALE)
         self._non_finite = 0
-        held = self.hold(token, downstream)
         if held == Status.STALE:
             self.metrics.stale.inc()
         return self.commits.settle(self.group, token, held, examples=examples, loss=loss)
+
+    @contextlib.contextmanager
+    def _dropped_on_break(self, token: int) -> Iterator[None]:
+        """A group that breaks during a step may have left it held on some shards: free that room now."""
+        try:
+            yield
+        except errors.GroupBroken:
+            self.commits.drop(self.group, token, Status.STALE)
+            raise
 
     def _drop_non_finite(self, loss: float) -> None:
         self._non_finite += 1
@@ -288,71 +335,3 @@ class FirstPartition(PartitionPod):
         if self._non_finite >= NON_FINITE_STEPS:
             raise errors.Diverged(f"the training loss was {loss} for {self._non_finite} steps in a row: "
                                   "lower spec.training.learningRate, or check the data")
-
-
-class LaterPartition(PartitionPod):
-    """Partition k > 0: answers its group's FORWARDs from partition k-1."""
-
-    def __init__(self, settings: PodSettings, stage: Stage, links: PodLinks, metrics: WorkerMetrics,
-                 server: interface.Server, *, stop: threading.Event) -> None:
-        super().__init__(settings, stage, links, metrics, stop=stop)
-        self.server = server
-
-    def close(self) -> None:
-        super().close()
-        self.server.close()
-
-    def train(self) -> bool:
-        if self.pull():  # whatever the group's first FORWARD says, this pod computes from its shards' state
-            return True
-        while not self.stop_requested.is_set():
-            if self.server.poll(SERVE_POLL_SECONDS):
-                incoming = self.server.receive()
-                if incoming is not None and self._answer(incoming):
-                    return True
-            self.heartbeat()
-        return False
-
-    def _answer(self, incoming: interface.Incoming) -> bool:
-        """Answer one FORWARD; True when the job is done."""
-        self.metrics.bytes_in.inc(incoming.nbytes)
-        try:
-            if not incoming.frames:
-                raise errors.ProtocolError("an empty message")
-            header = protocol.unpack_header(incoming.frames[0])
-        except errors.ProtocolError as exc:  # no header to address an answer to: dropped
-            log.warning("event=rejected role=stage partition=%d reason=%r", self.stage.index, str(exc))
-            return False
-        try:
-            message = protocol.parse_request(incoming.frames, header)
-            if message.spec is not FORWARD:
-                raise errors.NotServed(f"a stage serves FORWARD only, not {message.spec.name}")
-            x, labels = neighbour.read_forward(message, group=self.group, width=self.stage.input_width,
-                                               classes=self.settings.classes, layout=self.links.own.layout.hash)
-        except errors.ProtocolError as exc:
-            log.warning("event=rejected role=stage partition=%d reason=%r", self.stage.index, str(exc))
-            self._send(incoming.peer, protocol.error_frames(header, protocol.error_code(exc), str(exc)))
-            return False
-        status, loss, grad = self._step(message.meta, x, labels)
-        self._send(incoming.peer, neighbour.forward_reply(message.header, status, loss, grad))
-        return status == Status.DONE
-
-    def _step(self, meta, x: np.ndarray, labels: np.ndarray) -> tuple[int, float, np.ndarray | None]:
-        if meta.flags & FETCH and self.pull():
-            return Status.DONE, 0.0, None
-        activations = self.stage.forward(self.params, x)
-        if self._downstream is None:
-            status, downstream_loss, upstream = Status.OK, 0.0, labels
-        else:
-            answer = self._downstream.forward(self.group, meta.token, activations[-1], labels, meta.flags)
-            if answer.status == Status.DONE:
-                return Status.DONE, 0.0, None
-            status, downstream_loss, upstream = answer.status, answer.loss, answer.grad
-        loss, input_grad = self.compute(activations, upstream)
-        if meta.flags & PUSH:
-            status = self.hold(meta.token, status)
-        return status, loss + downstream_loss, input_grad
-
-    def _send(self, peer: bytes, frames: list) -> None:
-        if self.server.send(peer, frames):
-            self.metrics.bytes_out.inc(interface.frames_nbytes(frames))

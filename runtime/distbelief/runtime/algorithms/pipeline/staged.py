@@ -4,8 +4,8 @@ A partitioned replica's step is computed by N pods, each pushing only its stage'
 gradient to its own shards. Applying each as it arrives would leave half a step applied
 whenever a pod of the group dies mid-step. So each pod's gradient is HELD for its group's
 step (checked for staleness and finite values, but not applied), and partition 0, once
-the backward pass has reached it, which means every stage's gradient is held, commits
-the step on every shard in two phases:
+every stage's HOLD status has reached it (every stage's gradient is then held, or
+refused), commits the step on every shard in two phases:
 
     PREPARE_HELD  "do you hold this step?": a shard that does pins it (a pinned hold is
                   never dropped to make room); one that does not answers an error
