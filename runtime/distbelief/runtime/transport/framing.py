@@ -32,7 +32,8 @@ from distbelief.runtime import errors
 
 HELLO_MAGIC = b"DB-BULK1"
 HELLO = struct.Struct("<8s16sQ16s")     # magic, session id, counter, tag
-HEAD = struct.Struct("<16sQI")          # session id, counter, frame count
+PREFIX = struct.Struct("<16sQ")         # session id, counter: what names a message
+HEAD = struct.Struct("<16sQI")          # PREFIX, then the frame count
 LENGTH = struct.Struct("<I")
 HEAD_TAG = 16                           # an AES-GCM tag over HEAD and the lengths
 SOCKET_BUFFER = 4 << 20                 # kernel buffers: a pull of tens of MB in few wake-ups
@@ -195,7 +196,7 @@ class Stream:
         """The message in `message` was used: its buffer goes back to the pool."""
         if self.message is not None:
             self.pool.release(self._body)
-            self.message, self._body = None, bytearray()
+            self.message = None
             self._reset()
 
     def _read_some(self) -> int | None:
@@ -257,7 +258,7 @@ class Stream:
     def _got_body(self) -> None:
         session_id, counter, _ = HEAD.unpack_from(self._small)
         self._stage = "whole"
-        self.message = Message(prefix=bytes(self._small[:HEAD.size - 4]), session_id=session_id, counter=counter,
+        self.message = Message(prefix=bytes(self._small[:PREFIX.size]), session_id=session_id, counter=counter,
                                lengths=self._lengths, body=memoryview(self._body)[:sum(self._lengths)])
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 SESSION_MAGIC = b"DB-SESSION-1"
 ID_BYTES, KEY_BYTES, TAG_BYTES = 16, 32, 16
-PREFIX = struct.Struct("<16sQ")              # session id, message counter
+PREFIX = framing.PREFIX                      # session id, message counter
 NONCE = struct.Struct("<BB2xQ")              # direction, frame index, counter: 12 bytes
 GRANT = struct.Struct(f"<{len(SESSION_MAGIC)}s{ID_BYTES}s{KEY_BYTES}sH")
 NO_GRANT = GRANT.pack(SESSION_MAGIC, bytes(ID_BYTES), bytes(KEY_BYTES), 0)  # "no bulk channel here"
