@@ -77,7 +77,7 @@ def run(doc: dict, folder: Path) -> tuple[int, dict, list[dict]]:
     """(exit code, report.json, the chief's history) of one local run."""
     code = local.LocalRun(spec.validate_job(doc), str(folder)).run(progress=False)
     summary = json.loads((folder / report.REPORT_FILE).read_text())
-    [history] = folder.glob("volumes/*-ps-0/checkpoints/history.jsonl") or [None]
+    history = next(folder.glob("volumes/*-ps-0/checkpoints/history.jsonl"), None)  # none if ps-0 died first
     lines = [json.loads(line) for line in history.read_text().splitlines()] if history else []
     return code, summary, lines
 
