@@ -54,6 +54,7 @@ from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.protocol import HEADER, MAGIC, VERSION
 
+from support.memory import rss_bytes
 from support.shards import LiveShards, start_shards
 
 LAYOUT = Layout.of([("w", (16, 8)), ("b", (8,))], shards=1)
@@ -294,14 +295,6 @@ def _replica_socket(address: str, linger: int = 0) -> zmq.Socket:
     return socket
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
 class Peer:
     """The fuzzer's DEALER, and the bookkeeping of what the shard must have done."""
 
@@ -417,7 +410,7 @@ def _replay_measuring_memory(peer: Peer, batches: list[list[Spec]], one_push: li
     gc.collect()
     tracemalloc.start(1)  # one frame: what the shard keeps, it allocates on its own lines
     traced_before = tracemalloc.take_snapshot()
-    rss_before = _rss_bytes() - tracemalloc.get_tracemalloc_memory()
+    rss_before = rss_bytes() - tracemalloc.get_tracemalloc_memory()
     sent = 0
     try:
         for specs in batches:
@@ -430,7 +423,7 @@ def _replay_measuring_memory(peer: Peer, batches: list[list[Spec]], one_push: li
         gc.collect()
         traced_after = tracemalloc.take_snapshot()
         # RSS without tracemalloc's own bookkeeping, which grows with every live trace
-        rss_growth = _rss_bytes() - tracemalloc.get_tracemalloc_memory() - rss_before
+        rss_growth = rss_bytes() - tracemalloc.get_tracemalloc_memory() - rss_before
     finally:
         tracemalloc.stop()
     # Everything but hypothesis (idle during the replay, but its caches are not ours).

@@ -31,6 +31,7 @@ from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
 
+from support.memory import observed, rss_bytes
 from support.shards import LiveShards, start_shards
 from support.waiting import eventually
 
@@ -145,15 +146,6 @@ def test_a_keys_folder_of_an_earlier_version_gets_the_chief_s_keypair(tmp_path: 
     upgraded._check_pairs(str(tmp_path))
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
-def _count(histogram) -> float:
-    return next(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
-
-
 def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: keys.JobKeys) -> None:
     """400 pulls of a 1 MB slice, none of them read: without a send high-water mark the
     shard would queue 400 MB of copies; with one it keeps a bounded few and drops the rest,
@@ -174,15 +166,15 @@ def test_replies_a_peer_never_reads_do_not_pile_up(tmp_path: Path, job_keys: key
     group = live.group(security=job_keys.client_options())
     try:
         group.hello()  # the shard is up and admits the key
-        before = _rss_bytes()
+        before = rss_bytes()
         pull = protocol.Header(op=dense.PULL.code, shard=0, layout=layout.hash)
         for seq in range(400):
             greedy.send(dataclasses.replace(pull, seq=seq).pack())
         pulls = live.shards[0].metrics.request_seconds("PULL")
-        eventually(lambda: _count(pulls) >= 400, 60, what="every pull answered (or dropped)")
+        eventually(lambda: observed(pulls) >= 400, 60, what="every pull answered (or dropped)")
         out = np.empty(layout.total, np.float32)
         assert [r.step for r in Float32Dense(group).pull(out)] == [0]  # and others are still served
-        grown = _rss_bytes() - before
+        grown = rss_bytes() - before
         assert grown < 150 * 1024 * 1024, f"RSS grew by {grown} bytes"
     finally:
         greedy.close()

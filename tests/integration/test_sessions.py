@@ -27,6 +27,7 @@ from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.protocol import Header
 
+from support.memory import observed, rss_bytes
 from support.shards import LiveShards, start_shards
 from support.waiting import eventually
 
@@ -271,11 +272,6 @@ def test_a_peer_without_a_session_key_gets_nothing_from_the_bulk_port(
     _still_serving(live, group, step=0)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def _flood(address: str, opening: bytes, total: int) -> int:
     """Write `opening`, then up to `total` bytes of 9 kB frames as fast as the shard takes
     them; the bytes written before it closed the connection."""
@@ -303,12 +299,12 @@ def test_a_frame_flood_is_refused_before_it_is_buffered(live: LiveShards, group:
                 "40,000 frames": session.hello() + framing.HEAD.pack(session.id, session.sent + 2, 40_000),
                 "a frame over the cap": (session.hello() + framing.HEAD.pack(session.id, session.sent + 2, 1)
                                           + struct.pack("<I", (1 << 32) - 1))}
-    before = _rss_bytes()
+    before = rss_bytes()
     with caplog.at_level(logging.WARNING):
         for name, opening in openings.items():
             written = _flood(address, opening, 40_000 * 9000)
             assert written < 100 * 1024 * 1024, f"{name}: {written} bytes taken before the connection was closed"
-    grown = _rss_bytes() - before
+    grown = rss_bytes() - before
     assert grown < 32 * 1024 * 1024, f"RSS grew by {grown} bytes"
     assert "a message of 40000 frames" in caplog.text and "at most" in caplog.text
     group._links[0].reconnect()  # its session's counter is behind what the floods used
@@ -330,13 +326,13 @@ def test_replies_a_session_holder_never_reads_do_not_pile_up(tmp_path: Path, job
         session, address = _session_of(group)
         greedy = _proven(RawPeer(address), session)
         greedy.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # it reads nothing
-        before = _rss_bytes()
+        before = rss_bytes()
         pull = Header(op=dense.PULL.code, shard=0, layout=layout.hash)
         for seq in range(60):
             greedy.send(_seal(session, [dataclasses.replace(pull, seq=seq).pack()]))
         pulls = live.shards[0].metrics.request_seconds("PULL")
-        eventually(lambda: _count(pulls) >= 61, 60, what="every pull answered (or dropped)")
-        grown = _rss_bytes() - before
+        eventually(lambda: observed(pulls) >= 61, 60, what="every pull answered (or dropped)")
+        grown = rss_bytes() - before
         assert grown < 150 * 1024 * 1024, f"RSS grew by {grown} bytes"
         other = live.group(security=job_keys.client_options())
         try:
@@ -348,10 +344,6 @@ def test_replies_a_session_holder_never_reads_do_not_pile_up(tmp_path: Path, job
             greedy.close()
         group.close()
         live.stop()
-
-
-def _count(histogram) -> float:
-    return next(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
 
 
 def test_a_connection_that_never_proves_a_session_is_closed(live: LiveShards, group: ShardGroup,
