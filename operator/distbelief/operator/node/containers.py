@@ -53,9 +53,13 @@ def entrypoint(container: Mapping[str, Any]) -> list[str]:
 
 
 def argv(container: Mapping[str, Any], env: Mapping[str, str], local: Callable[[str], str]) -> list[str]:
-    """The process's command line: entry point and args, $(VAR) expanded, local paths."""
-    words = [expand(w, env) for w in entrypoint(container) + list(container.get("args") or [])]
-    return [local(word) for word in localpods.local_command(words[:1]) + words[1:]]
+    """The process's command line: entry point and args, $(VAR) expanded, local paths.
+
+    Only the container's own words are made local: the interpreter that stands for the
+    image's entry point may itself live under a path the pod mounts (a clone under /tmp).
+    """
+    words = [local(expand(w, env)) for w in entrypoint(container) + list(container.get("args") or [])]
+    return localpods.local_command(words[:1]) + words[1:]
 
 
 def localizer(mounts: Mapping[str, str], termination_file: str, termination_path: str) -> Callable[[str], str]:
