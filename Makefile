@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # Folders too: a deleted module changes its folder's time, and the wheel is built again.
 SOURCES := pyproject.toml README.md $(shell find operator runtime crds -not -path '*/__pycache__*' 2>/dev/null)
 
-.PHONY: demo test test-unit test-floors install venv kube-tools clean bench
+.PHONY: demo test test-unit test-floors install venv kube-tools clean bench image
 
 # The dependencies (and the test tools), once per change of pyproject.toml.
 venv: $(VENV)/.deps
@@ -71,3 +71,9 @@ bench: install
 
 clean:
 	rm -rf $(VENV) out build dist .pytest_cache
+
+# Both images of the Dockerfile (distbelief/operator and distbelief/distbelief, the runtime),
+# with docker's legacy builder (tools/build-image: the base image's stand-in where it
+# cannot be pulled).
+image:
+	tools/build-image

@@ -218,7 +218,7 @@ def test_operator_deployment(values_dir: Path) -> None:
     (sa,) = of_kind(docs, "ServiceAccount")
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     assert pod["automountServiceAccountToken"] is True and sa["automountServiceAccountToken"] is False
-    assert container["image"] == f"distbelief/distbelief:{chart_meta()['appVersion']}"
+    assert container["image"] == f"distbelief/operator:{chart_meta()['appVersion']}"
     assert container["args"] == ["--log-level=info", "operator", "--peering=distbelief",
                                  "--liveness=http://0.0.0.0:8080/healthz"]
     (port,) = container["ports"]
@@ -228,7 +228,7 @@ def test_operator_deployment(values_dir: Path) -> None:
     assert set(container["resources"]) == {"requests", "limits"}
     assert {"cpu", "memory"} <= set(container["resources"]["requests"]) & set(container["resources"]["limits"])
     env = env_of(container)
-    assert env["DISTBELIEF_RUNTIME_IMAGE"] == container["image"]
+    assert env["DISTBELIEF_RUNTIME_IMAGE"] == f"distbelief/distbelief:{chart_meta()['appVersion']}"  # the runtime image
     assert env["DISTBELIEF_STATUS_INTERVAL"] == "5"
     assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     # The jobs' NetworkPolicies admit the operator from the namespace it really runs in.
@@ -261,11 +261,11 @@ def chart_meta() -> dict[str, Any]:
     return yaml.safe_load((CHART / "Chart.yaml").read_text())
 
 
-def test_runtime_image_defaults_to_the_renderers_default() -> None:
-    """The chart's default image is the one the renderer falls back to, so `distbelief
-    render` shows what a default install runs."""
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert f"{values['image']['repository']}:{chart_meta()['appVersion']}" == render.DEFAULT_IMAGE
+def test_runtime_image_defaults_to_the_renderers_default(values_dir: Path) -> None:
+    """The chart's default runtime image is the one the renderer falls back to, so
+    `distbelief render` shows what a default install runs."""
+    env = env_of(operator_container(template(values_dir, "defaults")))
+    assert env["DISTBELIEF_RUNTIME_IMAGE"] == render.DEFAULT_IMAGE
 
 
 @pytest.mark.parametrize("name", list(VALUES))
@@ -389,8 +389,8 @@ def test_the_operator_may_create_secrets_but_never_read_them(values_dir: Path, m
 def test_user_roles_aggregate_into_the_builtin_ones(values_dir: Path) -> None:
     docs = template(values_dir, "defaults")
     labels = {d["metadata"]["name"]: d["metadata"]["labels"] for d in of_kind(docs, "ClusterRole")}
-    edit = next(n for n, l in labels.items() if l.get("rbac.authorization.k8s.io/aggregate-to-edit") == "true")
-    view = next(n for n, l in labels.items() if l.get("rbac.authorization.k8s.io/aggregate-to-view") == "true")
+    edit = next(n for n, lbl in labels.items() if lbl.get("rbac.authorization.k8s.io/aggregate-to-edit") == "true")
+    view = next(n for n, lbl in labels.items() if lbl.get("rbac.authorization.k8s.io/aggregate-to-view") == "true")
     assert labels[edit]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true" and edit != view
     assert not [d for d in template(values_dir, "standalone") if d["kind"] == "ClusterRole"
                 and "rbac.authorization.k8s.io/aggregate-to-view" in d["metadata"]["labels"]]

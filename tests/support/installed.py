@@ -27,7 +27,7 @@ def source_files(repo: Path) -> dict[str, str]:
     found = {}
     for installed, folder in SOURCES.items():
         for path in (repo / folder).rglob("*"):
-            if path.is_file() and path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts:
+            if path.is_file() and path.suffix in (".py", ".yaml", ".gz") and "__pycache__" not in path.parts:
                 found[installed + path.relative_to(repo / folder).as_posix()] = _record_hash(path)
     return found
 

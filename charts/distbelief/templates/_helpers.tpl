@@ -48,7 +48,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{- define "distbelief.runtimeImage" -}}
-{{- default (include "distbelief.image" .) .Values.runtimeImage -}}
+{{- default (printf "distbelief/distbelief:%s" (default .Chart.AppVersion .Values.image.tag)) .Values.runtimeImage -}}
 {{- end -}}
 
 {{/* Whether the operator watches every namespace (ClusterRole, ClusterKopfPeering). */}}
