@@ -39,14 +39,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "operator"), str(REPO / "runtime")]
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
 from distbelief.operator.local import local
 from distbelief.operator.spec import spec
-from distbelief.runtime import contract  # noqa: E402
+from distbelief.runtime import contract
 
-import e2e_bench  # noqa: E402
-from figures import interleaved, save, summarize  # noqa: E402
+import e2e_bench
+from figures import interleaved, save, summarize
 
 POLL_S = 0.01
 STALL_S = 7.0     # a frozen backup stays frozen this long

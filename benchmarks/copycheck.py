@@ -49,24 +49,24 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "operator"), str(HERE.parent / "runtime")]
 
-import numpy as np  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
-import copyverdict  # noqa: E402
-import netfault  # noqa: E402
-from copyverdict import Op  # noqa: E402
-from distbelief.operator.local import local  # noqa: E402
-from distbelief.operator.local.localpods import LocalPod, volume_dir  # noqa: E402
-from distbelief.operator.spec import spec  # noqa: E402
-from distbelief.runtime import contract, errors, keys  # noqa: E402
-from distbelief.runtime.algorithms.pipeline.commit import Commit, new_token  # noqa: E402
-from distbelief.runtime.algorithms.pipeline.ops import HOLD, Held  # noqa: E402
-from distbelief.runtime.client.group import ShardGroup, Timeouts  # noqa: E402
-from distbelief.runtime.params.dense_client import Float32Dense  # noqa: E402
-from distbelief.runtime.params.rows.row_client import RowClient  # noqa: E402
-from distbelief.runtime.roles.common import FAILOVER_ATTEMPT_SECONDS, Job  # noqa: E402
-from distbelief.runtime.shard import checkpoint  # noqa: E402
-from distbelief.runtime.wire.protocol import Status  # noqa: E402
+import copyverdict
+import netfault
+from copyverdict import Op
+from distbelief.operator.local import local
+from distbelief.operator.local.localpods import LocalPod, volume_dir
+from distbelief.operator.spec import spec
+from distbelief.runtime import contract, errors, keys
+from distbelief.runtime.algorithms.pipeline.commit import Commit, new_token
+from distbelief.runtime.algorithms.pipeline.ops import HOLD, Held
+from distbelief.runtime.client.group import ShardGroup, Timeouts
+from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.params.rows.row_client import RowClient
+from distbelief.runtime.roles.common import FAILOVER_ATTEMPT_SECONDS, Job
+from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.wire.protocol import Status
 
 PRIMARY = 2  # distbelief_copy_role
 FAULTS = ("kill", "stall", "delay", "partition", "cut")
@@ -474,7 +474,7 @@ def main() -> int:
             try:
                 result = run(plan, keep=args.keep)
                 break
-            except Exception as exc:  # noqa: BLE001  a run that could not be checked is reported, the others go on
+            except Exception as exc:  # a run that could not be checked is reported, the others go on
                 print(f"{plan.name} could not be checked (attempt {attempt}): {exc!r} (logs in {args.keep})",
                       flush=True)
                 if attempt == 2:

@@ -69,15 +69,15 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "runtime")]
 
-import numpy as np  # noqa: E402
-import yaml  # noqa: E402
+import numpy as np
+import yaml
 
 from distbelief.runtime import contract, jobspec
 from distbelief.runtime.model import data, models
 from distbelief.runtime.params import optim
 
-import mnist_sized  # noqa: E402
-from figures import RunFailed, available_cores, fmt, interleaved, save, summarize  # noqa: E402
+import mnist_sized
+from figures import RunFailed, available_cores, fmt, interleaved, save, summarize
 
 DISTBELIEF = str(Path(sys.executable).with_name("distbelief"))
 TARGET_ACCURACY = 0.95

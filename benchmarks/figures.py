@@ -2,6 +2,7 @@
 and how a run that crashes is retried once and then recorded as failed."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -55,7 +56,7 @@ def interleaved(runs: int, measures: dict[str, Callable[[int], T]], failures: li
     values: dict[str, list[T | None]] = {name: [] for name in measures}
     for run in range(runs):
         for name, measure in measures.items():
-            values[name].append(retried(f"{what}{name} run {run + 1}", lambda: measure(run), failures))
+            values[name].append(retried(f"{what}{name} run {run + 1}", functools.partial(measure, run), failures))
     return values
 
 

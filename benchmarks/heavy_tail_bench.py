@@ -32,12 +32,12 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from figures import save_group  # noqa: E402
+from figures import save_group
 
-from distbelief.operator.local import local, report  # noqa: E402
-from distbelief.operator.spec import spec  # noqa: E402
-from distbelief.runtime import jobspec  # noqa: E402
-from distbelief.runtime.model import data, models  # noqa: E402
+from distbelief.operator.local import local, report
+from distbelief.operator.spec import spec
+from distbelief.runtime import jobspec
+from distbelief.runtime.model import data, models
 
 SOURCE = "synthetic-ctr:fields=12,ids=10000000,samples=300000,zipf=1.15,missing=0.03"
 LR_C = (0.25, 0.5, 1.0)

@@ -21,11 +21,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "runtime")]
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 from distbelief.runtime.model.models import Mlp
 
-from figures import fmt, save, summarize  # noqa: E402
+from figures import fmt, save, summarize
 
 SHAPES = (784, (512, 512), 10)
 BATCH = 128

@@ -107,7 +107,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dire
     async def deliver() -> None:
         while True:
             arrived, data = await queue.get()
-            while direction.blocked:
+            while direction.blocked:  # noqa: ASYNC110 (set from the caller's thread, not the loop's)
                 await asyncio.sleep(0.01)
             wait = arrived + direction.delay - loop.time()
             if wait > 0:
@@ -129,7 +129,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dire
             if not data:
                 break
             queue.put_nowait((loop.time(), data))
-        while not queue.empty() and not delivering.done():  # what arrived before the end still goes
+        while not queue.empty() and not delivering.done():  # noqa: ASYNC110 what arrived before the end still goes
             await asyncio.sleep(0.005)
     except (ConnectionError, asyncio.IncompleteReadError):
         pass

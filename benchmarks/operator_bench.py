@@ -52,10 +52,10 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHONPATH = [str(REPO / "tests"), str(REPO / "operator"), str(REPO / "runtime")]
 sys.path[:0] = PYTHONPATH
 
-from kube import KubeEmulator  # noqa: E402
-from kube.plugin import JOB_RESOURCE, project_emulator  # noqa: E402
+from kube import KubeEmulator
+from kube.plugin import JOB_RESOURCE, project_emulator
 
-from figures import summarize  # noqa: E402
+from figures import summarize
 
 NAMESPACE = "default"
 POLL_S = 0.010

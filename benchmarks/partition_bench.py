@@ -41,9 +41,9 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from figures import RunFailed, interleaved, save, summarize  # noqa: E402
+from figures import RunFailed, interleaved, save, summarize
 
-import e2e_bench  # noqa: E402
+import e2e_bench
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
 

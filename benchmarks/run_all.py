@@ -8,9 +8,11 @@ push), mlp_step_bench.py, e2e_bench.py (our jobs in local mode, their one-proces
 baselines and parallel efficiency), torch_peers_bench.py (DDP gloo and an RPC parameter
 server), sparse_bench.py and sparse_table_bench.py (embedding rows), heavy_tail_bench.py
 (sparse jobs' AUC on click data shaped like real logs), backups_bench.py (shard
-copies), copycheck.py (shard copies under faults: what is lost or applied twice), partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
-data_bench.py (a replica's memory and input speed on file sources) and operator_bench.py. Their figures go into --json, written afresh: every figure
-in it is from this run; each is a median with its min and max.
+copies), copycheck.py (shard copies under faults: what is lost or applied twice),
+partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
+data_bench.py (a replica's memory and input speed on file sources) and operator_bench.py.
+Their figures go into --json, written afresh: every figure in it is from this run; each is a
+median with its min and max.
 
 A run that crashes is retried once and then recorded under "failures" with its exit code,
 and the bench goes on: inside the scripts, per job or peer run; here, per script. The

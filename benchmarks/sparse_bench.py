@@ -36,7 +36,7 @@ import prometheus_client as prom
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from figures import save_group, summarize  # noqa: E402
+from figures import save_group, summarize
 
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec

@@ -32,9 +32,9 @@ import prometheus_client as prom
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
-from figures import save, summarize  # noqa: E402
+from figures import save, summarize
 
-from conftest import start_shards  # noqa: E402
+from conftest import start_shards
 from distbelief.runtime import errors, jobspec
 from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
 from distbelief.runtime.model import data, models

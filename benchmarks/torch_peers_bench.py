@@ -47,14 +47,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "runtime")]
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 from distbelief.runtime import jobspec
 from distbelief.runtime.model import data
 
-import mnist_sized  # noqa: E402
-from figures import RunFailed, fmt, interleaved, save, summarize  # noqa: E402
+import mnist_sized
+from figures import RunFailed, fmt, interleaved, save, summarize
 
 SYNTHETIC = "synthetic:features=784,classes=10,samples=8192,seed=1"
 LR = 0.05

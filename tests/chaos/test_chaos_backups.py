@@ -33,7 +33,7 @@ from support.paths import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import copycheck  # noqa: E402
+import copycheck
 
 pytestmark = pytest.mark.slow
 

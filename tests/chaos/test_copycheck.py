@@ -19,10 +19,10 @@ from support.paths import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import copycheck  # noqa: E402
-import copyverdict  # noqa: E402
-import netfault  # noqa: E402
-from copyverdict import Op  # noqa: E402
+import copycheck
+import copyverdict
+import netfault
+from copyverdict import Op
 
 
 def ops(*specs: tuple[int, float, float, bool, list[int] | None]) -> list[Op]:

@@ -263,7 +263,7 @@ def test_a_statefulset_gets_its_claims_bound_and_its_pods_run(kubectl: Kubectl, 
         volume = get(kubectl, "pv", claim_now["spec"]["volumeName"])
         folder = Path(volume["spec"]["local"]["path"])
         assert folder.is_relative_to(local_node.root)
-        eventually(lambda: (folder / "owner").exists(), 10)
+        eventually((folder / "owner").exists, 10)
         assert (folder / "owner").read_text() == f"store-{ordinal}"
     kubectl("delete", "statefulset", "store", "-n", namespace, "--wait=false")
     eventually(lambda: not get(kubectl, "pods", "-n", namespace, "-l", "app=store")["items"], 60)

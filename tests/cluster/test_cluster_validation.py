@@ -113,7 +113,8 @@ RULES: list[tuple[str, str, Edit, Edit]] = [
     ("synthetic-ctr: known keys", "spec.data.source",
      also(EMBEDDINGS, source("synthetic-ctr:fields=2,ids=100,samples=100,zipf=1.5,alpha=2")),
      also(EMBEDDINGS, source("synthetic-ctr:fields=2,ids=100,samples=100,zipf=1.5,seed=2"))),
-    ("synthetic-ctr: a real zipf", "spec.data.source", also(EMBEDDINGS, source("synthetic-ctr:fields=2,ids=100,samples=100,zipf=x")),
+    ("synthetic-ctr: a real zipf", "spec.data.source",
+     also(EMBEDDINGS, source("synthetic-ctr:fields=2,ids=100,samples=100,zipf=x")),
      also(EMBEDDINGS, source("synthetic-ctr:fields=2,ids=100,samples=100,zipf=.75"))),
     ("synthetic-ctr: required keys", "spec.data.source", also(EMBEDDINGS, source("synthetic-ctr:fields=2,samples=100")),
      EMBEDDINGS),
@@ -202,6 +203,12 @@ RULES: list[tuple[str, str, Edit, Edit]] = [
 ]
 
 
+def generator_text(kind: str, base: dict[str, int], key: str, value: float) -> str:
+    """A generator source with every required parameter at base, and key at value."""
+    shown = f"{value:g}" if key in contract.REAL_PARAMETERS else str(int(value))
+    return f"{kind}:" + ",".join(f"{k}={shown if k == key else v}" for k, v in {**base, key: 0}.items())
+
+
 def bound_rules() -> Iterator[tuple[str, str, Edit, Edit]]:
     """Every bound of every generator parameter: just inside is kept, just outside broken."""
     generators = (("synthetic", contract.SYNTHETIC_BOUNDS, contract.SYNTHETIC_REQUIRED, lambda edit: edit),
@@ -211,11 +218,9 @@ def bound_rules() -> Iterator[tuple[str, str, Edit, Edit]]:
         for key, (low, high) in bounds.items():
             step = 0.1 if key in contract.REAL_PARAMETERS else 1
             for edge, outside in ((low, low - step), (high, high + step)):
-                def text(value: float) -> str:
-                    shown = f"{value:g}" if key in contract.REAL_PARAMETERS else str(int(value))
-                    return f"{kind}:" + ",".join(f"{k}={shown if k == key else v}" for k, v in {**base, key: 0}.items())
                 yield (f"{kind}: {key} within {low:g}..{high:g}", "spec.data.source",
-                       wrap(source(text(outside))), wrap(source(text(edge))))
+                       wrap(source(generator_text(kind, base, key, outside))),
+                       wrap(source(generator_text(kind, base, key, edge))))
 
 
 ALL_RULES = RULES + list(bound_rules())

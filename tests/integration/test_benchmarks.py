@@ -14,13 +14,13 @@ from support.paths import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import e2e_bench  # noqa: E402
-import figures  # noqa: E402
-import heavy_tail_bench  # noqa: E402
-import mnist_sized  # noqa: E402
-import plot_results  # noqa: E402
-import run_all  # noqa: E402
-import sparse_table_bench  # noqa: E402
+import e2e_bench
+import figures
+import heavy_tail_bench
+import mnist_sized
+import plot_results
+import run_all
+import sparse_table_bench
 
 from distbelief.operator.spec import spec
 from distbelief.runtime.model import data

@@ -1,5 +1,6 @@
 """Local mode on a file source: replicas stream only the Parquet row groups the chief hands
-them, train to 95% held-out accuracy (a softmax on a linear teacher's labels), and the epochs show in report.json and history.jsonl."""
+them, train to 95% held-out accuracy (a softmax on a linear teacher's labels), and the epochs
+show in report.json and history.jsonl."""
 
 from __future__ import annotations
 

@@ -200,7 +200,8 @@ def test_a_request_lost_with_its_shard_is_resent_when_the_connection_breaks(
             puller.start()
             assert dying.poll(5000), "the pull never reached the first shard"
             dying.close(linger=0)  # dies holding the request
-            eventually(lambda: _port_is_free(port), 10, what=f"port {port} free")  # libzmq closes the listener in its I/O thread, a moment later
+            # libzmq closes the listener in its I/O thread, a moment later
+            eventually(lambda: _port_is_free(port), 10, what=f"port {port} free")
             live = start_shards(tmp_path, layout, np.ones(layout.total, np.float32),
                                 bind=f"tcp://127.0.0.1:{port}")
             puller.join(timeout=60)

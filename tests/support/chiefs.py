@@ -28,7 +28,7 @@ class Chiefs:
         chiefs = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 parts = self.path.strip("/").split("/")
                 registry = chiefs.registries.get((parts[0], parts[1])) if len(parts) == 3 else None
                 body = prom.generate_latest(registry) if registry else b""

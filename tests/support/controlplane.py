@@ -122,7 +122,7 @@ class ControlPlane:
         return self
 
     def stop(self) -> None:
-        for name, process in reversed(self.processes):
+        for _name, process in reversed(self.processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:

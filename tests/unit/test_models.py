@@ -226,7 +226,7 @@ def test_split_params_gives_views_that_cover_the_flat_vector():
     flat = np.arange(models.num_params(model), dtype=np.float32)
     views = models.split_params(model, flat)
     assert list(views) == [name for name, _ in model.shapes]
-    for (name, shape), view in zip(model.shapes, views.values()):
+    for (_name, shape), view in zip(model.shapes, views.values()):
         assert view.shape == shape
         assert np.shares_memory(view, flat)
     np.testing.assert_array_equal(np.concatenate([v.ravel() for v in views.values()]), flat)

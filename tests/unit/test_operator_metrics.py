@@ -56,7 +56,8 @@ def test_reconciles_are_counted_by_outcome_and_timed(counted: metrics.OperatorMe
 def test_a_status_pass_that_raises_is_an_error_of_the_status_handler(counted: metrics.OperatorMetrics) -> None:
     with counted.counting_errors("status"):
         pass
-    for failure in (errors.KubeError("get", "StatefulSet ml/digits-ps", 500, "Internal Server Error"), kopf.TemporaryError("cannot scale the finished job down")):
+    for failure in (errors.KubeError("get", "StatefulSet ml/digits-ps", 500, "Internal Server Error"),
+                    kopf.TemporaryError("cannot scale the finished job down")):
         with pytest.raises(type(failure)), counted.counting_errors("status"):
             raise failure
     assert value(counted, "distbelief_operator_errors_total", handler="status") == 2

@@ -9,7 +9,7 @@ import tracemalloc
 
 import numba
 import numpy as np
-import numpy.testing  # noqa: F401  (here, at collection: numpy 1.26 runs lscpu on its import, a process)
+import numpy.testing  # (here, at collection: numpy 1.26 runs lscpu on its import, a process)
 import pytest
 
 from distbelief.runtime.params import kernels, optim

@@ -83,7 +83,8 @@ def test_a_pending_job_says_what_it_waits_for_and_that_no_step_is_known() -> Non
     assert views.phase_line(doc["status"]) == "Pending (Creating: the job's children are being created)"
     assert views.progress_line(doc["spec"], doc["status"]) == "no step yet (the chief has not answered)"
     screen = views.describe(doc, SHARD_PODS[:2], [], NOW)
-    assert "Shards:        2, 1 copy each; 1/2 pods ready" in screen and "Replicas:      1/3 ready (3 pods)" in screen and "Events:        none" in screen
+    assert "Shards:        2, 1 copy each; 1/2 pods ready" in screen and "Replicas:      1/3 ready (3 pods)" in screen \
+        and "Events:        none" in screen
     assert [text.split()[:4] for text in screen.splitlines() if text.startswith("  1 ")] == \
         [["1", "digits-ps-1", "1", "-"]]
 

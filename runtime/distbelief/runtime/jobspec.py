@@ -287,7 +287,7 @@ class _Section:
             raise ValueError(f"{field}: must be a number (got {value!r})")
         if convert is int and value != int(value):
             raise ValueError(f"{field}: must be an integer (got {value!r})")
-        if convert in (bool, str) and not isinstance(value, convert):  # type: ignore[arg-type]
+        if convert in (bool, str) and not isinstance(value, convert):
             raise ValueError(f"{field}: must be a {'boolean' if convert is bool else 'string'} (got {value!r})")
         try:
             return convert(value)

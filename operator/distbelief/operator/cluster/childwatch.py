@@ -18,7 +18,7 @@ import kopf
 from distbelief.operator import errors
 from distbelief.operator.cluster import children, handlers
 from distbelief.operator.cluster.kube import Kube
-from distbelief.operator.render import render
+from distbelief.operator.render import podparts
 from distbelief.operator.status.status import TERMINAL
 from distbelief.runtime import contract
 
@@ -39,7 +39,7 @@ def select_children(settings: kopf.OperatorSettings, **_: Any) -> None:
     selectors = getattr(settings.watching, "label_selectors", None)
     if selectors is not None:
         for group_version, plural in CHILD_RESOURCES:
-            selectors[group_version, plural] = f"{MANAGED_BY_LABEL}={render.podparts.MANAGED_BY}"
+            selectors[group_version, plural] = f"{MANAGED_BY_LABEL}={podparts.MANAGED_BY}"
 
 
 @kopf.index(*handlers.RESOURCE)
@@ -55,7 +55,9 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
     finish) and the child put back, unless the job is going or its spec is invalid."""
     owner = next((ref for ref in body.metadata.get("ownerReferences", []) if ref.get("controller")
                   and ref.get("kind") == contract.KIND), None)
-    indexed = next(iter(jobs.get((namespace, owner["name"]), [])), None) if owner else None
+    if not owner:
+        return
+    indexed: Mapping[str, Any] | None = next(iter(jobs.get((namespace, owner["name"]), [])), None)
     gone = type == "DELETED"
     if indexed is None or not _drifted(indexed, body, gone=gone):
         return
@@ -106,4 +108,4 @@ def _rendered(job: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, An
 
 for _group_version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group_version, _plural, id=f"put_back/{_plural}",
-                  labels={MANAGED_BY_LABEL: render.podparts.MANAGED_BY})(put_back)
+                  labels={MANAGED_BY_LABEL: podparts.MANAGED_BY})(put_back)

@@ -48,8 +48,8 @@ from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.render import queue, render, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.status import events, scrape
-from distbelief.operator.status.status import (FAILED, TERMINAL, WARNINGS, Observed, compute_status, parse_timestamp,
-                                               pod_failures)
+from distbelief.operator.status.progress import parse_timestamp
+from distbelief.operator.status.status import FAILED, TERMINAL, WARNINGS, Observed, compute_status, pod_failures
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
         kube.patch(*job_address(job), {"status": status}, subresource="status")
         _finish(kube, body, job, status, stop_only=observed.invalid_spec is not None)
     elif status["phase"] != before:
-        condition = next((c for c in status["conditions"] if c["type"] == status["phase"]), {})
+        condition: dict[str, Any] = next((c for c in status["conditions"] if c["type"] == status["phase"]), {})
         kopf.info(body, reason=status["phase"], message=condition.get("message") or status["phase"])
     _post_shard_events(body, memo, observed, job["status"].get("shards"), status.get("shards"))
     if _ttl_expired(job, status, now):

@@ -28,7 +28,8 @@ def missing(kube: Kube, name: str, namespaces: list[str]) -> list[str]:
     Listed rather than read: the chart's RBAC lets the operator list peerings, not get them."""
     kind = "KopfPeering" if namespaces else "ClusterKopfPeering"
     absent = []
-    for namespace in namespaces or [None]:
+    scopes: list[str | None] = [*namespaces] or [None]  # None: cluster-wide
+    for namespace in scopes:
         try:
             names = {obj["metadata"]["name"] for obj in kube.list(API_VERSION, kind, namespace, {})}
         except errors.KubeError as exc:

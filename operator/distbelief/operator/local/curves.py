@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from distbelief.operator.status.scrape import Figures
 
@@ -79,7 +79,7 @@ def read_json_lines(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def figure(history: list[Mapping[str, Any]], curves: list[Mapping[str, Any]], *, title: str) -> Any:
+def figure(history: Sequence[Mapping[str, Any]], curves: Sequence[Mapping[str, Any]], *, title: str) -> Any:
     """The matplotlib figure: loss, accuracy and examples/s over global steps, a dashed
     line where a run resumed from checkpoints."""
     import matplotlib
@@ -118,7 +118,7 @@ def figure(history: list[Mapping[str, Any]], curves: list[Mapping[str, Any]], *,
     return fig
 
 
-def _runs(curves: list[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+def _runs(curves: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
     """The training rows of each run (split at the start lines), runs without rows left out."""
     runs: list[list[Mapping[str, Any]]] = [[]]
     for row in curves:
@@ -129,7 +129,7 @@ def _runs(curves: list[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
     return [run for run in runs if run]
 
 
-def plot(history: list[Mapping[str, Any]], curves: list[Mapping[str, Any]], path: str, *, title: str) -> None:
+def plot(history: Sequence[Mapping[str, Any]], curves: Sequence[Mapping[str, Any]], path: str, *, title: str) -> None:
     fig = figure(history, curves, title=title)
     import matplotlib.pyplot as plt  # after figure() chose the Agg backend
 

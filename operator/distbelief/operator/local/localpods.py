@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from distbelief.operator.local import podusage
 from distbelief.operator.local.ports import LOOPBACK, PortChooser
@@ -96,23 +96,23 @@ class LocalPod:
     def poll(self) -> int | None:
         with self._lock:
             if self.process is not None and self.exit_code is None:
-                self.exit_code = self._reap()
+                self.exit_code = self._reap(self.process)
             return self.exit_code
 
-    def _reap(self) -> int | None:
+    def _reap(self, process: subprocess.Popen) -> int | None:
         """The exit code once the process has ended (reaped here, for its ru_maxrss), else None."""
-        if self.process.returncode is not None:  # reaped already by Popen: its pid may be another's now
-            return self.process.returncode
+        if process.returncode is not None:  # reaped already by Popen: its pid may be another's now
+            return process.returncode
         try:
-            pid, status, usage = os.wait4(self.process.pid, os.WNOHANG)
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
         except ChildProcessError:  # Popen reaped it in between
-            return self.process.poll()
+            return process.poll()
         if pid == 0:
             return None
         if usage.ru_maxrss * 1024 > self._launcher_peak:  # only then is it the pod's own (podusage)
             self.usage.peaked(usage.ru_maxrss * 1024)
-        self.process.returncode = os.waitstatus_to_exitcode(status)
-        return self.process.returncode
+        process.returncode = os.waitstatus_to_exitcode(status)
+        return process.returncode
 
     def wait(self) -> None:
         while self.poll() is None:
@@ -124,22 +124,23 @@ class LocalPod:
 
     def signal(self, sig: int) -> None:
         with self._lock:  # never a pid the process had once it is reaped
-            if self.running:
+            if self.process is not None and self.running:
                 os.kill(self.process.pid, sig)
 
     def watch_memory(self) -> None:
         """Note the process's peak; SIGKILL it when over its memory limit, as a cluster's
         OOM killer would (podusage says how close this comes)."""
         with self._lock:
-            memory = podusage.memory_of(self.process.pid) if self.running else None
-            if memory is None:
+            process = self.process if self.running else None
+            memory = podusage.memory_of(process.pid) if process is not None else None
+            if process is None or memory is None:
                 return
             self.usage.peaked(memory.peak)
             limit = self.memory_limit_bytes
             if limit is not None and memory.resident > limit and self.oom_resident is None:
                 self.oom_resident = memory.resident
                 self.usage.oom_kills += 1
-                os.kill(self.process.pid, signal.SIGKILL)
+                os.kill(process.pid, signal.SIGKILL)
                 log.warning("event=pod_oom_killed pod=%s resident_bytes=%d limit=%s", self.name, memory.resident,
                             self.memory_limit)
 
@@ -185,7 +186,7 @@ class LocalNode:
     env: Mapping[str, str]
 
 
-def plan_pods(objects: list[Mapping[str, Any]], output: str) -> tuple[list[LocalPod], list[LocalPod]]:
+def plan_pods(objects: Sequence[Mapping[str, Any]], output: str) -> tuple[list[LocalPod], list[LocalPod]]:
     """The local pods of the rendered StatefulSet and Deployments (one per partition of a
     partitioned job), shards first."""
     sts = next(obj for obj in objects if obj["kind"] == "StatefulSet")

@@ -94,7 +94,7 @@ class Agent:
         of a container's process follows the thread that started it)."""
         listed = self.api.list_path(node_api.path("v1", "pods"), fields={"spec.nodeName": self.options.name})
         for manifest in listed:
-            _logged(lambda: self._sync_one(manifest), f"pod {manifest['metadata']['name']}")()
+            _logged(lambda: self._sync_one(manifest), f"pod {manifest['metadata']['name']}")()  # noqa: B023 (called at once)
         seen = {manifest["metadata"]["uid"] for manifest in listed}
         for uid in set(self.pods) - seen:  # deleted from the API at once (grace period 0)
             self._leave(self.pods[uid], delete=False)

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from distbelief.operator import errors
 from distbelief.operator.local import livestatus, outputdir
-from distbelief.operator.local.localpods import LOOPBACK
+from distbelief.operator.local.ports import LOOPBACK
 from distbelief.operator.local.report import REPORT_FILE
 from distbelief.operator.plugin import pods as pods_of
 from distbelief.operator.status import scrape

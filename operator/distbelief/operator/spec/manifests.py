@@ -45,7 +45,7 @@ def load_manifests(path: str) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise errors.SpecError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        docs = list(yaml.load_all(text, Loader=_StrictLoader))  # noqa: S506 - a SafeLoader subclass
+        docs = list(yaml.load_all(text, Loader=_StrictLoader))  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise errors.SpecError(_yaml_problem(path, exc)) from None
     docs = [item for doc in docs for item in _unpack_list(doc)]

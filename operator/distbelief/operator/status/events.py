@@ -8,7 +8,7 @@ shard's failovers (status.shards, from the chief) going up, with the pod that to
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distbelief.operator.status.status import how_it_ended
@@ -17,7 +17,7 @@ from distbelief.runtime import contract
 Event = tuple[str, str]
 
 
-def shard_restarts(pods: list[Mapping[str, Any]]) -> dict[str, tuple[int, str]]:
+def shard_restarts(pods: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, str]]:
     """Each shard pod's container restarts, and how its container last ended."""
     seen = {}
     for pod in pods:

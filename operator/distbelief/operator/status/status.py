@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from distbelief.operator.status.progress import parse_timestamp, progress_fields, timestamp
 from distbelief.operator.status.scrape import Figures
@@ -55,7 +55,7 @@ class Observed:
     shard_pods: Mapping[str, tuple[int, str]] | None = None  # shard pod -> (restarts, how it last ended)
 
 
-def pod_failures(pods: list[Mapping[str, Any]]) -> dict[str, Any]:
+def pod_failures(pods: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The fields of Observed that a job's pods show: the most restarts of one shard
     container whose last run failed (a shard that exits 0 has seen the job done), and how
     it ended; the first container that exited with a config error, and the first replica

@@ -22,7 +22,7 @@ import dataclasses
 import glob
 import logging
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -58,6 +58,7 @@ class FileSet:
     def __init__(self, spec: jobspec.Data, *, whole: bool = False) -> None:
         """whole: every file is read as training files, none held out (inputs to predict on)."""
         self.spec = spec
+        expand: Callable[[str], list[str]]
         if spec.source.startswith(objectstore.PREFIX):
             bucket = objectstore.Bucket(spec.object_store)
             self.scheme, pattern, opener, expand = objectstore.format_of(spec.source), spec.source, bucket.open, bucket.glob
@@ -228,7 +229,7 @@ def _local_glob(pattern: str) -> list[str]:
     return sorted(glob.glob(pattern)) if any(c in pattern for c in GLOB_CHARS) else [pattern]
 
 
-def _expand(pattern: str, expand) -> list[str]:
+def _expand(pattern: str, expand: Callable[[str], list[str]]) -> list[str]:
     files = expand(pattern)
     if not files:
         raise errors.ConfigError(f"spec.data.source: no file matches {pattern}")

@@ -29,7 +29,8 @@ INIT_CHUNK = 1 << 22  # initial weights are drawn this many at a time
 
 
 class Model(Protocol):
-    shapes: Sequence[tuple[str, tuple[int, ...]]]
+    @property
+    def shapes(self) -> Sequence[tuple[str, tuple[int, ...]]]: ...
 
     def init_params(self, seed: int) -> np.ndarray: ...
 
@@ -170,7 +171,7 @@ class Mlp:
             grad_w += self.l2 * weight
         return self.l2_penalty(layers)
 
-    def _logits(self, layers, x: np.ndarray) -> np.ndarray:
+    def _logits(self, layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
         return self.forward_layers(layers, x)[-1]
 
     def loss_and_grad(self, params: np.ndarray, batch: Batch,

@@ -160,7 +160,7 @@ class BoundedHTTPServer:
             conn.sock.sendall(payload)
         except OSError as exc:
             log.debug("event=http_send_failed error=%s", exc)
-        except Exception:  # noqa: BLE001 (a failing route must not take a worker with it)
+        except Exception:  # a failing route must not take a worker with it
             log.exception("event=http_route_failed")
         finally:
             conn.sock.close()

@@ -177,7 +177,8 @@ class WorkerMetrics:
                                   registry=registry)
         self.bytes_in = prom.Counter("distbelief_worker_bytes_in", "Bytes received", registry=registry)
         self.bytes_out = prom.Counter("distbelief_worker_bytes_out", "Bytes sent", registry=registry)
-        self.retries = prom.Counter("distbelief_worker_retries", "Requests repeated after a shard did not answer", registry=registry)
+        self.retries = prom.Counter("distbelief_worker_retries", "Requests repeated after a shard did not answer",
+                                    registry=registry)
         self.acknowledged = prom.Counter(M.WORKER_PUSHES_ACKNOWLEDGED, "Pushes a shard acknowledged as applied",
                                          ["shard"], registry=registry)
 

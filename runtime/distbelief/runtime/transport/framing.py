@@ -5,10 +5,11 @@
               head's tag (HEAD_TAG bytes), the frames
 
 A receiver reads a message's head and lengths, checks them against its Limits and the
-head's tag (the stream's owner's check_head: sessions.py), and only then reads the frames, into a buffer of its pool that it reuses (`recv_into`). A message
-over the limits is refused before a byte of its frames is buffered, so a connection holds
-at most one message of the largest size allowed: no peer can make a process buffer more,
-however many frames it sends. What the bytes mean (sessions, tags) is sessions.py's.
+head's tag (the stream's owner's check_head: sessions.py), and only then reads the frames,
+into a buffer of its pool that it reuses (`recv_into`). A message over the limits is
+refused before a byte of its frames is buffered, so a connection holds at most one message
+of the largest size allowed: no peer can make a process buffer more, however many frames it
+sends. What the bytes mean (sessions, tags) is sessions.py's.
 
 On Linux a bulk port also listens on a Unix socket named after its TCP port, in the
 abstract namespace (which belongs to the network namespace: a pod's own, or the machine's

@@ -81,7 +81,10 @@ class Server(Protocol):
 
 
 class Link(Protocol):
-    address: str
+    @property
+    def address(self) -> str:
+        """The address it talks to now (a link to a shard's copies moves between them)."""
+        ...
 
     def readable(self, ready: dict) -> bool: ...
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 
 from distbelief.runtime import errors, keys
 from distbelief.runtime.transport.copy_addresses import CopyAddresses
-from distbelief.runtime.transport.interface import MAX_REPLY_FRAMES, Frame, Incoming, Received, Sink
+from distbelief.runtime.transport.interface import MAX_REPLY_FRAMES, Frame, Incoming, Link, Received, Sink
 
 
 class MemoryTransport:
@@ -45,10 +45,11 @@ class MemoryTransport:
             link = self._links[peer] = MemoryLink(self, address, peer)
         return link
 
-    def wait(self, links: Sequence["MemoryLink"], seconds: float) -> dict:
+    def wait(self, links: Sequence[Link], seconds: float) -> dict:
+        own = cast("Sequence[MemoryLink]", links)  # the links it made
         with self._changed:
-            self._changed.wait_for(lambda: any(link.inbox for link in links), timeout=seconds)
-            return {link: True for link in links if link.inbox}
+            self._changed.wait_for(lambda: any(link.inbox for link in own), timeout=seconds)
+            return {link: True for link in own if link.inbox}
 
     def _deliver_to_server(self, address: str, peer: bytes, frames: list[memoryview]) -> None:
         with self._changed:

@@ -168,7 +168,8 @@ class ZmqLink:
 
     def pollables(self) -> list[tuple[object, int]]:
         """What to poll, and for what: the bulk connection for writing too while it has queued bytes."""
-        conn, polled = self._conn, [(self._conn.socket, zmq.POLLIN)]
+        conn = self._conn
+        polled: list[tuple[object, int]] = [(conn.socket, zmq.POLLIN)]
         if conn.monitor is not None:
             polled.append((conn.monitor, zmq.POLLIN))
         if conn.bulk is not None and not conn.bulk.closed:
@@ -346,7 +347,8 @@ class ZmqLink:
         self._conn.forget_session()
         self._idle[self.address] = self._conn
         self.copies.next()
-        self._conn = self._idle.pop(self.address, None) or self._connect()
+        idle = self._idle.pop(self.address, None)
+        self._conn = idle if idle is not None else self._connect()
 
     def close(self) -> None:
         for conn in [self._conn, *self._idle.values()]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Sequence
+from typing import Sequence, cast
 
 import zmq
 
@@ -102,7 +102,7 @@ class ZmqServer:
         deadline = time.monotonic() + seconds
         while not self._ready:
             waiting = any(link.pending() for link in links)  # type: ignore[attr-defined]
-            ready = dict(self._poller(links).poll(0 if waiting else max(0.0, deadline - time.monotonic()) * 1000))
+            ready = dict(self._poller(links).poll(0 if waiting else int(max(0.0, deadline - time.monotonic()) * 1000)))
             if self._socket in ready:
                 self._take_curve()
             if self._bulk is not None:
@@ -125,7 +125,7 @@ class ZmqServer:
             self._ready.append(None)
             return
         peer, body = frames[0].bytes, [f.buffer for f in frames[1:]]
-        user = frames[-1].get("User-Id") if self._admission is not None else None
+        user = cast("str | None", frames[-1].get("User-Id")) if self._admission is not None else None  # ZAP's user id
         if len(body) == 1 and body[0] == sessions.SESSION_MAGIC:
             _send(self._socket, peer, [self._grant(user, peer)], self.who)
             return

@@ -11,11 +11,12 @@ distbelief.runtime.errors and nowhere else.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Sequence, cast
 
 import zmq
 
 from distbelief.runtime import keys
+from distbelief.runtime.transport.interface import Link
 from distbelief.runtime.transport.zmq_link import ZmqLink
 from distbelief.runtime.transport.zmq_server import ZmqServer
 
@@ -35,18 +36,20 @@ class ZmqTransport:
              bulk: bool = False, heartbeat: float | None = None) -> ZmqLink:
         return ZmqLink(self.context, address, options, watch=watch, bulk=bulk, heartbeat=heartbeat)
 
-    def wait(self, links: Sequence[ZmqLink], seconds: float) -> dict:
-        """What is ready, once one of links has a reply to read (or a monitor event) or
-        `seconds` passed; meanwhile the links' bulk connections write and read (pump)."""
+    def wait(self, links: Sequence[Link], seconds: float) -> dict:
+        """What is ready, once one of links (made by this transport) has a reply to read (or
+        a monitor event) or `seconds` passed; meanwhile the links' bulk connections write and
+        read (pump)."""
+        own = cast("Sequence[ZmqLink]", links)
         deadline = time.monotonic() + seconds
         while True:
             poller = zmq.Poller()
-            for link in links:
+            for link in own:
                 for pollable, flags in link.pollables():
                     poller.register(pollable, flags)
-            waiting = any(link.pending() for link in links)
-            ready = dict(poller.poll(0 if waiting else max(0.0, deadline - time.monotonic()) * 1000))
-            woken = [link.pump(ready) for link in links]
+            waiting = any(link.pending() for link in own)
+            ready = dict(poller.poll(0 if waiting else int(max(0.0, deadline - time.monotonic()) * 1000)))
+            woken = [link.pump(ready) for link in own]
             if any(woken) or time.monotonic() >= deadline:
                 return ready
 

@@ -112,16 +112,18 @@ class Dispenser:
     # -- serving -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        server = self._server
+        assert server is not None, "start() binds the server before the thread runs"
         try:
             while not self._stop.is_set():
-                if self._server.poll(POLL_SECONDS):
-                    self.handle(self._server, self._server.receive())
+                if server.poll(POLL_SECONDS):
+                    self.handle(server, server.receive())
                 self.tick()
         except Exception as exc:  # a dead dispenser must take its shard down rather than starve the job
             log.exception("event=dispenser_failed error=%r", str(exc))
             self.failure = exc
         finally:
-            self._server.close()
+            server.close()
 
     def tick(self) -> None:
         """Record the position when record_every has passed (the serving loop calls it)."""

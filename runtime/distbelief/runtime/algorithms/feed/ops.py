@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import Any
+
 from distbelief.runtime import errors
 from distbelief.runtime.algorithms.chiefport import ChiefPortLink
 from distbelief.runtime.wire import protocol
@@ -53,7 +55,7 @@ NEXT_UNIT = protocol.define(OpSpec(50, "NEXT_UNIT", request=UnitAsk, reply=UnitG
 class DispenserLink(ChiefPortLink):
     """A replica's request/reply channel to the dispenser."""
 
-    def __init__(self, address: str, **kwargs) -> None:
+    def __init__(self, address: str, **kwargs: Any) -> None:
         super().__init__(address, who="the data dispenser", **kwargs)
 
     def ask(self, request: UnitAsk) -> tuple[int, UnitGiven | None]:

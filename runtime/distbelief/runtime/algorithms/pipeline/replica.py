@@ -250,6 +250,11 @@ class FirstPartition(PartitionPod):
         super().close()
         self.links.own.close()  # its own subset of the shards; `everyone` is the role's to close
 
+    @property
+    def _next_stage(self) -> neighbour.Neighbour:
+        assert self._downstream is not None, "partition 0 has a next stage in every group"
+        return self._downstream
+
     def train(self) -> bool:
         step, fetch = 0, True
         examples, loss_sum = 0, 0.0
@@ -279,7 +284,7 @@ class FirstPartition(PartitionPod):
 
     def _fetch(self, token: int) -> bool:
         """The later stages start pulling for the step (PREFETCH) as this stage pulls; True if the job is done."""
-        self._downstream.notify(self.group, token)
+        self._next_stage.notify(self.group, token)
         return self.pull()
 
     def _step(self, token: int, flags: int) -> tuple[neighbour.Downstream, float, int]:
@@ -293,11 +298,11 @@ class FirstPartition(PartitionPod):
         for part, (xm, ym) in enumerate(micro):
             stashed.append(self.stage.forward(self.params, xm))
             part_flags = (flags & FETCH if part == 0 else 0) | (flags & PUSH if part == parts - 1 else 0)
-            self._downstream.send(self.group, token, stashed[-1][-1], ym, flags=part_flags, part=part, parts=parts,
+            self._next_stage.send(self.group, token, stashed[-1][-1], ym, flags=part_flags, part=part, parts=parts,
                                   step_rows=len(x))
         loss = 0.0
         for part, ((xm, _), activations) in enumerate(zip(micro, stashed)):
-            downstream = self._downstream.answer()
+            downstream = self._next_stage.answer()
             if downstream.status == Status.DONE:
                 return downstream, 0.0, 0
             own, _ = self.compute(activations, downstream.grad, share=len(xm) / len(x), last=part == parts - 1)
@@ -310,7 +315,7 @@ class FirstPartition(PartitionPod):
         """Apply the step on every shard or on none (commit.py): OK, STALE, FULL or DONE."""
         with self._dropped_on_break(token):
             own = self.hold(token) if np.isfinite(loss) else Status.STALE  # a shard would refuse it
-            held = worst([own, self._downstream.held()])  # every stage held its part meanwhile
+            held = worst([own, self._next_stage.held()])  # every stage held its part meanwhile
         if not np.isfinite(loss):
             self._drop_non_finite(loss)
             return self.commits.drop(self.group, token, Status.STALE)

@@ -84,6 +84,11 @@ class Coordinator:
         self._stop.set()
         self._thread.join(timeout=30)
 
+    @property
+    def _bound(self) -> interface.Server:
+        assert self._server is not None, "start() binds the server before the thread runs"
+        return self._server
+
     def _bind(self) -> interface.Server:
         server = self._transport.server(self.settings.bind, who="the coordinator",
                                         max_frame=protocol.max_frame_bytes(0), max_frames=2,
@@ -104,7 +109,7 @@ class Coordinator:
             self.failure = exc
             self.on_failure()
         finally:
-            self._server.close()
+            self._bound.close()
             self.group.close()
 
     def _optimise(self) -> None:
@@ -159,7 +164,8 @@ class Coordinator:
     def _publish(self, state: LbfgsState) -> None:
         self.state = state
         self.metrics.iteration.set(state.iteration)
-        self.metrics.objective.set(state.objective)
+        if state.objective is not None:
+            self.metrics.objective.set(state.objective)
         self.metrics.gradient_norm.set(state.gradient_norm)
 
     # -- one evaluation over the whole batch -------------------------------------------------
@@ -192,15 +198,15 @@ class Coordinator:
         """Answer replicas' WORK requests for up to `seconds` (less once all units are in)."""
         deadline = time.monotonic() + seconds
         while True:
-            if not self._server.poll(max(0.0, deadline - time.monotonic())):
+            if not self._bound.poll(max(0.0, deadline - time.monotonic())):
                 return
-            self._handle(self._server.receive())
+            self._handle(self._bound.receive())
             if self.queue.finished and self.queue.evaluation:
                 return
 
     def _handle(self, incoming: interface.Incoming | None) -> None:
         request = self._parse(incoming)
-        if request is None:
+        if request is None or incoming is None:
             return  # dropped: nothing a replica could mistake for work
         header, result = request.header, request.meta
         self._idle[incoming.peer] = header
@@ -247,7 +253,7 @@ class Coordinator:
         self._reply(worker, header, Status.OK, unit)
 
     def _reply(self, identity: bytes, header: Header, status: int, unit: ops.WorkUnit | None = None) -> None:
-        if not self._server.send(identity, protocol.reply_frames(header, step=0, status=status, meta=unit)):
+        if not self._bound.send(identity, protocol.reply_frames(header, step=0, status=status, meta=unit)):
             log.warning("event=reply_dropped role=coordinator worker=%08x", header.worker)
 
     def _answer_done_until_stopped(self) -> None:
@@ -256,10 +262,10 @@ class Coordinator:
             self._reply(identity, header, Status.DONE)
         self._idle.clear()
         while not self._stop.is_set():
-            if self._server.poll(POLL_SECONDS):
-                incoming = self._server.receive()
+            if self._bound.poll(POLL_SECONDS):
+                incoming = self._bound.receive()
                 request = self._parse(incoming)
-                if request is not None:
+                if request is not None and incoming is not None:
                     self._reply(incoming.peer, request.header, Status.DONE)
 
 
@@ -267,7 +273,7 @@ class ShardSpace:
     """lbfgs.VectorSpace over every shard's slices: one command per operation, to all
     shards at once; dot products are the sum of the shards' parts."""
 
-    def __init__(self, shards: SandblasterShards, evaluate) -> None:
+    def __init__(self, shards: SandblasterShards, evaluate: Callable[[], float]) -> None:
         self.shards = shards
         self.evaluate = evaluate
         self.incarnations: list[int] = []

@@ -135,6 +135,7 @@ class Lbfgs:
     def _line_search(self, state: LbfgsState, slope: float, step: float) -> float:
         """Find a step along D meeting the strong Wolfe conditions; XT and GT end at it."""
         f0 = state.objective
+        assert f0 is not None, "iterate() starts from an evaluated state"
         budget = self.settings.max_line_search
         lo = (0.0, f0, slope)
         for trial in range(budget):
@@ -209,7 +210,7 @@ class Lbfgs:
     def _check_convergence(self, state: LbfgsState, previous: float | None) -> None:
         if state.gradient_norm <= self.settings.gradient_tolerance:
             state.converged = "GradientTolerance"
-        elif previous is not None:
+        elif previous is not None and state.objective is not None:
             decrease = (previous - state.objective) / max(abs(previous), abs(state.objective), 1.0)
             if decrease <= self.settings.objective_tolerance:
                 state.converged = "ObjectiveTolerance"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class CoordinatorLink(ChiefPortLink):
     """The replica's request/reply channel to the coordinator."""
 
-    def __init__(self, address: str, **kwargs) -> None:
+    def __init__(self, address: str, **kwargs: Any) -> None:
         super().__init__(address, who="the coordinator", **kwargs)
 
     def ask(self, result: UnitResult | None) -> tuple[int, WorkUnit | None]:

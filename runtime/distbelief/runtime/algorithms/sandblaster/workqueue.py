@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Hashable
+from typing import Callable, Hashable
 from collections import deque
 
 from distbelief.runtime.algorithms.sandblaster.ops import WorkUnit
@@ -33,7 +33,7 @@ class QueueStats:
 
 class WorkQueue:
     def __init__(self, total: int, unit_size: int, *, backups: bool = True, reissue_after: float = 30.0,
-                 clock=time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if total <= 0 or unit_size <= 0:
             raise ValueError("a batch needs examples and a unit size")
         self.total, self.unit_size = total, unit_size
@@ -71,9 +71,10 @@ class WorkQueue:
             index = self._pending.popleft()
             self._outstanding[index] = _Outstanding({worker}, now)
         else:
-            index = self._backup_for(worker, now)
-            if index is None:
+            backup = self._backup_for(worker, now)
+            if backup is None:
                 return None
+            index = backup
             entry = self._outstanding[index]
             entry.holders.add(worker)
             entry.issued_at = now

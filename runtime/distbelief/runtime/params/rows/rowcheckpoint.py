@@ -194,7 +194,7 @@ def extra_of(arrays: Mapping[str, np.ndarray], prefix: str = "") -> dict[str, np
     return {attribute: arrays[prefix + name] for name, attribute in EXTRA.items() if prefix + name in arrays}
 
 
-def rows_of(arrays: list[np.ndarray], dim: int, touch_base: float) -> tuple[np.ndarray, ...]:
+def rows_of(arrays: list[np.ndarray], dim: int, touch_base: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(keys, values, accumulators, touched) back from row_arrays' arrays."""
     keys, values, accumulators, touched = arrays
     return (keys_from_parts(keys), values.reshape(accumulators.size, dim), accumulators,

@@ -6,19 +6,19 @@
                            row-wise Adagrad (lazy L2) on the rows that exist or are admitted now
     expire(now)            drops the rows not pushed to for expire_after seconds
 
-Layout. The rows live in arrays appended in creation order: keys int64 [n], values
-float32 [n, dim], one Adagrad accumulator float32 [n], the second of the last push uint32
-[n] and a changed-since-the-last-checkpoint flag bool [n]: 81 bytes a row at dim 16 (and
-the optional arrays below: 4 + 4 + 2 bytes). An open-addressing index (linear probing) maps a key to its row: int32 row numbers only (the
-key is read from the rows), at a load factor between MIN_LOAD and MAX_LOAD (1/2 to 3/4: 5.3
-to 8 bytes a row). The row arrays grow by GROWTH (1/8) in place (ndarray.resize: realloc,
-which moves pages instead of copying them), so growing never holds two copies of the table
-and at most 1/8 of it is slack; the index is rebuilt, larger, when it passes MAX_LOAD (the
-old index is dropped first). Keeping rows apart from the index makes expiry a compaction
-followed by an index rebuild (no tombstones) and a checkpoint the first n rows as they
-are. Probing is vectorised: every pending key moves one slot per round, so a batch costs a
-few numpy passes, with no per-row Python loop. Memory follows the rows that exist, never
-the id space.
+Layout. The rows live in arrays appended in creation order: keys int64 [n], values float32
+[n, dim], one Adagrad accumulator float32 [n], the second of the last push uint32 [n] and a
+changed-since-the-last-checkpoint flag bool [n]: 81 bytes a row at dim 16 (and the optional
+arrays below: 4 + 4 + 2 bytes). An open-addressing index (linear probing) maps a key to its
+row: int32 row numbers only (the key is read from the rows), at a load factor between
+MIN_LOAD and MAX_LOAD (1/2 to 3/4: 5.3 to 8 bytes a row). The row arrays grow by GROWTH
+(1/8) in place (ndarray.resize: realloc, which moves pages instead of copying them), so
+growing never holds two copies of the table and at most 1/8 of it is slack; the index is
+rebuilt, larger, when it passes MAX_LOAD (the old index is dropped first). Keeping rows
+apart from the index makes expiry a compaction followed by an index rebuild (no tombstones)
+and a checkpoint the first n rows as they are. Probing is vectorised: every pending key
+moves one slot per round, so a batch costs a few numpy passes, with no per-row Python loop.
+Memory follows the rows that exist, never the id space.
 
 Optimizer. Adagrad is row-wise, as TorchRec's: one accumulator per row holding the mean
 of the squared gradient over the row's elements. It keeps 1/dim of per-element Adagrad's
