@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from distbelief.operator.node import containers
+from localnode import containers
 
 MOUNTS = {"/tmp": "/var/lib/node/pods/p1/volumes/tmp", "/data": "/var/lib/node/pods/p1/volumes/data"}
 

@@ -35,8 +35,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from distbelief.operator.node import logs
-from distbelief.operator.node.addresses import HOST_IP, PodNetwork
+from localnode import logs
+from localnode.addresses import HOST_IP, PodNetwork
 
 log = logging.getLogger(__name__)
 

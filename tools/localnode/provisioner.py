@@ -18,7 +18,7 @@ import os
 import shutil
 from typing import Any, Mapping
 
-from distbelief.operator.node import api as node_api
+from localnode import api as node_api
 
 log = logging.getLogger(__name__)
 

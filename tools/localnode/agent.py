@@ -25,12 +25,12 @@ from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
 
 from distbelief.operator.local import localpods, podusage
-from distbelief.operator.node import api as node_api, logs, probes
-from distbelief.operator.node.addresses import PodNetwork, cluster_identity
-from distbelief.operator.node.pods import NodeContext, NodePod
-from distbelief.operator.node.provisioner import Provisioner
-from distbelief.operator.node.endpoint import Endpoint
-from distbelief.operator.node.registration import Registration
+from localnode import api as node_api, logs, probes
+from localnode.addresses import PodNetwork, cluster_identity
+from localnode.pods import NodeContext, NodePod
+from localnode.provisioner import Provisioner
+from localnode.endpoint import Endpoint
+from localnode.registration import Registration
 
 log = logging.getLogger(__name__)
 

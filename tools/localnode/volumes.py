@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from distbelief.operator import errors
 from distbelief.operator.local import localpods
-from distbelief.operator.node import api as node_api
+from localnode import api as node_api
 
 Manifest = dict[str, Any]
 

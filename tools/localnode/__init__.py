@@ -7,6 +7,6 @@ fresh (registration), runs each bound pod's containers with local mode's pod run
 status as a kubelet does (podstatus), gives every pod an IP of its own on loopback and
 maps the cluster's DNS names to them (addresses, roles), provisions folders for volume
 claims (provisioner), and serves logs and pods by name over HTTP(S) (endpoint, logs).
-Not a product role: `tools/local-node --kubeconfig FILE [--name NAME]`, or
-`python -m distbelief.operator.node`.
+Not a product role, so not in the wheel: `tools/local-node --kubeconfig FILE [--name NAME]`
+runs it with the installed distbelief, from this folder.
 """

@@ -1,4 +1,4 @@
-"""`python -m distbelief.operator.node --kubeconfig FILE [--name NAME] ...`: run the node agent
+"""`python -m localnode --kubeconfig FILE [--name NAME] ...`: run the node agent
 until SIGTERM or Ctrl-C (what tools/local-node starts)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Sequence
 
 from kubernetes.config import ConfigException
 
-from distbelief.operator.node import agent, registration
+from localnode import agent, registration
 
 DESCRIPTION = "Run the pods the scheduler binds to a Node as processes of this machine (tests, a one-machine stack)."
 

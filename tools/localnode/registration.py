@@ -18,8 +18,8 @@ import os
 import platform
 from typing import Any, Mapping
 
-from distbelief.operator.node import api as node_api
-from distbelief.operator.node.addresses import HOST_IP
+from localnode import api as node_api
+from localnode.addresses import HOST_IP
 
 log = logging.getLogger(__name__)
 

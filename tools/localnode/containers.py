@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from distbelief.operator import errors
 from distbelief.operator.local import localpods
 from distbelief.operator.render import podparts
-from distbelief.operator.node import api as node_api
+from localnode import api as node_api
 
 Manifest = dict[str, Any]
 TERMINATION_LOG = "/dev/termination-log"

@@ -29,8 +29,8 @@ from typing import Any, Mapping
 
 from distbelief.operator import errors
 from distbelief.operator.local import localpods
-from distbelief.operator.node import api as node_api, containers, podstatus, probes, roles, volumes
-from distbelief.operator.node.addresses import HOST_IP, PodNetwork
+from localnode import api as node_api, containers, podstatus, probes, roles, volumes
+from localnode.addresses import HOST_IP, PodNetwork
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import urllib.parse
 
 from kubernetes.client.rest import ApiException
 
-from distbelief.operator.node import api as node_api
+from localnode import api as node_api
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from distbelief.operator.node.addresses import PodNetwork
+from localnode.addresses import PodNetwork
 from distbelief.runtime import contract
 
 ROLES = ("ps", "worker")
