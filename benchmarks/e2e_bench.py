@@ -315,7 +315,7 @@ def single_process_seconds(spec: dict, target: float) -> float:
 
 
 def plain_trainer(spec: dict) -> tuple[Callable[[], None], Callable[[], float]]:
-    """A job's model, data and optimiser in this process, no parameter server:
+    """A job's model, data and optimizer in this process, no parameter server:
     (one training step, held-out accuracy now)."""
     typed = jobspec.resolve(spec)
     dataset = data.load(typed.data)

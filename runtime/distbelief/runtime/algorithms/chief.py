@@ -135,7 +135,7 @@ class WholeModel:
 class Chief:
     def __init__(self, *, group: ShardGroup, scorer: Scorer, rules: StoppingRules, eval_every: float,
                  output_dir: str, start_time: float, metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
-                 optimiser_state: Callable[[], dict | None] = lambda: None, copies: bool = False,
+                 optimizer_state: Callable[[], dict | None] = lambda: None, copies: bool = False,
                  record: HeldOutRecord | None = None, keep_best: bool = False, fail_on_degraded: bool = False,
                  rows: bool = False) -> None:
         """copies: the shards have backups, whose state each evaluation also reports; record:
@@ -149,7 +149,7 @@ class Chief:
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
         self.training = training  # shard 0's training figures (examples, examples/s, train loss, replicas)
-        self.optimiser_state = optimiser_state  # Sandblaster's committed state on shard 0, if any
+        self.optimizer_state = optimizer_state  # Sandblaster's committed state on shard 0, if any
         self.failure: BaseException | None = None
         self.on_failure: Callable[[], None] = lambda: None
         self.more_figures: Callable[[], dict[str, Any]] = lambda: {}  # for history and result (the data's epoch)
@@ -171,7 +171,7 @@ class Chief:
             self._wake.set()
 
     def _converged(self) -> bool:
-        return bool((self.optimiser_state() or {}).get("converged"))
+        return bool((self.optimizer_state() or {}).get("converged"))
 
     def _run(self) -> None:
         try:
@@ -268,7 +268,7 @@ class Chief:
         if self.keep_best and os.path.exists(os.path.join(self.output_dir, contract.BEST_PARAMS_FILE)):
             result["best"] = {"step": held_out["bestStep"], held_out["metric"]: held_out["best"],
                               "params": contract.BEST_PARAMS_FILE}
-        state = self.optimiser_state()
+        state = self.optimizer_state()
         if state:
             result["objective"] = state.get("objective")  # the training objective L-BFGS reached
         self.scorer.save(os.path.join(self.output_dir, contract.PARAMS_FILE))

@@ -7,7 +7,7 @@
                                  returns something with stop()/failure
     replica(ctx)                 the replica's loop: an object with run() -> why it ended,
                                  joined (an Event) and steps
-    optimiser_state(shard)       what the chief reads of shard 0's optimiser (Sandblaster's
+    optimizer_state(shard)       what the chief reads of shard 0's optimizer (Sandblaster's
                                  committed state: its convergence and objective)
     held_out(job, group)         what the chief scores, when it is not the model on the data's
                                  x (Downpour with embeddings: the MLP on the shards' rows)
@@ -87,7 +87,7 @@ class Algorithm:
     attach: Callable[[Shard, Job], None]
     beside_chief: Callable[[ChiefContext], Helper | None]
     replica: Callable[[ReplicaContext], ReplicaLoop]
-    optimiser_state: Callable[[Shard], Callable[[], dict | None]] = lambda shard: (lambda: None)
+    optimizer_state: Callable[[Shard], Callable[[], dict | None]] = lambda shard: (lambda: None)
     held_out: Callable[[Job, ShardGroup], HeldOut | None] = lambda job, group: None
 
 

@@ -113,7 +113,7 @@ def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interf
     chief = Chief(group=group, scorer=scorer, rules=StoppingRules.of(training),
                   eval_every=training.eval_every_seconds, output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
-                  optimiser_state=algorithm.optimiser_state(server), copies=job.config.copies > 1, record=record,
+                  optimizer_state=algorithm.optimizer_state(server), copies=job.config.copies > 1, record=record,
                   keep_best=training.keep_best, fail_on_degraded=training.fail_on_degraded,
                   rows=job.spec.model.embeddings is not None)
     server.step_reached = chief.step_reached

@@ -45,4 +45,4 @@ def _replica(ctx: ReplicaContext) -> ReplicaLoop:
 
 SANDBLASTER = Algorithm(name="sandblaster", attach=_attach, beside_chief=_coordinator,
                         replica=_replica,
-                        optimiser_state=lambda shard: lambda: shard.plugin(ShardVectors).coordinator_state)
+                        optimizer_state=lambda shard: lambda: shard.plugin(ShardVectors).coordinator_state)
