@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
 
-from distbelief.runtime import keys
+from distbelief.runtime import contract, keys
 from distbelief.runtime.wire.layout import Layout
 from support.paths import REPO
 from support.shards import LiveShards, start_shards
@@ -50,3 +51,12 @@ def job_keys() -> keys.JobKeys:
 def encrypted(request: pytest.FixtureRequest) -> bool:
     """Both transports of a secured job: CurveZMQ, and PLAIN (spec.parameterServers.encryption false)."""
     return request.param
+
+
+@pytest.fixture
+def private_sockets(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A socket folder as local mode gives its roles (DISTBELIEF_SOCKET_DIR, mode 0700), short
+    enough for a Unix socket's name wherever the test's own folder is."""
+    with tempfile.TemporaryDirectory(prefix="db-sockets-") as folder:
+        monkeypatch.setenv(contract.ENV_SOCKET_DIR, folder)
+        yield Path(folder)

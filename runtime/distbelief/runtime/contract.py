@@ -120,6 +120,9 @@ ENV_COPY_LEASE = "DISTBELIEF_COPY_LEASE_SECONDS"  # the primary's lease (default
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 SERVICE_ACCOUNT_VOLUME = "view-lease-token"
 ENV_SERVICE_ACCOUNT_DIR = "DISTBELIEF_SERVICE_ACCOUNT_DIR"
+# A folder of this machine only the job's user may use (0700), for the bulk ports' Unix
+# sockets: local mode makes one per run; unset on a cluster, where every role has its pod.
+ENV_SOCKET_DIR = "DISTBELIEF_SOCKET_DIR"
 
 # Files the chief (shard 0) writes beside its checkpoints.
 HISTORY_FILE = "history.jsonl"   # one JSON line per held-out evaluation

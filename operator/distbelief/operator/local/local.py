@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Mapping
@@ -126,9 +127,11 @@ class LocalRun:
         recorder = curves.Recorder(self.output, resumed_at=resumed_at)
         self._history_at_start = self._history_size()
         self._write_targets()
-        with podusage.MemoryWatchdog(lambda: self.pods):
+        # The bulk ports' Unix sockets: a folder only this user may use, gone with the run.
+        with podusage.MemoryWatchdog(lambda: self.pods), tempfile.TemporaryDirectory(prefix="distbelief-") as sockets:
             try:
                 for pod in self.pods:
+                    pod.env[contract.ENV_SOCKET_DIR] = sockets
                     pod.start()
                 phase, reason = self._supervise(live, recorder)
             finally:

@@ -73,8 +73,9 @@ class BulkPort:
         return True
 
     def close(self) -> None:
-        for listener in self._listeners():
-            listener.close()
+        self.listener.close()
+        if self.local is not None:
+            framing.unlink_local(self.local)
         for stream in self._streams:
             stream.close()
         self._streams.clear()
