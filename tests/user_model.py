@@ -18,7 +18,7 @@ class WrappedMlp:
         self.model_spec = model_spec
         self.n_features = n_features
         self.n_classes = n_classes
-        self._inner = models.Mlp(n_features, n_classes, model_spec.get("hidden", [4]), "tanh")
+        self._inner = models.Mlp(n_features, n_classes, model_spec.get("hiddenLayers", [4]), "tanh")
         self.shapes = self._inner.shapes
 
     def init_params(self, seed: int) -> np.ndarray:

@@ -125,6 +125,10 @@ def test_the_default_budget_is_half_of_what_the_memory_limit_leaves() -> None:
     assert sparse.row_budget("100Mi", row_bytes, 0) == sparse.MIN_BUDGET  # never below the minimum
 
 
+def _limits(memory: str | None) -> dict:
+    return {"limits": {"memory": memory}} if memory else {}
+
+
 class _Job:
     """What downpour.sparse_rows reads of a job."""
 
@@ -136,7 +140,7 @@ class _Job:
         self.model = embedding.build(model, self.dataset)
         self.spec = jobspec.JobSpec(data=jobspec.Data(source="npz:/none.npz"), model=model,
                                     training=jobspec.Training(batch_size=32),
-                                    parameter_servers=jobspec.ParameterServers(memory_limit=memory_limit))
+                                    parameter_servers=jobspec.ParameterServers(resources=_limits(memory_limit)))
 
     def data_bytes(self, shard: int) -> int:
         return self.dataset.nbytes   # loaded whole in every shard

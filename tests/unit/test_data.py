@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from distbelief.runtime import contract, errors, jobspec
+from distbelief.runtime import contract, errors, jobbase, jobspec
 from distbelief.runtime.contract import JobConfig
 from distbelief.runtime.model import data
 
@@ -309,13 +309,13 @@ def test_minibatch_streams_depend_on_the_seed():
     ("1h0m5s", 3605.0), ("0.5s", 0.5), ("1m500ms", 60.5), ("10m", 600.0), ("3h", 10800.0),
 ])
 def test_parse_duration(text, seconds):
-    assert jobspec.parse_duration(text) == pytest.approx(seconds)
+    assert jobbase.parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["10", "abc", "5x", "h", "1d", "-5s", "5 s", "1h30", "s5", "1.5", "ms"])
 def test_parse_duration_errors(text):
     with pytest.raises(ValueError, match="not a duration"):
-        jobspec.parse_duration(text)
+        jobbase.parse_duration(text)
 
 
 @pytest.mark.parametrize("pod, index", [("train-ps-0", 0), ("my-job-ps-12", 12), ("a-7", 7), ("x-ps-007", 7)])

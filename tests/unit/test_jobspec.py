@@ -1,13 +1,14 @@
-"""The typed job (distbelief.runtime.jobspec): resolved once from the spec the ConfigMap
-holds, with the CRD's defaults; the only runtime module that reads the CRD's keys; and
-the one derivation of data, model and layout (model/job.py) that the roles, local mode's
-checks and predict share."""
+"""The typed job (distbelief.runtime.jobspec): generated from the CRD by tools/gen-jobspec,
+resolved once from the spec the ConfigMap holds, with the CRD's defaults; the only runtime
+module that reads the CRD's keys; and the one derivation of data, model and layout
+(model/job.py) that the roles, local mode's checks and predict share."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import json
+import runpy
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,7 +19,7 @@ import yaml
 
 from distbelief.operator.local import preflight
 from distbelief.operator.spec import spec
-from distbelief.runtime import contract, errors, jobspec
+from distbelief.runtime import contract, errors, jobbase, jobspec
 from distbelief.runtime.model.job import Job
 
 from support.examples import load_example
@@ -28,6 +29,7 @@ from support.paths import EXAMPLES, REPO
 RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
 CRD = REPO / "crds" / "distbelief.io_distbeliefjobs.yaml"
 RESOLVER = RUNTIME / "jobspec.py"
+GENERATOR = REPO / "tools" / "gen-jobspec"
 MINIMAL = {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND, "metadata": {"name": "tiny"},
            "spec": {"data": {"source": "builtin:digits"}}}
 
@@ -40,11 +42,37 @@ def _crd_keys(schema: dict[str, Any]) -> Iterator[str]:
             yield from _crd_keys(sub["items"])
 
 
+def spec_schema(crd: dict[str, Any]) -> dict[str, Any]:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
 def crd_keys() -> set[str]:
     """Every camelCase key of the CRD's spec (the ones no other name in the code shares)."""
+    return {key for key in _crd_keys(spec_schema(yaml.safe_load(CRD.read_text(encoding="utf-8")))) if key != key.lower()}
+
+
+def generated(crd_text: str) -> str:
+    """What tools/gen-jobspec writes for a CRD, in memory."""
+    generator = runpy.run_path(str(GENERATOR))
+    return generator["generate"](crd_text, generator["hand_written_bases"]())
+
+
+def test_the_typed_job_is_what_the_generator_makes_of_the_crd() -> None:
+    fresh = generated(CRD.read_text(encoding="utf-8"))
+    assert RESOLVER.read_text(encoding="utf-8") == fresh, "jobspec.py is stale: run tools/gen-jobspec"
+
+
+def test_a_field_added_to_the_crd_reaches_the_typed_job_with_its_type_default_and_description() -> None:
     crd = yaml.safe_load(CRD.read_text(encoding="utf-8"))
-    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    return {key for key in _crd_keys(schema) if key != key.lower()}
+    training = spec_schema(crd)["properties"]["training"]["properties"]
+    training["warmupSeconds"] = {"type": "number", "default": 5, "description": "Seconds of warm-up."}
+    training["schedule"] = {"type": "object", "description": "The rate's schedule.",
+                            "properties": {"decayEvery": {"type": "integer"}}}
+    text = generated(yaml.safe_dump(crd, sort_keys=False))
+    assert 'warmup_seconds: float = 5.0\n    """Seconds of warm-up."""' in text
+    assert 'warmup_seconds=at.get("warmupSeconds", jobbase.number, 5.0),' in text
+    assert 'class Schedule:\n    """spec.training.schedule: The rate\'s schedule."""' in text
+    assert "schedule: Schedule | None = None" in text and "decay_every: int | None = None" in text
 
 
 def test_the_typed_defaults_are_the_crds() -> None:
@@ -61,7 +89,7 @@ def test_an_example_resolves_to_the_values_it_gives() -> None:
     resolved = spec.job_config(spec.validate_job(load_example("ctr-sparse.yaml"))).resolved
     assert resolved.model.embeddings == jobspec.Embeddings(dim=8, hash_buckets=0, admit_after=1,
                                                            expire_after_seconds=3600.0)
-    assert resolved.model.hidden_layers == () and resolved.model.written["embeddings"]["dim"] == 8
+    assert resolved.model.hidden_layers == () and jobbase.as_spec(resolved.model)["embeddings"]["dim"] == 8
     assert (resolved.training.batch_size, resolved.training.learning_rate) == (256, 0.01)
     assert resolved.training.max_duration_seconds == 300.0 and resolved.training.max_staleness is None
     assert (resolved.parameter_servers.shards, resolved.parameter_servers.checkpoint.every_seconds) == (2, 10.0)

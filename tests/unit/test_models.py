@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distbelief.runtime import errors, jobspec
+from distbelief.runtime import errors, jobbase, jobspec
 from distbelief.runtime.model import models
 from distbelief.runtime.model.models import Mlp
 
@@ -258,7 +258,7 @@ def test_evaluate_matches_a_direct_computation(monkeypatch, chunk):
 def test_evaluate_uses_loss_and_grad_when_a_model_has_no_loss(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setattr(models, "EVAL_CHUNK", 9)
-    user = models.build_model(typed_model({"entrypoint": "user_model:build", "hidden": [6]}), N_FEATURES,
+    user = models.build_model(typed_model({"entrypoint": "user_model:build", "hiddenLayers": [6]}), N_FEATURES,
                               N_CLASSES)
     assert not hasattr(user, "loss")
     builtin = Mlp(N_FEATURES, N_CLASSES, (6,), "tanh")
@@ -296,10 +296,12 @@ def test_build_unknown_type_is_a_config_error():
 
 def test_entrypoint_loads_a_user_model(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
-    spec = {"entrypoint": "user_model:build", "hidden": [5]}
-    model = models.build_model(typed_model(spec), N_FEATURES, N_CLASSES)
+    typed = typed_model({"entrypoint": "user_model:build", "hiddenLayers": [5]})
+    model = models.build_model(typed, N_FEATURES, N_CLASSES)
     assert type(model).__name__ == "WrappedMlp"
-    assert model.model_spec == spec and model.model_spec is not spec  # a copy of the spec
+    assert model.model_spec == jobbase.as_spec(typed)   # spec.model as a mapping, every default applied
+    assert model.model_spec["hiddenLayers"] == [5] and model.model_spec["activation"] == "relu"
+    assert "type" not in model.model_spec               # unset: user code is no built-in type
     assert (model.n_features, model.n_classes) == (N_FEATURES, N_CLASSES)
     assert [shape for _, shape in model.shapes] == [(N_FEATURES, 5), (5,), (5, N_CLASSES), (N_CLASSES,)]
     params = model.init_params(0)
@@ -349,7 +351,7 @@ def test_an_entrypoint_that_breaks_the_interface_is_one_line_naming_the_function
 
 def test_a_gradient_returned_instead_of_written_into_out_reaches_out(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
-    written = {"entrypoint": "user_model:build_returning_new_gradient"}
+    written = {"entrypoint": "user_model:build_returning_new_gradient", "hiddenLayers": [4]}
     model = models.build_model(typed_model(written), N_FEATURES, N_CLASSES)
     builtin = Mlp(N_FEATURES, N_CLASSES, (4,), "tanh")
     params, batch = random_params(builtin), make_batch()

@@ -13,7 +13,7 @@ from typing import Any
 
 from distbelief.operator.render.context import RenderContext
 from distbelief.operator.spec.spec import DATA_DIR
-from distbelief.runtime import contract, jobspec, keys
+from distbelief.runtime import contract, jobbase, keys
 
 Manifest = dict[str, Any]
 APP_NAME = "distbelief"
@@ -250,7 +250,7 @@ def _thread_env(resources: Mapping[str, Any] | None) -> list[dict[str, str]]:
 
 def cpu_cores(quantity: str | int | float) -> Decimal:
     """A Kubernetes quantity ("500m", "2", "1.5", 2 CPUs; "1Gi", "512M", "1e9" bytes) as a number."""
-    return jobspec.quantity(quantity)
+    return jobbase.quantity(quantity)
 
 
 def resources(spec: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from distbelief.operator import errors
 from distbelief.operator.spec.manifests import load_manifests, load_single
 from distbelief.operator.spec.schemawalk import Problems, Walker, got, join, kind, show
 from distbelief.operator.spec.templates import check_templates
-from distbelief.runtime import contract, jobspec
+from distbelief.runtime import contract, jobbase
 
 __all__ = ["load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]
 
@@ -325,7 +325,7 @@ def _check_training(job: Mapping[str, Any], problems: Problems) -> None:
     if not isinstance(text, str) or problems.at(path):
         return
     try:
-        seconds = jobspec.parse_duration(text)
+        seconds = jobbase.parse_duration(text)
     except ValueError as exc:
         problems.add(path, str(exc))
         return

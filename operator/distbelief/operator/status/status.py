@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from distbelief.operator.status.progress import parse_timestamp, progress_fields, timestamp
 from distbelief.operator.status.scrape import Figures
-from distbelief.runtime import contract, jobspec
+from distbelief.runtime import contract, jobbase
 
 PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"
 SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
@@ -167,7 +167,7 @@ def _deadline_passed(spec: Mapping[str, Any], previous: Mapping[str, Any], now: 
     if not duration or not started or spec["runPolicy"]["suspend"]:
         return None
     elapsed = (now - parse_timestamp(started)).total_seconds()
-    if elapsed <= jobspec.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
+    if elapsed <= jobbase.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
         return None
     return f"running for {elapsed:.0f} s, past maxDuration {duration}, and the chief has not ended the job"
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from distbelief.runtime import errors, jobspec
+from distbelief.runtime import errors, jobbase, jobspec
 
 Batch = tuple[np.ndarray, np.ndarray]
 EVAL_CHUNK = 4096
@@ -277,15 +277,15 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
 def build_model(spec: jobspec.Model, n_features: int, n_classes: int) -> Model:
     """The model a job's spec.model describes (its embeddings aside: embedding.build)."""
     if spec.entrypoint:
-        return _load_entrypoint(spec.entrypoint, spec.written, n_features, n_classes)
-    if spec.type not in ("mlp", "softmax"):
-        raise errors.ConfigError(f"spec.model.type: unknown model type {spec.type!r}")
-    hidden = list(spec.hidden_layers) if spec.type == "mlp" else []
+        return _load_entrypoint(spec.entrypoint, jobbase.as_spec(spec), n_features, n_classes)
+    if spec.builtin not in ("mlp", "softmax"):
+        raise errors.ConfigError(f"spec.model.type: unknown model type {spec.builtin!r}")
+    hidden = list(spec.hidden_layers) if spec.builtin == "mlp" else []
     return Mlp(n_features, n_classes, hidden, spec.activation, spec.l2)
 
 
 def _load_entrypoint(entrypoint: str, written: Mapping[str, Any], n_features: int, n_classes: int) -> Model:
-    """User code's model: the entrypoint called with spec.model as the job gives it."""
+    """User code's model: the entrypoint called with spec.model as a mapping (every default applied)."""
     module_name, _, function_name = entrypoint.partition(":")
     try:
         build = getattr(importlib.import_module(module_name), function_name)

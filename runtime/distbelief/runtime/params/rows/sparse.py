@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Mapping, Self
 
 import numpy as np
 
-from distbelief.runtime import errors, jobspec
+from distbelief.runtime import errors, jobbase
 from distbelief.runtime.params.rows import rowparts
 from distbelief.runtime.params.rows.rowcheckpoint import FULL_WRITE_BYTES, STATE_PREFIX, RowCheckpoints
 from distbelief.runtime.params.rows.rowtable import RowTable
@@ -67,7 +67,7 @@ def row_budget(memory_limit: str | None, row_bytes: float, other_bytes: int) -> 
     MIN_BUDGET. None without a limit."""
     if not memory_limit:
         return None
-    left = int(jobspec.quantity(memory_limit)) - PROCESS_BYTES - other_bytes
+    left = int(jobbase.quantity(memory_limit)) - PROCESS_BYTES - other_bytes
     return max(MIN_BUDGET, int(left / 2 / row_bytes))
 
 
