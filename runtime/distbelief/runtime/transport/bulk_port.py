@@ -5,9 +5,11 @@ their connections (framing.py). A connection is admitted by its hello,
 a proof of a session the server granted over CurveZMQ (sessions.py); until then it is
 read no further than the hello, at most MAX_UNPROVEN such connections are kept, and none
 for longer than HELLO_SECONDS. An admitted connection carries only the sessions of the
-peer its hello proved. A connection that breaks the framing, or sends a message that
-fails its counter or a tag, is closed (the refusal is logged at a bounded rate), and
-nothing of it reaches the shard.
+peer its hello proved; a peer keeps at most CONNECTIONS_PER_PEER of them, and none once
+the session table forgot its last session. A connection that breaks the framing, or sends
+a message that fails its counter or a tag, is closed (the refusal is logged at a bounded
+rate), and nothing of it reaches the shard. The messages being read, across connections,
+are held to a budget of bytes (framing.Budget): one that does not fit waits, unread.
 """
 
 from __future__ import annotations
@@ -26,6 +28,19 @@ HELLO_SECONDS = 10.0     # a connection's hello must come this soon
 SEND_HWM = 64            # replies queued for one connection before further ones are dropped
 SEND_HWM_BYTES = 64 << 20  # ...or this many bytes (one reply always gets in)
 POOL_KEEP = 2            # buffers kept for the next messages, across connections
+# A link uses one bulk connection at a time; a second lets its next one in (after a break,
+# a fresh session) before the shard has seen the first one close, or ever will (a silent
+# network). A hello beyond it closes the peer's oldest connection.
+CONNECTIONS_PER_PEER = 2
+# Bytes of requests read at once, across connections: 4 of the largest frame (a push
+# carries one, its slice), so a few replicas' pushes are read at once; a message larger
+# than that (more frames) is read alone. One that does not fit waits, unread, in its
+# socket rather than being refused: a burst of honest pushes is slowed, not failed.
+BUDGET_FRAMES = 4
+# While a message waits for the budget, a connection that has held its share longer than
+# this is closed: trickled bytes keep a replica's push (the newest waiter, let in first)
+# waiting about this long, well within its attempt (10 s).
+HOLD_SECONDS = 5.0
 
 
 class BulkPort:
@@ -38,24 +53,31 @@ class BulkPort:
         self.endpoint = f"tcp://{host}:{self.port}"
         self.local = framing.listen_local(self.port)  # the same port, for peers on this machine
         self.limits, self._table = limits, table
+        self._budget = framing.Budget(BUDGET_FRAMES * limits.max_frame)
         self._streams: list[framing.Stream] = []
         self._pool = framing.BufferPool(keep=POOL_KEEP)
         self._refusals = sessions.RefusalLog(who)
 
-    def watched(self) -> list[tuple[int, bool]]:
-        """What to poll: (file descriptor, whether it waits to write)."""
-        listeners = [(listener.fileno(), False) for listener in self._listeners()]
-        return [*listeners, *((s.fd, s.queued > 0) for s in self._streams)]
+    def watched(self) -> list[tuple[int, bool, bool]]:
+        """What to poll: (file descriptor, whether to read it, whether it waits to write). A
+        connection whose message waits for the budget is not read."""
+        listeners = [(listener.fileno(), True, False) for listener in self._listeners()]
+        return [*listeners, *((s.fd, not s.waiting, s.queued > 0) for s in self._streams)]
 
     def _listeners(self) -> list[socket.socket]:
         return [self.listener] if self.local is None else [self.listener, self.local]
 
     def serve(self, ready: dict) -> list[Incoming]:
-        """Accept new connections, write what waits, and the requests that came whole."""
+        """Accept new connections, write what waits, and the requests that came whole; then,
+        every round (so no timer waits for another connection), close the connections past
+        their time and let waiting messages in."""
         for listener in self._listeners():
             if listener.fileno() in ready:
                 self._accept(listener)
         incoming = [request for stream in self._streams if stream.ready_in(ready) for request in self._serve(stream)]
+        self._close_unproven()
+        self._close_forgotten()
+        self._let_in()
         self._streams = [s for s in self._streams if not s.closed]
         return incoming
 
@@ -90,8 +112,7 @@ class BulkPort:
                 self._refusals.refused(f"accept failed: {exc}")
                 break
             self._streams.append(framing.Stream(sock, self.limits, self._pool, expects_hello=True,
-                                                check_head=self._check_head))
-        self._close_unproven()
+                                                check_head=self._check_head, budget=self._budget))
 
     def _close_unproven(self) -> None:
         """Connections still without their hello: late ones closed, and the oldest beyond MAX_UNPROVEN."""
@@ -102,27 +123,49 @@ class BulkPort:
                 self._refusals.refused("a connection without a hello in time")
                 stream.close()
 
+    def _close_forgotten(self) -> None:
+        """Connections of a peer none of whose sessions the table still holds: so a peer's
+        connections count among the table's bounds."""
+        for stream in self._streams:
+            if stream.owner is not None and not stream.closed and not self._table.knows(stream.owner):
+                self._refusals.refused("a connection of a peer whose sessions were all forgotten")
+                stream.close()
+
+    def _let_in(self) -> None:
+        """Waiting messages let in as the budget allows; while one still waits, the
+        connections that held their share longer than HOLD_SECONDS are closed for it."""
+        self._budget.grant()
+        for stream in self._budget.overdue(HOLD_SECONDS):
+            self._refusals.refused("a message that held the byte budget too long while others waited")
+            stream.close()
+        self._budget.grant()
+
     def _serve(self, stream: framing.Stream) -> list[Incoming]:
-        incoming = []
+        """A connection's hello, and at most one whole request a round: so the requests
+        opened for the shard in a round are within the budget, and each connection gets its turn."""
         try:
-            while not stream.closed:
+            while not stream.closed and stream.message is None:
                 PROCESS_TRAFFIC.received(stream.pump())
-                if stream.hello is not None:
-                    self._admit(stream, stream.hello)
-                elif stream.message is not None:
-                    incoming.append(self._open(stream, stream.message))
-                    stream.done()
-                else:
+                if stream.hello is None:
                     break
+                self._admit(stream, stream.hello)
+            if stream.message is not None:
+                request = self._open(stream, stream.message)
+                stream.done()
+                return [request]
         except errors.BulkRejected as exc:
             self._refusals.refused(str(exc))
             stream.close()
-        return incoming
+        return []
 
     def _admit(self, stream: framing.Stream, hello: bytes) -> None:
         session = self._table.find(framing.HELLO.unpack(hello)[1])
         session.check_hello(hello)
         stream.admit(session.owner)
+        mine = [s for s in self._streams if s.owner == session.owner and s is not stream and not s.closed]
+        for oldest in mine[:max(0, len(mine) - CONNECTIONS_PER_PEER + 1)]:
+            self._refusals.refused(f"a connection beyond its peer's {CONNECTIONS_PER_PEER} (the oldest is closed)")
+            oldest.close()
 
     def _session_of(self, stream: framing.Stream, session_id: bytes) -> sessions.Session:
         session = self._table.find(session_id)

@@ -9,7 +9,8 @@ head's tag (the stream's owner's check_head: sessions.py), and only then reads t
 into a buffer of its pool that it reuses (`recv_into`). A message over the limits is
 refused before a byte of its frames is buffered, so a connection holds at most one message
 of the largest size allowed: no peer can make a process buffer more, however many frames it
-sends. What the bytes mean (sessions, tags) is sessions.py's.
+sends. Streams that share a Budget buffer no more than it between them: a message that
+does not fit waits, unread. What the bytes mean (sessions, tags) is sessions.py's.
 
 Where the roles are given a private folder for sockets (DISTBELIEF_SOCKET_DIR: local mode
 makes one per run, mode 0700), a bulk port also listens on a Unix socket there, named after
@@ -75,6 +76,56 @@ class BufferPool:
         del self._free[self.keep:]
 
 
+class Budget:
+    """The bytes of messages that a server's streams may buffer at once, counted by what
+    their vouched-for heads declare, from the moment a message's buffer is taken until it
+    is done or its stream closes. A message is let in when it fits, or when nothing is held
+    (one larger than the whole budget then goes alone); else its stream waits, unread,
+    until grant() lets it in."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.used = nbytes, 0
+        self.held: dict[Stream, tuple[int, float]] = {}  # stream -> (bytes, since when)
+        self.waiting: dict[Stream, int] = {}             # stream -> bytes, in the order they came
+
+    def take(self, stream: Stream, nbytes: int) -> bool:
+        """Whether `stream` may buffer its message of `nbytes` now; if not, it waits."""
+        if not self._fits(nbytes):
+            self.waiting[stream] = nbytes
+            return False
+        self._hold(stream, nbytes)
+        return True
+
+    def give(self, stream: Stream) -> None:
+        """`stream`'s message is done, or the stream closed: its bytes are free again."""
+        self.waiting.pop(stream, None)
+        nbytes, _ = self.held.pop(stream, (0, 0.0))
+        self.used -= nbytes
+
+    def grant(self) -> None:
+        """The waiting streams that fit let in, the latest to come first: a replica whose
+        attempt timed out has sent its request again on a fresh connection, so the oldest
+        waiters are the likeliest to be abandoned (and under overload the requests still
+        awaited go through, instead of every one of them timing out)."""
+        for stream, nbytes in reversed(list(self.waiting.items())):
+            if self._fits(nbytes):
+                del self.waiting[stream]
+                self._hold(stream, nbytes)
+                stream.granted()
+
+    def overdue(self, seconds: float) -> list[Stream]:
+        """While a message waits: the streams that have held their bytes longer than `seconds`."""
+        now = time.monotonic()
+        return [s for s, (_, since) in self.held.items() if now - since > seconds] if self.waiting else []
+
+    def _fits(self, nbytes: int) -> bool:
+        return not self.held or self.used + nbytes <= self.nbytes
+
+    def _hold(self, stream: Stream, nbytes: int) -> None:
+        self.held[stream] = (nbytes, time.monotonic())
+        self.used += nbytes
+
+
 @dataclasses.dataclass(frozen=True)
 class Message:
     """A message as it arrived: its HEAD's fields, its frames' lengths, and the frames, in
@@ -111,17 +162,18 @@ class Stream:
     """One TCP connection of the bulk channel, non-blocking. pump() reads what has arrived
     (up to one whole message, kept until done()) and writes what is queued; `closed` once
     the peer went away or broke the framing. check_head vets each message's head before a
-    buffer is taken for its frames (None: heads are taken as they come)."""
+    buffer is taken for its frames (None: heads are taken as they come); then the budget,
+    if any, lets the message in or makes it wait (`waiting`: nothing is read) until granted()."""
 
     def __init__(self, sock: socket.socket, limits: Limits, pool: BufferPool, *, expects_hello: bool,
-                 check_head: HeadCheck | None = None) -> None:
+                 check_head: HeadCheck | None = None, budget: Budget | None = None) -> None:
         sock.setblocking(False)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
         self.sock, self.limits, self.pool, self.fd = sock, limits, pool, sock.fileno()
-        self.check_head = check_head
+        self.check_head, self.budget = check_head, budget
         self.closed, self.opened = False, time.monotonic()
         self.hello: bytes | None = None   # a hello read and not yet admit()ted: reading waits
         self.owner: object = None         # who the admitted hello proved the peer to be
@@ -135,6 +187,11 @@ class Stream:
     def ready_in(self, ready: dict) -> bool:
         """Whether a zmq.Poller's result names this stream (it names plain sockets by descriptor)."""
         return not self.closed and self.fd in ready
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a message's head waits for the budget to let its frames in."""
+        return self._stage == "waiting"
 
     @property
     def queued(self) -> int:
@@ -183,7 +240,7 @@ class Stream:
         framing: the caller logs it, then closes the stream."""
         self.flush()
         read = 0
-        while not self.closed and self.message is None and self.hello is None:
+        while not self.closed and self.message is None and self.hello is None and not self.waiting:
             chunk = self._read_some()
             if chunk is None:
                 break
@@ -196,10 +253,16 @@ class Stream:
         """The hello proved `owner`: messages are read from now on."""
         self.hello, self.owner = None, owner
 
+    def granted(self) -> None:
+        """The budget let the waiting message in: its frames are read from now on."""
+        self._take_body()
+
     def done(self) -> None:
-        """The message in `message` was used: its buffer goes back to the pool."""
+        """The message in `message` was used: its buffer goes back to the pool, its bytes to the budget."""
         if self.message is not None:
             self.pool.release(self._body)
+            if self.budget is not None:
+                self.budget.give(self)
             self.message = None
             self._reset()
 
@@ -253,6 +316,12 @@ class Stream:
         if self.check_head is not None:
             head = HEAD.size + count * LENGTH.size
             self.check_head(self, bytes(self._small[:head]), bytes(self._small[head:head + HEAD_TAG]))
+        if self.budget is None or self.budget.take(self, sum(self._lengths)):
+            self._take_body()
+        else:
+            self._stage = "waiting"
+
+    def _take_body(self) -> None:
         total = sum(self._lengths)
         self._body = self.pool.get(total)
         self._stage, self._need, self._filled = "body", total, 0
@@ -269,6 +338,8 @@ class Stream:
         if not self.closed:
             self.closed = True
             self.sock.close()
+            if self.budget is not None:
+                self.budget.give(self)
             for _, buffer in self._outbox:
                 if buffer is not None:
                     self.pool.release(buffer)

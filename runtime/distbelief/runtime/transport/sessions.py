@@ -240,6 +240,7 @@ class Table:
         self.max_sessions, self.max_per_peer = max_sessions, max_per_peer
         self._sessions: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self._routes: dict[bytes, Session] = {}  # peer -> the session its last request came by
+        self._owners: collections.Counter[tuple[str | None, bytes]] = collections.Counter()  # sessions of each
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -251,14 +252,22 @@ class Table:
             self._drop(old)
         session = Session(id=os.urandom(ID_BYTES), key=os.urandom(KEY_BYTES), user=user, peer=peer)
         self._sessions[session.id] = session
+        self._owners[session.owner] += 1
         while len(self._sessions) > self.max_sessions:
             self._drop(next(iter(self._sessions.values())))
         return GRANT.pack(SESSION_MAGIC, session.id, session.key, port)
 
     def _drop(self, session: Session) -> None:
         del self._sessions[session.id]
+        self._owners[session.owner] -= 1
+        if not self._owners[session.owner]:
+            del self._owners[session.owner]
         if self._routes.get(session.peer) is session:
             del self._routes[session.peer]
+
+    def knows(self, owner: object) -> bool:
+        """Whether a session of this peer (its ZAP user and routing id) is still held."""
+        return owner in self._owners
 
     def find(self, session_id: bytes) -> Session:
         session = self._sessions.get(session_id)

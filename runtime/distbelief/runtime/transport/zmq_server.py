@@ -29,10 +29,15 @@ SEND_HWM = 64             # replies queued for one peer before further ones are 
 # must still get in.
 FRAME_OVERHEAD = 64
 RECEIVE_HWM = 256         # requests queued from one peer before it is pushed back
+# A connection that has not completed its handshake (the greeting, then CurveZMQ or PLAIN
+# and ZAP) this soon is dropped: a peer that opens TCP connections and says nothing holds
+# each no longer (libzmq's default is 30 s; a handshake takes milliseconds).
+HANDSHAKE_MS = 10_000
 
 
 def _router(context: zmq.Context, max_frame: int) -> zmq.Socket:
     socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     socket.setsockopt(zmq.MAXMSGSIZE, max_frame + FRAME_OVERHEAD)
     socket.setsockopt(zmq.SNDHWM, SEND_HWM)
     socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
@@ -88,8 +93,9 @@ class ZmqServer:
     def _poller(self, links: Sequence[Link]) -> zmq.Poller:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        for pollable, writes in self._bulk.watched() if self._bulk is not None else ():
-            poller.register(pollable, zmq.POLLIN | (zmq.POLLOUT if writes else 0))
+        for fd, reads, writes in self._bulk.watched() if self._bulk is not None else ():
+            if reads or writes:
+                poller.register(fd, (zmq.POLLIN if reads else 0) | (zmq.POLLOUT if writes else 0))
         for link in links:
             for pollable, flags in link.pollables():  # type: ignore[attr-defined]  # ZmqLinks
                 poller.register(pollable, flags)
