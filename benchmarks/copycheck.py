@@ -137,7 +137,7 @@ class Cluster:
                     link = self.links[(pod.name, other.name)] = self.net.proxy(*self.copy_ports(other))
                     routes.append(link.address)
             pod.env[contract.ENV_COPY_ROUTES] = ",".join(routes)
-        smallest = min(b - a for a, b in (self.job.layout.bounds(s) for s in range(self.config.shards)))
+        smallest = min(b - a for a, b in (self.job.layout.bounds(s) for s in range(self.config.spec.parameter_servers.shards)))
         if smallest < plan.ids:
             raise ValueError(f"a shard's slice holds {smallest} values, fewer than the {plan.ids} push ids")
         job_keys = keys.JobKeys.read(os.path.join(output, local.KEYS_FOLDER))
@@ -160,26 +160,27 @@ class Cluster:
 
     def copies(self, shard: int) -> list[LocalPod]:
         """The pods of a shard's copies, by rank."""
-        return [self.run.shards[rank * self.config.shards + shard] for rank in range(self.config.copies)]
+        servers = self.config.spec.parameter_servers
+        return [self.run.shards[rank * servers.shards + shard] for rank in range(servers.copies)]
 
     def group(self, stop: threading.Event | None = None) -> ShardGroup:
-        addresses = [[self.address(p) for p in self.copies(s)] for s in range(self.config.shards)]
+        addresses = [[self.address(p) for p in self.copies(s)] for s in range(self.config.spec.parameter_servers.shards)]
         return ShardGroup(addresses, self.job.layout, timeouts=Timeouts(request=FAILOVER_ATTEMPT_SECONDS),
                           security=self.client_options, stop=stop)
 
     def in_sync(self, shard: int) -> dict[str, dict[str, float]] | None:
         """Each copy's figures when one is primary with every copy in its in-sync set."""
         seen = {pod.name: figures(pod) for pod in self.copies(shard) if pod.running}
-        if len(seen) != self.config.copies or any(f is None for f in seen.values()):
+        if len(seen) != self.config.spec.parameter_servers.copies or any(f is None for f in seen.values()):
             return None
         primaries = [f for f in seen.values() if f.get("role") == PRIMARY]
-        if len(primaries) != 1 or primaries[0].get("copies") != self.config.copies:
+        if len(primaries) != 1 or primaries[0].get("copies") != self.config.spec.parameter_servers.copies:
             return None
         return seen  # type: ignore[return-value]
 
     def wait_in_sync(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
-        while not all(self.in_sync(s) for s in range(self.config.shards)):
+        while not all(self.in_sync(s) for s in range(self.config.spec.parameter_servers.shards)):
             if time.monotonic() > deadline or not self.thread.is_alive():
                 return False
             time.sleep(0.2)
@@ -277,7 +278,7 @@ class Nemesis(threading.Thread):
     def run(self) -> None:
         while time.monotonic() < self.until:
             time.sleep(self.rng.uniform(*self.plan.pause))
-            shard = self.rng.randrange(self.cluster.config.shards)
+            shard = self.rng.randrange(self.cluster.config.spec.parameter_servers.shards)
             seen = self.cluster.in_sync(shard)
             if seen is None:
                 continue
@@ -363,7 +364,7 @@ def _keep_logs(output: str, keep: str | None, plan: Plan) -> None:
 
 def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
     group = cluster.group()
-    layout, shards = group.layout, cluster.config.shards
+    layout, shards = group.layout, cluster.config.spec.parameter_servers.shards
     initial = np.empty(layout.total, np.float32)
     Float32Dense(group).pull(initial)
     keys_ = np.arange(plan.ids, dtype=np.int64)
@@ -411,7 +412,7 @@ def copies_differ(cluster: Cluster) -> list[str]:
     cluster.run.interrupt()
     cluster.thread.join(timeout=120)
     differ = []
-    for shard in range(cluster.config.shards):
+    for shard in range(cluster.config.spec.parameter_servers.shards):
         newest = {}
         for pod in cluster.copies(shard):
             found = checkpoint.list_checkpoints(volume_dir(cluster.output, pod.name, contract.CHECKPOINT_VOLUME))

@@ -36,7 +36,7 @@ from figures import save, summarize
 
 from conftest import start_shards
 from distbelief.runtime import errors, jobspec
-from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.algorithms.downpour.worker import Worker
 from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import WorkerMetrics
 from distbelief.runtime.params.dense import DenseSlice
@@ -70,9 +70,9 @@ def one_run(tau: int | None, seed: int) -> dict:
         for shard in live.shards:
             shard.plugin(DenseSlice).max_staleness = tau
         stop = threading.Event()
-        workers = [Worker(WorkerSettings(batch_size=32, seed=seed * 10 + i), live.group(stop=stop),
+        workers = [Worker(jobspec.Training(batch_size=32), live.group(stop=stop),
                           Slowed(model) if i == 2 else model, dataset, WorkerMetrics(prom.CollectorRegistry()),
-                          stop=stop) for i in range(3)]
+                          seed=seed * 10 + i, stop=stop) for i in range(3)]
         threads = [threading.Thread(target=_run, args=(w,), daemon=True) for w in workers]
         started = time.monotonic()
         for thread in threads:

@@ -83,7 +83,7 @@ def kill_copies(run: local.LocalRun, thread: threading.Thread, rng: random.Rando
     all from from_step (training under way) and before until_step."""
     kills: list[dict[str, Any]] = []
     started = time.monotonic()
-    shards = run_config(run).shards
+    shards = run_config(run).spec.parameter_servers.shards
     while len(kills) < count and thread.is_alive():
         time.sleep(rng.uniform(*PAUSE))
         shard = rng.randrange(shards)
@@ -117,7 +117,7 @@ def acknowledged(output: Path, shards: int) -> list[int]:
 def final_steps(output: Path, run: local.LocalRun) -> list[int]:
     """Each shard's newest checkpoint step over its copies (each writes one as it ends)."""
     config = run_config(run)
-    steps = [0] * config.shards
+    steps = [0] * config.spec.parameter_servers.shards
     for pod in run.shards:
         shard = config.copy_of(_ordinal(pod))[0]
         folder = output / "volumes" / pod.name / contract.CHECKPOINT_VOLUME

@@ -11,9 +11,9 @@ import prometheus_client as prom
 import pytest
 
 from support.shards import start_shards
-from distbelief.runtime import contract, errors
+from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.algorithms.chief import WholeModel
-from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.algorithms.downpour.worker import Worker
 from distbelief.runtime.algorithms.pipeline.evaluation import StagedModel
 from distbelief.runtime.algorithms.pipeline import staged
 from distbelief.runtime.algorithms.pipeline.ops import FETCH, FORWARD, PREFETCH, PUSH, Forward, Held
@@ -197,8 +197,8 @@ def test_a_partitioned_replica_trains_as_the_whole_model_does(tmp_path: Path, cl
                          checkpoint_every=3600)
     try:
         stop_whole = threading.Event()
-        worker = Worker(WorkerSettings(batch_size=32, seed=0), whole.group(stop=stop_whole), c.model, c.dataset,
-                        WorkerMetrics(prom.CollectorRegistry()), stop=stop_whole)
+        worker = Worker(jobspec.Training(batch_size=32), whole.group(stop=stop_whole), c.model, c.dataset,
+                        WorkerMetrics(prom.CollectorRegistry()), seed=0, stop=stop_whole)
         whole.shards[0].step_reached = lambda step: step >= steps and stop_whole.set()
         try:
             worker.run()
@@ -245,7 +245,7 @@ def test_the_chief_scores_a_partitioned_model_stage_by_stage_as_the_whole(tmp_pa
 
 
 def partitioned_job(partitions: int = 2):
-    config = contract.JobConfig(name="p", namespace="default", spec={
+    config = contract.JobConfig(name="p", namespace="default", written={
         "model": {"type": "mlp", "hiddenLayers": [32, 16], "partitions": partitions},
         "data": {"source": "builtin:digits", "testFraction": 0.2},
         "parameterServers": {"shards": 2, "port": 7070}})

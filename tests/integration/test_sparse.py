@@ -13,9 +13,8 @@ import prometheus_client as prom
 import pytest
 import zmq
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.algorithms.downpour.sparse_worker import SparseWorker, held_out_inputs
-from distbelief.runtime.algorithms.downpour.worker import WorkerSettings
 from distbelief.runtime.model import data, models
 from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.observe.metrics import WorkerMetrics
@@ -282,8 +281,8 @@ def test_a_sparse_replica_moves_only_its_minibatches_rows_and_learns(tmp_path: P
     live = start_shards(tmp_path, layout, model.init_params(0), attach=attach, checkpoint_every=3600,
                         learning_rate=0.05)
     try:
-        worker = SparseWorker(WorkerSettings(batch_size=64, seed=1), live.group(), model, dataset,
-                              WorkerMetrics(prom.CollectorRegistry()))
+        worker = SparseWorker(jobspec.Training(batch_size=64), live.group(), model, dataset,
+                              WorkerMetrics(prom.CollectorRegistry()), seed=1)
         seen: list[np.ndarray] = []
         real_push = worker.rows.push
         worker.rows.push = lambda keys, *rest: (seen.append(keys), real_push(keys, *rest))[1]

@@ -8,7 +8,7 @@ import numpy as np
 import prometheus_client as prom
 
 from distbelief.runtime.algorithms.downpour.sparse_worker import SparseWorker
-from distbelief.runtime.algorithms.downpour.worker import WorkerSettings
+from distbelief.runtime import jobspec
 from distbelief.runtime.model import data, models
 from distbelief.runtime.model.embedding import EmbeddingModel
 from distbelief.runtime.observe.metrics import WorkerMetrics
@@ -32,8 +32,9 @@ class Recorded:
         self.live: LiveShards = start_shards(
             folder, layout, model.init_params(0), checkpoint_every=3600,
             attach=lambda shard: shard.attach(SparseRows(shard, dim=DIM, learning_rate=0.05, seed=3)))
-        settings = WorkerSettings(batch_size=32, fetch_every=fetch_every, push_every=push_every, seed=1)
-        self.worker = SparseWorker(settings, self.live.group(), model, dataset, WorkerMetrics(prom.CollectorRegistry()))
+        training = jobspec.Training(batch_size=32, fetch_every=fetch_every, push_every=push_every)
+        self.worker = SparseWorker(training, self.live.group(), model, dataset, WorkerMetrics(prom.CollectorRegistry()),
+                                   seed=1)
         self.steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # keys, each key's count, row grads
         self.pulls: list[np.ndarray] = []
         self.pushes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []

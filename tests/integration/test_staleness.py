@@ -15,7 +15,7 @@ from distbelief.operator.local import local
 from distbelief.operator.spec import spec
 from distbelief.operator.status import scrape
 from distbelief.runtime import jobspec
-from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.algorithms.downpour.worker import Worker
 from distbelief.runtime.model import data, models
 from distbelief.runtime.observe.metrics import ShardMetrics, WorkerMetrics
 from distbelief.runtime.params.dense import DenseSlice
@@ -56,8 +56,8 @@ def test_with_a_bound_of_zero_two_replicas_only_ever_apply_fresh_gradients(tmp_p
     for shard in live.shards:
         shard.plugin(DenseSlice).max_staleness = 0
     stop = threading.Event()
-    workers = [Worker(WorkerSettings(batch_size=16, seed=seed), live.group(), model, dataset,
-                      WorkerMetrics(prom.CollectorRegistry()), stop=stop) for seed in (1, 2)]
+    workers = [Worker(jobspec.Training(batch_size=16), live.group(), model, dataset,
+                      WorkerMetrics(prom.CollectorRegistry()), seed=seed, stop=stop) for seed in (1, 2)]
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
     try:
         for thread in threads:
@@ -84,8 +84,8 @@ def test_an_overlapped_replica_applies_every_gradient_one_step_staler_and_learns
     layout = Layout.of(model.shapes, shards=2)
     live = start_shards(tmp_path, layout, model.init_params(0), optimizer="adagrad", learning_rate=0.1)
     stop, registry = threading.Event(), prom.CollectorRegistry()
-    worker = Worker(WorkerSettings(batch_size=16, seed=3, overlap=True), live.group(), model, dataset,
-                    WorkerMetrics(registry), stop=stop)
+    worker = Worker(jobspec.Training(batch_size=16, overlap=True), live.group(), model, dataset,
+                    WorkerMetrics(registry), seed=3, stop=stop)
     ended: list[str] = []
     thread = threading.Thread(target=lambda: ended.append(worker.run()), daemon=True)
     try:

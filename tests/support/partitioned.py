@@ -68,7 +68,8 @@ class Cluster:
         me = server.endpoint if server else f"partition-0/{group.worker_id:08x}"
         rendezvous = RendezvousLink(self.rendezvous.endpoint, partition=partition, me=me, worker_id=group.worker_id,
                                     layout=self.layout.hash, security=None, stop=stop)
-        settings = PodSettings(batch_size=batch, classes=self.dataset.n_classes, seed=seed, micro_batches=micro_batches)
+        settings = PodSettings(jobspec.Training(batch_size=batch), micro_batches=micro_batches,
+                               classes=self.dataset.n_classes, seed=seed)
         metrics = WorkerMetrics(prom.CollectorRegistry())
         if partition == 0:
             everyone = ShardGroup(self.shards.addresses, self.layout, timeouts=TIMEOUTS, stop=stop,

@@ -330,7 +330,7 @@ def test_shard_index_from_a_bad_pod_name(pod):
 
 
 def job_config(shards: int = 3) -> JobConfig:
-    return JobConfig(name="train", namespace="ml", spec={
+    return JobConfig(name="train", namespace="ml", written={
         "parameterServers": {"shards": shards, "port": 5555},
         "training": {"algorithm": "downpour", "learningRate": 0.05, "maxDuration": "1h"},
         "data": {"source": "builtin:digits"},
@@ -380,5 +380,5 @@ def test_job_config_json_round_trip(tmp_path):
     path.write_text(text, encoding="utf-8")
     loaded = JobConfig.load(str(path))
     assert loaded == config
-    assert (loaded.shards, loaded.shard_port) == (3, 5555)
+    assert (loaded.spec.parameter_servers.shards, loaded.spec.parameter_servers.port) == (3, 5555)
     assert loaded.names.ps == "train-ps" and loaded.names.shard_pod(2) == "train-ps-2"

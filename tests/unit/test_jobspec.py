@@ -86,7 +86,7 @@ def test_the_typed_defaults_are_the_crds() -> None:
 
 
 def test_an_example_resolves_to_the_values_it_gives() -> None:
-    resolved = spec.job_config(spec.validate_job(load_example("ctr-sparse.yaml"))).resolved
+    resolved = spec.job_config(spec.validate_job(load_example("ctr-sparse.yaml"))).spec
     assert resolved.model.embeddings == jobspec.Embeddings(dim=8, hash_buckets=0, admit_after=1,
                                                            expire_after_seconds=3600.0)
     assert resolved.model.hidden_layers == () and jobbase.as_spec(resolved.model)["embeddings"]["dim"] == 8
@@ -121,7 +121,7 @@ def test_the_configmap_still_holds_the_spec_as_a_dict(tmp_path: Path) -> None:
     assert set(doc) == {"apiVersion", "kind", "name", "namespace", "spec"}
     assert doc["spec"] == spec.validate_job(MINIMAL)["spec"]
     (tmp_path / "job.json").write_text(config.to_json())
-    assert contract.JobConfig.load(str(tmp_path / "job.json")).resolved == config.resolved
+    assert contract.JobConfig.load(str(tmp_path / "job.json")).spec == config.spec
 
 
 def test_no_runtime_module_but_the_resolver_names_a_crd_key() -> None:

@@ -369,10 +369,10 @@ def test_config_map_round_trips_the_defaulted_spec() -> None:
     cm = children(job)["ConfigMap"]
     config = contract.JobConfig.from_json(cm["data"][contract.CONFIG_KEY])
     assert (config.name, config.namespace) == ("digits", "ml")
-    assert config.spec == job["spec"]
-    assert config.shards == job["spec"]["parameterServers"]["shards"]
+    assert config.written == job["spec"]
+    assert config.spec.parameter_servers.shards == job["spec"]["parameterServers"]["shards"]
     assert config.shard_addresses({})[1] == \
-        contract.JobNames("digits").shard_address(1, "ml", config.shard_port)
+        contract.JobNames("digits").shard_address(1, "ml", config.spec.parameter_servers.port)
 
 
 def _hashes(job: dict[str, Any]) -> set[str]:

@@ -110,11 +110,11 @@ def test_partitions_are_unset_unless_written_and_read_as_one() -> None:
     stays as it was before the field existed."""
     job = spec.validate_job(good())
     assert "partitions" not in job["spec"]["model"]
-    assert spec.job_config(job).partitions == 1
+    assert spec.job_config(job).spec.model.partitions == 1
     doc = good()
     put(doc, "spec.model.partitions", 3)   # 3 layers (32, 16, output), 3 shards
     put(doc, "spec.parameterServers.shards", 3)
-    assert spec.job_config(spec.validate_job(doc)).partitions == 3
+    assert spec.job_config(spec.validate_job(doc)).spec.model.partitions == 3
 
 
 def test_minimal_manifest_gets_the_crd_defaults() -> None:
@@ -139,7 +139,7 @@ def test_the_schema_takes_a_bfloat16_wire_format_for_a_dense_downpour_job() -> N
     put(doc, "spec.parameterServers.backups", 1)  # copies replay the pushes as they came
     assert _schema_error_paths(doc) == []
     assert get(spec.validate_job(doc), "spec.parameterServers.wireFormat") == "bfloat16"
-    assert spec.job_config(spec.validate_job(doc)).spec["parameterServers"]["wireFormat"] == "bfloat16"
+    assert spec.job_config(spec.validate_job(doc)).spec.parameter_servers.wire_format == "bfloat16"
 
 
 def _defaults(schema: Mapping[str, Any], path: str = "") -> Iterator[tuple[str, Any]]:
@@ -609,8 +609,8 @@ def test_job_config_resolves_name_namespace_and_spec() -> None:
     job = spec.validate_job(good())
     config = spec.job_config(job)
     assert (config.name, config.namespace) == ("good", "team-a")
-    assert config.spec == job["spec"]
-    assert config.shards == 2
+    assert config.written == job["spec"]
+    assert config.spec.parameter_servers.shards == 2
     bare = spec.job_config(spec.validate_job(MINIMAL), namespace_default="ns")
     assert bare.namespace == "ns"
     assert contract.JobConfig.from_json(config.to_json()) == config

@@ -29,8 +29,9 @@ def adapt(argv: list[str], *, pod_ip: str, network: PodNetwork) -> tuple[list[st
     peers' names mapped to their pod IPs (read from the job config the role is given)."""
     config = contract.JobConfig.load(_option(argv, "--config") or contract.CONFIG_PATH)
     names = config.names
-    pods = config.shards * config.copies
-    shards = [network.map_url(names.shard_address(i, config.namespace, config.shard_port)) for i in range(pods)]
+    servers = config.spec.parameter_servers
+    pods = servers.shards * servers.copies
+    shards = [network.map_url(names.shard_address(i, config.namespace, servers.port)) for i in range(pods)]
     env = {contract.ENV_PS_ADDRESSES: ",".join(shards),
            contract.ENV_COORDINATOR_ADDRESS: network.map_url(config.coordinator_address({}))}
     return [*argv, "--listen", pod_ip], env

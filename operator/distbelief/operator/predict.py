@@ -48,7 +48,7 @@ def load(path: str, *, output: str | None = None, best: bool = False) -> Trained
     job = spec.validate_job(spec.load_single(path, "distbelief predict"))
     output = output or os.path.join("out", job["metadata"]["name"])
     config = spec.job_config(job)
-    if config.resolved.model.embeddings is not None:
+    if config.spec.model.embeddings is not None:
         raise errors.ConfigError(f"{path}: distbelief predict does not serve a model with spec.model.embeddings yet "
                                  "(its rows are in the shards' checkpoints, not in params.npz)")
     derived = Job(config)

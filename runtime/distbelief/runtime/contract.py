@@ -219,69 +219,50 @@ class JobConfig:
     cluster the job's uid (which the shards write into their checkpoints, so that a job of
     the same name never resumes another's training; local mode has none).
 
-    `spec` is the spec as the ConfigMap holds it (a dict: the operator renders from it,
-    and it is what to_json writes); `resolved` is the same job typed (jobspec.JobSpec),
-    resolved once when the config is made: what every runtime module reads."""
+    `written` is the spec as the ConfigMap holds it, a dict: what to_json writes (the
+    operator's config hash is taken of it); `spec` is the same job typed (jobspec.JobSpec),
+    resolved once when the config is made: what every reader of a value reads."""
 
     name: str
     namespace: str
-    spec: Mapping[str, Any]
+    written: Mapping[str, Any]
     uid: str | None = None
-    resolved: jobspec.JobSpec = dataclasses.field(init=False, repr=False, compare=False)
+    spec: jobspec.JobSpec = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "resolved", jobspec.resolve(self.spec))
+        object.__setattr__(self, "spec", jobspec.resolve(self.written))
 
     @property
     def names(self) -> JobNames:
         return JobNames(self.name)
 
-    @property
-    def shards(self) -> int:
-        return self.resolved.parameter_servers.shards
-
-    @property
-    def shard_port(self) -> int:
-        return self.resolved.parameter_servers.port
-
-    @property
-    def copies(self) -> int:
-        """Copies of each shard: the primary and spec.parameterServers.backups backups."""
-        return self.resolved.parameter_servers.copies
-
     def copy_of(self, ordinal: int) -> tuple[int, int]:
         """(shard, copy rank) of the shards' StatefulSet pod `ordinal`."""
-        return ordinal % self.shards, ordinal // self.shards
+        shards = self.spec.parameter_servers.shards
+        return ordinal % shards, ordinal // shards
 
     def shard_addresses(self, environ: Mapping[str, str] = os.environ) -> list[str]:
         """Where the shards listen (their first copies): PS_ADDRESSES if set, else the
         headless Service's DNS."""
-        return self._pod_addresses(environ)[:self.shards]
+        return self._pod_addresses(environ)[:self.spec.parameter_servers.shards]
 
     def copy_addresses(self, environ: Mapping[str, str] = os.environ) -> list[list[str]]:
         """Every copy's address, by shard, then by copy rank."""
-        every = self._pod_addresses(environ)
-        return [every[shard::self.shards] for shard in range(self.shards)]
+        every, shards = self._pod_addresses(environ), self.spec.parameter_servers.shards
+        return [every[shard::shards] for shard in range(shards)]
 
     def _pod_addresses(self, environ: Mapping[str, str]) -> list[str]:
-        pods = self.shards * self.copies
+        servers = self.spec.parameter_servers
+        pods = servers.shards * servers.copies
         override = environ.get(ENV_PS_ADDRESSES, "").strip()
         if override:
             addresses = [a.strip() for a in override.split(",") if a.strip()]
             if len(addresses) != pods:
-                copies = f" of {self.copies} copies each" if self.copies > 1 else ""
+                copies = f" of {servers.copies} copies each" if servers.copies > 1 else ""
                 raise ValueError(f"{ENV_PS_ADDRESSES} lists {len(addresses)} addresses, "
-                                 f"but the job has {self.shards} shards{copies}")
+                                 f"but the job has {servers.shards} shards{copies}")
             return addresses
-        return [self.names.shard_address(i, self.namespace, self.shard_port) for i in range(pods)]
-
-    @property
-    def sandblaster(self) -> bool:
-        return self.resolved.training.algorithm == "sandblaster"
-
-    @property
-    def partitions(self) -> int:
-        return self.resolved.model.partitions
+        return [self.names.shard_address(i, self.namespace, servers.port) for i in range(pods)]
 
     def coordinator_address(self, environ: Mapping[str, str] = os.environ) -> str:
         """Where Sandblaster's coordinator, or a partitioned job's rendezvous, listens: beside
@@ -292,7 +273,7 @@ class JobConfig:
     def to_json(self) -> str:
         return json.dumps(
             {"apiVersion": JOB_API_VERSION, "kind": "JobConfig",
-             "name": self.name, "namespace": self.namespace, "spec": self.spec,
+             "name": self.name, "namespace": self.namespace, "spec": self.written,
              **({"uid": self.uid} if self.uid else {})},
             indent=2, sort_keys=True,
         )
@@ -300,7 +281,7 @@ class JobConfig:
     @classmethod
     def from_json(cls, text: str) -> "JobConfig":
         doc = json.loads(text)
-        return cls(name=doc["name"], namespace=doc["namespace"], spec=doc["spec"], uid=doc.get("uid"))
+        return cls(name=doc["name"], namespace=doc["namespace"], written=doc["spec"], uid=doc.get("uid"))
 
     @classmethod
     def load(cls, path: str) -> "JobConfig":

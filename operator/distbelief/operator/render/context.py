@@ -49,7 +49,7 @@ class RenderContext:
         config = job_config(job)
         return cls(
             config=config,
-            image=config.spec.get("image") or image,
+            image=config.spec.image or image,
             uid=job["metadata"].get("uid"),
             config_json=config.to_json(),
             config_hash=config_hash(config),
@@ -64,7 +64,7 @@ class RenderContext:
 
     @property
     def spec(self) -> Mapping[str, Any]:
-        return self.config.spec
+        return self.config.written
 
     @property
     def suspended(self) -> bool:
@@ -75,7 +75,8 @@ class RenderContext:
         """0 while suspended, and once finished unless cleanPodPolicy keeps the shards."""
         keep_shards = self.spec.get("runPolicy", {}).get("cleanPodPolicy") == "None"
         stopped = self.suspended or (self.finished and not keep_shards)
-        return 0 if stopped else self.config.shards * self.config.copies
+        servers = self.config.spec.parameter_servers
+        return 0 if stopped else servers.shards * servers.copies
 
     @property
     def worker_replicas(self) -> int:
@@ -92,11 +93,11 @@ def config_hash(config: contract.JobConfig) -> str:
     """First 16 hex digits of the sha256 of the config, without the scaling-only fields and
     the uid (which a job keeps for life, and which jobs made before it was in the config
     lacked: an upgrade must not restart their pods for it)."""
-    spec = copy.deepcopy(dict(config.spec))
+    spec = copy.deepcopy(dict(config.written))
     for path in _SCALING_FIELDS:
         parent = spec
         for key in path[:-1]:
             parent = parent.get(key, {})
         parent.pop(path[-1], None)
-    text = dataclasses.replace(config, spec=spec, uid=None).to_json()
+    text = dataclasses.replace(config, written=spec, uid=None).to_json()
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

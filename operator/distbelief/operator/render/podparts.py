@@ -119,14 +119,14 @@ def account_token_mount() -> tuple[list[Manifest], list[Manifest]]:
 
 def copies_account(ctx: RenderContext) -> str | None:
     """With backups, the shard pods' ServiceAccount (render.render_ps_access)."""
-    return ctx.names.ps_access if ctx.config.copies > 1 else None
+    return ctx.names.ps_access if ctx.config.spec.parameter_servers.copies > 1 else None
 
 
 def spread_copies(ctx: RenderContext) -> Manifest | None:
     """With backups, the shard pods prefer distinct nodes, so that one node's loss takes at most
     one copy of a shard where the cluster has the room (preferred: a small cluster still runs
     the job). The pods of one StatefulSet share their labels, so all shard pods spread."""
-    if ctx.config.copies == 1:
+    if ctx.config.spec.parameter_servers.copies == 1:
         return None
     term = {"labelSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_PS)},
             "topologyKey": "kubernetes.io/hostname"}
@@ -203,7 +203,7 @@ def keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
     rather than run unauthenticated."""
     secret: dict[str, Any] = {"secretName": ctx.names.keys_secret, "defaultMode": KEYS_MODE}
     if role == contract.ROLE_WORKER:
-        files = keys.CLIENT_FILES + (keys.STAGE_FILES if ctx.config.partitions > 1 else ())
+        files = keys.CLIENT_FILES + (keys.STAGE_FILES if ctx.config.spec.model.partitions > 1 else ())
         secret["items"] = [{"key": name, "path": name} for name in files]
     return {"name": contract.KEYS_VOLUME, "secret": secret}
 
@@ -266,11 +266,12 @@ def ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
     """The shard port and metrics; with encryption the bulk port; under Sandblaster also the
     coordinator's, in a partitioned job the rendezvous's, and when the replicas stream a
     file source the data dispenser's, on the same port (shard 0 serves one of them)."""
-    ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": ctx.config.shard_port, "protocol": "TCP"},
+    spec = ctx.config.spec
+    ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": spec.parameter_servers.port, "protocol": "TCP"},
              metrics_port()]
-    if ctx.config.spec["parameterServers"].get("encryption", True):
+    if spec.parameter_servers.encryption:
         ports.append({"name": contract.BULK_PORT_NAME, "containerPort": contract.BULK_PORT, "protocol": "TCP"})
-    if ctx.config.sandblaster or ctx.config.partitions > 1 or ctx.config.resolved.streams_data:
+    if spec.training.algorithm == "sandblaster" or spec.model.partitions > 1 or spec.streams_data:
         ports.append({"name": contract.COORDINATOR_PORT_NAME, "containerPort": contract.COORDINATOR_PORT,
                       "protocol": "TCP"})
     return ports

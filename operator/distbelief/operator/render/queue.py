@@ -42,8 +42,9 @@ def render_workload(job: Mapping[str, Any], ctx: RenderContext, pod_templates: M
     """The job's Workload: queue, priority class (the replicas' template's), and one podSet
     per role with the role's pod template as the job runs it (before any admission)."""
     config = ctx.config
-    counts = {contract.ROLE_PS: config.shards * config.copies,
-              contract.ROLE_WORKER: int(ctx.spec["workers"]["replicas"]) * config.partitions}
+    servers = config.spec.parameter_servers
+    counts = {contract.ROLE_PS: servers.shards * servers.copies,
+              contract.ROLE_WORKER: config.spec.workers.replicas * config.spec.model.partitions}
     spec: Manifest = {
         "queueName": queue_name(job),
         "podSets": [{"name": role, "count": counts[role], "template": pod_templates[role]} for role in POD_SETS],

@@ -227,7 +227,7 @@ def render_ps_access(ctx: RenderContext) -> list[Manifest]:
     account = podparts.copies_account(ctx)
     if account is None:
         return []
-    leases = [ctx.names.shard_lease(i) for i in range(ctx.config.shards)]
+    leases = [ctx.names.shard_lease(i) for i in range(ctx.config.spec.parameter_servers.shards)]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount",
          "metadata": podparts.metadata(ctx, account, contract.ROLE_PS),
@@ -246,7 +246,8 @@ def render_ps_access(ctx: RenderContext) -> list[Manifest]:
 
 def _worker_partitions(config: contract.JobConfig) -> list[int | None]:
     """One Deployment per partition; None for an unpartitioned job's one Deployment."""
-    return [None] if config.partitions == 1 else list(range(config.partitions))
+    partitions = config.spec.model.partitions
+    return [None] if partitions == 1 else list(range(partitions))
 
 
 def _worker_deployment_name(config: contract.JobConfig, partition: int | None) -> str:
@@ -326,12 +327,12 @@ def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
 
 def _replica_only_ports(ctx: RenderContext) -> tuple[str, ...]:
     """Ports only the replicas' pods reach: a partitioned job's rendezvous beside shard 0."""
-    return (contract.COORDINATOR_PORT_NAME,) if ctx.config.partitions > 1 else ()
+    return (contract.COORDINATOR_PORT_NAME,) if ctx.config.spec.model.partitions > 1 else ()
 
 
 def _stage_ingress(ctx: RenderContext) -> list[dict[str, Any]]:
     """A partitioned job's replica pods reach the rendezvous and each other's stages."""
-    if ctx.config.partitions == 1:
+    if ctx.config.spec.model.partitions == 1:
         return []
     replicas = {"podSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_WORKER)}}
     return [{"from": [replicas], "ports": [{"protocol": "TCP", "port": contract.COORDINATOR_PORT},

@@ -154,7 +154,7 @@ def job_config(
     return contract.JobConfig(
         name=metadata["name"],
         namespace=metadata.get("namespace") or namespace_default,
-        spec=copy.deepcopy(validated["spec"]),
+        written=copy.deepcopy(validated["spec"]),
         uid=metadata.get("uid") or None,
     )
 

@@ -17,12 +17,11 @@ from distbelief.runtime.wire.layout import Layout
 
 
 class Job:
-    """A job's config (`config`), its typed spec (`spec`), and what follows from them:
+    """A job's config (`config`, whose typed spec is `spec`), and what follows from it:
     `dataset`, `model`, `plan` (None unless partitioned) and `layout`."""
 
     def __init__(self, config: contract.JobConfig) -> None:
         self.config = config
-        self.spec: jobspec.JobSpec = config.resolved
         self.files: files.FileSet | None = files.FileSet(self.spec.data) if self.spec.streams_data else None
         shape = self.files or self.dataset
         self.model: models.Model = (
@@ -30,7 +29,12 @@ class Job:
             else models.build_model(self.spec.model, shape.n_features, shape.n_classes))
         partitions = self.spec.model.partitions
         self.plan: stages.Plan | None = stages.plan(self.model, partitions) if partitions > 1 else None
-        self.layout = Layout.of(self.model.shapes, config.shards, self.plan.boundaries if self.plan else ())
+        self.layout = Layout.of(self.model.shapes, self.spec.parameter_servers.shards,
+                                self.plan.boundaries if self.plan else ())
+
+    @property
+    def spec(self) -> jobspec.JobSpec:
+        return self.config.spec
 
     @functools.cached_property
     def dataset(self) -> data.Dataset:

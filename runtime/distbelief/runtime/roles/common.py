@@ -91,7 +91,7 @@ def new_registry() -> prom.CollectorRegistry:
 def shard_group(job: Job, **options: Any) -> ShardGroup:
     """A client of every shard of the job; of every copy, when the shards have backups (with a
     shorter attempt, so that a silent primary sends the request on to a backup within seconds)."""
-    if job.config.copies == 1:
+    if job.spec.parameter_servers.copies == 1:
         return ShardGroup(job.config.shard_addresses(), job.layout, **options)
     return ShardGroup(job.config.copy_addresses(), job.layout, timeouts=Timeouts(request=FAILOVER_ATTEMPT_SECONDS),
                       **options)

@@ -34,16 +34,16 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     algorithm = registry.of(job)
     ordinal = shard if shard is not None else contract.shard_index_from_pod_name(os.environ.get(contract.ENV_POD_NAME, ""))
     index, rank = job.config.copy_of(ordinal)
-    checkpointing = job.spec.parameter_servers.checkpoint
+    servers = job.spec.parameter_servers
     settings = ShardSettings(
-        shard=index, bind=f"tcp://{listen}:{port or job.config.shard_port}", checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpointing.every_seconds, checkpoint_keep=checkpointing.keep,
+        shard=index, bind=f"tcp://{listen}:{port or servers.port}", checkpoint_dir=checkpoint_dir,
+        checkpoint_every=servers.checkpoint.every_seconds, checkpoint_keep=servers.checkpoint.keep,
         linger_seconds=linger, security=access.server,
         bulk_bind=f"tcp://{listen}:{bulk_port}", job_uid=job.config.uid)
     metrics_registry = new_registry()
     server = Shard(settings, job.layout, ShardMetrics(metrics_registry, index), stop=stop)
     algorithm.attach(server, job)
-    if job.config.copies > 1:
+    if servers.copies > 1:
         server.serve_copies(replication.Copies(server, rank=rank, addresses=copy_routes(job.config, index),
                                                security=access.client, store=stores.open_store(job.config.names, index),
                                                lease_seconds=lease_seconds()))
@@ -79,9 +79,10 @@ def copy_routes(config: contract.JobConfig, shard: int) -> list[str]:
     routes = [a.strip() for a in os.environ.get(contract.ENV_COPY_ROUTES, "").split(",") if a.strip()]
     if not routes:
         return config.copy_addresses()[shard]
-    if len(routes) != config.copies:
+    copies = config.spec.parameter_servers.copies
+    if len(routes) != copies:
         raise errors.ConfigError(f"{contract.ENV_COPY_ROUTES} lists {len(routes)} addresses for the "
-                                 f"{config.copies} copies of shard {shard}")
+                                 f"{copies} copies of shard {shard}")
     return routes
 
 
@@ -113,7 +114,7 @@ def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interf
     chief = Chief(group=group, scorer=scorer, rules=StoppingRules.of(training),
                   eval_every=training.eval_every_seconds, output_dir=output_dir,
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
-                  optimizer_state=algorithm.optimizer_state(server), copies=job.config.copies > 1, record=record,
+                  optimizer_state=algorithm.optimizer_state(server), copies=job.spec.parameter_servers.copies > 1, record=record,
                   keep_best=training.keep_best, fail_on_degraded=training.fail_on_degraded,
                   rows=job.spec.model.embeddings is not None)
     server.step_reached = chief.step_reached

@@ -12,7 +12,7 @@ from __future__ import annotations
 from distbelief.runtime.algorithms.chief import HeldOut
 from distbelief.runtime.algorithms.downpour.sparse_worker import SparseWorker, held_out_inputs
 from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
-from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.algorithms.downpour.worker import Worker
 from distbelief.runtime.algorithms.feed import hooks as feed
 from distbelief.runtime.algorithms.interface import ReplicaContext, ReplicaLoop, initial_slice
 from distbelief.runtime.client.group import ShardGroup
@@ -61,15 +61,13 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
     """An unpartitioned replica's loop. A streaming job's replica holds no data set: only
     the units the chief hands it."""
     job, training = ctx.job, ctx.job.spec.training
-    settings = WorkerSettings(batch_size=training.batch_size, fetch_every=training.fetch_every,
-                              push_every=training.push_every, overlap=training.overlap)
     sparse = isinstance(job.model, EmbeddingModel)
     dataset = None if job.spec.streams_data else job.dataset
     batches = feed.batches(ctx, training.batch_size, with_ids=sparse) if dataset is None else None
     if sparse:
-        return SparseWorker(settings, ctx.group, job.model, dataset, ctx.metrics, stop=ctx.stop, batches=batches)
+        return SparseWorker(training, ctx.group, job.model, dataset, ctx.metrics, stop=ctx.stop, batches=batches)
     # spec.parameterServers.wireFormat: the operator refuses bfloat16 where only float32 works
-    return Worker(settings, ctx.group, job.model, dataset, ctx.metrics, stop=ctx.stop,
+    return Worker(training, ctx.group, job.model, dataset, ctx.metrics, stop=ctx.stop,
                   wire_format=job.spec.parameter_servers.wire_format, batches=batches)
 
 

@@ -22,9 +22,9 @@ from typing import Iterator
 
 import numpy as np
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.algorithms.chief import HeldOut
-from distbelief.runtime.algorithms.downpour.worker import Worker, WorkerSettings
+from distbelief.runtime.algorithms.downpour.worker import Worker
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset, minibatches
@@ -34,12 +34,12 @@ from distbelief.runtime.params.rows.row_client import RowClient
 
 
 class SparseWorker(Worker):
-    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: EmbeddingModel, dataset: Dataset | None,
-                 metrics: WorkerMetrics, *, stop: threading.Event | None = None,
+    def __init__(self, training: jobspec.Training, group: ShardGroup, model: EmbeddingModel, dataset: Dataset | None,
+                 metrics: WorkerMetrics, *, seed: int | None = None, stop: threading.Event | None = None,
                  batches: Iterator[tuple[np.ndarray, ...]] | None = None) -> None:
         """batches: its (x, y, ids) minibatches when they do not come from the data set (a
         streamed file source)."""
-        super().__init__(settings, group, model, dataset, metrics, stop=stop, batches=batches)
+        super().__init__(training, group, model, dataset, metrics, seed=seed, stop=stop, batches=batches)
         self.embedding = model
         self.rows = RowClient(group, model.width)
         self.held = HeldRows(model.width)
@@ -50,12 +50,12 @@ class SparseWorker(Worker):
         assert dataset is not None, "a replica is given its data set or its minibatches"
         if dataset.ids_train is None:
             raise errors.ConfigError("spec.model.embeddings: the data has no ids")
-        return minibatches(dataset, self.settings.batch_size, self.rng, with_ids=True)
+        return minibatches(dataset, self.training.batch_size, self.rng, with_ids=True)
 
     def _gradient(self, out: np.ndarray) -> tuple[float, int]:
         x, y, ids = next(self.batches)
         keys, index = self.embedding.keys(ids)
-        if self.steps % self.settings.fetch_every == 0:
+        if self.steps % self.training.fetch_every == 0:
             self.held.clear()
         rows = self._rows(keys)
         loss, _, row_grads = self.embedding.loss_and_grads(self.params, rows, (x, index, y), out=out)

@@ -26,7 +26,6 @@ is done, and on SIGTERM after its current step.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -35,7 +34,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.client.group import Reply, ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset, minibatches
@@ -48,29 +47,22 @@ WARMSTART_POLL_SECONDS = 0.5
 NON_FINITE_PUSHES = 3  # pushes in a row behind a non-finite loss before a replica gives up
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkerSettings:
-    batch_size: int
-    fetch_every: int = 1
-    push_every: int = 1
-    seed: int | None = None   # None: a fresh stream per process (replicas must differ)
-    overlap: bool = False     # spec.training.overlap (the operator allows it with fetch_every = push_every = 1)
-
-
 class Worker:
-    def __init__(self, settings: WorkerSettings, group: ShardGroup, model: models.Model, dataset: Dataset | None,
-                 metrics: WorkerMetrics, *, stop: threading.Event | None = None, wire_format: str = "float32",
-                 batches: Iterator[tuple[np.ndarray, ...]] | None = None) -> None:
-        """wire_format: spec.parameterServers.wireFormat, the format of its pulls and pushes;
+    def __init__(self, training: jobspec.Training, group: ShardGroup, model: models.Model, dataset: Dataset | None,
+                 metrics: WorkerMetrics, *, seed: int | None = None, stop: threading.Event | None = None,
+                 wire_format: str = "float32", batches: Iterator[tuple[np.ndarray, ...]] | None = None) -> None:
+        """training: spec.training, whose batchSize, fetchEvery, pushEvery and overlap it follows;
+        seed: its minibatches' (None: a fresh stream per process, as replicas must differ);
+        wire_format: spec.parameterServers.wireFormat, the format of its pulls and pushes;
         batches: its minibatches when they do not come from the data set (a streamed file source)."""
-        self.settings, self.group, self.model, self.metrics = settings, group, model, metrics
+        self.training, self.group, self.model, self.metrics = training, group, model, metrics
         self.dense = dense_client.of(group, wire_format)
-        self.rng = np.random.default_rng(settings.seed)
+        self.rng = np.random.default_rng(seed)
         self.batches = batches if batches is not None else self._minibatches(dataset)
         total = group.layout.total
         self.params = np.empty(total, dtype=np.float32)
         self.accumulated = np.zeros(total, dtype=np.float32)
-        self._step_grad = np.empty(total, dtype=np.float32) if settings.push_every > 1 else None
+        self._step_grad = np.empty(total, dtype=np.float32) if training.push_every > 1 else None
         self.pulled_steps = [0] * group.layout.shards
         self.stop_requested = stop or threading.Event()
         self.joined = threading.Event()
@@ -82,25 +74,25 @@ class Worker:
     def _minibatches(self, dataset: Dataset | None) -> Iterator[tuple[np.ndarray, ...]]:
         """Random minibatches of the data set's training part."""
         assert dataset is not None, "a replica is given its data set or its minibatches"
-        return minibatches(dataset, self.settings.batch_size, self.rng)
+        return minibatches(dataset, self.training.batch_size, self.rng)
 
     def run(self) -> str:
         """Train until the job is done or stop is requested; returns why it ended."""
         if not self._join():
             return "stopped"
-        if self.settings.overlap:
+        if self.training.overlap:
             return self._run_overlapped()
         examples, loss_sum = 0, 0.0
         fetched = False  # the last push brought the parameters back: this step's fetch is done
         while not self.stop_requested.is_set():
-            if self.steps % self.settings.fetch_every == 0 and not fetched and self._pull():
+            if self.steps % self.training.fetch_every == 0 and not fetched and self._pull():
                 return "done"
             loss, n = self._compute()
             examples, loss_sum = examples + n, loss_sum + loss * n
             self.steps += 1
             fetched = False
-            if self.steps % self.settings.push_every == 0:
-                fetched = self.steps % self.settings.fetch_every == 0
+            if self.steps % self.training.push_every == 0:
+                fetched = self.steps % self.training.fetch_every == 0
                 if self._push(examples, loss_sum / examples, fetch=fetched):
                     return "done"
                 examples, loss_sum = 0, 0.0

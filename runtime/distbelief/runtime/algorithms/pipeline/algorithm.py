@@ -39,9 +39,7 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
     training = job.spec.training
     assert job.plan is not None, "a pod of a partitioned replica"
     stage = job.plan.stages[access.partition]
-    settings = PodSettings(batch_size=training.batch_size, fetch_every=training.fetch_every,
-                           push_every=training.push_every, classes=job.n_classes,
-                           micro_batches=job.spec.model.micro_batches)
+    settings = PodSettings(training, micro_batches=job.spec.model.micro_batches, classes=job.n_classes)
     me = access.address or f"partition-0/{group.worker_id:08x}"  # partition 0 serves nothing: a name will do
     rendezvous = RendezvousLink(job.config.coordinator_address(), partition=access.partition, me=me,
                                 worker_id=group.worker_id, layout=job.layout.hash, security=ctx.client_security,
@@ -54,7 +52,7 @@ def replica(ctx: ReplicaContext) -> ReplicaLoop:
             return FirstPartition(settings, stage, links, ctx.metrics, None, stop=ctx.stop,
                                   batches=feed.batches(ctx, training.batch_size))
         return FirstPartition(settings, stage, links, ctx.metrics, job.dataset, stop=ctx.stop)
-    values = settings.batch_size * (stage.input_width + 1)
+    values = training.batch_size * (stage.input_width + 1)
     server = tp.server(access.bind, who=f"stage {access.partition}", max_frame=protocol.max_frame_bytes(values),
                        max_frames=3, security=access.server)
     return LaterPartition(settings, stage, PodLinks(group, rendezvous, tp, access.client), ctx.metrics, server,

@@ -49,7 +49,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from distbelief.runtime import errors
+from distbelief.runtime import errors, jobspec
 from distbelief.runtime.algorithms.pipeline import neighbour
 from distbelief.runtime.algorithms.pipeline.commit import Backoff, Commit, new_token
 from distbelief.runtime.algorithms.pipeline.ops import FETCH, HOLD, PUSH, Held
@@ -69,12 +69,14 @@ NON_FINITE_STEPS = 3  # pushes in a row behind a non-finite loss before the repl
 
 @dataclasses.dataclass(frozen=True)
 class PodSettings:
-    batch_size: int
-    fetch_every: int = 1
-    push_every: int = 1
+    """What a partition pod's loop takes of the job: spec.training (batchSize, fetchEvery,
+    pushEvery), spec.model.microBatches (each minibatch goes through the stages in as many
+    parts), the data's classes, and the seed of its minibatches (None: a fresh stream)."""
+
+    training: jobspec.Training
+    micro_batches: int = 1
     classes: int = 2
     seed: int | None = None
-    micro_batches: int = 1    # spec.model.microBatches: each minibatch goes through the stages in as many parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +240,7 @@ class FirstPartition(PartitionPod):
         """batches: its minibatches when they do not come from the data set (a streamed file source)."""
         super().__init__(settings, stage, links, metrics, stop=stop)
         self.rng = np.random.default_rng(settings.seed)
-        self.batches = batches if batches is not None else minibatches(dataset, settings.batch_size, self.rng)
+        self.batches = batches if batches is not None else minibatches(dataset, settings.training.batch_size, self.rng)
         if links.everyone is None:
             raise ValueError("partition 0 commits its steps on every shard: it needs links.everyone")
         self.commits = Commit(links.everyone)
@@ -259,8 +261,8 @@ class FirstPartition(PartitionPod):
         step, fetch = 0, True
         examples, loss_sum = 0, 0.0
         while not self.stop_requested.is_set():
-            fetch = fetch or step % self.settings.fetch_every == 0
-            push = (step + 1) % self.settings.push_every == 0
+            fetch = fetch or step % self.settings.training.fetch_every == 0
+            push = (step + 1) % self.settings.training.push_every == 0
             token = new_token()
             if fetch and self._fetch(token):
                 return True
