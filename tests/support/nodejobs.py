@@ -1,0 +1,71 @@
+"""DistBeliefJobs on the nodes tier's real nodes (tests/nodes): apply one as a user does,
+follow it to its end while noting which node ran each of its pods, and say what went
+wrong (pods, events, logs, the operator's log) when it does not end well."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import yaml
+
+from support.cluster import Kubectl
+from support.nodes import TIMINGS
+
+FINISHED = ("Succeeded", "Failed")
+
+
+def job_pods(kubectl: Kubectl, namespace: str, job: str) -> list[dict[str, Any]]:
+    return kubectl.json("get", "pods", "-n", namespace, "-l", f"distbelief.io/job={job}")["items"]
+
+
+def status_of(kubectl: Kubectl, namespace: str, job: str) -> dict[str, Any]:
+    done = kubectl.run("get", "dbj", job, "-n", namespace, "-o", "json")
+    return (json.loads(done.stdout).get("status") or {}) if done.returncode == 0 else {}
+
+
+def diagnostics(kubectl: Kubectl, namespace: str, operator_namespace: str | None) -> str:
+    """What a failure report needs: the pods and where they ran, the events, the last lines
+    of every pod's log, the operator's log."""
+    parts = [kubectl("get", "dbj,pods,pvc", "-n", namespace, "-o", "wide", check=False),
+             kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False)[-4000:]]
+    for pod in kubectl.json("get", "pods", "-n", namespace)["items"]:
+        name = pod["metadata"]["name"]
+        parts.append(f"--- {name} ({pod['spec'].get('nodeName')}): "
+                     + kubectl("logs", "-n", namespace, name, "--tail=15", "--all-containers", check=False))
+    if operator_namespace:
+        parts.append("--- the operator: " + kubectl("logs", "-n", operator_namespace, "-l",
+                                                    "app.kubernetes.io/name=distbelief", "--tail=40", check=False))
+    return "\n".join(parts)
+
+
+def train(kubectl: Kubectl, namespace: str, doc: dict[str, Any], *, timeout: float,
+          operator_namespace: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Apply the job and wait for its end: its status, and the node each of its pods ran on
+    (pod name -> node name, for every pod seen running)."""
+    name = doc["metadata"]["name"]
+    started = time.monotonic()
+    kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    placements: dict[str, str] = {}
+    deadline = started + timeout
+    while True:
+        for pod in job_pods(kubectl, namespace, name):
+            if pod["spec"].get("nodeName") and (pod.get("status") or {}).get("phase") in ("Running", "Succeeded"):
+                placements[pod["metadata"]["name"]] = pod["spec"]["nodeName"]
+        status = status_of(kubectl, namespace, name)
+        if status.get("phase") in FINISHED:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} did not finish in {timeout:.0f} s; status {json.dumps(status)[-1500:]}\n"
+                                 + diagnostics(kubectl, namespace, operator_namespace))
+        time.sleep(1)
+    TIMINGS.append((f"job {name}: kubectl apply -> {status['phase']}", time.monotonic() - started))
+    if status["phase"] != "Succeeded":
+        raise AssertionError(f"{name} ended {status['phase']}: {json.dumps(status)[-2000:]}\n"
+                             + diagnostics(kubectl, namespace, operator_namespace))
+    return status, placements
+
+
+def claims(kubectl: Kubectl, namespace: str) -> list[dict[str, Any]]:
+    return kubectl.json("get", "pvc", "-n", namespace)["items"]
