@@ -11,8 +11,7 @@ above 1) and no replicas of its own; each checker client says HELLO and pushes. 
 gradient is -1 at coordinate i of every shard's slice and 0 elsewhere, so a shard's final
 parameter i minus its initial one is how many times push i was applied there. With
 embeddings ("sparse") a push first sends the row of key i (every value -1) to the shard
-that owns it, then the dense push; row-wise Adagrad at learning rate 1 moves a fresh row by
-1, 1 + 1/sqrt(2), ... for 1, 2, ... applications. A push is acknowledged when every shard
+that owns it, then the dense push; SGD moves the row by 1 for each application too. A push is acknowledged when every shard
 answered it (the client's ShardGroup sends it again to a shard's next copy as a replica
 does); one whose client stopped waiting is indeterminate. A partitioned job's shards hold
 gradients until their step commits ("partitioned"): each push is HELD on every shard and

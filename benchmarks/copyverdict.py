@@ -86,15 +86,13 @@ def _ids(ids: np.ndarray) -> dict[str, Any]:
     return {"count": int(ids.size), "ids": [int(i) for i in ids[:20]]}
 
 
-ROW_STEPS = np.cumsum([0.0] + [1.0 / np.sqrt(k) for k in range(1, 8)])  # a row moved by n applications
-
-
 def row_counts(initial: np.ndarray, final: np.ndarray) -> np.ndarray:
-    """How many times each row (row-wise Adagrad at learning rate 1, every gradient value -1)
-    was pushed to: its move is 1 + 1/sqrt(2) + ... + 1/sqrt(n). -1 where no n fits."""
-    moved = (final - initial).mean(axis=1)
-    n = np.abs(moved[:, None] - ROW_STEPS[None, :]).argmin(axis=1)
-    return np.where(np.abs(moved - ROW_STEPS[n]) < 1e-3, n, -1)
+    """How many times each row (SGD at learning rate 1, every gradient value -1) was pushed
+    to: its move. -1 where the move is not a whole number, the same for every value."""
+    moved = final - initial
+    n = np.rint(moved.mean(axis=1))
+    exact = np.abs(moved - n[:, None]).max(axis=1) < 1e-3
+    return np.where(exact & (n >= 0), n, -1).astype(np.int64)
 
 
 def rows_verdict(ops: list[Op], counts: np.ndarray) -> dict[str, Any]:

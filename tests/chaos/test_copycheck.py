@@ -61,10 +61,11 @@ def test_a_step_below_one_acknowledged_before_the_push_began_went_back() -> None
     assert found == [{"id": 1, "shard": 0, "step": 4, "seen_before": 5}]  # id 2 overlapped id 0: not ordered
 
 
-def test_rows_are_counted_by_how_far_row_wise_adagrad_moved_them() -> None:
-    initial = np.zeros((4, 3), np.float32)
-    moved = np.array([0.0, 1.0, 1.0 + 2 ** -0.5, 0.3], np.float32)
-    assert copyverdict.row_counts(initial, initial + moved[:, None]).tolist() == [0, 1, 2, -1]
+def test_rows_are_counted_by_how_far_sgd_moved_them() -> None:
+    initial = np.zeros((5, 3), np.float32)
+    final = initial + np.array([0.0, 1.0, 2.0, 0.3, 1.0], np.float32)[:, None]
+    final[4, 0] = 2.0  # not every value of the row moved alike
+    assert copyverdict.row_counts(initial, final).tolist() == [0, 1, 2, -1, -1]
 
 
 def test_the_proxy_delays_holds_and_cuts_one_direction_at_a_time() -> None:

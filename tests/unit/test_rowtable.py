@@ -70,6 +70,18 @@ def test_update_is_row_wise_adagrad_from_the_initial_value() -> None:
     np.testing.assert_allclose(table.accumulators[table.lookup(keys)], acc, rtol=1e-5)
 
 
+def test_update_is_plain_sgd_when_the_job_asks_for_it() -> None:
+    table = RowTable(DIM, learning_rate=0.5, seed=2, optimizer="sgd")
+    keys = np.array([10, 20], dtype=np.int64)
+    rng = np.random.default_rng(0)
+    expected = initial_rows(keys, DIM, 2).astype(np.float64)
+    for _ in range(3):
+        g = rng.standard_normal((2, DIM)).astype(np.float32)
+        table.update(keys, g, now=1.0)
+        expected -= 0.5 * g
+    np.testing.assert_allclose(table.rows(keys), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_row_is_created_by_its_admitted_push_only() -> None:
     table = RowTable(DIM, learning_rate=0.5, seed=2, admit_after=3)
     keys = np.array([5, 6], dtype=np.int64)

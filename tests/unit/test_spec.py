@@ -435,8 +435,6 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "not available with spec.training.algorithm: sandblaster"),
     ("overlap-embeddings", _overlapped(spec_model_embeddings={"dim": 4}), "spec.training.overlap",
      "not available with spec.model.embeddings"),
-    ("sgd-embeddings", _with("spec.training.optimizer", "sgd", spec_model_embeddings={"dim": 4}),
-     "spec.training.optimizer", "sgd is not available with spec.model.embeddings"),
     ("overlap-partitions", _overlapped(spec_model_partitions=2), "spec.training.overlap",
      "not available with spec.model.partitions > 1"),
     ("overlap-synchronous", _overlapped(spec_training_maxStaleness=0), "spec.training.overlap",

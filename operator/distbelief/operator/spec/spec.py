@@ -226,10 +226,6 @@ def _check_model(raw: Mapping[str, Any], problems: Problems) -> None:
             and _get(raw, "spec", "training", "algorithm") == "sandblaster":
         problems.add("spec.model.embeddings", "needs spec.training.algorithm: downpour (Sandblaster's "
                      "L-BFGS runs over the dense parameters only)")
-    if _get(raw, "spec", "model", "embeddings") is not None \
-            and _get(raw, "spec", "training", "optimizer") == "sgd":
-        problems.add("spec.training.optimizer", "sgd is not available with spec.model.embeddings (the "
-                     "shards update embedding rows with Adagrad only); use adagrad")
 
 
 def _check_partitions(job: Mapping[str, Any], problems: Problems) -> None:

@@ -47,7 +47,8 @@ def sparse_rows(shard: Shard, job: Job, dense_bytes: int) -> SparseRows:
                       admit_after=options.admit_after, expire_after=options.expire_after_seconds,
                       max_gradient_norm=training.max_gradient_norm, wide=job.model.wide, l2=options.l2,
                       wide_l2=options.wide_l2, embed_after=options.embed_after,
-                      push_examples=training.batch_size * training.push_every, fields=job.model.fields)
+                      push_examples=training.batch_size * training.push_every, fields=job.model.fields,
+                      optimizer=training.optimizer)
     budget = options.max_rows_per_shard
     if budget is None:
         budget = row_budget(job.spec.parameter_servers.memory_limit, rows.table.row_bytes(),

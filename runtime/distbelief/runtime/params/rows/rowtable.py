@@ -20,7 +20,8 @@ and a checkpoint the first n rows as they are. Probing is vectorised: every pend
 moves one slot per round, so a batch costs a few numpy passes, with no per-row Python loop.
 Memory follows the rows that exist, never the id space.
 
-Optimizer. Adagrad is row-wise, as TorchRec's: one accumulator per row holding the mean
+Optimizer. spec.training.optimizer, as for the dense parameters: plain SGD, or Adagrad.
+Adagrad is row-wise, as TorchRec's: one accumulator per row holding the mean
 of the squared gradient over the row's elements. It keeps 1/dim of per-element Adagrad's
 optimizer state (at dim 16, 4 bytes per row instead of 64), so the table's memory is
 almost only its values; the elements of one embedding row see the same examples and have
@@ -102,7 +103,7 @@ def initial_rows(keys: np.ndarray, dim: int, seed: int, wide: int = 0) -> np.nda
 class RowTable:
     def __init__(self, dim: int, *, learning_rate: float, seed: int, admit_after: int = 1,
                  expire_after: float | None = None, wide: int = 0, l2: float = 0.0, wide_l2: float = 0.0,
-                 embed_after: int = 1, max_rows: int | None = None) -> None:
+                 embed_after: int = 1, max_rows: int | None = None, optimizer: str = "adagrad") -> None:
         """dim: values per row, of which the last `wide` are the id's linear weights (the wide
         part); l2 and wide_l2: the lazy L2 weights of the embedding and the wide values;
         embed_after: the occurrences of a row's key before its embedding values are read and
@@ -111,6 +112,9 @@ class RowTable:
             raise ValueError(f"a row of {dim} values cannot hold {wide} wide values beside an embedding")
         if not 1 <= embed_after <= MAX_EMBED_AFTER:
             raise ValueError(f"embed_after must be within 1..{MAX_EMBED_AFTER}")
+        if optimizer not in ("adagrad", "sgd"):
+            raise ValueError(f"rows are updated with adagrad or sgd, not {optimizer!r}")
+        self.sgd = optimizer == "sgd"
         self.dim, self.seed, self.wide, self.embed_after = dim, seed, wide, embed_after
         self.max_rows = max_rows
         self.refused = 0   # rows not created for want of room (max_rows without expire_after)
@@ -172,7 +176,7 @@ class RowTable:
 
     def update(self, keys: np.ndarray, grads: np.ndarray, now: float, occurrences: np.ndarray | None = None,
                step: int | None = None) -> int:
-        """Row-wise Adagrad on the rows of keys (unique), creating the admitted ones; returns
+        """The optimizer's step on the rows of keys (unique), creating the admitted ones; returns
         how many rows were updated. occurrences: how many times each key occurred in the
         pushed examples (None: once each); a key not yet admitted is only counted. step: the
         shard's step now, which lazy L2 counts from (None: the last one given)."""
@@ -199,7 +203,7 @@ class RowTable:
             cold = before < self.embed_after
             if cold.any():
                 g[cold, :self.dim - self.wide] = 0.0
-        self.values[rows] -= self._adagrad(rows, g)
+        self.values[rows] -= g * self.learning_rate if self.sgd else self._adagrad(rows, g)
         self.touched[rows] = int(now)
         self.dirty[rows] = True
         return int(rows.size)

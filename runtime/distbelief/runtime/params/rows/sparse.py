@@ -152,14 +152,14 @@ class SparseRows:
                  expire_after: float | None = None, max_gradient_norm: float = float("inf"),
                  full_write_bytes: int = FULL_WRITE_BYTES, wide: int = 0, l2: float = 0.0,
                  wide_l2: float = 0.0, embed_after: int = 1, max_rows: int | None = None,
-                 push_examples: int | None = None, fields: int | None = None) -> None:
+                 push_examples: int | None = None, fields: int | None = None, optimizer: str = "adagrad") -> None:
         """dim: values per row, the last `wide` of them the wide part (rowtable.py);
         push_examples: the most examples behind one push (batchSize x pushEvery), and fields:
         the ids per example, which bound what a push may declare (None: unbounded)."""
         self.shard = shard
         self.table = RowTable(dim, learning_rate=learning_rate, seed=seed, admit_after=admit_after,
                               expire_after=expire_after, wide=wide, l2=l2, wide_l2=wide_l2,
-                              embed_after=embed_after, max_rows=max_rows)
+                              embed_after=embed_after, max_rows=max_rows, optimizer=optimizer)
         self.push_examples = push_examples
         self.push_keys = None if push_examples is None or fields is None else push_examples * fields
         shard.metrics.row_budget.set(max_rows or 0)
