@@ -202,9 +202,9 @@ class Training(jobbase.TrainingBase):
     """The rate gamma of Adagrad, or the SGD step."""
     optimizer: str = "adagrad"
     """The update rule the shards apply to pushed gradients. adagrad gives every parameter its own rate (Dean et al.
-    2012); sgd is plain gradient descent, for dense parameters only (embedding rows are always updated with
-    Adagrad, so a job with spec.model.embeddings is refused with sgd). A job resumes only with the optimizer its
-    checkpoints were written with. One of: adagrad, sgd.
+    2012); sgd is plain gradient descent. Embedding rows follow it too (with adagrad, one rate per row, as
+    row-wise Adagrad). A job resumes only with the optimizer its checkpoints were written with. One of: adagrad,
+    sgd.
     """
     max_staleness: int | None = None
     """Bounded staleness (tau). A push computed from parameters more than this many updates old is not applied; the
