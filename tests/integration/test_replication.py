@@ -29,7 +29,7 @@ from distbelief.runtime.params.rows import rowcheckpoint
 from distbelief.runtime.params.rows.row_client import RowClient
 from distbelief.runtime.params.rows.sparse import SparseRows
 from distbelief.runtime.shard import checkpoint
-from distbelief.runtime.shard.copies import forwarding, replication
+from distbelief.runtime.shard.copies import forwarding, replication, transfer
 from distbelief.runtime.shard.copies.viewstore import FileViewStore
 from distbelief.runtime.shard.copies.watch import BACKUP, COPY_STATUS, PRIMARY
 from distbelief.runtime.shard.core import Shard, ShardSettings
@@ -677,3 +677,25 @@ def test_a_hold_applied_or_replaced_while_a_copy_catches_up_is_skipped_in_the_tr
     with pytest.raises(errors.ProtocolError, match="piece 0 of a held gradient"):
         holds[1].begin_receiving(plan)
         holds[1].write_part(0, {"grad": np.ones(3, np.float32)})
+
+
+def test_a_copy_whose_catch_up_broke_off_takes_the_record_of_last_commands_of_the_checkpoint_it_goes_back_to(
+        tmp_path: Path) -> None:
+    """Issue 42: the transfer's begin brings the primary's record of each peer's last command;
+    a copy that goes back to its checkpoint when the transfer breaks off must take the
+    checkpoint's record too, or it answers a resend of a push its state does not hold (lost)."""
+    settings = ShardSettings(shard=0, bind="inproc://aborted", checkpoint_dir=str(tmp_path))
+    primary, behind = (Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0)) for _ in range(2))
+    for shard in (primary, behind):
+        shard.attach(DenseSlice(shard, INITIAL, optimizer="sgd", learning_rate=1.0))
+    peer = (None, b"replica")
+    behind.last_commands.remember(peer, 1, dense.PUSH.code, [b"reply to push 1"])
+    behind.checkpoint_now()
+    primary.step = 2
+    primary.last_commands.remember(peer, 2, dense.PUSH.code, [b"reply to push 2"])
+    receiver = transfer.Receiver(behind, view=1, stream="s")
+    fields, arrays = transfer.Sender(primary).begin()
+    receiver.begin(json.loads(json.dumps(fields)), [memoryview(a) for a in arrays])
+    assert behind.last_commands.get(peer)[0] == 2
+    assert receiver.abort()  # the primary died mid-transfer
+    assert (behind.step, behind.last_commands.get(peer)[:2]) == (0, (1, dense.PUSH.code))

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"DBCKPT01"
 LENGTH = struct.Struct("<Q")
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 16 << 20  # its metadata holds each peer's last command, with its reply (resends.py)
 SUFFIX = ".ckpt"
 TEMPORARY = ".tmp"
 DTYPE = np.dtype("<f4")

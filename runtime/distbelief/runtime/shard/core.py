@@ -10,8 +10,8 @@ optimizer (params/dense.py), Sandblaster's vectors, and whatever an algorithm ad
 - answers HELLO (the layout check; admission is the update hooks'), STATS and DONE;
 - answers a resent command (same peer, worker and seq) with its first reply, so an
   update is applied once however often the reply was lost;
-- writes atomic checkpoints of every plugin's state on an interval and at the end; a
-  checkpoint that cannot be written is logged and tried again at the next interval.
+- writes atomic checkpoints of the plugins' state and each peer's last command (a restarted shard
+  answers resends), on an interval and at the end; a failed write is logged and tried again later.
 
 Plugins (plugin.py) see the core through its members: index, layout, step, finished, metrics,
 command_time, settings.checkpoint_dir, applied(), count_examples(), checkpoint_now(), load().
@@ -43,7 +43,7 @@ from distbelief.runtime.observe.metrics import RateWindow, ShardMetrics
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.plugin import (
     Answer, Handler, RawHandler, Replication, ShardPlugin, SingleCopy, UpdateHook)
-from distbelief.runtime.shard.resends import LastCommands
+from distbelief.runtime.shard.resends import CHECKPOINT_KEY, LastCommands
 from distbelief.runtime.shard.saves import CheckpointSchedule
 from distbelief.runtime.transport import interface, zmq_transport
 from distbelief.runtime.wire import protocol
@@ -153,10 +153,10 @@ class Shard:
         self.metrics.global_step.set(self.step)
 
     def take_meta(self, meta: dict) -> None:
-        """The core's figures saved beside a state: start time, examples, the job's end."""
+        """The core's figures beside a state: start time, examples, the job's end, each peer's last command."""
         self.start_time = float(meta.get("startTime", self.start_time))
-        self.finished = meta.get("finished")
-        self.examples_total = int(meta.get("examples", 0))
+        self.finished, self.examples_total = meta.get("finished"), int(meta.get("examples", 0))
+        self.last_commands.load(meta.get(CHECKPOINT_KEY, []))
 
     def stop(self) -> None:
         self.stopping.set()
@@ -391,7 +391,7 @@ class Shard:
     def snapshot(self, *, transfer: bool = False) -> checkpoint.Checkpoint:
         """The state for the next checkpoint (the arrays are the live ones, not copies); with
         transfer, the whole state in memory, for a copy catching up (no row files named)."""
-        meta = self.core_meta()
+        meta = {**self.core_meta(), CHECKPOINT_KEY: self.last_commands.export()}
         arrays: dict[str, np.ndarray] = {}
         for plugin in self.plugins:  # a plugin may write files of its own (the sparse rows'), unless transfer
             plugin_arrays, plugin_meta = plugin.checkpoint_state(transfer=transfer)

@@ -13,6 +13,7 @@ import base64
 from collections import OrderedDict
 from typing import Any
 
+CHECKPOINT_KEY = "lastCommands"  # the checkpoint metadata that holds LastCommands.export()
 REMEMBERED_PEERS = 4096  # peers (replicas, the coordinator) whose last command a shard remembers
 
 Peer = tuple  # (user or None, routing id)

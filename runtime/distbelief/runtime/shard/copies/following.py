@@ -8,16 +8,25 @@ primary of an older one steps down. A forwarded command is applied through the s
 core's own path (Shard.answer) under its first sender's identity, so this copy's resend
 record knows it too, and at the time the primary took it (its envelope's `at`), so that
 what a plugin decides by time is decided alike on every copy.
+
+A whole copy knows its position (forwarding.Position: the last command it applied, or where
+its transfer ended) and keeps the last few commands it applied (RECENT_COMMANDS), so that if
+it takes over, a copy of the in-sync set that stood a few commands behind it gets them and
+stays in the set. A primary that took over with this copy in its in-sync set sends it a
+resume instead of a transfer: if this copy stands where the primary says, it follows the new
+view's stream from there.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
 from typing import Any, Protocol, Sequence
 
 from distbelief.runtime import errors
+from distbelief.runtime.shard.copies.forwarding import Command, Position, position_of
 from distbelief.runtime.shard.copies.transfer import Receiver
 from distbelief.runtime.shard.copies.viewstore import ViewRecord
 from distbelief.runtime.shard.copies.watch import BACKUP, PRIMARY, SYNCING
@@ -30,6 +39,8 @@ log = logging.getLogger(__name__)
 
 JOIN = protocol.define(OpSpec(31, "JOIN", request=JsonObject, privileged=True))
 JOIN_RETRY_SECONDS = 3.0      # a JOIN without a transfer begun is sent again after this long
+RECENT_COMMANDS = 8           # commands a copy keeps for the copies behind it, should it take over
+RECENT_BYTES = 32 << 20       # ... and at most this many bytes of them
 
 
 class Owner(Protocol):
@@ -42,6 +53,10 @@ class Owner(Protocol):
 
     def installed(self, view: int) -> None:
         """The transfer ended: the copy holds its primary's state and is a backup."""
+        ...
+
+    def resumed(self, view: int) -> None:
+        """The primary of a newer view took over with this copy in its in-sync set."""
         ...
 
 
@@ -64,6 +79,8 @@ class Follower:
         self.joining: Joining | None = None
         self.heard = 0.0           # when the stream last brought a message
         self.sound = True          # the state is whole (a broken transfer without a checkpoint: not)
+        self.position: Position | None = None  # where the state stands, while it is a whole copy's
+        self.recent: collections.deque[Command] = collections.deque()  # the last commands that brought it there
 
     # -- asking to join ------------------------------------------------------------------------
 
@@ -113,6 +130,7 @@ class Follower:
             raise errors.ProtocolError("REPLICATE's envelope names no sender")
         if not isinstance(taken_at, int | float) or isinstance(taken_at, bool):
             raise errors.ProtocolError("REPLICATE's envelope has no time the primary took the command at")
+        position = position_of(envelope.get("position"))
         self.owner.forwarded = True
         try:
             reply = self.shard.answer(inner, interface.Incoming(peer=peer, user=user, frames=incoming.frames[2:]),
@@ -121,18 +139,26 @@ class Follower:
             self.owner.forwarded = False
         self.number, self.heard = envelope["number"], time.monotonic()
         applied = protocol.unpack_header(reply[0]).status != protocol.Status.ERROR
+        if not applied:
+            self._forget_position()
+        elif self.receiver is None:  # a whole copy: it stands where the command did
+            self._keep(Command(user=user, peer=envelope["peer"], at=float(taken_at), frames=incoming.frames[2:],
+                               position=position, step=self.shard.step))
         return self.answer(header, applied=applied, reason="" if applied else "the command failed here")
 
     def copy_state(self, header: Header, incoming: interface.Incoming) -> list:
         """COPY_STATE: the transfer's begin, one of its parts, or its end."""
         envelope = fields(incoming.frames[1]) if len(incoming.frames) > 1 else {}
         kind, frames = envelope.get("kind"), incoming.frames[2:]
+        if kind == "resume":
+            return self._resume(header, envelope)
         if kind == "begin":
             refusal = self._refuse_begin(envelope)
             if refusal:
                 return self.answer(header, applied=False, reason=refusal)
             self.receiver = Receiver(self.shard, view=envelope["view"], stream=str(envelope["stream"]))
             self.owner.view, self.stream, self.number = envelope["view"], str(envelope["stream"]), 0
+            self._forget_position()  # mixed until the end
         refusal = self._out_of_order(envelope) or (None if self.receiver else "no transfer under way")
         if refusal:
             return self.answer(header, applied=False, reason=refusal)
@@ -153,9 +179,8 @@ class Follower:
         if kind != "end":
             return self.answer(header, applied=True)
         self.receiver, self.sound = None, True
-        if self.joining is not None:
-            self.joining.link.close()
-            self.joining = None
+        self.position = position_of(envelope.get("position"))
+        self.drop_joining()
         self.owner.installed(envelope["view"])
         return self.answer(header, applied=True, installed=True)
 
@@ -166,6 +191,33 @@ class Follower:
         if not isinstance(envelope.get("stream"), str) or envelope.get("number") != 1:
             return "a transfer begins with message 1 of its stream"
         self.receiver = None  # a JOIN sent again brings a fresh transfer: the old one is left
+        return None
+
+    def _resume(self, header: Header, envelope: dict) -> list:
+        """COPY_STATE resume: the primary of a newer view took over with this copy in its
+        in-sync set. If this copy stands where that primary says, it follows that view's
+        stream from here: the commands it lacks come first."""
+        refusal = self._refuse_resume(envelope)
+        if refusal:
+            log.warning("event=resume_refused shard=%d copy=%d view=%s reason=%r", self.shard.index, self.rank,
+                        envelope.get("view"), refusal)
+            return self.answer(header, applied=False, reason=refusal)
+        self.stream, self.number, self.heard = str(envelope["stream"]), envelope["number"], time.monotonic()
+        self.drop_joining()
+        self.owner.resumed(envelope["view"])
+        return self.answer(header, applied=True, installed=True)
+
+    def _refuse_resume(self, envelope: dict) -> str | None:
+        view = envelope.get("view", 0)
+        if self.owner.role != BACKUP or self.receiver is not None:
+            return f"copy {self.rank} is {self.owner.role}"
+        if envelope.get("incarnation") != self.owner.incarnation or view <= self.owner.view:
+            return f"not incarnation {envelope.get('incarnation')!r} of this copy in a view before {view}"
+        if not isinstance(envelope.get("stream"), str) or envelope.get("number") != 1:
+            return "a resume is message 1 of its stream"
+        since = position_of(envelope.get("since"))
+        if since != self.position:
+            return f"this copy stands at {self.position}, not {since}"
         return None
 
     def _out_of_order(self, envelope: dict) -> str | None:
@@ -191,6 +243,31 @@ class Follower:
             value["reason"] = reason[:500]
         return protocol.reply_frames(header, step=self.shard.step, meta=JsonObject(value))
 
+    # -- where the state stands ----------------------------------------------------------------
+
+    def since(self, position: Position) -> list[Command] | None:
+        """The commands this copy applied after `position`; None if it does not know them all."""
+        if position == self.position:
+            return []
+        recent = list(self.recent)
+        found = [i for i, command in enumerate(recent) if command.position == position]
+        return recent[found[0] + 1:] if found else None
+
+    def _keep(self, command: Command) -> None:
+        """Stand where command did, and keep a copy of it (its frames are the transport's)."""
+        self.position = command.position
+        if command.nbytes > RECENT_BYTES:
+            self.recent.clear()  # the commands kept must follow each other
+            return
+        self.recent.append(dataclasses.replace(command, frames=[bytes(f) for f in command.frames]))
+        kept = sum(c.nbytes for c in self.recent)
+        while len(self.recent) > RECENT_COMMANDS or kept > RECENT_BYTES:
+            kept -= self.recent.popleft().nbytes
+
+    def _forget_position(self) -> None:
+        self.position = None
+        self.recent.clear()
+
     # -- ending it -----------------------------------------------------------------------------
 
     def abort(self, why: str) -> None:
@@ -205,6 +282,10 @@ class Follower:
     def drop(self) -> None:
         """Leave the stream: nothing more of it is applied."""
         self.stream, self.number = None, 0
+        self._forget_position()
+        self.drop_joining()
+
+    def drop_joining(self) -> None:
         if self.joining is not None:
             self.joining.link.close()
             self.joining = None

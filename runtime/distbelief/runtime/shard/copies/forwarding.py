@@ -10,6 +10,12 @@ acknowledged the transfer's end: from then on every reply the primary gives wait
 acknowledgement (it may be added to the in-sync set). Sending never waits: the serving
 thread goes on, and the acknowledgements are read between requests (pump()).
 
+Each forwarded command names its *position*: its view and its number among the commands of
+that view. Two copies at one position hold the same state, so a primary that took over keeps
+the copies of the old in-sync set at its own position, or a few commands behind it, in its
+set: their stream (resume()) opens with the commands they lack, which it applied as a
+backup, and is installed at once, with no transfer.
+
 A stream is given up (drop_reasons) when its link broke, its heartbeat (the transport's,
 which the copy's serving thread does not answer) timed out, or a message stayed
 unacknowledged for FORWARD_SECONDS (slow); the caller takes an installed one out of the
@@ -44,13 +50,40 @@ WINDOW_MESSAGES = 512      # below the transport's send queue (1000 messages): i
 PARTS_WINDOW_BYTES = 64 << 20  # unacknowledged bytes to a copy catching up before its next part waits
 
 
+Position = tuple[int, int]  # (view, number of the command in that view): where a copy's state stands
+
+
+def position_of(value: object) -> Position:
+    """A position as the wire carries it, [view, number] (ProtocolError otherwise)."""
+    if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
+        raise errors.ProtocolError(f"a copy's position that is not [view, number]: {str(value)[:100]}")
+    return value[0], value[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A command as the primary forwarded it: its sender (user, peer as hex), the primary's
+    time when it took it, its request's frames; its position and the step after it."""
+
+    user: str | None
+    peer: str
+    at: float
+    frames: Sequence[bytes | memoryview]
+    position: Position
+    step: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
 @dataclasses.dataclass
 class Sent:
     number: int
     seq: int          # the commands forwarded up to and with this message
     nbytes: int
     at: float
-    step: int         # the primary's step after it
+    step: int | None  # the primary's step after it (None: the copy's to tell)
 
 
 @dataclasses.dataclass
@@ -94,6 +127,24 @@ class Chain:
         self._send(stream, self._state_frames(stream, *transfer.begin()), step=transfer.step)
         return stream
 
+    def resume(self, rank: int, incarnation: str, address: str, *, since: Position,
+               commands: Sequence[Command] | None) -> Stream:
+        """An installed stream to a copy of the in-sync set this primary took over with, whose
+        state stood at `since`: the commands it lacks (None: they are not all known, the
+        stream is given up at once), then every command from now on."""
+        link = self._transport.link(address, self._security, bulk=True, heartbeat=HEARTBEAT_SECONDS)
+        stream = Stream(rank=rank, incarnation=incarnation, link=link, id=secrets.token_hex(8), transfer=None,
+                        installed=True)
+        self.streams[stream.member] = stream
+        if commands is None:
+            stream.failure = f"it stood at {since}, this primary knows not every command since"
+            return stream
+        resume = {"kind": "resume", "incarnation": incarnation, "since": list(since)}
+        self._send(stream, self._state_frames(stream, resume, []), step=None)
+        for command in commands:
+            self._send(stream, self._replicate_frames(stream, command), step=command.step)
+        return stream
+
     def close(self, stream: Stream) -> None:
         self.streams.pop(stream.member, None)
         stream.link.close()
@@ -114,12 +165,17 @@ class Chain:
         """A command just applied (taken at taken_at by this primary's clock): to every
         stream, in order."""
         self.seq += 1
+        command = Command(user=incoming.user, peer=incoming.peer.hex(), at=taken_at, frames=incoming.frames,
+                          position=(self.view, self.seq), step=step)
         for stream in self.streams.values():
-            envelope = self._envelope(stream, stream.sent + 1, user=incoming.user, peer=incoming.peer.hex(),
-                                      at=taken_at)
-            head = Header(op=REPLICATE.code, shard=self.shard, layout=self.layout, seq=stream.sent + 1,
-                          step=step).pack()
-            self._send(stream, [head, envelope, *incoming.frames], step=step)
+            self._send(stream, self._replicate_frames(stream, command), step=step)
+
+    def _replicate_frames(self, stream: Stream, command: Command) -> list[Any]:
+        number = stream.sent + 1
+        envelope = self._envelope(stream, number, user=command.user, peer=command.peer, at=command.at,
+                                  position=list(command.position))
+        head = Header(op=REPLICATE.code, shard=self.shard, layout=self.layout, seq=number, step=command.step).pack()
+        return [head, envelope, *command.frames]
 
     def send_parts(self, step: int, budget: int) -> None:
         """Parts of the state to the streams still transferring, while their window has room;
@@ -136,13 +192,13 @@ class Chain:
     def _state_frames(self, stream: Stream, fields: dict[str, Any], arrays: Sequence[Any]) -> list[Any]:
         number = stream.sent + 1
         head = Header(op=COPY_STATE.code, shard=self.shard, layout=self.layout, seq=number).pack()
-        return [head, self._envelope(stream, number, **fields),
+        return [head, self._envelope(stream, number, position=[self.view, self.seq], **fields),
                 *(a if isinstance(a, bytes) else np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays)]
 
     def _envelope(self, stream: Stream, number: int, **fields: Any) -> bytes:
         return json.dumps({"view": self.view, "stream": stream.id, "number": number, **fields}).encode()
 
-    def _send(self, stream: Stream, frames: Sequence[Any], *, step: int) -> None:
+    def _send(self, stream: Stream, frames: Sequence[Any], *, step: int | None) -> None:
         stream.sent += 1
         nbytes = interface.frames_nbytes(frames)
         stream.pending.append(Sent(stream.sent, self.seq, nbytes, time.monotonic(), step))
@@ -196,7 +252,7 @@ class Chain:
             done = stream.pending.popleft()
             stream.in_flight -= done.nbytes
             stream.acked, stream.acked_seq = done.number, done.seq
-            if done.number == number and answer.get("step") != done.step:
+            if done.number == number and done.step is not None and answer.get("step") != done.step:
                 stream.failure = f"diverged: step {answer.get('step')} where the primary had {done.step}"
         if answer.get("installed"):
             stream.installed = True

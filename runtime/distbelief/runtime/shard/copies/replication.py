@@ -19,7 +19,12 @@ the same core and plugins; only the primary serves clients.
   another stream is refused: the view fences an old primary off). When the lease of its
   view has not been renewed for its length by this copy's own clock, a backup of the
   in-sync set takes over with one compare-and-swap naming the version it saw: it then holds
-  every acknowledged update. A backup taken out of the set, or of an older view, catches up.
+  every acknowledged update. The backup furthest along takes over (the others wait for it a
+  moment), and its in-sync set keeps the other live backups of the old one that stand where
+  it stands or a few commands behind: it resumes them (forwarding.Chain.resume) with the
+  commands they lack before it answers anyone, and one that does not stand where it said is
+  taken out of the set first. A backup taken out of the set, or of a newer view whose set
+  does not name it, catches up.
 - Catching up (SYNCING). It asks the primary of the record to JOIN, and receives its state
   in parts while applying the commands that go on (transfer.py). With no live primary (a
   whole job starting or resuming) and no copy of the in-sync set alive, the copy with the
@@ -41,10 +46,10 @@ from typing import Any, Mapping, Sequence
 from distbelief.runtime import errors
 from distbelief.runtime.shard.copies.following import JOIN, Follower
 from distbelief.runtime.shard.copies import forwarding
-from distbelief.runtime.shard.copies.forwarding import REPLICATE, Chain
+from distbelief.runtime.shard.copies.forwarding import REPLICATE, Chain, Position
 from distbelief.runtime.shard.copies.keeper import Keeper, Seen
 from distbelief.runtime.shard.copies.transfer import COPY_STATE, MAX_ARRAYS, PART_BYTES, Sender
-from distbelief.runtime.shard.copies.viewstore import ViewRecord, ViewStore
+from distbelief.runtime.shard.copies.viewstore import Member, ViewRecord, ViewStore
 from distbelief.runtime.shard.copies.watch import BACKUP, COPY_STATUS, PRIMARY, SYNCING, Watch
 from distbelief.runtime.shard.core import Shard
 from distbelief.runtime.shard.plugin import RawHandler
@@ -57,6 +62,7 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS = 3.0           # a primary's lease; a backup takes over once it went this long unrenewed
 ALIVE_SECONDS = 1.0           # a copy that answered COPY_STATUS this recently is alive
 STARTUP_GRACE_SECONDS = 30.0  # with no primary, wait this long for silent copies before leading
+DEFER_SECONDS = 1.0           # after the lease expired, a backup waits this long for one further along to take over
 DECIDE_SECONDS = 0.1          # how often the serving loop decides from what the keeper and watch saw
 TRANSFER_SILENT_SECONDS = 10.0  # a transfer that heard nothing this long broke off
 ADD_WAIT_SECONDS = 15.0       # an installed copy the primary did not add to the in-sync set catches up again
@@ -92,6 +98,7 @@ class Copies:
         self._installed_at, self._member_seen = 0.0, False
         self._claiming = False
         self._released = 0         # as primary: the highest command whose reply left
+        self._keeping: dict[Member, Position] = {}  # claiming: the other copies kept in sync, where they stand
         self._removing: dict[tuple[int, str], int | None] = {}  # member -> the generation without it
         self._failovers = 0
         self._next_decision = 0.0
@@ -216,10 +223,15 @@ class Copies:
 
     def _follow(self, seen: Seen, now: float) -> None:
         record = seen.record
-        if record is None or record.view != self.view:
-            self._catch_up_again("a newer view" if record is not None else "no view record")
+        if record is None:
+            self._catch_up_again("no view record")
             return
+        if record.view < self.view:
+            return  # read before this copy resumed under the new view's primary
         member = record.member(self.rank, self.incarnation)
+        if record.view > self.view and not member:
+            self._catch_up_again("a newer view")
+            return
         if member:
             self._member_seen = True
         elif self._member_seen:
@@ -229,8 +241,31 @@ class Copies:
             self._catch_up_again("not added to the in-sync set")
             return
         self._failovers = record.failovers
-        if member and seen.expired(now) and not self._claiming:
-            self._claim(seen, record.view + 1, failovers=record.failovers + 1, reason="primary_lease_expired")
+        if member and seen.expired(now) and not self._claiming and (
+                self._foremost(record) or now - seen.since - record.lease_seconds >= DEFER_SECONDS):
+            self._claim(seen, record.view + 1, failovers=record.failovers + 1, reason="primary_lease_expired",
+                        keeping=self._in_step(record))
+
+    def _backups_of(self, record: ViewRecord) -> dict[Member, Position | None]:
+        """The other copies of record's in-sync set alive as its backups, and where each stands."""
+        backups = {}
+        for rank, incarnation in record.in_sync:
+            state = self.watch.heard_from(rank, ALIVE_SECONDS)
+            if rank != self.rank and state is not None and state.incarnation == incarnation and state.role == BACKUP:
+                backups[(rank, incarnation)] = state.position
+        return backups
+
+    def _foremost(self, record: ViewRecord) -> bool:
+        """Whether no other live backup of record's in-sync set stands further along (or as
+        far, with a lower rank): the one furthest along takes over and keeps the others."""
+        mine = (self.follower.position or (-1, -1), -self.rank)
+        return all((position or (-1, -1), -rank) < mine for (rank, _), position in self._backups_of(record).items())
+
+    def _in_step(self, record: ViewRecord) -> dict[Member, Position]:
+        """The live backups of record's in-sync set that stand where this copy stands, or a
+        few commands behind (it knows those commands): they stay in sync under it."""
+        return {member: position for member, position in self._backups_of(record).items()
+                if position is not None and self.follower.since(position) is not None}
 
     def _sync(self, seen: Seen, now: float) -> None:
         record, receiver = seen.record, self.follower.receiver
@@ -247,7 +282,7 @@ class Copies:
         if self._claiming or not self._may_lead(record, seen, now):
             return
         self._claim(seen, (record.view if record else 0) + 1, failovers=record.failovers if record else 0,
-                    reason="no_primary")
+                    reason="no_primary", keeping={})
 
     def _may_lead(self, record: ViewRecord | None, seen: Seen, now: float) -> bool:
         """No live lease: lead if no copy of the in-sync set is alive (it takes over) and this
@@ -264,23 +299,28 @@ class Copies:
         heard = [(s.step, -r) for r, s in others.items() if s is not None and s.role == SYNCING]
         return max([(self.shard.step, -self.rank), *heard]) == (self.shard.step, -self.rank)
 
-    def _claim(self, seen: Seen, view: int, *, failovers: int, reason: str) -> None:
-        record = ViewRecord(view=view, primary=self.rank, in_sync=((self.rank, self.incarnation),),
+    def _claim(self, seen: Seen, view: int, *, failovers: int, reason: str, keeping: dict[Member, Position]) -> None:
+        record = ViewRecord(view=view, primary=self.rank, in_sync=((self.rank, self.incarnation), *sorted(keeping)),
                             holder=self.incarnation, renewed=time.time(), lease_seconds=self.lease_seconds,
                             failovers=failovers)
-        log.info("event=view_claimed shard=%d copy=%d view=%d reason=%s", self.shard.index, self.rank, view, reason)
-        self._claiming = True
+        log.info("event=view_claimed shard=%d copy=%d view=%d reason=%s position=%s keeping=%s", self.shard.index,
+                 self.rank, view, reason, self.follower.position, sorted(rank for rank, _ in keeping))
+        self._claiming, self._keeping = True, keeping
         self.keeper.claim(seen.version, record)
 
     def _promote(self, record: ViewRecord) -> None:
-        was = self.role
+        was, position = self.role, self.follower.position
         self.role, self.view, self.term = PRIMARY, record.view, self.term + 1
         self._failovers, self._released, self._removing = record.failovers, 0, {}
-        self.follower.drop()
         self.chain = Chain(shard=self.shard.index, layout=self.shard.layout.hash, view=self.view,
                            transport_=self._transport, security=self.security)
-        log.warning("event=copy_promoted shard=%d copy=%d view=%d step=%d was=%s failovers=%d", self.shard.index,
-                    self.rank, self.view, self.shard.step, was, self._failovers)
+        for rank, incarnation in record.in_sync[1:]:  # before any request: their acknowledgements are waited for
+            since = self._keeping[(rank, incarnation)]
+            self.chain.resume(rank, incarnation, self.addresses[rank], since=since, commands=self.follower.since(since))
+        self.follower.drop()
+        log.warning("event=copy_promoted shard=%d copy=%d view=%d step=%d was=%s failovers=%d position=%s "
+                    "keeping=%s", self.shard.index, self.rank, self.view, self.shard.step, was, self._failovers,
+                    position, [rank for rank, _ in record.in_sync[1:]])
         self._show()
 
     def _catch_up_again(self, why: str) -> None:
@@ -295,6 +335,13 @@ class Copies:
         self.role, self.term = SYNCING, self.term + 1
         self.incarnation = secrets.token_hex(6)  # what the in-sync set named is not this copy any more
         self._member_seen = False
+        self._show()
+
+    def resumed(self, view: int) -> None:
+        """The primary of a newer view took over with this copy in its in-sync set."""
+        self.view = view
+        log.info("event=copy_resumed shard=%d copy=%d view=%d step=%d", self.shard.index, self.rank, view,
+                 self.shard.step)
         self._show()
 
     def installed(self, view: int) -> None:
@@ -331,8 +378,10 @@ class Copies:
     # -- every copy ------------------------------------------------------------------------------
 
     def _status(self, header: Header, incoming: interface.Incoming) -> list:
+        position = self.follower.position
         value = {"role": self.role, "view": self.view, "step": self.shard.step if self.follower.sound else -1,
-                 "copy": self.rank, "incarnation": self.incarnation}
+                 "copy": self.rank, "incarnation": self.incarnation,
+                 "position": None if position is None else list(position)}
         return protocol.reply_frames(header, step=self.shard.step, meta=JsonObject(value))
 
     def _show(self) -> None:

@@ -1,13 +1,14 @@
-"""What a shard copy knows of its shard's other copies: each one's role, view, step and
+"""What a shard copy knows of its shard's other copies: each one's role, view, step,
 incarnation (a random name each copy takes when it starts: a copy that restarted is
-another incarnation, which the in-sync set of the view record does not name).
+another incarnation, which the in-sync set of the view record does not name) and, for a
+backup, its position (forwarding.py: the last command it applied).
 
 A thread asks every other copy for its COPY_STATUS a few times a second, on its own
 sockets, and keeps the newest answer of each with the time it came. The serving thread
-reads these when no primary holds the view's lease (replication.Copies): whether a copy
-of the in-sync set is still alive (it will take over), else which copy has the newest
-state (it leads). A copy whose state is not whole (a transfer broke off and it had no
-checkpoint to go back to) answers step -1.
+reads these when no primary holds the view's lease (replication.Copies): which backup of
+the in-sync set takes over (the one furthest along) and which others it keeps in its set;
+with none alive, which copy has the newest state (it leads). A copy whose state is not
+whole (a transfer broke off and it had no checkpoint to go back to) answers step -1.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from typing import Mapping
 
 from distbelief.runtime import errors
+from distbelief.runtime.shard.copies.forwarding import Position, position_of
 from distbelief.runtime.transport import interface
 from distbelief.runtime.wire import protocol
 
@@ -39,6 +41,7 @@ class PeerState:
     step: int
     incarnation: str
     seen: float  # time.monotonic() of the answer
+    position: Position | None = None  # a backup's
 
     def recent(self, now: float, within: float) -> bool:
         return now - self.seen <= within
@@ -103,6 +106,8 @@ class Watch:
         if header.status != protocol.Status.OK or not received.frames:
             return True  # refused (a copy of another job?): no news from it
         value = protocol.JsonObject.unpack(received.frames[0]).value
+        position = value.get("position")
         self.latest[rank] = PeerState(role=str(value["role"]), view=int(value["view"]), step=int(value["step"]),
-                                      incarnation=str(value.get("incarnation", "")), seen=time.monotonic())
+                                      incarnation=str(value.get("incarnation", "")), seen=time.monotonic(),
+                                      position=None if position is None else position_of(position))
         return True
