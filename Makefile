@@ -60,7 +60,7 @@ kube-tools: venv
 	tools/fetch-prometheus >/dev/null
 
 # Every tier: tests/unit, tests/integration, tests/chaos, and beside them, in a pytest process
-# of its own, tests/cluster (tools/test-tiers; README, "Running the tests"); the slowest
+# of its own, tests/cluster (tools/test-tiers; docs/development.md, "Running the tests"); the slowest
 # tests are listed at the end of each.
 test: install kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" VENV=$(VENV) tools/test-tiers
@@ -82,6 +82,7 @@ test-floors: install kube-tools
 # there); skips without it or root, fails instead under CI=true.
 test-nodes: install
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
+	if [ -x ../shared/kube/node ] && [ "$$(id -u)" = 0 ]; then ../shared/kube/node deps >/dev/null; fi
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q -rs tests/nodes
 
 # Benchmarks (~50 min on 2 cores): installs the bench extra (torch, the peer), then runs
