@@ -1,4 +1,4 @@
-"""`distbelief predict` and the README's snippet: the trained parameters of a run, used with
+"""`distbelief predict` and the snippet of docs/guides/local-mode.md: the trained parameters of a run, used with
 training's preprocessing (the built-in digits are scaled to 0..1)."""
 
 from __future__ import annotations
@@ -102,10 +102,10 @@ def test_predict_without_a_finished_run_says_what_to_do(tmp_path: Path) -> None:
                                    "(distbelief run JOB.yaml, or --output DIR for another folder)")
 
 
-def test_the_readme_snippet_runs(run_folder, tmp_path: Path) -> None:
+def test_the_guides_snippet_runs(run_folder, tmp_path: Path) -> None:
     output, params = run_folder
-    readme = (REPO / "README.md").read_text()
-    snippet = re.search(r"```python\n# predict.*?\n(.*?)```", readme, re.S).group(1)
+    guide = (REPO / "docs" / "guides" / "local-mode.md").read_text()
+    snippet = re.search(r"```python\n# predict.*?\n(.*?)```", guide, re.S).group(1)
     assert len(snippet.strip().splitlines()) == 5
     raw_x, y = data._builtin("digits")
     np.savez(tmp_path / "my-digits.npz", x=raw_x[:20])

@@ -1,4 +1,4 @@
-"""examples/usercode/: the ready-to-copy user model and its job, run as the README says."""
+"""examples/usercode/: the ready-to-copy user model and its job, run as docs/guides/your-model.md says."""
 
 from __future__ import annotations
 

@@ -103,14 +103,15 @@ def test_log_level_is_accepted_after_the_subcommand() -> None:
     assert run_cli("--log-level", "warning", "validate", str(EXAMPLES / "digits-mlp.yaml")).returncode == 0
 
 
-def test_the_name_rule_is_stated_as_the_readme_states_it() -> None:
+def test_the_name_rule_is_stated_as_the_docs_state_it() -> None:
     doc = load_example("digits-mlp.yaml")
     doc["metadata"]["name"] = "1digits"
     with pytest.raises(SpecError) as caught:
         spec.validate_job(doc)
     (line,) = caught.value.errors
     assert "must be a DNS-1035 label" in line and "starting with a letter" in line
-    assert "must be a DNS-1035 label" in (REPO / "README.md").read_text()
+    for doc in ("troubleshooting.md", "reference.md"):
+        assert "must be a DNS-1035 label" in (REPO / "docs" / doc).read_text()
 
 
 def test_a_sandblaster_shard_counts_its_l_bfgs_history() -> None:
