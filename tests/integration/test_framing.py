@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from distbelief.runtime import contract, errors
-from distbelief.runtime.transport import framing
+from distbelief.runtime.transport import framing, localsocket
 
 LIMITS = framing.Limits(max_frames=4, max_frame=80 << 20)
 
@@ -117,7 +117,7 @@ def test_a_loopback_connection_goes_to_the_unix_socket_of_the_port_and_falls_bac
         tcp = framing.connect("127.0.0.1", port)  # no Unix socket for this port yet: TCP
         assert tcp.family == socket.AF_INET
         tcp.close()
-        local = framing.listen_local(port)
+        local = localsocket.listen_local(port)
         assert local is not None and (private_sockets / f"bulk-{port}").exists()
         unix = framing.connect("127.0.0.1", port)
         assert unix.family == socket.AF_UNIX
@@ -125,7 +125,7 @@ def test_a_loopback_connection_goes_to_the_unix_socket_of_the_port_and_falls_bac
         remote = framing.connect("127.0.0.2", port)  # another address (a proxy, say) keeps to TCP
         assert remote.family == socket.AF_INET
         remote.close()
-        framing.unlink_local(local)
+        localsocket.unlink_local(local)
         assert not (private_sockets / f"bulk-{port}").exists()
     finally:
         listener.close()
@@ -133,15 +133,15 @@ def test_a_loopback_connection_goes_to_the_unix_socket_of_the_port_and_falls_bac
 
 def test_a_live_holder_of_the_socket_name_makes_the_port_refuse_and_a_dead_one_is_replaced(
         private_sockets: Path) -> None:
-    holder = framing.listen_local(40000)
+    holder = localsocket.listen_local(40000)
     assert holder is not None
     with pytest.raises(errors.ConfigError, match="bulk-40000.*taken by a live process"):
-        framing.listen_local(40000)
+        localsocket.listen_local(40000)
     holder.close()  # as a SIGKILL leaves it: the name stays, nothing answers
     assert (private_sockets / "bulk-40000").exists()
-    again = framing.listen_local(40000)
+    again = localsocket.listen_local(40000)
     assert again is not None
-    framing.unlink_local(again)
+    localsocket.unlink_local(again)
 
 
 def test_a_socket_folder_others_may_use_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,9 +150,9 @@ def test_a_socket_folder_others_may_use_is_refused(tmp_path: Path, monkeypatch: 
     shared.chmod(0o777)
     monkeypatch.setenv(contract.ENV_SOCKET_DIR, str(shared))
     with pytest.raises(errors.ConfigError, match="must be a folder only its owner may use"):
-        framing.listen_local(40001)
+        localsocket.listen_local(40001)
     monkeypatch.delenv(contract.ENV_SOCKET_DIR)
-    assert framing.listen_local(40001) is None  # no folder (a cluster's pods): TCP only
+    assert localsocket.listen_local(40001) is None  # no folder (a cluster's pods): TCP only
 
 
 def test_a_head_its_owner_does_not_vouch_for_is_refused_before_its_frames_are_read(

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from distbelief.runtime import errors
 from distbelief.runtime.observe.traffic import PROCESS_TRAFFIC
-from distbelief.runtime.transport import framing, sessions
+from distbelief.runtime.transport import framing, localsocket, sessions
 from distbelief.runtime.transport.interface import Frame, Incoming, frames_nbytes
 
 MAX_UNPROVEN = 64        # connections without their hello yet; the oldest goes first
@@ -51,7 +51,7 @@ class BulkPort:
         host = framing.split_address(address)[0]
         self.port = self.listener.getsockname()[1]
         self.endpoint = f"tcp://{host}:{self.port}"
-        self.local = framing.listen_local(self.port)  # the same port, for peers on this machine
+        self.local = localsocket.listen_local(self.port)  # the same port, for peers on this machine
         self.limits, self._table = limits, table
         self._budget = framing.Budget(BUDGET_FRAMES * limits.max_frame)
         self._streams: list[framing.Stream] = []
@@ -97,7 +97,7 @@ class BulkPort:
     def close(self) -> None:
         self.listener.close()
         if self.local is not None:
-            framing.unlink_local(self.local)
+            localsocket.unlink_local(self.local)
         for stream in self._streams:
             stream.close()
         self._streams.clear()

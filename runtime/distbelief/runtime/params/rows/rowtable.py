@@ -3,7 +3,7 @@
     lookup(keys)           -> row index per key, -1 where the key has no row
     rows(keys)             -> the rows' values; a key without a row gets its initial value
     update(keys, grads, now, occurrences, step)
-                           row-wise Adagrad (lazy L2) on the rows that exist or are admitted now
+                           SGD or row-wise Adagrad (lazy L2) on the rows that exist or are admitted
     expire(now)            drops the rows not pushed to for expire_after seconds
 
 Layout. The rows live in arrays appended in creation order: keys int64 [n], values float32
@@ -20,10 +20,9 @@ and a checkpoint the first n rows as they are. Probing is vectorised: every pend
 moves one slot per round, so a batch costs a few numpy passes, with no per-row Python loop.
 Memory follows the rows that exist, never the id space.
 
-Optimizer. spec.training.optimizer, as for the dense parameters: plain SGD, or Adagrad.
-Adagrad is row-wise, as TorchRec's: one accumulator per row holding the mean
-of the squared gradient over the row's elements. It keeps 1/dim of per-element Adagrad's
-optimizer state (at dim 16, 4 bytes per row instead of 64), so the table's memory is
+Optimizer. spec.training.optimizer: plain SGD, or Adagrad, row-wise as TorchRec's: one
+accumulator per row holding the mean of the squared gradient over the row's elements. It
+keeps 1/dim of per-element Adagrad's state (at dim 16, 4 bytes a row, not 64): the table is
 almost only its values; the elements of one embedding row see the same examples and have
 gradients of similar scale, so one rate per row loses little.
 
@@ -112,11 +111,8 @@ class RowTable:
             raise ValueError(f"a row of {dim} values cannot hold {wide} wide values beside an embedding")
         if not 1 <= embed_after <= MAX_EMBED_AFTER:
             raise ValueError(f"embed_after must be within 1..{MAX_EMBED_AFTER}")
-        if optimizer not in ("adagrad", "sgd"):
-            raise ValueError(f"rows are updated with adagrad or sgd, not {optimizer!r}")
-        self.sgd = optimizer == "sgd"
         self.dim, self.seed, self.wide, self.embed_after = dim, seed, wide, embed_after
-        self.max_rows = max_rows
+        self.max_rows, self.sgd = max_rows, optimizer == "sgd"  # else adagrad (the CRD's enum)
         self.refused = 0   # rows not created for want of room (max_rows without expire_after)
         self.evicted = 0   # rows evicted to make room (max_rows with expire_after)
         self.learning_rate = np.float32(learning_rate)
