@@ -42,7 +42,7 @@ sys.path[:0] = [str(HERE), str(REPO / "operator"), str(REPO / "runtime")]
 from prometheus_client.parser import text_string_to_metric_families
 
 from distbelief.operator.local import local
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 import e2e_bench
@@ -81,7 +81,7 @@ def acknowledged(run: local.LocalRun) -> float:
 
 
 def watched_copies(run: local.LocalRun) -> list[local.LocalPod]:
-    config = spec.job_config(run.job)
+    config = run.job.config
     return [pod for pod in run.shards
             if config.copy_of(contract.shard_index_from_pod_name(pod.name))[0] == WATCHED_SHARD]
 
@@ -150,7 +150,7 @@ def failover_times(kills: int) -> dict[str, list[float]]:
     doc["spec"]["training"]["maxSteps"] = 10_000_000
     doc["spec"]["runPolicy"]["backoffLimit"] = kills + 1
     with tempfile.TemporaryDirectory() as tmp:
-        run = local.LocalRun(spec.validate_job(doc), tmp)
+        run = local.LocalRun(DistBeliefJob.validated(doc), tmp)
         thread = threading.Thread(target=lambda: run.run(progress=False), daemon=True)
         thread.start()
         try:

@@ -56,7 +56,7 @@ import netfault
 from copyverdict import Op
 from distbelief.operator.local import local
 from distbelief.operator.local.localpods import LocalPod, volume_dir
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract, errors, keys
 from distbelief.runtime.algorithms.pipeline.commit import Commit, new_token
 from distbelief.runtime.algorithms.pipeline.ops import HOLD, Held
@@ -121,8 +121,8 @@ class Cluster:
 
     def __init__(self, plan: Plan, output: str) -> None:
         self.plan, self.output = plan, output
-        self.run = local.LocalRun(spec.validate_job(job_doc(plan)), output)
-        self.config = spec.job_config(self.run.job)
+        self.run = local.LocalRun(DistBeliefJob.validated(job_doc(plan)), output)
+        self.config = self.run.job.config
         self.job = Job(self.config)
         self.net = netfault.Net().start()
         self.links: dict[tuple[str, str], netfault.Link] = {}  # (from pod, to pod) -> the proxy between

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from figures import save, summarize
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import jobspec
 from distbelief.runtime.algorithms.feed import ops
 from distbelief.runtime.algorithms.feed.dispenser import Dispenser, DispenserSettings
@@ -94,7 +94,7 @@ def job_doc(source: str, steps: int) -> dict:
 
 
 def memory_run(source: str, steps: int, out: Path) -> dict:
-    local.LocalRun(spec.validate_job(job_doc(source, steps)), str(out)).run(progress=False)
+    local.LocalRun(DistBeliefJob.validated(job_doc(source, steps)), str(out)).run(progress=False)
     summary = json.loads((out / report.REPORT_FILE).read_text())
     workers = [p["peakRssBytes"] for name, p in summary["pods"].items() if "-worker-" in name]
     return {"peak_rss_mb": max(workers) / 2**20, "accuracy": summary["accuracy"], "phase": summary["phase"]}

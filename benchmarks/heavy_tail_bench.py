@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 from figures import save_group
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import jobspec
 from distbelief.runtime.model import data, models
 
@@ -67,7 +67,7 @@ def job_doc(name: str, embeddings: dict[str, Any], rest: dict[str, Any]) -> dict
 
 def run_setting(name: str, embeddings: dict[str, Any], rest: dict[str, Any], output: Path) -> dict[str, Any]:
     started = time.monotonic()
-    code = local.LocalRun(spec.validate_job(job_doc(name, embeddings, rest)), str(output)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(job_doc(name, embeddings, rest)), str(output)).run(progress=False)
     summary = json.loads((output / report.REPORT_FILE).read_text())
     held_out = summary.get("heldOut") or {}
     return {"exitCode": code, "phase": summary.get("phase"), "auc": summary.get("auc"), "best_auc": held_out.get("best"),

@@ -45,7 +45,7 @@ from figures import RunFailed, interleaved, save, summarize
 
 import e2e_bench
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 
 HIDDEN, FEATURES = [2500, 2500, 2500, 2500], 2000
 SOURCE = f"synthetic:features={FEATURES},classes=10,samples=2048,seed=1"
@@ -75,7 +75,7 @@ def job(name: str, partitions: int, hidden: list[int], features: int, *, steps: 
 
 def run(doc: dict, folder: Path) -> tuple[int, dict, list[dict]]:
     """(exit code, report.json, the chief's history) of one local run."""
-    code = local.LocalRun(spec.validate_job(doc), str(folder)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(folder)).run(progress=False)
     summary = json.loads((folder / report.REPORT_FILE).read_text())
     history = next(folder.glob("volumes/*-ps-0/checkpoints/history.jsonl"), None)  # none if ps-0 died first
     lines = [json.loads(line) for line in history.read_text().splitlines()] if history else []

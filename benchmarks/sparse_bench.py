@@ -40,6 +40,7 @@ from figures import save_group, summarize
 
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.embedding import EmbeddingModel
@@ -84,7 +85,7 @@ def unique_keys_per_step(job: Job, rng: np.random.Generator) -> float:
 def example_run(output: Path) -> dict:
     (doc,) = spec.load_manifests(str(EXAMPLE))
     started = time.monotonic()
-    code = local.LocalRun(spec.validate_job(doc), str(output)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(output)).run(progress=False)
     if code != 0:
         raise RuntimeError(f"the example ended with exit code {code}")
     summary = json.loads((output / report.REPORT_FILE).read_text())

@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
 from distbelief.runtime import contract
 from distbelief.runtime.shard import checkpoint
 
@@ -68,7 +67,7 @@ def shard_in_sync(run: local.LocalRun, shard: int) -> dict[str, dict[str, float]
 
 
 def run_config(run: local.LocalRun) -> contract.JobConfig:
-    return spec.job_config(run.job)
+    return run.job.config
 
 
 def _ordinal(pod: local.LocalPod) -> int:

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from distbelief.operator.render import podparts, render
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from support.chartdocs import of_kind, operator_container, operator_deployment, operator_grants
 from support.cli import run_cli
 from support.examples import load_example
@@ -296,7 +296,7 @@ def test_monitors_select_the_jobs_metrics_ports(values_dir: Path) -> None:
     docs = template(values_dir, "everything")
     (service_monitor,) = [m for m in of_kind(docs, "ServiceMonitor") if m["metadata"]["name"].endswith("-shards")]
     (pod_monitor,) = of_kind(docs, "PodMonitor")
-    children = {c["kind"]: c for c in render.render_children(spec.validate_job(load_example("digits-mlp.yaml")),
+    children = {c["kind"]: c for c in render.render_children(DistBeliefJob.validated(load_example("digits-mlp.yaml")),
                                                                  image=render.DEFAULT_IMAGE)}
     service = children["Service"]
     assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()

@@ -185,13 +185,13 @@ def test_a_bad_unit_ends_the_stream_naming_it_or_is_skipped(tmp_path):
 
 def test_a_streamed_job_opens_the_coordinator_port_beside_shard_0_for_its_dispenser():
     from distbelief.operator.render import render
-    from distbelief.operator.spec import spec
+    from distbelief.operator.spec.job import DistBeliefJob
     from distbelief.runtime import contract
 
     from support.examples import load_example
 
     def ports(doc):
-        objects = render.render_children(spec.validate_job(doc), image="distbelief:test")
+        objects = render.render_children(DistBeliefJob.validated(doc), image="distbelief:test")
         sts = next(o for o in objects if o["kind"] == "StatefulSet")
         return {p["name"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]}
 

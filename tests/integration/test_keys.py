@@ -19,6 +19,7 @@ import zmq
 
 from distbelief.operator.local import local
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract, errors, jobspec, keys
 from distbelief.runtime.client.group import Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
@@ -245,7 +246,7 @@ def test_roles_take_the_jobs_choice_of_encryption_and_warn_when_it_is_off(
 
 def test_local_mode_gives_every_pod_the_job_keys_and_keeps_them_on_resume(tmp_path: Path) -> None:
     job = spec.validate_job(load_example("digits-mlp.yaml"))
-    run = local.LocalRun(job, str(tmp_path))
+    run = local.LocalRun(DistBeliefJob.of(job), str(tmp_path))
     made = keys.JobKeys.read(str(tmp_path / local.KEYS_FOLDER))
     assert made is not None and made.server_secret is not None
     for pod in run.pods:
@@ -257,7 +258,7 @@ def test_local_mode_gives_every_pod_the_job_keys_and_keeps_them_on_resume(tmp_pa
         assert all(stat.S_IMODE(os.stat(os.path.join(folder, n)).st_mode) == 0o600 for n in names)
         copy = keys.JobKeys.read(folder)
         assert copy is not None and copy.client_secret == made.client_secret
-    local.LocalRun(job, str(tmp_path))  # a resumed run: the same keys, not new ones
+    local.LocalRun(DistBeliefJob.of(job), str(tmp_path))  # a resumed run: the same keys, not new ones
     assert keys.JobKeys.read(str(tmp_path / local.KEYS_FOLDER)) == made
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_job(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
-    code = local.LocalRun(spec.validate_job(doc), str(output)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(output)).run(progress=False)
     return code, json.loads((output / report.REPORT_FILE).read_text())
 
 
@@ -151,7 +151,7 @@ def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path
     doc = copy.deepcopy(load_example("digits-mlp.yaml"))
     doc["spec"]["training"].update(maxSteps=12000)
     doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = 1
-    run = local.LocalRun(spec.validate_job(doc), str(tmp_path))
+    run = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path))
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
     thread.start()
@@ -179,7 +179,7 @@ def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path
 def test_ctrl_c_suspends_and_a_second_run_resumes_from_the_checkpoints(tmp_path: Path) -> None:
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["training"]["maxSteps"] = 6000
-    run = local.LocalRun(spec.validate_job(doc), str(tmp_path))
+    run = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path))
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
     thread.start()

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract, errors
 from distbelief.runtime.model import models
 from support.filejobs import job, sparse_job, write_ctr_parquet, write_teacher_parquet
@@ -22,7 +22,7 @@ from support.filejobs import job, sparse_job, write_ctr_parquet, write_teacher_p
 pytestmark = pytest.mark.slow
 
 def run_job(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
-    code = local.LocalRun(spec.validate_job(doc), str(output)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(output)).run(progress=False)
     return code, json.loads((output / report.REPORT_FILE).read_text())
 
 
@@ -78,7 +78,7 @@ def test_preflight_counts_the_files_rows_and_checks_the_held_out_part_without_th
     from distbelief.operator.local import preflight
 
     write_teacher_parquet(tmp_path / "train", files=4, per_file=300, group=100)
-    checked = preflight.check(spec.validate_job(job(f"parquet:{tmp_path}/train/*.parquet")))
+    checked = preflight.check(DistBeliefJob.validated(job(f"parquet:{tmp_path}/train/*.parquet")))
     assert (checked.examples, checked.features, checked.classes) == (1200, 8, 3)
     held_out = sorted((tmp_path / "train").glob("*.parquet"))[-1]
     doc = job(f"parquet:{tmp_path}/train/*.parquet", test=str(held_out))
@@ -86,7 +86,7 @@ def test_preflight_counts_the_files_rows_and_checks_the_held_out_part_without_th
     table["f3"][5] = float("nan")
     pq.write_table(pa.table(table), held_out, row_group_size=100)
     with pytest.raises(errors.BadData, match=r"part-03.parquet row group 0: column 'f3' row 5"):
-        preflight.check(spec.validate_job(doc))
+        preflight.check(DistBeliefJob.validated(doc))
 
 
 def units_read(log: str) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ import pytest
 
 from distbelief.operator.local import local, preflight
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract, keys
 from distbelief.runtime.model.job import Job
@@ -22,7 +23,7 @@ from support.examples import load_example
 
 @pytest.fixture
 def run(tmp_path: Path) -> local.LocalRun:
-    return local.LocalRun(spec.validate_job(load_example("digits-partitioned.yaml")), str(tmp_path))
+    return local.LocalRun(DistBeliefJob.validated(load_example("digits-partitioned.yaml")), str(tmp_path))
 
 
 def test_each_partition_s_pods_are_named_after_their_deployment(run: local.LocalRun) -> None:
@@ -58,7 +59,7 @@ def test_each_worker_gets_the_stage_keys_and_no_server_secret(run: local.LocalRu
 
 
 def test_an_unpartitioned_job_s_workers_get_no_stage(tmp_path: Path) -> None:
-    plain = local.LocalRun(spec.validate_job(load_example("digits-mlp.yaml")), str(tmp_path))
+    plain = local.LocalRun(DistBeliefJob.validated(load_example("digits-mlp.yaml")), str(tmp_path))
     for pod in plain.workers:
         assert not {contract.ENV_PARTITION, contract.ENV_STAGE_ADDRESS, contract.ENV_COORDINATOR_ADDRESS} & set(pod.env)
         assert contract.STAGE_PORT_NAME not in pod.ports
@@ -84,6 +85,6 @@ def test_local_mode_checks_earlier_checkpoints_against_the_staged_layout() -> No
     one `distbelief run` expects in an output folder, so a run resumes; a layout that
     ignored the cut would refuse the job's own checkpoints."""
     job = spec.validate_job(load_example("digits-partitioned.yaml"))
-    checked = preflight.check(job)
+    checked = preflight.check(DistBeliefJob.of(job))
     assert checked.layout == Job(spec.job_config(job)).layout.hash
     assert checked.layout != Layout.of(checked.shapes, 2).hash

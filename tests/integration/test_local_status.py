@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from distbelief.operator.local import local
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import timestamp
 
@@ -35,7 +35,7 @@ def _running() -> subprocess.Popen:
 def run(tmp_path: Path):
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["runPolicy"]["backoffLimit"] = 2
-    live = local.LocalRun(spec.validate_job(doc), str(tmp_path))
+    live = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path))
     for pod in live.pods:
         pod.process = _running()
     yield live
@@ -106,7 +106,7 @@ def test_a_loss_that_stays_non_finite_fails_the_job_naming_the_replica(tmp_path:
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["model"] = {"entrypoint": "user_model:build_diverging"}
     doc["spec"]["training"]["maxSteps"] = 10_000_000
-    code = local.LocalRun(spec.validate_job(doc), str(tmp_path)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path)).run(progress=False)
     summary = json.loads((tmp_path / "report.json").read_text())
     assert code == 1 and summary["phase"] == "Failed"
     assert re.match(r"NonFiniteLoss: digits-worker-\d: error: the training loss was nan for 3 pushes in a row, "

@@ -18,7 +18,7 @@ import pytest
 
 from distbelief.operator.local import local, report
 from distbelief.operator.render import render
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import data, files
 
@@ -121,7 +121,7 @@ def test_a_local_job_trains_from_the_bucket(tmp_path, credentials):
     write_teacher_parquet(tmp_path / "local", files=5, per_file=300, group=100)
     upload(credentials, tmp_path / "local", "train")
     doc = job(f"s3://{BUCKET}/train/*.parquet", objectStore={"endpoint": credentials["endpoint"]})
-    code = local.LocalRun(spec.validate_job(doc), str(tmp_path / "out")).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path / "out")).run(progress=False)
     summary = json.loads((tmp_path / "out" / report.REPORT_FILE).read_text())
     assert code == 0 and summary["reason"] == "TargetAccuracyReached" and summary["accuracy"] >= 0.95
     assert summary["epoch"] >= 1
@@ -131,7 +131,7 @@ def test_credentials_reach_the_pods_from_the_secret_never_the_config_map():
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["data"] = {"source": f"s3://{BUCKET}/train/*.parquet",
                            "objectStore": {"endpoint": "http://minio.storage:9000", "secretRef": "minio-keys"}}
-    objects = render.render_children(spec.validate_job(doc), image="distbelief:test")
+    objects = render.render_children(DistBeliefJob.validated(doc), image="distbelief:test")
     pods = [o for o in objects if o["kind"] in ("StatefulSet", "Deployment")]
     assert len(pods) == 2
     for pod in pods:
@@ -148,7 +148,7 @@ def test_a_job_with_a_wrong_key_fails_as_invalid_config_naming_the_bucket(tmp_pa
     upload(credentials, tmp_path / "local", "refused")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")   # the pods inherit local mode's environment
     doc = job(f"s3://{BUCKET}/refused/*.parquet", objectStore={"endpoint": credentials["endpoint"]})
-    code = local.LocalRun(spec.validate_job(doc), str(tmp_path / "out")).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path / "out")).run(progress=False)
     summary = json.loads((tmp_path / "out" / report.REPORT_FILE).read_text())
     assert code == 1 and summary["phase"] == "Failed" and summary["restarts"] == 0
     assert summary["reason"].startswith("InvalidConfig") and f"bucket '{BUCKET}'" in summary["reason"]
@@ -160,7 +160,7 @@ def test_a_local_job_with_embeddings_streams_its_units_from_the_bucket(tmp_path,
     upload(credentials, tmp_path / "local", "clicks")
     doc = sparse_job(f"s3://{BUCKET}/clicks/*.parquet", objectStore={"endpoint": credentials["endpoint"]})
     doc["spec"]["training"]["maxSteps"] = 300
-    code = local.LocalRun(spec.validate_job(doc), str(tmp_path / "out")).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path / "out")).run(progress=False)
     summary = json.loads((tmp_path / "out" / report.REPORT_FILE).read_text())
     assert code == 0 and summary["phase"] == "Succeeded", summary["reason"]
     assert summary["auc"] >= 0.7 and summary["epoch"] >= 1

@@ -16,6 +16,7 @@ import yaml
 from distbelief.operator.local import outputdir, preflight, report
 from distbelief.operator.local.localpods import volume_dir
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract, errors
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.wire.layout import Layout
@@ -43,8 +44,8 @@ def _save_checkpoints(output: Path, layout: Layout, step: int) -> None:
 
 
 def _job_layout(doc: dict) -> Layout:
-    job = spec.validate_job(doc)
-    return Layout.of(preflight.check(job).shapes, int(job["spec"]["parameterServers"]["shards"]))
+    job = DistBeliefJob.validated(doc)
+    return Layout.of(preflight.check(job).shapes, job.config.spec.parameter_servers.shards)
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -88,9 +89,9 @@ def test_a_changed_shard_count_is_refused_too(tmp_path: Path) -> None:
     doc = load_example("digits-mlp.yaml")
     _save_checkpoints(output, _job_layout(doc), step=1200)
     doc["spec"]["parameterServers"]["shards"] = 3
-    job = spec.validate_job(doc)
+    config = spec.job_config(spec.validate_job(doc))
     with pytest.raises(errors.ConfigError, match="another model or shard count"):
-        outputdir.earlier(str(output), job, _job_layout(doc).hash)
+        outputdir.earlier(str(output), config, _job_layout(doc).hash)
 
 
 def test_a_run_to_resume_is_announced_with_its_step_and_time(tmp_path: Path) -> None:
@@ -98,10 +99,11 @@ def test_a_run_to_resume_is_announced_with_its_step_and_time(tmp_path: Path) -> 
     doc = load_example("digits-mlp.yaml")
     layout = _job_layout(doc)
     _save_checkpoints(output, layout, step=1200)
-    found = outputdir.earlier(str(output), spec.validate_job(doc), layout.hash)
+    config = spec.job_config(spec.validate_job(doc))
+    found = outputdir.earlier(str(output), config, layout.hash)
     assert found.step == 1200 and found.result is None
     assert found.announcement().startswith("resuming from step 1200 (checkpoints of 20")
-    assert outputdir.earlier(str(tmp_path / "empty"), spec.validate_job(doc), layout.hash).announcement() is None
+    assert outputdir.earlier(str(tmp_path / "empty"), config, layout.hash).announcement() is None
 
 
 def test_fresh_clears_the_folder_but_keeps_the_lock(tmp_path: Path) -> None:

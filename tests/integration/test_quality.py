@@ -18,6 +18,7 @@ import yaml
 from distbelief.operator import predict
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import Observed, compute_status
 from distbelief.runtime import contract, errors
@@ -104,10 +105,10 @@ def test_a_restarted_chief_replays_the_history_it_wrote(tmp_path: Path) -> None:
 # -- the status, the report ------------------------------------------------------------------
 
 
-def _job(**status: Any) -> dict[str, Any]:
+def _job(**status: Any) -> DistBeliefJob:
     doc = spec.validate_job(load_example("ctr-sparse.yaml"))
     doc["status"] = status
-    return doc
+    return DistBeliefJob.of(doc)
 
 
 def _condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -183,7 +184,7 @@ def _collapsing_digits(**training: Any) -> dict[str, Any]:
 
 
 def _run(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
-    code = local.LocalRun(spec.validate_job(doc), str(output)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(output)).run(progress=False)
     return code, json.loads((output / report.REPORT_FILE).read_text())
 
 

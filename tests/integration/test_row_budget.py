@@ -179,13 +179,13 @@ def test_a_job_at_its_row_budget_ends_with_the_condition_row_budget_reached(tmp_
     import json
 
     from distbelief.operator.local import local, report
-    from distbelief.operator.spec import spec
+    from distbelief.operator.spec.job import DistBeliefJob
 
     from support.examples import load_example
     doc = load_example("ctr-sparse.yaml")
     doc["spec"]["model"]["embeddings"]["maxRowsPerShard"] = 1024
     doc["spec"]["training"]["maxSteps"] = 300
-    code = local.LocalRun(spec.validate_job(doc), str(tmp_path)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path)).run(progress=False)
     summary = json.loads((tmp_path / report.REPORT_FILE).read_text())
     assert code == 0 and summary["phase"] == "Succeeded"
     (warning,) = [w for w in summary["warnings"] if w["type"] == "RowBudgetReached"]

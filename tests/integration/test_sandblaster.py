@@ -18,7 +18,7 @@ import zmq
 from support.examples import load_example
 from distbelief.operator.local import local, report
 from distbelief.operator.render import render
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.algorithms.sandblaster import ops
@@ -371,7 +371,7 @@ def _kill_when(run: local.LocalRun, thread: threading.Thread, pod: local.LocalPo
 def test_the_example_converges_locally_through_a_replica_and_a_shard_kill(tmp_path, convex_problem):
     _, _, _, optimum = convex_problem
     doc = load_example("digits-sandblaster.yaml")
-    run = local.LocalRun(spec.validate_job(doc), str(tmp_path))
+    run = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path))
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)), daemon=True)
     thread.start()
@@ -403,7 +403,7 @@ def test_the_example_converges_locally_through_a_replica_and_a_shard_kill(tmp_pa
 def test_a_sandblaster_job_exposes_the_coordinator_port_beside_shard_0():
     doc = load_example("digits-sandblaster.yaml")
     doc["spec"]["parameterServers"]["networkPolicy"] = True
-    objects = render.render_children(spec.validate_job(doc), image="distbelief:test")
+    objects = render.render_children(DistBeliefJob.validated(doc), image="distbelief:test")
     by_kind = {o["kind"]: o for o in objects}
     ports = {p["name"]: p["containerPort"]
              for p in by_kind["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["ports"]}
@@ -413,6 +413,6 @@ def test_a_sandblaster_job_exposes_the_coordinator_port_beside_shard_0():
     assert {p["port"] for p in job_ingress} == {doc["spec"]["parameterServers"].get("port", 7070),
                                                 contract.BULK_PORT, contract.COORDINATOR_PORT}
 
-    downpour = render.render_children(spec.validate_job(load_example("digits-mlp.yaml")), image="distbelief:test")
+    downpour = render.render_children(DistBeliefJob.validated(load_example("digits-mlp.yaml")), image="distbelief:test")
     sts = next(o for o in downpour if o["kind"] == "StatefulSet")
     assert contract.COORDINATOR_PORT_NAME not in {p["name"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]}

@@ -19,6 +19,7 @@ from sklearn.metrics import roc_auc_score
 from distbelief.operator import errors
 from distbelief.operator.local import local, report
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract
 from distbelief.runtime.model import data, models
@@ -72,7 +73,7 @@ def test_auc_is_the_rank_statistic_with_ties_shared() -> None:
 
 
 def _run(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
-    code = local.LocalRun(spec.validate_job(doc), str(output)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(output)).run(progress=False)
     return code, json.loads((output / report.REPORT_FILE).read_text())
 
 
@@ -127,7 +128,7 @@ def test_a_second_run_of_the_sparse_job_into_its_folder_resumes_from_its_checkpo
     doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = 1
     doc["spec"]["workers"]["replicas"] = 1
     output = tmp_path / "out"
-    run = local.LocalRun(spec.validate_job(doc), str(output))
+    run = local.LocalRun(DistBeliefJob.validated(doc), str(output))
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
     thread.start()

@@ -12,7 +12,7 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.operator.local import local
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import jobspec
 from distbelief.runtime.algorithms.downpour.worker import Worker
@@ -125,7 +125,7 @@ def test_a_local_job_with_a_staleness_bound_honours_it_and_reports_it(tmp_path: 
     and the bound still holds for every update applied."""
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["training"].update(maxStaleness=1, overlap=overlap)
-    code = local.LocalRun(spec.validate_job(doc), str(tmp_path)).run(progress=False)
+    code = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path)).run(progress=False)
     summary = json.loads((tmp_path / "report.json").read_text())
     assert code == 0 and summary["accuracy"] >= 0.9
     assert summary["staleness"]["max"] <= 1 and summary["staleness"]["p50"] <= 1

@@ -12,6 +12,7 @@ import yaml
 from distbelief.operator.errors import SpecError
 from distbelief.operator.render import sizing
 from distbelief.operator.spec import spec
+from distbelief.runtime import jobspec
 
 from support.cli import run_cli
 from support.examples import load_example
@@ -92,8 +93,8 @@ def test_parameter_count_from_the_spec_matches_the_built_model() -> None:
     from distbelief.runtime.model import models
     from distbelief.runtime.model.job import Job
 
-    job = spec.validate_job(load_example("digits-mlp.yaml"))
-    assert sizing.parameter_count(job["spec"]) == models.num_params(Job(spec.job_config(job)).model)
+    config = spec.job_config(spec.validate_job(load_example("digits-mlp.yaml")))
+    assert sizing.parameter_count(config.spec) == models.num_params(Job(config).model)
 
 
 def test_log_level_is_accepted_after_the_subcommand() -> None:
@@ -115,20 +116,24 @@ def test_the_name_rule_is_stated_as_the_docs_state_it() -> None:
 
 
 def test_a_sandblaster_shard_counts_its_l_bfgs_history() -> None:
-    job = spec.validate_job(load_example("digits-sandblaster.yaml"))
-    job["spec"]["parameterServers"]["resources"] = {"limits": {"memory": "1Mi"}}
-    history = job["spec"]["training"]["sandblaster"]["historySize"]
-    (line,) = [w for w in sizing.memory_warnings(job["spec"], 100_000) if "parameterServers" in w]
+    doc = load_example("digits-sandblaster.yaml")
+    doc["spec"]["parameterServers"]["resources"] = {"limits": {"memory": "1Mi"}}
+    typed = spec.job_config(spec.validate_job(doc)).spec
+    history = typed.training.sandblaster.history_size
+    (line,) = [w for w in sizing.memory_warnings(typed, 100_000) if "parameterServers" in w]
     assert f"each shard holds {4 + 2 * history} float32 arrays" in line
 
 
 def test_a_partitioned_replica_s_pods_are_sized_for_their_share_of_the_model() -> None:
-    job = spec.validate_job(load_example("digits-partitioned.yaml"))
-    job["spec"]["workers"]["resources"] = {"limits": {"memory": "1Mi"}}
-    (line,) = [w for w in sizing.memory_warnings(job["spec"], 1_000_000) if "workers" in w]
+    def typed(memory: str) -> jobspec.JobSpec:
+        doc = load_example("digits-partitioned.yaml")
+        doc["spec"]["workers"]["resources"] = {"limits": {"memory": memory}}
+        return spec.job_config(spec.validate_job(doc)).spec
+
+    (line,) = [w for w in sizing.memory_warnings(typed("1Mi"), 1_000_000) if "workers" in w]
     assert "at least 500,000 parameters (the model's 1,000,000 over 2 partitions)" in line and "(about 6 MiB)" in line
-    job["spec"]["workers"]["resources"] = {"limits": {"memory": "7Mi"}}  # enough for half, not for the whole
-    assert not [w for w in sizing.memory_warnings(job["spec"], 1_000_000) if "workers" in w]
+    # enough for half, not for the whole
+    assert not [w for w in sizing.memory_warnings(typed("7Mi"), 1_000_000) if "workers" in w]
 
 
 def test_run_and_predict_take_one_job_per_file(tmp_path: Path) -> None:

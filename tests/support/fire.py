@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distbelief.operator.local import local
-from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 
 KillRecord = dict[str, Any]
 
@@ -18,7 +18,7 @@ def run_under_fire(doc: dict[str, Any], output: Path,
     """Run a job in local mode (in a thread) while killer(run, thread) SIGKILLs its pods; wait
     for the job's end. Returns the run, its exit code (in a list, empty if it never
     ended) and what the killer recorded."""
-    run = local.LocalRun(spec.validate_job(doc), str(output))
+    run = local.LocalRun(DistBeliefJob.validated(doc), str(output))
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)), daemon=True)
     thread.start()

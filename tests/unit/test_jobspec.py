@@ -19,6 +19,7 @@ import yaml
 
 from distbelief.operator.local import preflight
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract, errors, jobbase, jobspec
 from distbelief.runtime.model.job import Job
 
@@ -148,7 +149,7 @@ def test_local_mode_checks_derive_the_model_and_layout_the_roles_do(name: str, m
     monkeypatch.syspath_prepend(str(EXAMPLES / "usercode"))
     job = spec.validate_job(load_example(name))
     derived = Job(spec.job_config(job))
-    checked = preflight.check(job)
+    checked = preflight.check(DistBeliefJob.of(job))
     assert checked.layout == derived.layout.hash
     assert checked.shapes == [(n, tuple(s)) for n, s in derived.model.shapes]
     embeddings = derived.spec.model.embeddings
@@ -176,10 +177,10 @@ def test_a_streaming_job_with_embeddings_is_shaped_by_its_files_and_holds_only_t
     assert derived.data_bytes(1) == 0                               # a shard but the chief's holds no data
     assert derived.data_bytes(0) == derived.dataset.nbytes > 0
     assert len(derived.dataset.y_train) == 0 and derived.dataset.ids_test.shape == (100, CTR_FIELDS)
-    checked = preflight.check(doc)
+    checked = preflight.check(DistBeliefJob.of(doc))
     assert (checked.examples, checked.features, checked.classes) == (400, 1, 2)
     held_out = pq.read_table(tmp_path / "d" / "part-03.parquet").to_pydict()
     held_out["c2"][7] = -5
     pq.write_table(pa.table(held_out), tmp_path / "d" / "part-03.parquet", row_group_size=50)
     with pytest.raises(errors.BadData, match=r"part-03.parquet row group 0: id column 'c2' must hold integers"):
-        preflight.check(doc)   # the held-out ids are checked before any pod starts
+        preflight.check(DistBeliefJob.of(doc))   # the held-out ids are checked before any pod starts

@@ -12,6 +12,7 @@ import pytest
 from distbelief.operator import errors
 from distbelief.operator.render import placement, render
 from distbelief.operator.spec import spec, templates
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 from support.examples import load_example
@@ -56,7 +57,7 @@ def job(**spec_fields: Any) -> dict[str, Any]:
 
 def pods(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The pod template of each workload, by kind."""
-    return {o["kind"]: o["spec"]["template"] for o in render.render_children(doc, image=IMAGE)
+    return {o["kind"]: o["spec"]["template"] for o in render.render_children(DistBeliefJob.of(doc), image=IMAGE)
             if o["kind"] in ("StatefulSet", "Deployment")}
 
 
@@ -95,14 +96,14 @@ def test_every_field_of_a_worker_template_lands_on_the_worker_pods_only() -> Non
 def test_the_rendered_children_with_templates_pass_the_kubernetes_schema() -> None:
     doc = job(workers__template=WORKER_TEMPLATE, parameterServers__template={"spec": {"tolerations": [GPU_TOLERATION]}},
               imagePullSecrets=[{"name": "registry"}])
-    for obj in render.render_children(doc, image=IMAGE):
+    for obj in render.render_children(DistBeliefJob.of(doc), image=IMAGE):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 def test_every_partition_of_a_partitioned_job_gets_the_worker_template() -> None:
     doc = load_example("digits-partitioned.yaml")
     doc["spec"].setdefault("workers", {})["template"] = {"spec": {"nodeSelector": {"pool": "gpu"}}}
-    deployments = [o for o in render.render_children(spec.validate_job(doc), image=IMAGE) if o["kind"] == "Deployment"]
+    deployments = [o for o in render.render_children(DistBeliefJob.validated(doc), image=IMAGE) if o["kind"] == "Deployment"]
     assert len(deployments) > 1
     assert all(d["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"} for d in deployments)
 
@@ -172,7 +173,7 @@ def test_every_env_name_label_and_volume_the_renderer_sets_is_refused_in_a_templ
     """The refusal lists cover what the renderer really writes, partitioned jobs included."""
     doc = load_example("digits-partitioned.yaml")
     doc["spec"]["workers"] = {"resources": {"limits": {"cpu": "1"}}}
-    for obj in render.render_children(spec.validate_job(doc), image=IMAGE):
+    for obj in render.render_children(DistBeliefJob.validated(doc), image=IMAGE):
         if obj["kind"] not in ("StatefulSet", "Deployment"):
             continue
         pod = obj["spec"]["template"]

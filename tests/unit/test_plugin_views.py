@@ -4,6 +4,7 @@ local run's status once it has ended."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from distbelief.operator.plugin import pods, top, views
 from distbelief.operator.plugin.localjobs import ended
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import Observed, compute_status
 
@@ -25,30 +27,34 @@ SHARD_PODS = [pods.Pod(f"digits-ps-{i}", "ps", ready=i != 3, phase="Running" if 
 WORKER_PODS = [pods.Pod(f"digits-worker-{x}", "worker", ready=True, restarts=2, phase="Running") for x in "ab"]
 
 
-def job(backups: int = 1) -> dict[str, Any]:
+def job(backups: int = 1, name: str = "digits") -> DistBeliefJob:
     doc = spec.validate_job(load_example("digits-mlp.yaml"))
     doc["spec"]["training"]["maxSteps"] = 10000
     doc["spec"]["parameterServers"]["backups"] = backups
-    doc["metadata"].update(namespace="ml", creationTimestamp="2026-01-02T03:00:05Z")
-    return doc
+    doc["metadata"].update(name=name, namespace="ml", creationTimestamp="2026-01-02T03:00:05Z")
+    return DistBeliefJob.of(doc)
 
 
-def running_job(**figures: Any) -> dict[str, Any]:
+def observed(job: DistBeliefJob, seen: Observed, now: datetime.datetime) -> DistBeliefJob:
+    """The job with the status compute_status makes of what was seen."""
+    return dataclasses.replace(job, status=compute_status(job, seen, now))
+
+
+def running_job(**figures: Any) -> DistBeliefJob:
     """The job after two status passes 10 s apart: 1000 then 2000 steps, shard 1 failed over once."""
     doc = job()
     copies = {0: {"copies": 2, "primary": 0, "failovers": 0}, 1: {"copies": 1, "primary": 1, "failovers": 1}}
-    observed = dict(shards_ready=3, workers=2, workers_ready=2, children_created=True)
+    ready = dict(shards_ready=3, workers=2, workers_ready=2, children_created=True)
     for step, seconds in ((1000, -10), (2000, 0)):
         seen = scrape.Figures(global_step=step, accuracy=0.91234, loss=0.3, examples_per_second=12345.6,
                               checkpoint_step=1900, checkpoint_time=(NOW - 3 * SECOND).timestamp(), copies=copies,
                               **figures)
-        doc["status"] = compute_status(doc, Observed(**observed, figures=seen), NOW + seconds * SECOND)
+        doc = observed(doc, Observed(**ready, figures=seen), NOW + seconds * SECOND)
     return doc
 
 
 def test_get_prints_phase_progress_step_accuracy_eta_and_age_per_job() -> None:
-    waiting = job()
-    waiting["metadata"]["name"] = "fresh"
+    waiting = job(name="fresh")
     table = views.get_table([running_job(), waiting], NOW, namespaces=True).splitlines()
     assert table[0].split() == ["NAMESPACE", "NAME", "PHASE", "PROGRESS", "STEP", "ACCURACY", "ETA", "AGE"]
     assert table[1].split() == ["ml", "digits", "Running", "20%", "2000", "0.9123", "1m20s", "4m00s"]
@@ -77,11 +83,9 @@ def test_describe_says_why_the_job_is_in_its_phase_how_far_it_is_and_what_holds_
 
 
 def test_a_pending_job_says_what_it_waits_for_and_that_no_step_is_known() -> None:
-    doc = job(backups=0)
-    doc["status"] = compute_status(doc, Observed(shards_ready=1, workers=3, workers_ready=1, children_created=False),
-                                   NOW)
-    assert views.phase_line(doc["status"]) == "Pending (Creating: the job's children are being created)"
-    assert views.progress_line(doc["spec"], doc["status"]) == "no step yet (the chief has not answered)"
+    doc = observed(job(backups=0), Observed(shards_ready=1, workers=3, workers_ready=1, children_created=False), NOW)
+    assert views.phase_line(doc.status) == "Pending (Creating: the job's children are being created)"
+    assert views.progress_line(doc.config.spec.training, doc.status) == "no step yet (the chief has not answered)"
     screen = views.describe(doc, SHARD_PODS[:2], [], NOW)
     assert "Shards:        2, 1 copy each; 1/2 pods ready" in screen and "Replicas:      1/3 ready (3 pods)" in screen \
         and "Events:        none" in screen
@@ -93,7 +97,7 @@ def test_logs_pick_a_role_the_chief_or_every_copy_of_one_shard() -> None:
     doc, every = job(), SHARD_PODS + WORKER_PODS
 
     def names(**chosen: Any) -> list[str]:
-        return [pod.name for pod in pods.select(doc, every, **chosen)]
+        return [pod.name for pod in pods.select(doc.config, every, **chosen)]
 
     assert names(role=None, shard=None) == [pod.name for pod in every]
     assert names(role="worker", shard=None) == ["digits-worker-a", "digits-worker-b"]
@@ -123,7 +127,7 @@ def test_top_shows_rates_between_two_reads_and_no_rate_for_a_counter_that_went_b
 
 
 def test_an_ended_local_run_shows_its_report_phase_and_a_killed_one_shows_as_stopped() -> None:
-    status = running_job()["status"]
+    status = dict(running_job().status)
     interrupted = ended(status, {"phase": "Suspended", "reason": "Interrupted: checkpoints kept; run again to resume"})
     assert views.phase_line(interrupted) == "Suspended (Interrupted: checkpoints kept; run again to resume)"
     assert "eta" not in interrupted and interrupted["workers"]["ready"] == interrupted["parameterServers"]["ready"] == 0

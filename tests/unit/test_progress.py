@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.progress import format_seconds
 from distbelief.operator.status.status import Observed, compute_status
@@ -18,11 +19,11 @@ NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
 RUNNING = {"shards_ready": 2, "workers_ready": 3, "children_created": True}
 
 
-def job(**status: Any) -> dict[str, Any]:
+def job(**status: Any) -> DistBeliefJob:
     doc = spec.validate_job(load_example("digits-mlp.yaml"))
     doc["spec"]["training"]["maxSteps"] = 10000
     doc["status"] = status
-    return doc
+    return DistBeliefJob.of(doc)
 
 
 def at(step: int, seconds: float, previous: dict[str, Any] | None = None, **observed: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from distbelief.operator import errors
 from distbelief.operator.cluster import handlers
 from distbelief.operator.render import queue, render
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status.status import Observed, compute_status
 
 from support.examples import load_example
@@ -33,7 +34,7 @@ def test_the_workload_asks_for_every_pod_of_the_job_with_its_requests() -> None:
     doc = queued("digits-partitioned.yaml")
     doc["spec"]["workers"].update(replicas=3, resources={"requests": {"cpu": "2"}})
     doc["spec"]["workers"]["template"] = {"spec": {"priorityClassName": "high"}}
-    workload = render.render_workload(doc, image=IMAGE)
+    workload = render.render_workload(DistBeliefJob.of(doc), image=IMAGE)
     assert workload["apiVersion"] == "kueue.x-k8s.io/v1beta1"
     assert workload["spec"]["queueName"] == "team-a"
     assert workload["spec"]["priorityClassName"] == "high"
@@ -47,7 +48,7 @@ def test_the_workload_asks_for_every_pod_of_the_job_with_its_requests() -> None:
 def test_a_queued_job_not_yet_admitted_renders_no_pods_even_unsuspended() -> None:
     doc = queued()
     assert doc["spec"]["runPolicy"]["suspend"] is False
-    for child in workloads(handlers.desired_children(doc, finished=False)).values():
+    for child in workloads(handlers.desired_children(DistBeliefJob.of(doc), finished=False)).values():
         assert child["spec"]["replicas"] == 0, child["metadata"]["name"]
 
 
@@ -56,14 +57,14 @@ def test_an_admitted_job_runs_its_pods_where_the_admission_placed_them() -> None
                  "worker": {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]}}
     doc = queued(**{queue.ADMISSION_ANNOTATION: json.dumps(placement)})
     doc["spec"]["workers"]["template"] = {"spec": {"nodeSelector": {"team": "ml"}}}
-    children = workloads(handlers.desired_children(doc, finished=False))
+    children = workloads(handlers.desired_children(DistBeliefJob.of(doc), finished=False))
     ps, worker = children["digits-ps"]["spec"], children["digits-worker"]["spec"]
     assert ps["replicas"] > 0 and worker["replicas"] > 0
     assert ps["template"]["spec"]["nodeSelector"] == {"pool": "highmem"}
     assert worker["template"]["spec"]["nodeSelector"] == {"team": "ml", "pool": "gpu"}
     assert worker["template"]["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     # The Workload keeps the templates as they were before the admission.
-    sets = {s["name"]: s for s in render.render_workload(doc, image=IMAGE)["spec"]["podSets"]}
+    sets = {s["name"]: s for s in render.render_workload(DistBeliefJob.of(doc), image=IMAGE)["spec"]["podSets"]}
     assert sets["worker"]["template"]["spec"]["nodeSelector"] == {"team": "ml"}
 
 
@@ -103,9 +104,9 @@ class _NoKueue:
 
 def test_without_kueue_a_queued_job_stays_suspended_saying_why() -> None:
     doc = queued()
-    hold = handlers.sync_queue(_NoKueue(), None, doc, finished=False)  # type: ignore[arg-type]
+    hold = handlers.sync_queue(_NoKueue(), None, DistBeliefJob.of(doc), finished=False)  # type: ignore[arg-type]
     assert hold is not None and hold[0] == "QueueUnavailable" and "404" in hold[1]
     observed = Observed(queued=hold)
-    status = compute_status(doc, observed, datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc))
+    status = compute_status(DistBeliefJob.of(doc), observed, datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc))
     suspended = next(c for c in status["conditions"] if c["type"] == "Suspended")
     assert (status["phase"], suspended["reason"]) == ("Suspended", "QueueUnavailable")

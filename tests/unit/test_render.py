@@ -16,6 +16,7 @@ import yaml
 from distbelief.operator import errors
 from distbelief.operator.render import context, podparts, render, sizing
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract, keys
 
 from support.examples import load_example
@@ -72,8 +73,13 @@ def job_of(name: str = "digits-mlp.yaml", variant: str = "as-is") -> dict[str, A
     return spec.validate_job(doc)
 
 
+def rendered(job: dict[str, Any], **options: Any) -> list[dict[str, Any]]:
+    """The children of a validated job's manifest."""
+    return render.render_children(DistBeliefJob.of(job), **options)
+
+
 def children(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {o["kind"]: o for o in render.render_children(job, image=IMAGE)}
+    return {o["kind"]: o for o in rendered(job, image=IMAGE)}
 
 
 def pod_specs(objs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,7 +91,7 @@ CASES = [(e.name, v) for e in EXAMPLES for v in VARIANTS]
 
 @pytest.mark.parametrize("name, variant", CASES)
 def test_every_child_passes_the_kubernetes_schema(name: str, variant: str) -> None:
-    objs = render.render_children(job_of(name, variant), image=IMAGE)
+    objs = rendered(job_of(name, variant), image=IMAGE)
     for obj in objs:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     assert [o["kind"] for o in objs][:4] == KINDS
@@ -101,7 +107,7 @@ def test_strict_validation_would_catch_a_typo() -> None:
 def test_names_namespace_and_labels() -> None:
     job = job_of(variant="stored")
     names = contract.JobNames("digits")
-    objs = render.render_children(job, image=IMAGE)
+    objs = rendered(job, image=IMAGE)
     assert [o["metadata"]["name"] for o in objs] == [
         names.config_map, names.ps, names.ps, names.worker, names.ps, names.ps]   # the PDB, the NetworkPolicy
     for obj in objs:
@@ -117,7 +123,7 @@ def test_names_namespace_and_labels() -> None:
 
 
 def test_namespace_defaults_to_default() -> None:
-    for obj in render.render_children(job_of(), image=IMAGE):
+    for obj in rendered(job_of(), image=IMAGE):
         assert obj["metadata"]["namespace"] == "default"
 
 
@@ -229,7 +235,7 @@ def test_every_pod_mounts_the_job_keys_read_only_and_a_replica_never_the_server_
 @pytest.mark.parametrize("variant", ["as-is", "stored"])
 def test_the_keys_secret_is_immutable_owned_and_holds_the_key_files(variant: str) -> None:
     job_keys = keys.JobKeys.generate()
-    secret = render.render_keys_secret(job_of(variant=variant), job_keys.files())
+    secret = render.render_keys_secret(DistBeliefJob.of(job_of(variant=variant)), job_keys.files())
     kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
     assert (secret["kind"], secret["metadata"]["name"], secret["type"]) == ("Secret", "digits-keys", "Opaque")
     assert secret["immutable"] is True
@@ -317,7 +323,7 @@ def test_no_hpa_without_autoscaling() -> None:
 
 def test_hpa_scales_the_job_itself_with_the_default_cpu_metric() -> None:
     job = job_of(variant="autoscaled")
-    objs = render.render_children(job, image=IMAGE)
+    objs = rendered(job, image=IMAGE)
     (hpa,) = [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["metadata"]["name"] == contract.JobNames("digits").worker
@@ -349,7 +355,7 @@ def test_empty_metrics_list_gets_the_default_metric() -> None:
 
 @pytest.mark.parametrize("variant, owned", [("as-is", False), ("stored", True)])
 def test_owner_references_iff_the_job_has_a_uid(variant: str, owned: bool) -> None:
-    for obj in render.render_children(job_of("synthetic-large.yaml", variant), image=IMAGE):
+    for obj in rendered(job_of("synthetic-large.yaml", variant), image=IMAGE):
         refs = obj["metadata"].get("ownerReferences")
         if not owned:
             assert refs is None
@@ -409,13 +415,13 @@ def test_config_hash_ignores_scaling_and_suspending() -> None:
 def test_render_is_pure() -> None:
     job = job_of("synthetic-large.yaml", "everything")
     frozen = copy.deepcopy(job)
-    first = render.render_children(job, image=IMAGE)
+    first = rendered(job, image=IMAGE)
     assert job == frozen
-    assert render.render_children(job, image=IMAGE) == first
+    assert rendered(job, image=IMAGE) == first
 
 
 def test_to_yaml_is_multi_document_and_round_trips() -> None:
-    objs = render.render_children(job_of("synthetic-large.yaml", "stored"), image=IMAGE)
+    objs = rendered(job_of("synthetic-large.yaml", "stored"), image=IMAGE)
     text = render.to_yaml(objs)
     assert text.startswith("---\n")
     assert text.count("\n---\n") == len(objs) - 1
@@ -430,7 +436,7 @@ def test_a_finished_job_runs_no_replicas_and_no_autoscaler(clean_pod_policy: str
     doc = example("digits-mlp.yaml")
     _autoscaled(doc)
     doc["spec"]["runPolicy"]["cleanPodPolicy"] = clean_pod_policy
-    children = {c["kind"]: c for c in render.render_children(spec.validate_job(doc), image=IMAGE, finished=True)}
+    children = {c["kind"]: c for c in rendered(spec.validate_job(doc), image=IMAGE, finished=True)}
     assert children["Deployment"]["spec"]["replicas"] == 0
     assert children["StatefulSet"]["spec"]["replicas"] == shard_replicas
     assert "HorizontalPodAutoscaler" not in children
@@ -439,7 +445,7 @@ def test_a_finished_job_runs_no_replicas_and_no_autoscaler(clean_pod_policy: str
 def test_only_an_encrypted_job_opens_and_admits_the_bulk_port() -> None:
     doc = example("digits-mlp.yaml")
     doc["spec"]["parameterServers"]["encryption"] = False
-    plain = {c["kind"]: c for c in render.render_children(spec.validate_job(doc), image=IMAGE)}
+    plain = {c["kind"]: c for c in rendered(spec.validate_job(doc), image=IMAGE)}
     encrypted = children(job_of())
     for objects, bulk in ((plain, False), (encrypted, True)):
         (container,) = objects["StatefulSet"]["spec"]["template"]["spec"]["containers"]
@@ -450,7 +456,7 @@ def test_only_an_encrypted_job_opens_and_admits_the_bulk_port() -> None:
 
 def test_the_network_policy_is_on_by_default_and_covers_every_pod_and_port() -> None:
     job = spec.validate_job(example("digits-mlp.yaml"))
-    children = {c["kind"]: c for c in render.render_children(job, image=IMAGE, operator_namespace="ops")}
+    children = {c["kind"]: c for c in rendered(job, image=IMAGE, operator_namespace="ops")}
     policy = children["NetworkPolicy"]
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     shard_pods = children["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
@@ -477,7 +483,7 @@ def test_the_network_policy_is_on_by_default_and_covers_every_pod_and_port() -> 
 
 
 def test_without_an_operator_namespace_the_policy_admits_the_operator_from_the_jobs() -> None:
-    policy = next(c for c in render.render_children(spec.validate_job(example("digits-mlp.yaml")), image=IMAGE)
+    policy = next(c for c in rendered(spec.validate_job(example("digits-mlp.yaml")), image=IMAGE)
                   if c["kind"] == "NetworkPolicy")
     (operator,) = policy["spec"]["ingress"][1]["from"]
     assert list(operator) == ["podSelector"]
@@ -486,13 +492,13 @@ def test_without_an_operator_namespace_the_policy_admits_the_operator_from_the_j
 def test_the_network_policy_can_be_turned_off() -> None:
     doc = example("digits-mlp.yaml")
     doc["spec"]["parameterServers"]["networkPolicy"] = False
-    assert "NetworkPolicy" not in {c["kind"] for c in render.render_children(spec.validate_job(doc), image=IMAGE)}
+    assert "NetworkPolicy" not in {c["kind"] for c in rendered(spec.validate_job(doc), image=IMAGE)}
 
 
 def test_a_data_volume_is_mounted_read_only_in_every_pod() -> None:
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["data"] = {"source": "npz:/data/train.npz", "volume": "training-data"}
-    objects = render.render_children(spec.validate_job(doc), image="distbelief:test")
+    objects = rendered(spec.validate_job(doc), image="distbelief:test")
     for workload in (o for o in objects if o["kind"] in ("StatefulSet", "Deployment")):
         pod = workload["spec"]["template"]["spec"]
         (volume,) = [v for v in pod["volumes"] if v["name"] == "data"]
@@ -500,7 +506,7 @@ def test_a_data_volume_is_mounted_read_only_in_every_pod() -> None:
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "data"]
         assert mount == {"name": "data", "mountPath": "/data", "readOnly": True}
         kubernetes_validate.validate(workload, K8S_VERSION, strict=True)
-    plain = render.render_children(spec.validate_job(load_example("digits-mlp.yaml")), image="distbelief:test")
+    plain = rendered(spec.validate_job(load_example("digits-mlp.yaml")), image="distbelief:test")
     assert not any(v["name"] == "data" for o in plain if o["kind"] == "Deployment"
                    for v in o["spec"]["template"]["spec"]["volumes"])
 
@@ -530,7 +536,7 @@ def partitioned(variant: str = "as-is", **spec_changes: Any) -> dict[str, Any]:
 
 
 def workers_of(job: dict[str, Any], **options: Any) -> list[dict[str, Any]]:
-    return [o for o in render.render_children(job, image=IMAGE, **options) if o["kind"] == "Deployment"]
+    return [o for o in rendered(job, image=IMAGE, **options) if o["kind"] == "Deployment"]
 
 
 def env_of(deployment: dict[str, Any]) -> list[dict[str, Any]]:
@@ -540,7 +546,7 @@ def env_of(deployment: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_a_partitioned_job_has_one_worker_deployment_per_partition_with_every_replica() -> None:
     job = partitioned(variant="stored")
-    objs = render.render_children(job, image=IMAGE)
+    objs = rendered(job, image=IMAGE)
     names = contract.JobNames("digits-partitioned")
     assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "StatefulSet", "Deployment", "Deployment",
                                          "PodDisruptionBudget", "NetworkPolicy"]
@@ -616,7 +622,7 @@ def test_every_partition_follows_scaling_suspending_and_the_end_of_the_job() -> 
 
 def test_a_partitioned_job_s_rendezvous_and_stages_admit_only_its_replica_pods() -> None:
     job = partitioned()
-    objs = render.render_children(job, image=IMAGE, operator_namespace="ops")
+    objs = rendered(job, image=IMAGE, operator_namespace="ops")
     service = next(o for o in objs if o["kind"] == "Service")
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]}[contract.COORDINATOR_PORT_NAME] == \
         contract.COORDINATOR_PORT
@@ -685,8 +691,9 @@ def test_the_liveness_probe_waits_for_data_and_checkpoint_loading() -> None:
     large_doc["spec"]["data"]["source"] = "synthetic:features=4096,classes=10,samples=1000"
     large_doc["spec"]["model"]["hiddenLayers"] = [4096, 4096, 4096]
     large = probes(large_doc)
-    parameters = sizing.parameter_count(spec.validate_job(large_doc)["spec"])
-    shard_bytes = sizing.shard_bytes(spec.validate_job(large_doc)["spec"], parameters)
+    typed = spec.job_config(spec.validate_job(large_doc)).spec
+    parameters = sizing.parameter_count(typed)
+    shard_bytes = sizing.shard_bytes(typed, parameters)
     assert budget(large["StatefulSet"]["startupProbe"]) >= render.STARTUP_SECONDS + \
         shard_bytes / render.RESTORE_BYTES_PER_SECOND > budget(small["StatefulSet"]["startupProbe"])
     assert budget(large["Deployment"]["startupProbe"]) == budget(small["Deployment"]["startupProbe"])
@@ -718,7 +725,7 @@ def test_the_config_carries_the_jobs_uid_and_its_hash_leaves_it_out() -> None:
 def test_backups_give_the_shard_pods_an_account_that_may_keep_their_view_leases_only() -> None:
     doc = example("digits-mlp.yaml")
     doc["spec"]["parameterServers"]["backups"] = 2
-    objs = render.render_children(spec.validate_job(doc), image=IMAGE)
+    objs = rendered(spec.validate_job(doc), image=IMAGE)
     kinds = [o["kind"] for o in objs]
     assert kinds.index("RoleBinding") < kinds.index("StatefulSet")  # the account exists before its pods
     account, role, binding = (next(o for o in objs if o["kind"] == k) for k in ("ServiceAccount", "Role", "RoleBinding"))
@@ -745,4 +752,4 @@ def test_backups_give_the_shard_pods_an_account_that_may_keep_their_view_leases_
     assert "serviceAccountName" not in workers and workers["automountServiceAccountToken"] is False
     for obj in (account, role, binding):
         kubernetes_validate.validate(obj, "1.30", strict=True)
-    assert not [o for o in render.render_children(job_of(), image=IMAGE) if o["kind"] in ("Role", "ServiceAccount")]
+    assert not [o for o in rendered(job_of(), image=IMAGE) if o["kind"] in ("Role", "ServiceAccount")]

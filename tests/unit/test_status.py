@@ -8,6 +8,7 @@ from typing import Any
 import prometheus_client as prom
 
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import Observed, compute_status, pod_failures, timestamp
 from distbelief.runtime.observe.metrics import ChiefMetrics, CoordinatorMetrics, DispenserMetrics, ShardMetrics
@@ -18,11 +19,12 @@ NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
 LATER = NOW + datetime.timedelta(seconds=30)
 
 
-def job(**status: Any) -> dict[str, Any]:
+def job(*, suspend: bool = False, **status: Any) -> DistBeliefJob:
     doc = spec.validate_job(load_example("digits-mlp.yaml"))
     doc["metadata"]["generation"] = 4
+    doc["spec"]["runPolicy"]["suspend"] = suspend
     doc["status"] = status
-    return doc
+    return DistBeliefJob.of(doc)
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -94,7 +96,7 @@ def test_the_chiefs_verdict_finishes_the_job_for_good() -> None:
 
 
 def test_a_crash_looping_shard_fails_the_job() -> None:
-    limit = job()["spec"]["runPolicy"]["backoffLimit"]
+    limit = job().config.spec.run_policy.backoff_limit
     at_limit = compute_status(job(), Observed(shards_ready=2, workers_ready=1, shard_restarts=limit), NOW)
     assert at_limit["phase"] == "Running"
     over = compute_status(job(), Observed(shard_restarts=limit + 1), NOW)
@@ -112,9 +114,7 @@ def test_a_silent_job_past_its_max_duration_fails() -> None:
 
 
 def test_suspended_and_shard_lock_conditions() -> None:
-    doc = job()
-    doc["spec"]["runPolicy"]["suspend"] = True
-    suspended = compute_status(doc, Observed(shard_lock_message="shards changed from 2 to 3"), NOW)
+    suspended = compute_status(job(suspend=True), Observed(shard_lock_message="shards changed from 2 to 3"), NOW)
     assert suspended["phase"] == "Suspended"
     assert condition(suspended, "Suspended")["status"] == "True"
     assert condition(suspended, "ShardCountLocked")["message"] == "shards changed from 2 to 3"
@@ -246,7 +246,7 @@ def test_each_shards_copies_come_from_the_chief_and_fit_the_crd() -> None:
     status = compute_status(job(), Observed(shards_ready=4, workers_ready=3, figures=figures), NOW)
     assert status["shards"] == {"0": {"copies": 2, "primary": "digits-ps-2", "failovers": 3},
                                 "1": {"copies": 1, "primary": "digits-ps-1", "failovers": 0}}
-    spec.validate_job(job(**status))  # the CRD's status schema keeps the field
+    spec.validate_job(job(**status).manifest())  # the CRD's status schema keeps the field
     silent = compute_status(job(**status), Observed(shards_ready=4, workers_ready=3), LATER)
     assert silent["shards"] == status["shards"]
     without = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=scrape.Figures(global_step=7)),

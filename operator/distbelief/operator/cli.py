@@ -149,15 +149,14 @@ def _validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
         try:
-            jobs = [spec.validate_job(doc) for doc in spec.load_manifests(path)]
+            configs = [spec.job_config(spec.validate_job(doc)) for doc in spec.load_manifests(path)]
         except errors.SpecError as exc:
             failed = True
             for line in exc.errors:
                 print(f"{path}: {line}", file=sys.stderr)
             continue
-        for job in jobs:
-            parameters = sizing.parameter_count(job["spec"])
-            for line in sizing.memory_warnings(job["spec"], parameters) if parameters else []:
+        for config in configs:
+            for line in sizing.warnings(config.spec):
                 print(f"{path}: warning: {line}", file=sys.stderr)
         print(f"{path}: valid")
     return EXIT_INVALID if failed else 0
@@ -166,10 +165,12 @@ def _validate(args: argparse.Namespace) -> int:
 def _render(args: argparse.Namespace) -> int:
     from distbelief.operator.render import render
     from distbelief.operator.spec import spec
+    from distbelief.operator.spec.job import DistBeliefJob
 
     objects = []
     for doc in spec.load_manifests(args.file):
-        objects += render.render_children(spec.validate_job(doc), image=args.image or render.DEFAULT_IMAGE,
+        objects += render.render_children(DistBeliefJob.of(spec.validate_job(doc)),
+                                          image=args.image or render.DEFAULT_IMAGE,
                                           operator_namespace=args.operator_namespace)
     sys.stdout.write(render.to_yaml(objects))
     return 0

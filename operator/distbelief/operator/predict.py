@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
 
 import numpy as np
 
@@ -26,7 +25,6 @@ from distbelief.runtime.model.job import Job
 
 @dataclasses.dataclass(frozen=True)
 class Trained:
-    job: Mapping[str, Any]
     spec: jobspec.JobSpec
     model: models.Model
     params: np.ndarray
@@ -45,20 +43,19 @@ class Trained:
 def load(path: str, *, output: str | None = None, best: bool = False) -> Trained:
     """The trained model of the job in path, from params.npz in its output folder (best:
     params-best.npz, the parameters of its best held-out evaluation)."""
-    job = spec.validate_job(spec.load_single(path, "distbelief predict"))
-    output = output or os.path.join("out", job["metadata"]["name"])
-    config = spec.job_config(job)
+    config = spec.job_config(spec.validate_job(spec.load_single(path, "distbelief predict")))
+    output = output or os.path.join("out", config.name)
     if config.spec.model.embeddings is not None:
         raise errors.ConfigError(f"{path}: distbelief predict does not serve a model with spec.model.embeddings yet "
                                  "(its rows are in the shards' checkpoints, not in params.npz)")
     derived = Job(config)
-    return Trained(job=job, spec=derived.spec, model=derived.model,
-                   params=_read_params(_params_file(job, output, best), derived.model), dataset=derived.dataset)
+    return Trained(spec=derived.spec, model=derived.model,
+                   params=_read_params(_params_file(config.names, output, best), derived.model), dataset=derived.dataset)
 
 
-def _params_file(job: Mapping[str, Any], output: str, best: bool = False) -> str:
+def _params_file(names: contract.JobNames, output: str, best: bool = False) -> str:
     name = contract.BEST_PARAMS_FILE if best else contract.PARAMS_FILE
-    chief = volume_dir(output, contract.JobNames(job["metadata"]["name"]).shard_pod(0), contract.CHECKPOINT_VOLUME)
+    chief = volume_dir(output, names.shard_pod(0), contract.CHECKPOINT_VOLUME)
     for folder in (output, chief):
         path = os.path.join(folder, name)
         if os.path.exists(path):

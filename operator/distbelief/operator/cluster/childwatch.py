@@ -19,6 +19,7 @@ from distbelief.operator import errors
 from distbelief.operator.cluster import children, handlers
 from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.render import podparts
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status.status import TERMINAL
 from distbelief.runtime import contract
 
@@ -62,7 +63,7 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
     if indexed is None or not _drifted(indexed, body, gone=gone):
         return
     kube = Kube()
-    fresh = kube.get(*handlers.job_address(indexed))
+    fresh = kube.get(contract.JOB_API_VERSION, contract.KIND, namespace, owner["name"])
     if fresh is None or fresh["metadata"]["uid"] != owner["uid"] or fresh["metadata"].get("deletionTimestamp"):
         return
     try:
@@ -70,10 +71,11 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
     except errors.SpecError:
         return
     finished = (fresh.get("status") or {}).get("phase") in TERMINAL
-    result = children.put_back(kube, job, handlers.desired_children(job, finished=finished), dict(body), gone=gone)
+    result = children.put_back(kube, job.manifest(), handlers.desired_children(job, finished=finished), dict(body),
+                               gone=gone)
     if result:
         what = f"{body.get('kind')} {body.metadata.name}"
-        log.info("event=child_put_back job=%s namespace=%s child=%r result=%s", job["metadata"]["name"],
+        log.info("event=child_put_back job=%s namespace=%s child=%r result=%s", job.config.name,
                  namespace, what, result)
         kopf.info(fresh, reason="ChildRestored",
                   message=f"{what} {'was deleted' if gone else 'differed from the job'}: {result}")
@@ -81,16 +83,16 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
 
 def _drifted(job: Mapping[str, Any], child: kopf.Body, *, gone: bool) -> bool:
     wanted = _rendered(job)
-    return wanted is not None and children.drifted(wanted[0], wanted[1], dict(child), gone=gone)
+    return wanted is not None and children.drifted(wanted[0].manifest(), wanted[1], dict(child), gone=gone)
 
 
 # The children each indexed version of a job wants, by (uid, resourceVersion): every
 # child's every event is compared against them, and a job's version renders once.
-_RENDERED: dict[tuple[str, str], tuple[dict[str, Any], list[dict[str, Any]]] | None] = {}
+_RENDERED: dict[tuple[str, str], tuple[DistBeliefJob, list[dict[str, Any]]] | None] = {}
 _RENDERED_MAX = 512
 
 
-def _rendered(job: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+def _rendered(job: Mapping[str, Any]) -> tuple[DistBeliefJob, list[dict[str, Any]]] | None:
     """(the job validated, its children), or None for a job whose spec is invalid."""
     key = (job["metadata"].get("uid", ""), job["metadata"].get("resourceVersion", ""))
     if key not in _RENDERED:

@@ -37,7 +37,7 @@ import datetime
 import logging
 import os
 import threading
-from typing import Any, Literal, Mapping, NoReturn
+from typing import Any, Callable, Literal, Mapping, NoReturn
 
 import kopf
 
@@ -47,10 +47,11 @@ from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.render import queue, render, sizing
 from distbelief.operator.spec import spec as job_spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import events, scrape
 from distbelief.operator.status.progress import parse_timestamp
 from distbelief.operator.status.status import FAILED, TERMINAL, WARNINGS, Observed, compute_status, pod_failures
-from distbelief.runtime import contract, keys
+from distbelief.runtime import contract, jobspec, keys
 
 log = logging.getLogger(__name__)
 
@@ -125,35 +126,33 @@ class Lock:
 
     condition: str       # the status condition and the Warning's reason while a change is refused
     annotation: str
-    path: tuple[str, str]
+    path: tuple[str, str]  # the count's keys in the spec
+    wanted: Callable[[jobspec.JobSpec], int]
     refusal: str         # why the change cannot be followed
-
-    def wanted(self, job: Mapping[str, Any]) -> int:
-        return int(job["spec"][self.path[0]].get(self.path[1], 1))
 
 
 LOCKS = (
-    Lock("ShardCountLocked", SHARDS_ANNOTATION, ("parameterServers", "shards"), "resharding a job is not supported"),
-    Lock("PartitionCountLocked", PARTITIONS_ANNOTATION, ("model", "partitions"),
+    Lock("ShardCountLocked", SHARDS_ANNOTATION, ("parameterServers", "shards"),
+         lambda spec: spec.parameter_servers.shards, "resharding a job is not supported"),
+    Lock("PartitionCountLocked", PARTITIONS_ANNOTATION, ("model", "partitions"), lambda spec: spec.model.partitions,
          "repartitioning a job is not supported (the parameters' places on the shards follow the partitions)"),
 )
 
 
-def locked_job(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The job with its shard and partition counts as created, and a refusal message by
-    condition for each count the spec changed."""
-    annotations = job["metadata"].get("annotations") or {}
-    refusals: dict[str, str] = {}
+def locked_job(validated: dict[str, Any]) -> tuple[DistBeliefJob, dict[str, str]]:
+    """The job, parsed, with its shard and partition counts as created (in the spec its pods
+    read too), and a refusal message by condition for each count the spec changed."""
+    job, refusals = DistBeliefJob.of(validated), {}
     for lock in LOCKS:
-        locked, wanted = annotations.get(lock.annotation), lock.wanted(job)
+        locked, wanted = job.annotations.get(lock.annotation), lock.wanted(job.config.spec)
         if locked is None or int(locked) == wanted:
             continue
-        job = copy.deepcopy(job)
-        job["spec"][lock.path[0]][lock.path[1]] = int(locked)
+        validated = copy.deepcopy(validated)
+        validated["spec"].setdefault(lock.path[0], {})[lock.path[1]] = int(locked)
         field = f"spec.{'.'.join(lock.path)}"
         refusals[lock.condition] = (f"{field} changed from {locked} to {wanted}: {lock.refusal}; the job keeps "
                                     f"{locked} {lock.path[1]} (set it back, or create a new job)")
-    return job, refusals
+    return (DistBeliefJob.of(validated) if refusals else job), refusals
 
 
 @kopf.on.create(*RESOURCE)
@@ -176,20 +175,19 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
         if lock.condition in refusals:
             kopf.warn(body, reason=lock.condition, message=refusals[lock.condition])
         elif lock.annotation not in (body.metadata.annotations or {}):
-            locks[lock.annotation] = str(lock.wanted(job))
-    parameters = sizing.parameter_count(job["spec"])
-    for line in sizing.memory_warnings(job["spec"], parameters) if parameters else []:
+            locks[lock.annotation] = str(lock.wanted(job.config.spec))
+    for line in sizing.warnings(job.config.spec):
         kopf.warn(body, reason="MemoryLimitLow", message=line)
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
-    names, namespace = contract.JobNames(job["metadata"]["name"]), body.metadata.namespace
+    names, namespace = job.config.names, job.config.namespace
     if queue.queue_name(job) and sync_queue(kube, body, job, finished=finished):
         # Held by its queue: rendered suspended even if its admission annotation says otherwise
         # (written by hand, or left from an admission Kueue has withdrawn).
-        job["metadata"]["annotations"] = {k: v for k, v in (job["metadata"].get("annotations") or {}).items()
-                                          if k != queue.ADMISSION_ANNOTATION}
+        job = dataclasses.replace(job, annotations={k: v for k, v in job.annotations.items()
+                                                    if k != queue.ADMISSION_ANNOTATION})
     if SHARDS_ANNOTATION not in (body.metadata.annotations or {}):  # the job's first reconcile
-        stale = children.stale_claims(kube, job)
+        stale = children.stale_claims(kube, job.manifest())
         if stale:
             _block(body, memo, "CheckpointsOfAnotherJob", (
                 f"PersistentVolumeClaims {', '.join(stale)} hold the checkpoints of an earlier job named "
@@ -203,7 +201,7 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
         _block(body, memo, "KeysSecretForeign", (
             f"Secret {names.keys_secret} exists but was not made for this job; the job will not use it "
             "(delete it, and the operator makes the job's own)"))
-    applied = children.apply_all(kube, job, desired_children(job, finished=finished), new=reason == "create")
+    applied = children.apply_all(kube, job.manifest(), desired_children(job, finished=finished), new=reason == "create")
     if applied.foreign:
         _block(body, memo, "ForeignObject", (
             f"{', '.join(applied.foreign)} exist but are not this job's (no controller reference to it): the "
@@ -217,21 +215,12 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
     return metrics.APPLIED
 
 
-def held(job: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A queue-labelled job not started under an admission renders suspended (render/queue.py)."""
-    if not queue.queue_name(job) or queue.ADMISSION_ANNOTATION in (job["metadata"].get("annotations") or {}):
-        return job
-    job = copy.deepcopy(job)
-    job["spec"]["runPolicy"]["suspend"] = True
-    return job
-
-
-def sync_queue(kube: Kube, body: kopf.Body, job: Mapping[str, Any], *, finished: bool) -> tuple[str, str] | None:
+def sync_queue(kube: Kube, body: kopf.Body, job: DistBeliefJob, *, finished: bool) -> tuple[str, str] | None:
     """One step of Kueue's contract (cluster/queue.py); an Event for each transition."""
     try:
         hold = QueuedJob(kube, job, IMAGE).sync(finished=finished)
     except errors.KubeError as exc:  # Kueue's types absent, or a call refused: the job stays held
-        log.warning("event=queue_failed job=%s error=%r", job["metadata"]["name"], str(exc))
+        log.warning("event=queue_failed job=%s error=%r", job.config.name, str(exc))
         return ("QueueUnavailable", f"cannot follow the job's Kueue Workload ({exc}); is Kueue installed?")
     if hold and hold[0].startswith("event:"):
         reason = hold[0].removeprefix("event:")
@@ -250,11 +239,12 @@ def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoRet
     raise kopf.TemporaryError(message, delay=BLOCKED_RETRY_SECONDS)
 
 
-def desired_children(job: Mapping[str, Any], *, finished: bool) -> list[dict[str, Any]]:
-    return render.render_children(held(job), image=IMAGE, finished=finished, operator_namespace=OPERATOR_NAMESPACE)
+def desired_children(job: DistBeliefJob, *, finished: bool) -> list[dict[str, Any]]:
+    return render.render_children(job, image=IMAGE, finished=finished, held=queue.held(job),
+                                  operator_namespace=OPERATOR_NAMESPACE)
 
 
-def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created", "own", "foreign"]:
+def ensure_keys_secret(kube: Kube, job: DistBeliefJob) -> Literal["created", "own", "foreign"]:
     """Make sure the job's key Secret exists and is its own: "foreign" if one exists that is not.
 
     The operator only ever creates the Secret, and never reads one: the create answers
@@ -263,11 +253,10 @@ def ensure_keys_secret(kube: Kube, job: Mapping[str, Any]) -> Literal["created",
     before the job, or before the operator's first reconcile, is refused rather than
     trusted, since whoever wrote it knows the keys. An existing own Secret is never
     changed: keys are not rotated behind the user's back."""
-    meta = job["metadata"]
-    names, namespace = contract.JobNames(meta["name"]), meta.get("namespace") or "default"
+    names, namespace = job.config.names, job.config.namespace
     created = kube.create(render.render_keys_secret(job, keys.JobKeys.generate().files()))
     if created is None:
-        return "own" if KEYS_ANNOTATION in (meta.get("annotations") or {}) else "foreign"
+        return "own" if KEYS_ANNOTATION in job.annotations else "foreign"
     uid = (created.get("metadata") or {}).get("uid", "")
     # Recorded at once, not with the handler's patch: a crash in between would leave the
     # job's own Secret looking foreign.
@@ -292,13 +281,13 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
             finished = (body.status or {}).get("phase") in TERMINAL
             observed = dataclasses.replace(observed, queued=sync_queue(kube, body, job, finished=finished))
     except errors.SpecError as exc:
-        job, observed = stored(body), Observed(invalid_spec=f"the spec breaks the job's rules: {exc}")
-    job["status"] = copy.deepcopy(dict(body.status or {}))
+        job, observed = DistBeliefJob.of(stored(body)), Observed(invalid_spec=f"the spec breaks the job's rules: {exc}")
+    job = dataclasses.replace(job, status=copy.deepcopy(dict(body.status or {})))
     now = datetime.datetime.now(datetime.timezone.utc)
     status = compute_status(job, observed, now)
     metrics.OPERATOR.phases.set(body.metadata.namespace, body.metadata.name, status["phase"])
-    before = job["status"].get("phase")
-    _warn_new_conditions(body, job["status"].get("conditions", []), status["conditions"])
+    before = job.status.get("phase")
+    _warn_new_conditions(body, job.status.get("conditions", []), status["conditions"])
     if status["phase"] in TERMINAL and before not in TERMINAL:
         # The verdict is stored before the scale-down, so that the children's watch, reading
         # the job afresh, sees a finished job and does not put its replicas back.
@@ -307,12 +296,12 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
     elif status["phase"] != before:
         condition: dict[str, Any] = next((c for c in status["conditions"] if c["type"] == status["phase"]), {})
         kopf.info(body, reason=status["phase"], message=condition.get("message") or status["phase"])
-    _post_shard_events(body, memo, observed, job["status"].get("shards"), status.get("shards"))
+    _post_shard_events(body, memo, observed, job.status.get("shards"), status.get("shards"))
     if _ttl_expired(job, status, now):
         kopf.info(body, reason="Deleted", message="ttlSecondsAfterFinished has passed since completion")
         kube.delete(*job_address(job))
         return
-    current = {k: v for k, v in job["status"].items() if k != "kopf"}
+    current = {k: v for k, v in job.status.items() if k != "kopf"}
     if status != current:
         patch.status.update(status)
 
@@ -327,19 +316,18 @@ def _post_shard_events(body: kopf.Body, memo: kopf.Memo, observed: Observed, sha
         memo["shard_restarts"] = {pod: count for pod, (count, _) in observed.shard_pods.items()}
 
 
-def read_observed(kube: Kube, job: Mapping[str, Any], refusals: Mapping[str, str],
+def read_observed(kube: Kube, job: DistBeliefJob, refusals: Mapping[str, str],
                   blocked: tuple[str, str] | None = None) -> Observed:
     """What the job's own children and pods show (objects of their names that the job does
     not own count as absent), and the chief's figures."""
-    meta = job["metadata"]
-    names, namespace, uid = contract.JobNames(meta["name"]), meta.get("namespace") or "default", meta.get("uid")
+    names, namespace, uid = job.config.names, job.config.namespace, job.config.uid
     sts = _own(kube.get("apps/v1", "StatefulSet", namespace, names.ps), uid)
     deployments = [(_own(kube.get("apps/v1", "Deployment", namespace, name), uid)).get("status") or {}
-                   for name in render.worker_deployment_names(job_spec.job_config(job))]
-    pods = [pod for pod in kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: meta["name"]})
+                   for name in render.worker_deployment_names(job.config)]
+    pods = [pod for pod in kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: names.job})
             if (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE) != contract.ROLE_PS
             or controller_uid(pod) == (sts.get("metadata") or {}).get("uid")]
-    url = METRICS_URL.format(job=meta["name"], namespace=namespace, pod=names.shard_pod(0), service=names.ps,
+    url = METRICS_URL.format(job=names.job, namespace=namespace, pod=names.shard_pod(0), service=names.ps,
                              port=contract.METRICS_PORT)
     return Observed(
         shards_ready=int((sts.get("status") or {}).get("readyReplicas", 0)),
@@ -369,16 +357,16 @@ def _own(obj: dict[str, Any] | None, uid: str | None) -> dict[str, Any]:
     return obj if obj is not None and controller_uid(obj) == uid else {}
 
 
-def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping[str, Any], *,
+def _finish(kube: Kube, body: kopf.Body, job: DistBeliefJob, status: Mapping[str, Any], *,
             stop_only: bool = False) -> None:
     """Scale the finished job down (its objects and checkpoints stay) and say why. stop_only:
     the spec cannot be rendered (InvalidSpec), so only the job's workloads are scaled to 0."""
     condition = next(c for c in status["conditions"] if c["type"] == status["phase"])
     try:
         if stop_only:
-            children.stop_workloads(kube, job)
+            children.stop_workloads(kube, job.manifest())
         else:
-            children.apply_all(kube, job, desired_children(job, finished=True))
+            children.apply_all(kube, job.manifest(), desired_children(job, finished=True))
     except errors.KubeError as exc:
         raise kopf.TemporaryError(f"cannot scale the finished job down: {exc}", delay=5) from exc
     post = kopf.info if status["phase"] != FAILED else kopf.warn
@@ -386,13 +374,11 @@ def _finish(kube: Kube, body: kopf.Body, job: Mapping[str, Any], status: Mapping
          message=f"{status['phase']}: {condition.get('message', '')}; replicas scaled to 0")
 
 
-def _ttl_expired(job: Mapping[str, Any], status: Mapping[str, Any], now: datetime.datetime) -> bool:
-    ttl = job["spec"]["runPolicy"].get("ttlSecondsAfterFinished")
+def _ttl_expired(job: DistBeliefJob, status: Mapping[str, Any], now: datetime.datetime) -> bool:
+    ttl = job.config.spec.run_policy.ttl_seconds_after_finished
     done = status.get("completionTime")
     return ttl is not None and done is not None and (now - parse_timestamp(done)).total_seconds() >= ttl
 
 
-def job_address(job: Mapping[str, Any]) -> tuple[str, str, str, str]:
-    meta = job["metadata"]
-    return (f"{contract.API_GROUP}/{contract.API_VERSION}", contract.KIND, meta.get("namespace") or "default",
-            meta["name"])
+def job_address(job: DistBeliefJob) -> tuple[str, str, str, str]:
+    return contract.JOB_API_VERSION, contract.KIND, job.config.namespace, job.config.name

@@ -30,6 +30,7 @@ from typing import Any
 
 from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.render import queue, render
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,12 @@ def _with_conditions(workload: Mapping[str, Any], *changes: tuple[str, str, str,
 class QueuedJob:
     """One queue-labelled job (validated, as stored) and its Workload."""
 
-    def __init__(self, kube: Kube, job: Mapping[str, Any], image: str) -> None:
+    def __init__(self, kube: Kube, job: DistBeliefJob, image: str) -> None:
         self.kube, self.job, self.image = kube, job, image
-        meta = job["metadata"]
-        self.namespace, self.name = meta.get("namespace") or "default", meta["name"]
+        self.namespace, self.name = job.config.namespace, job.config.name
         self.workload_name = queue.workload_name(self.name)
-        self.started = queue.ADMISSION_ANNOTATION in (meta.get("annotations") or {})
-        self.suspended = bool(job["spec"]["runPolicy"].get("suspend"))
+        self.started = queue.ADMISSION_ANNOTATION in job.annotations
+        self.suspended = job.config.spec.run_policy.suspend
 
     def sync(self, *, finished: bool) -> tuple[str, str] | None:
         """One step toward what the Workload says; returns (reason, message) while the job

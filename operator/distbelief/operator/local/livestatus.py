@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from typing import Any
 
 from distbelief.operator.local.localpods import LocalPod
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 STATUS_FILE = "status.json"
 
 
-def write(output: str, job: Mapping[str, Any], status: Mapping[str, Any], pods: list[LocalPod]) -> None:
+def write(output: str, job: DistBeliefJob, pods: list[LocalPod]) -> None:
     """Replace status.json at once (a reader never sees half of it)."""
-    document = {"job": {**job, "status": dict(status)}, "pods": [_pod_entry(pod) for pod in pods]}
+    document = {"job": job.manifest(), "pods": [_pod_entry(pod) for pod in pods]}
     path = os.path.join(output, STATUS_FILE)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(document, f)

@@ -24,6 +24,7 @@ secret volume gets a copy of the files its volume lists (0600, in the pod's fold
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -39,6 +40,7 @@ from distbelief.operator.local import curves, livestatus, outputdir, podusage, p
 from distbelief.operator.local.localpods import LocalPod, metrics_targets, plan_pods, volume_dir
 from distbelief.operator.render import render, sizing
 from distbelief.operator.spec import spec
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import CHIEF_ENDED, SUSPENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys
@@ -67,15 +69,15 @@ def _decided(result: Mapping[str, Any] | None) -> scrape.Figures | None:
 
 
 def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = False) -> int:
-    job = spec.validate_job(spec.load_single(path, "distbelief run"))
+    job = DistBeliefJob.validated(spec.load_single(path, "distbelief run"))
     checked = preflight.check(job)
-    for line in sizing.memory_warnings(job["spec"], checked.parameters):
+    for line in sizing.memory_warnings(job.config.spec, checked.parameters):
         sys.stderr.write(f"warning: {line}\n")
-    output = os.path.abspath(output or os.path.join("out", job["metadata"]["name"]))
+    output = os.path.abspath(output or os.path.join("out", job.config.name))
     with outputdir.locked(output):
         if fresh:
             outputdir.clear(output)
-        found = outputdir.earlier(output, job, checked.layout)
+        found = outputdir.earlier(output, job.config, checked.layout)
         announcement = found.announcement()
         if announcement:
             sys.stdout.write(announcement + "\n")
@@ -94,10 +96,9 @@ def _exit_code(phase: str) -> int:
 
 
 class LocalRun:
-    def __init__(self, job: Mapping[str, Any], output: str) -> None:
+    def __init__(self, job: DistBeliefJob, output: str) -> None:
         self.job = job
-        self.name = job["metadata"]["name"]
-        self.spec = job["spec"]
+        self.name = job.config.name
         self.output = output
         os.makedirs(os.path.join(output, "logs"), exist_ok=True)
         job_keys = keys.ensure(os.path.join(output, KEYS_FOLDER))
@@ -122,7 +123,7 @@ class LocalRun:
         previous = {sig: signal.signal(sig, self.interrupt) for sig in STOP_SIGNALS} if in_main_thread else {}
         log.info("event=local_run job=%s shards=%d workers=%d output=%s", self.name, len(self.shards),
                  len(self.workers), self.output)
-        live = report.Progress(self.name, total=int(self.spec["training"]["maxSteps"]), enabled=progress,
+        live = report.Progress(self.name, total=self.job.config.spec.training.max_steps, enabled=progress,
                                initial=resumed_at)
         recorder = curves.Recorder(self.output, resumed_at=resumed_at)
         self._history_at_start = self._history_size()
@@ -199,9 +200,9 @@ class LocalRun:
         """The job's new status from compute_status, as the operator would write it."""
         if all(pod.poll() == 0 for pod in self.shards):
             figures = _decided(report.read_result(self.chief_dir)) or figures
-        self.status = compute_status({**self.job, "status": self.status}, self._observe(figures),
+        self.status = compute_status(dataclasses.replace(self.job, status=self.status), self._observe(figures),
                                      datetime.datetime.now(datetime.timezone.utc))
-        livestatus.write(self.output, self.job, self.status, self.pods)
+        livestatus.write(self.output, dataclasses.replace(self.job, status=self.status), self.pods)
         return self.status
 
     def _observe(self, figures: scrape.Figures) -> Observed:

@@ -104,12 +104,12 @@ class Earlier:
         return None
 
 
-def earlier(output: str, job: Mapping[str, Any], layout: int) -> Earlier:
-    """What the folder holds for job, whose parameters have the given layout hash; a
-    ConfigError if its checkpoints belong to another model or shard count."""
-    names = contract.JobNames(job["metadata"]["name"])
+def earlier(output: str, config: contract.JobConfig, layout: int) -> Earlier:
+    """What the folder holds for the job of config, whose parameters have the given layout
+    hash; a ConfigError if its checkpoints belong to another model or shard count."""
+    names = config.names
     newest = []
-    for index in range(int(job["spec"]["parameterServers"]["shards"])):
+    for index in range(config.spec.parameter_servers.shards):
         folder = volume_dir(output, names.shard_pod(index), contract.CHECKPOINT_VOLUME)
         found = _newest(folder)
         if found and found[0].layout != layout:

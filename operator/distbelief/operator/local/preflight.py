@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping
+
+from distbelief.operator.spec.job import DistBeliefJob
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +28,13 @@ class Checked:
     layout: int   # the hash of the parameters' layout over the shards, as every role derives it
 
 
-def check(job: Mapping[str, Any]) -> Checked:
+def check(job: DistBeliefJob) -> Checked:
     """Derive the job's data, model and layout as every role will (model.job.Job, the one
     derivation); raises ConfigError."""
-    from distbelief.operator.spec.spec import job_config
     from distbelief.runtime.model import models
     from distbelief.runtime.model.job import Job
 
-    derived = Job(job_config(job))
+    derived = Job(job.config)
     dataset, model = derived.dataset, derived.model   # streamed files: the held-out part, checked
     examples = (len(dataset.y_train) + len(dataset.y_test) if derived.files is None else
                 sum(unit.rows for unit in derived.files.train_units + derived.files.test_units))  # Parquet's count
@@ -42,5 +42,5 @@ def check(job: Mapping[str, Any]) -> Checked:
                       classes=dataset.n_classes, parameters=models.num_params(model),
                       shapes=[(name, tuple(shape)) for name, shape in model.shapes], layout=derived.layout.hash)
     log.info("event=preflight_passed job=%s examples=%d features=%d classes=%d parameters=%d",
-             job["metadata"]["name"], checked.examples, checked.features, checked.classes, checked.parameters)
+             job.config.name, checked.examples, checked.features, checked.classes, checked.parameters)
     return checked

@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import TextIO
 
 import yaml
 
@@ -23,6 +22,7 @@ from distbelief.operator.cluster.kube import Kube, path_of
 from distbelief.operator.plugin import pods as pods_of
 from distbelief.operator.plugin.views import Event, event_from_manifest
 from distbelief.operator.status import scrape
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 JOB = (contract.JOB_API_VERSION, contract.KIND)
@@ -69,25 +69,25 @@ class ClusterJobs:
     def __init__(self, kube: Kube, namespace: str) -> None:
         self.kube, self.namespace = kube, namespace
 
-    def jobs(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]:
-        found = self.kube.list(*JOB, None if all_namespaces else self.namespace, {})
-        return sorted(found, key=lambda j: (j["metadata"]["namespace"], j["metadata"]["name"]))
+    def jobs(self, *, all_namespaces: bool = False) -> list[DistBeliefJob]:
+        found = map(DistBeliefJob.of, self.kube.list(*JOB, None if all_namespaces else self.namespace, {}))
+        return sorted(found, key=lambda j: (j.config.namespace, j.config.name))
 
-    def job(self, name: str) -> dict[str, Any]:
+    def job(self, name: str) -> DistBeliefJob:
         found = self.kube.get(*JOB, self.namespace, name)
         if found is None:
             raise errors.OperatorError(f"no {contract.KIND} {name!r} in namespace {self.namespace}")
-        return found
+        return DistBeliefJob.of(found)
 
-    def pods(self, job: Mapping[str, Any]) -> list[pods_of.Pod]:
-        found = self.kube.list("v1", "Pod", self.namespace, {contract.LABEL_JOB: job["metadata"]["name"]})
-        return sorted(map(pods_of.from_manifest, found), key=lambda p: pods_of.sort_key(job, p))
+    def pods(self, job: DistBeliefJob) -> list[pods_of.Pod]:
+        found = self.kube.list("v1", "Pod", self.namespace, {contract.LABEL_JOB: job.config.name})
+        return sorted(map(pods_of.from_manifest, found), key=lambda p: pods_of.sort_key(job.config, p))
 
-    def events(self, job: Mapping[str, Any]) -> list[Event]:
+    def events(self, job: DistBeliefJob) -> list[Event]:
         """The Events about the job itself, oldest first."""
         found = self.kube.list("v1", "Event", self.namespace, {}, fields={
-            "involvedObject.kind": contract.KIND, "involvedObject.name": job["metadata"]["name"],
-            "involvedObject.uid": job["metadata"]["uid"]})
+            "involvedObject.kind": contract.KIND, "involvedObject.name": job.config.name,
+            "involvedObject.uid": job.config.uid or ""})
         found.sort(key=lambda e: (e.get("lastTimestamp") or e.get("eventTime") or "",
                                   int(e["metadata"].get("resourceVersion", 0))))
         return [event_from_manifest(e) for e in found]

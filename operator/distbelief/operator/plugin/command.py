@@ -20,7 +20,7 @@ import datetime
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import urllib3
@@ -29,6 +29,7 @@ from distbelief.operator import errors
 from distbelief.operator.plugin import pods as pods_of
 from distbelief.operator.plugin import top, views
 from distbelief.operator.status import scrape
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 SCRAPE_THREADS = 16
@@ -38,10 +39,10 @@ class Jobs(Protocol):
     """Where the jobs are: a cluster (clusterjobs.ClusterJobs) or a local run's folder
     (localjobs.LocalJobs). Either raises errors.OperatorError for what it cannot do."""
 
-    def jobs(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]: ...
-    def job(self, name: str) -> dict[str, Any]: ...
-    def pods(self, job: Mapping[str, Any]) -> list[pods_of.Pod]: ...
-    def events(self, job: Mapping[str, Any]) -> list[views.Event] | None: ...
+    def jobs(self, *, all_namespaces: bool = False) -> list[DistBeliefJob]: ...
+    def job(self, name: str) -> DistBeliefJob: ...
+    def pods(self, job: DistBeliefJob) -> list[pods_of.Pod]: ...
+    def events(self, job: DistBeliefJob) -> list[views.Event] | None: ...
     def metrics(self, pod: pods_of.Pod) -> str: ...
     def logs(self, pods: list[pods_of.Pod], *, follow: bool) -> None: ...
     def scale(self, name: str, replicas: int) -> None: ...
@@ -98,7 +99,7 @@ def _describe(jobs: Jobs, args: argparse.Namespace) -> int:
 
 def _logs(jobs: Jobs, args: argparse.Namespace) -> int:
     job = jobs.job(args.job)
-    chosen = pods_of.select(job, jobs.pods(job), role=args.role, shard=args.shard)
+    chosen = pods_of.select(job.config, jobs.pods(job), role=args.role, shard=args.shard)
     if not chosen:
         raise errors.OperatorError(f"job {args.job} has no pods{_which(args)} now")
     jobs.logs(chosen, follow=args.follow)

@@ -9,6 +9,7 @@ as Stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ from distbelief.operator.local import livestatus, outputdir
 from distbelief.operator.local.ports import LOOPBACK
 from distbelief.operator.local.report import REPORT_FILE
 from distbelief.operator.plugin import pods as pods_of
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
 
 FOLLOW_POLL_SECONDS = 0.2
@@ -41,15 +43,15 @@ class LocalJobs:
         self.live = outputdir.held(self.folder)
         self.document = document
 
-    def jobs(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]:
+    def jobs(self, *, all_namespaces: bool = False) -> list[DistBeliefJob]:
         return [self.job(None)]
 
-    def job(self, name: str | None) -> dict[str, Any]:
-        job = dict(self.document["job"])
-        if name not in (None, job["metadata"]["name"]):
-            raise errors.OperatorError(f"{self.folder} holds job {job['metadata']['name']!r}, not {name!r}")
+    def job(self, name: str | None) -> DistBeliefJob:
+        job = DistBeliefJob.of(self.document["job"])
+        if name not in (None, job.config.name):
+            raise errors.OperatorError(f"{self.folder} holds job {job.config.name!r}, not {name!r}")
         if not self.live:
-            job["status"] = ended(job.get("status") or {}, self._report())
+            job = dataclasses.replace(job, status=ended(job.status, self._report()))
         return job
 
     def _report(self) -> dict[str, Any] | None:
@@ -63,13 +65,13 @@ class LocalJobs:
         except (OSError, ValueError):
             return None
 
-    def pods(self, job: Mapping[str, Any]) -> list[pods_of.Pod]:
+    def pods(self, job: DistBeliefJob) -> list[pods_of.Pod]:
         found = [pods_of.Pod(name=p["name"], role=p["role"], ready=self.live and p["running"], restarts=p["restarts"],
                              phase="Running" if self.live and p["running"] else "Exited")
                  for p in self.document["pods"]]
-        return sorted(found, key=lambda p: pods_of.sort_key(job, p))
+        return sorted(found, key=lambda p: pods_of.sort_key(job.config, p))
 
-    def events(self, job: Mapping[str, Any]) -> None:
+    def events(self, job: DistBeliefJob) -> None:
         return None  # local mode posts no Events
 
     def metrics(self, pod: pods_of.Pod) -> str:

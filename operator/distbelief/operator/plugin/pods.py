@@ -41,32 +41,29 @@ def ordinal(job: str, pod: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
-def shard_of(job: Mapping[str, Any], pod: Pod) -> tuple[int, int] | None:
+def shard_of(config: contract.JobConfig, pod: Pod) -> tuple[int, int] | None:
     """(shard, copy rank) of a shard pod; None for a replica."""
-    found = ordinal(job["metadata"]["name"], pod.name) if pod.role == contract.ROLE_PS else None
-    if found is None:
-        return None
-    shards = int(job["spec"]["parameterServers"]["shards"])
-    return found % shards, found // shards
+    found = ordinal(config.name, pod.name) if pod.role == contract.ROLE_PS else None
+    return None if found is None else config.copy_of(found)
 
 
-def select(job: Mapping[str, Any], pods: list[Pod], *, role: str | None, shard: int | None) -> list[Pod]:
+def select(config: contract.JobConfig, pods: list[Pod], *, role: str | None, shard: int | None) -> list[Pod]:
     """The pods of role (ps, worker, or chief: shard 0's first copy), of parameter shard
     `shard` when given (every copy of it); ValueError naming what does not fit the job."""
-    shards = int(job["spec"]["parameterServers"]["shards"])
+    shards = config.spec.parameter_servers.shards
     if shard is not None and role not in (None, contract.ROLE_PS):
         raise ValueError(f"--shard picks a parameter shard's pods: it goes with --role {contract.ROLE_PS}, "
                          f"not --role {role}")
     if shard is not None and not 0 <= shard < shards:
-        raise ValueError(f"--shard {shard}: job {job['metadata']['name']} has shards 0 to {shards - 1}")
+        raise ValueError(f"--shard {shard}: job {config.name} has shards 0 to {shards - 1}")
     if role == CHIEF:
-        return [pod for pod in pods if shard_of(job, pod) == (0, 0)]
+        return [pod for pod in pods if shard_of(config, pod) == (0, 0)]
     if shard is not None:
-        return [pod for pod in pods if (shard_of(job, pod) or (None,))[0] == shard]
+        return [pod for pod in pods if (shard_of(config, pod) or (None,))[0] == shard]
     return [pod for pod in pods if role in (None, pod.role)]
 
 
-def sort_key(job: Mapping[str, Any], pod: Pod) -> tuple[int, int, str]:
+def sort_key(config: contract.JobConfig, pod: Pod) -> tuple[int, int, str]:
     """Shards first, by ordinal; then the replicas by name."""
-    found = ordinal(job["metadata"]["name"], pod.name) if pod.role == contract.ROLE_PS else None
+    found = ordinal(config.name, pod.name) if pod.role == contract.ROLE_PS else None
     return (0, found, "") if found is not None else (1, 0, pod.name)

@@ -10,7 +10,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distbelief.operator.plugin.pods import Pod, shard_of
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status.progress import format_seconds, parse_timestamp
+from distbelief.runtime import jobspec
 
 NONE = "-"
 
@@ -49,18 +51,18 @@ def _number(value: Any, form: str) -> str:
     return NONE if value is None else format(value, form)
 
 
-def get_table(jobs: Sequence[Mapping[str, Any]], now: datetime.datetime, *, namespaces: bool = False) -> str:
+def get_table(jobs: Sequence[DistBeliefJob], now: datetime.datetime, *, namespaces: bool = False) -> str:
     """One line per job: phase, progress, step, held-out accuracy, ETA, age."""
     header = (["NAMESPACE"] if namespaces else []) + ["NAME", "PHASE", "PROGRESS", "STEP", "ACCURACY", "ETA", "AGE"]
     rows = [header]
     for job in jobs:
-        meta, status = job["metadata"], job.get("status") or {}
+        status = job.status
         progress = status.get("progress")
-        rows.append(([meta.get("namespace", "")] if namespaces else []) + [
-            meta["name"], status.get("phase") or "Pending",
+        rows.append(([job.config.namespace] if namespaces else []) + [
+            job.config.name, status.get("phase") or "Pending",
             NONE if progress is None else f"{progress:g}%",
             _number(status.get("globalStep"), "d"), _number(status.get("accuracy"), ".4f"),
-            status.get("eta") or NONE, age(meta.get("creationTimestamp") or status.get("startTime"), now)])
+            status.get("eta") or NONE, age(job.created or status.get("startTime"), now)])
     return "\n".join(table(rows))
 
 
@@ -75,12 +77,12 @@ def phase_line(status: Mapping[str, Any]) -> str:
     return f"{phase} ({condition.get('reason', '')}: {condition.get('message', '')})"
 
 
-def progress_line(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+def progress_line(training: jobspec.Training, status: Mapping[str, Any]) -> str:
     """Percent done, the step of maxSteps, the ETA and the step rate the operator measured."""
     if status.get("globalStep") is None:
         return "no step yet (the chief has not answered)"
     rate = (status.get("throughput") or {}).get("stepsPerSecond")
-    parts = [f"{status.get('progress', 0):g}%", f"step {status['globalStep']} of {spec['training']['maxSteps']}"]
+    parts = [f"{status.get('progress', 0):g}%", f"step {status['globalStep']} of {training.max_steps}"]
     if status.get("eta"):
         parts.append(f"ETA {status['eta']}")
     if rate:
@@ -104,25 +106,24 @@ def checkpoint_line(status: Mapping[str, Any], now: datetime.datetime) -> str:
     return f"step {last['step']} at {last['time']} ({age(last['time'], now)} ago)"
 
 
-def shard_lines(job: Mapping[str, Any], pods: Sequence[Pod]) -> list[str]:
+def shard_lines(job: DistBeliefJob, pods: Sequence[Pod]) -> list[str]:
     """Each shard: its primary (status.shards with backups, else its one pod), its copies in
     sync, failovers, and its pods with their readiness."""
-    spec, status = job["spec"], job.get("status") or {}
-    shards = int(spec["parameterServers"]["shards"])
-    backups = int(spec["parameterServers"].get("backups") or 0)
-    reported = status.get("shards") or {}
+    servers, reported = job.config.spec.parameter_servers, job.status.get("shards") or {}
+    shards, backups = servers.shards, servers.backups
+    placed = [(where, pod) for pod in pods if (where := shard_of(job.config, pod)) is not None]
     rows = [["SHARD", "PRIMARY", "IN SYNC", "FAILOVERS", "PODS"]]
     for shard in range(shards):
-        copies = sorted((shard_of(job, pod)[1], pod) for pod in pods if (shard_of(job, pod) or (None,))[0] == shard)
+        copies = sorted((rank, pod) for (index, rank), pod in placed if index == shard)
         seen = reported.get(str(shard)) or {}
         primary = seen.get("primary") or (copies[0][1].name if copies and not backups else NONE)
         rows.append([str(shard), primary, _number(seen.get("copies"), "d") if backups else "1",
                      _number(seen.get("failovers"), "d") if backups else NONE,
                      ", ".join(f"{pod.name} ({'ready' if pod.ready else pod.phase or 'not ready'})"
                                for _, pod in copies) or "no pods"])
-    ready = (status.get("parameterServers") or {}).get("ready", 0)
-    title = f"Shards:        {shards}, {1 + backups} cop{'ies' if backups else 'y'} each; " \
-            f"{ready}/{shards * (1 + backups)} pods ready"
+    ready = (job.status.get("parameterServers") or {}).get("ready", 0)
+    title = f"Shards:        {shards}, {servers.copies} cop{'ies' if backups else 'y'} each; " \
+            f"{ready}/{shards * servers.copies} pods ready"
     return [title, *table(rows, indent="  ")]
 
 
@@ -156,19 +157,19 @@ def event_lines(events: Sequence[Event] | None, now: datetime.datetime, *, limit
     return ["Events:", *table(rows, indent="  ")]
 
 
-def describe(job: Mapping[str, Any], pods: Sequence[Pod], events: Sequence[Event] | None,
+def describe(job: DistBeliefJob, pods: Sequence[Pod], events: Sequence[Event] | None,
              now: datetime.datetime) -> str:
     """One screen on what the job is doing: phase and why, progress and ETA, the model's
     figures, replicas, shards and their copies, pods, last checkpoint, conditions, Events."""
-    meta, spec, status = job["metadata"], job["spec"], job.get("status") or {}
+    spec, status = job.config.spec, job.status
     workers = status.get("workers") or {}
     lines = [
-        f"Name:          {meta['name']}",
-        f"Namespace:     {meta.get('namespace') or NONE}",
+        f"Name:          {job.config.name}",
+        f"Namespace:     {job.config.namespace}",
         f"Phase:         {phase_line(status)}",
-        f"Progress:      {progress_line(spec, status)}",
+        f"Progress:      {progress_line(spec.training, status)}",
         f"Model:         {figures_line(status)}",
-        f"Replicas:      {workers.get('ready', 0)}/{spec['workers']['replicas']} ready"
+        f"Replicas:      {workers.get('ready', 0)}/{spec.workers.replicas} ready"
         + (f" ({workers['replicas']} pods)" if workers.get("replicas") not in (None, workers.get("ready")) else ""),
         *shard_lines(job, pods),
         f"Checkpoint:    {checkpoint_line(status, now)}",

@@ -13,8 +13,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from distbelief.operator.spec.spec import job_config
-from distbelief.runtime import contract
+from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.runtime import contract, jobspec
 
 # Fields that only size the job. They stay in the ConfigMap but not in the config hash,
 # so that scaling (by hand, or by the HPA through the scale subresource) and suspending
@@ -32,28 +32,29 @@ ADMISSION_ANNOTATION = f"{contract.API_GROUP}/admission"
 
 @dataclasses.dataclass(frozen=True)
 class RenderContext:
-    """What every render_* function needs to know about one job."""
+    """What every render_* function needs to know about one job: its config (whose spec,
+    config.spec, is the typed job), and how it is to run."""
 
     config: contract.JobConfig
     image: str
-    uid: str | None
     config_json: str
     config_hash: str
     finished: bool = False
+    held: bool = False                      # a queue holds the job: rendered suspended (cluster/queue.py)
     operator_namespace: str | None = None   # None: the job's own
     placement: Mapping[str, Any] | None = None  # role -> {nodeSelector, tolerations} of an admission
 
     @classmethod
-    def of(cls, job: Mapping[str, Any], *, image: str, finished: bool = False,
+    def of(cls, job: DistBeliefJob, *, image: str, finished: bool = False, held: bool = False,
            operator_namespace: str | None = None) -> RenderContext:
-        config = job_config(job)
+        config = job.config
         return cls(
             config=config,
             image=config.spec.image or image,
-            uid=job["metadata"].get("uid"),
             config_json=config.to_json(),
             config_hash=config_hash(config),
             finished=finished,
+            held=held,
             operator_namespace=operator_namespace,
             placement=admitted_placement(job),
         )
@@ -63,29 +64,29 @@ class RenderContext:
         return self.config.names
 
     @property
-    def spec(self) -> Mapping[str, Any]:
-        return self.config.written
+    def spec(self) -> jobspec.JobSpec:
+        return self.config.spec
 
     @property
     def suspended(self) -> bool:
-        return bool(self.spec.get("runPolicy", {}).get("suspend"))
+        return self.spec.run_policy.suspend or self.held
 
     @property
     def shard_replicas(self) -> int:
         """0 while suspended, and once finished unless cleanPodPolicy keeps the shards."""
-        keep_shards = self.spec.get("runPolicy", {}).get("cleanPodPolicy") == "None"
+        keep_shards = self.spec.run_policy.clean_pod_policy == "None"
         stopped = self.suspended or (self.finished and not keep_shards)
-        servers = self.config.spec.parameter_servers
+        servers = self.spec.parameter_servers
         return 0 if stopped else servers.shards * servers.copies
 
     @property
     def worker_replicas(self) -> int:
-        return 0 if self.suspended or self.finished else int(self.spec["workers"]["replicas"])
+        return 0 if self.suspended or self.finished else self.spec.workers.replicas
 
 
-def admitted_placement(job: Mapping[str, Any]) -> dict[str, Any] | None:
+def admitted_placement(job: DistBeliefJob) -> dict[str, Any] | None:
     """The role -> {nodeSelector, tolerations} the job runs with, None when not admitted."""
-    text = ((job.get("metadata") or {}).get("annotations") or {}).get(ADMISSION_ANNOTATION)
+    text = job.annotations.get(ADMISSION_ANNOTATION)
     return json.loads(text) if text else None
 
 

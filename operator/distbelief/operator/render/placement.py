@@ -11,7 +11,7 @@ scalar fields (priorityClassName, serviceAccountName, schedulerName) are set.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 Manifest = dict[str, Any]
@@ -21,7 +21,7 @@ SET = ("priorityClassName", "serviceAccountName", "schedulerName")
 
 
 def apply_template(pod_template: Manifest, template: Mapping[str, Any] | None,
-                   pull_secrets: list[Mapping[str, Any]] | None = None) -> Manifest:
+                   pull_secrets: Sequence[Mapping[str, Any]] | None = None) -> Manifest:
     """pod_template with template and the job-wide pull secrets merged onto it (a new dict)."""
     merged = copy.deepcopy(pod_template)
     template = copy.deepcopy(dict(template or {}))

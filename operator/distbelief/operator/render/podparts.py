@@ -13,7 +13,7 @@ from typing import Any
 
 from distbelief.operator.render.context import RenderContext
 from distbelief.operator.spec.spec import DATA_DIR
-from distbelief.runtime import contract, jobbase, keys
+from distbelief.runtime import contract, jobbase, jobspec, keys
 
 Manifest = dict[str, Any]
 APP_NAME = "distbelief"
@@ -47,10 +47,10 @@ def labels(job: str, component: str) -> dict[str, str]:
 
 def owner_references(ctx: RenderContext) -> list[dict[str, Any]]:
     """The job as controller of a child; none when the job has no uid (not stored yet)."""
-    if not ctx.uid:
+    if not ctx.config.uid:
         return []
     return [{"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND, "name": ctx.config.name,
-             "uid": ctx.uid, "controller": True, "blockOwnerDeletion": True}]
+             "uid": ctx.config.uid, "controller": True, "blockOwnerDeletion": True}]
 
 
 def metadata(ctx: RenderContext, name: str, component: str) -> dict[str, Any]:
@@ -119,14 +119,14 @@ def account_token_mount() -> tuple[list[Manifest], list[Manifest]]:
 
 def copies_account(ctx: RenderContext) -> str | None:
     """With backups, the shard pods' ServiceAccount (render.render_ps_access)."""
-    return ctx.names.ps_access if ctx.config.spec.parameter_servers.copies > 1 else None
+    return ctx.names.ps_access if ctx.spec.parameter_servers.copies > 1 else None
 
 
 def spread_copies(ctx: RenderContext) -> Manifest | None:
     """With backups, the shard pods prefer distinct nodes, so that one node's loss takes at most
     one copy of a shard where the cluster has the room (preferred: a small cluster still runs
     the job). The pods of one StatefulSet share their labels, so all shard pods spread."""
-    if ctx.config.spec.parameter_servers.copies == 1:
+    if ctx.spec.parameter_servers.copies == 1:
         return None
     term = {"labelSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_PS)},
             "topologyKey": "kubernetes.io/hostname"}
@@ -134,10 +134,10 @@ def spread_copies(ctx: RenderContext) -> Manifest | None:
         {"weight": 100, "podAffinityTerm": term}]}}
 
 
-def object_store_env(data: Mapping[str, Any]) -> list[dict[str, Any]]:
+def object_store_env(data: jobspec.Data) -> list[dict[str, Any]]:
     """An s3:// source's credentials, from the Secret spec.data.objectStore.secretRef names
     (its keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY): never in the ConfigMap."""
-    secret = (data.get("objectStore") or {}).get("secretRef")
+    secret = data.object_store.secret_ref if data.object_store else None
     if not secret:
         return []
     return [{"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
@@ -158,8 +158,8 @@ def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds
         "env": [{"name": contract.ENV_POD_NAME,
                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 *({"name": k, "value": v} for k, v in contract.ROLE_ENV.items()),
-                *_thread_env(ctx.spec[ROLE_SPEC[role]].get("resources")),
-                *object_store_env(ctx.spec["data"]),
+                *_thread_env(role_spec(ctx, role).resources),
+                *object_store_env(ctx.spec.data),
                 *(env or [])],
         "ports": ports,
         "startupProbe": startup_probe(startup_seconds),
@@ -177,23 +177,25 @@ def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds
             *(mounts or []),
         ],
     }
-    limits = resources(ctx.spec[ROLE_SPEC[role]].get("resources"))
+    limits = resources(role_spec(ctx, role).resources)
     if limits:
         container["resources"] = limits
     return container
 
 
-ROLE_SPEC = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}
+def role_spec(ctx: RenderContext, role: str) -> jobspec.ParameterServers | jobspec.Workers:
+    """The section of the spec that sizes and templates a role's pods."""
+    return ctx.spec.parameter_servers if role == contract.ROLE_PS else ctx.spec.workers
 
 
 def _data_volume(ctx: RenderContext) -> list[dict[str, Any]]:
     """spec.data.volume: the user's claim (npz files), read-only in every pod; none without it."""
-    claim = ctx.spec["data"].get("volume")
+    claim = ctx.spec.data.volume
     return [{"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}] if claim else []
 
 
 def _data_mount(ctx: RenderContext) -> list[dict[str, Any]]:
-    return [{"name": DATA_VOLUME, "mountPath": DATA_DIR, "readOnly": True}] if ctx.spec["data"].get("volume") else []
+    return [{"name": DATA_VOLUME, "mountPath": DATA_DIR, "readOnly": True}] if ctx.spec.data.volume else []
 
 
 def keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
@@ -203,7 +205,7 @@ def keys_volume(ctx: RenderContext, role: str) -> dict[str, Any]:
     rather than run unauthenticated."""
     secret: dict[str, Any] = {"secretName": ctx.names.keys_secret, "defaultMode": KEYS_MODE}
     if role == contract.ROLE_WORKER:
-        files = keys.CLIENT_FILES + (keys.STAGE_FILES if ctx.config.spec.model.partitions > 1 else ())
+        files = keys.CLIENT_FILES + (keys.STAGE_FILES if ctx.spec.model.partitions > 1 else ())
         secret["items"] = [{"key": name, "path": name} for name in files]
     return {"name": contract.KEYS_VOLUME, "secret": secret}
 
@@ -240,8 +242,8 @@ def _container_security() -> dict[str, Any]:
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 def _thread_env(resources: Mapping[str, Any] | None) -> list[dict[str, str]]:
     """Threads = the CPU limit, else the CPU request, rounded up; nothing set without either."""
-    cpus = next((spec["cpu"] for key in ("limits", "requests")
-                 if (spec := (resources or {}).get(key)) and "cpu" in spec), None)
+    cpus = next((quantities["cpu"] for key in ("limits", "requests")
+                 if (quantities := (resources or {}).get(key)) and "cpu" in quantities), None)
     if cpus is None:
         return []
     threads = str(max(1, math.ceil(cpu_cores(cpus))))
@@ -253,8 +255,8 @@ def cpu_cores(quantity: str | int | float) -> Decimal:
     return jobbase.quantity(quantity)
 
 
-def resources(spec: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {key: dict(spec[key]) for key in ("requests", "limits") if spec and spec.get(key)}
+def resources(requirements: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {key: dict(requirements[key]) for key in ("requests", "limits") if requirements and requirements.get(key)}
 
 
 def metrics_port() -> dict[str, Any]:
@@ -266,7 +268,7 @@ def ps_ports(ctx: RenderContext) -> list[dict[str, Any]]:
     """The shard port and metrics; with encryption the bulk port; under Sandblaster also the
     coordinator's, in a partitioned job the rendezvous's, and when the replicas stream a
     file source the data dispenser's, on the same port (shard 0 serves one of them)."""
-    spec = ctx.config.spec
+    spec = ctx.spec
     ports = [{"name": contract.SHARD_PORT_NAME, "containerPort": spec.parameter_servers.port, "protocol": "TCP"},
              metrics_port()]
     if spec.parameter_servers.encryption:
@@ -294,17 +296,17 @@ def stage_env(partition: int) -> list[dict[str, Any]]:
 JOB_UID_LABEL = f"{contract.API_GROUP}/job-uid"
 
 
-def checkpoint_claim(ctx: RenderContext, storage: Mapping[str, Any]) -> Manifest:
+def checkpoint_claim(ctx: RenderContext, storage: jobspec.Storage) -> Manifest:
     claim_labels = labels(ctx.config.name, contract.ROLE_PS)
-    if ctx.uid:
-        claim_labels[JOB_UID_LABEL] = ctx.uid
+    if ctx.config.uid:
+        claim_labels[JOB_UID_LABEL] = ctx.config.uid
     claim: Manifest = {
         "metadata": {"name": contract.CHECKPOINT_VOLUME, "labels": claim_labels},
         "spec": {"accessModes": ["ReadWriteOnce"],
-                 "resources": {"requests": {"storage": storage["size"]}}},
+                 "resources": {"requests": {"storage": storage.size}}},
     }
-    if storage.get("storageClassName"):
-        claim["spec"]["storageClassName"] = storage["storageClassName"]
+    if storage.storage_class_name:
+        claim["spec"]["storageClassName"] = storage.storage_class_name
     return claim
 
 

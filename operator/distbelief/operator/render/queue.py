@@ -17,6 +17,7 @@ from typing import Any
 
 from distbelief.operator.render import podparts
 from distbelief.operator.render.context import ADMISSION_ANNOTATION, RenderContext
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -24,38 +25,43 @@ WORKLOAD_API_VERSION = "kueue.x-k8s.io/v1beta1"
 # ADMISSION_ANNOTATION (context.py): the placement Kueue's admission gave the job's pods, by
 # role, as JSON: {"ps": {"nodeSelector": {...}, "tolerations": [...]}, "worker": {...}}.
 # Present while the job runs under an admission; removed when an eviction withdraws it.
-__all__ = ["ADMISSION_ANNOTATION", "QUEUE_LABEL", "queue_name", "render_workload", "placement_of"]
+__all__ = ["ADMISSION_ANNOTATION", "QUEUE_LABEL", "queue_name", "held", "render_workload", "placement_of"]
 POD_SETS = (contract.ROLE_PS, contract.ROLE_WORKER)
 
 Manifest = dict[str, Any]
 
 
-def queue_name(job: Mapping[str, Any]) -> str | None:
-    return ((job.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL) or None
+def queue_name(job: DistBeliefJob) -> str | None:
+    return job.labels.get(QUEUE_LABEL) or None
+
+
+def held(job: DistBeliefJob) -> bool:
+    """Whether the job's queue holds it: labelled with a queue, and not started under an
+    admission (the operator renders it suspended)."""
+    return queue_name(job) is not None and ADMISSION_ANNOTATION not in job.annotations
 
 
 def workload_name(job: str) -> str:
     return f"{contract.KIND.lower()}-{job}"
 
 
-def render_workload(job: Mapping[str, Any], ctx: RenderContext, pod_templates: Mapping[str, Manifest]) -> Manifest:
+def render_workload(job: DistBeliefJob, ctx: RenderContext, pod_templates: Mapping[str, Manifest]) -> Manifest:
     """The job's Workload: queue, priority class (the replicas' template's), and one podSet
     per role with the role's pod template as the job runs it (before any admission)."""
-    config = ctx.config
-    servers = config.spec.parameter_servers
+    servers = ctx.spec.parameter_servers
     counts = {contract.ROLE_PS: servers.shards * servers.copies,
-              contract.ROLE_WORKER: config.spec.workers.replicas * config.spec.model.partitions}
+              contract.ROLE_WORKER: ctx.spec.workers.replicas * ctx.spec.model.partitions}
     spec: Manifest = {
         "queueName": queue_name(job),
         "podSets": [{"name": role, "count": counts[role], "template": pod_templates[role]} for role in POD_SETS],
     }
-    priority = ((ctx.spec["workers"].get("template") or {}).get("spec") or {}).get("priorityClassName")
+    priority = ((ctx.spec.workers.template or {}).get("spec") or {}).get("priorityClassName")
     if priority:
         spec["priorityClassName"] = priority
     return {
         "apiVersion": WORKLOAD_API_VERSION,
         "kind": "Workload",
-        "metadata": podparts.metadata(ctx, workload_name(config.name), "workload"),
+        "metadata": podparts.metadata(ctx, workload_name(ctx.config.name), "workload"),
         "spec": spec,
     }
 

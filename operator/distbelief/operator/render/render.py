@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -36,6 +37,7 @@ import yaml
 
 from distbelief.operator.render import placement, podparts, queue, sizing
 from distbelief.operator.render.context import RenderContext
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
@@ -51,14 +53,15 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 Manifest = podparts.Manifest
 
 
-def render_children(job: Mapping[str, Any], *, image: str, finished: bool = False,
+def render_children(job: DistBeliefJob, *, image: str, finished: bool = False, held: bool = False,
                     operator_namespace: str | None = None) -> list[Manifest]:
-    """Every child object of ``job`` (validated), in the order they should be applied.
+    """Every child object of ``job``, in the order they should be applied.
 
     A finished job keeps its objects but runs no replicas (and no shards, unless
-    runPolicy.cleanPodPolicy is None) and no autoscaler. operator_namespace is where the
-    operator that reads the job's metrics runs (the NetworkPolicy admits it)."""
-    ctx = RenderContext.of(job, image=image, finished=finished, operator_namespace=operator_namespace)
+    runPolicy.cleanPodPolicy is None) and no autoscaler; nor does one its queue holds.
+    operator_namespace is where the operator that reads the job's metrics runs (the
+    NetworkPolicy admits it)."""
+    ctx = RenderContext.of(job, image=image, finished=finished, held=held, operator_namespace=operator_namespace)
     children = [
         render_config_map(ctx),
         render_ps_service(ctx),
@@ -82,7 +85,7 @@ def to_yaml(objs: Iterable[Mapping[str, Any]]) -> str:
 # ------------------------------------------------------------------- the children
 
 
-def render_keys_secret(job: Mapping[str, Any], files: Mapping[str, str]) -> Manifest:
+def render_keys_secret(job: DistBeliefJob, files: Mapping[str, str]) -> Manifest:
     """The Secret ``<job>-keys`` holding ``files`` (distbelief.runtime.keys.JobKeys.files()).
 
     Immutable: the API server refuses any change to it, so keys are never rotated by a
@@ -128,8 +131,7 @@ def render_ps_service(ctx: RenderContext) -> Manifest:
 
 
 def render_ps_statefulset(ctx: RenderContext) -> Manifest:
-    ps = ctx.spec["parameterServers"]
-    storage = ps["checkpoint"]["storage"]
+    storage = ctx.spec.parameter_servers.checkpoint.storage
     account = podparts.copies_account(ctx)
     token_mounts, token_env = podparts.account_token_mount() if account else ([], [])
     container = podparts.container(
@@ -150,7 +152,7 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
             "selector": {"matchLabels": contract.selector_labels(ctx.config.name,
                                                                  contract.ROLE_PS)},
             "persistentVolumeClaimRetentionPolicy": {
-                "whenDeleted": storage["retention"], "whenScaled": "Retain"},
+                "whenDeleted": storage.retention, "whenScaled": "Retain"},
             "template": role_pod_template(ctx, contract.ROLE_PS, podparts.pod_template(
                 ctx, contract.ROLE_PS, container, affinity=podparts.spread_copies(ctx), service_account=account)),
             "volumeClaimTemplates": [podparts.checkpoint_claim(ctx, storage)],
@@ -160,20 +162,17 @@ def render_ps_statefulset(ctx: RenderContext) -> Manifest:
 
 def role_pod_template(ctx: RenderContext, role: str, rendered: Manifest) -> Manifest:
     """The rendered pod template with the role's spec template and the job's pull secrets."""
-    template = ctx.spec[podparts.ROLE_SPEC[role]].get("template")
-    merged = placement.apply_template(rendered, template, ctx.spec.get("imagePullSecrets"))
+    merged = placement.apply_template(rendered, podparts.role_spec(ctx, role).template, ctx.spec.image_pull_secrets)
     admitted = (ctx.placement or {}).get(role)
     if admitted:
         merged = placement.add_placement(merged, admitted.get("nodeSelector") or {}, admitted.get("tolerations") or [])
     return merged
 
 
-def render_workload(job: Mapping[str, Any], *, image: str) -> Manifest:
+def render_workload(job: DistBeliefJob, *, image: str) -> Manifest:
     """The Kueue Workload of a job labelled with a queue (render/queue.py): its podSets carry
     the roles' pod templates as the job runs them before any admission."""
-    unplaced = copy.deepcopy(dict(job))
-    unplaced["metadata"] = {k: v for k, v in job["metadata"].items() if k != "annotations"}
-    ctx = RenderContext.of(unplaced, image=image)
+    ctx = RenderContext.of(dataclasses.replace(job, annotations={}), image=image)
     templates = {contract.ROLE_PS: render_ps_statefulset(ctx)["spec"]["template"],
                  contract.ROLE_WORKER: render_worker_deployment(ctx, _worker_partitions(ctx.config)[0])["spec"]["template"]}
     return queue.render_workload(job, ctx, templates)
@@ -190,7 +189,7 @@ RESTORE_BYTES_PER_SECOND = 20 * 2 ** 20
 
 def startup_seconds(ctx: RenderContext, role: str) -> int:
     """The startup probe's budget for a role's pods (see STARTUP_SECONDS)."""
-    parameters = None if ctx.spec["model"].get("embeddings") else sizing.parameter_count(ctx.spec)
+    parameters = None if ctx.spec.model.embeddings else sizing.parameter_count(ctx.spec)
     if parameters is None:
         return STARTUP_UNKNOWN_SECONDS
     if role != contract.ROLE_PS:
@@ -227,7 +226,7 @@ def render_ps_access(ctx: RenderContext) -> list[Manifest]:
     account = podparts.copies_account(ctx)
     if account is None:
         return []
-    leases = [ctx.names.shard_lease(i) for i in range(ctx.config.spec.parameter_servers.shards)]
+    leases = [ctx.names.shard_lease(i) for i in range(ctx.spec.parameter_servers.shards)]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount",
          "metadata": podparts.metadata(ctx, account, contract.ROLE_PS),
@@ -301,7 +300,7 @@ def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
     pods. Every other port of those pods, and every other peer, is refused. (Named
     <job>-ps, as when it covered the shards alone, so an upgrade replaces it rather than
     adds one.)"""
-    if not ctx.spec["parameterServers"].get("networkPolicy", True):
+    if not ctx.spec.parameter_servers.network_policy:
         return None
     job = {contract.LABEL_JOB: ctx.config.name}
     operator: dict[str, Any] = {"podSelector": {"matchLabels": dict(contract.OPERATOR_LABELS)}}
@@ -327,12 +326,12 @@ def render_ps_network_policy(ctx: RenderContext) -> Manifest | None:
 
 def _replica_only_ports(ctx: RenderContext) -> tuple[str, ...]:
     """Ports only the replicas' pods reach: a partitioned job's rendezvous beside shard 0."""
-    return (contract.COORDINATOR_PORT_NAME,) if ctx.config.spec.model.partitions > 1 else ()
+    return (contract.COORDINATOR_PORT_NAME,) if ctx.spec.model.partitions > 1 else ()
 
 
 def _stage_ingress(ctx: RenderContext) -> list[dict[str, Any]]:
     """A partitioned job's replica pods reach the rendezvous and each other's stages."""
-    if ctx.config.spec.model.partitions == 1:
+    if ctx.spec.model.partitions == 1:
         return []
     replicas = {"podSelector": {"matchLabels": contract.selector_labels(ctx.config.name, contract.ROLE_WORKER)}}
     return [{"from": [replicas], "ports": [{"protocol": "TCP", "port": contract.COORDINATOR_PORT},
@@ -342,7 +341,7 @@ def _stage_ingress(ctx: RenderContext) -> list[dict[str, Any]]:
 def render_worker_hpa(ctx: RenderContext) -> Manifest | None:
     """An autoscaling/v2 HPA on the job's scale subresource, if the spec asks for one
     and the job is running (an autoscaler must not revive a suspended or finished job)."""
-    autoscaling = ctx.spec["workers"].get("autoscaling")
+    autoscaling = ctx.spec.workers.autoscaling
     if not autoscaling or ctx.suspended or ctx.finished:
         return None
     return {
@@ -352,9 +351,9 @@ def render_worker_hpa(ctx: RenderContext) -> Manifest | None:
         "spec": {
             "scaleTargetRef": {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND,
                                "name": ctx.config.name},
-            "minReplicas": int(autoscaling["minReplicas"]),
-            "maxReplicas": int(autoscaling["maxReplicas"]),
-            "metrics": copy.deepcopy(list(autoscaling.get("metrics") or [])) or [podparts.cpu_metric()],
+            "minReplicas": autoscaling.min_replicas,
+            "maxReplicas": autoscaling.max_replicas,
+            "metrics": copy.deepcopy(list(autoscaling.metrics or [])) or [podparts.cpu_metric()],
         },
     }
 

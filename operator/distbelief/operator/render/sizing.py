@@ -5,22 +5,21 @@ and ZeroMQ's overheads, so a limit just above it may still be too small)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
 
 from distbelief.operator.render import podparts
-from distbelief.runtime import contract
+from distbelief.runtime import contract, jobspec
 
 FLOAT_BYTES = 4
 DIGITS_SHAPE = (64, 10)  # builtin:digits: features, classes
 
 
-def parameter_count(spec: Mapping[str, Any]) -> int | None:
+def parameter_count(spec: jobspec.JobSpec) -> int | None:
     """The model's parameters from the spec alone: a built-in model on a built-in or
     synthetic source; None when only loading the data or user code would tell."""
-    model, source = spec["model"], spec["data"]["source"]
-    if model.get("entrypoint"):
+    model = spec.model
+    if model.builtin is None:
         return None
-    scheme, _, body = source.partition(":")
+    scheme, _, body = spec.data.source.partition(":")
     if scheme == "builtin":
         features, classes = DIGITS_SHAPE
     elif scheme == "synthetic":
@@ -30,28 +29,34 @@ def parameter_count(spec: Mapping[str, Any]) -> int | None:
         features, classes = params["features"], params["classes"]
     else:
         return None
-    widths = [features, *(model.get("hiddenLayers", []) if model.get("type", "mlp") == "mlp" else []), classes]
+    widths = [features, *(model.hidden_layers if model.builtin == "mlp" else ()), classes]
     return sum(a * b + b for a, b in zip(widths, widths[1:]))
 
 
-def shard_bytes(spec: Mapping[str, Any], parameters: int) -> int:
+def warnings(spec: jobspec.JobSpec) -> list[str]:
+    """memory_warnings for a model whose size the spec tells; none for another."""
+    parameters = parameter_count(spec)
+    return memory_warnings(spec, parameters) if parameters else []
+
+
+def shard_bytes(spec: jobspec.JobSpec, parameters: int) -> int:
     """The bytes of one shard's arrays (its checkpoint holds no more)."""
-    return math.ceil(parameters / int(spec["parameterServers"]["shards"])) * _shard_arrays(spec["training"]) * FLOAT_BYTES
+    return math.ceil(parameters / spec.parameter_servers.shards) * _shard_arrays(spec.training) * FLOAT_BYTES
 
 
-def memory_warnings(spec: Mapping[str, Any], parameters: int) -> list[str]:
+def memory_warnings(spec: jobspec.JobSpec, parameters: int) -> list[str]:
     """One line per pod kind whose memory limit is below what its arrays alone need."""
-    shards = int(spec["parameterServers"]["shards"])
-    shard_arrays = _shard_arrays(spec["training"])
-    needs = {
-        "parameterServers": (shard_bytes(spec, parameters),
+    shards = spec.parameter_servers.shards
+    shard_arrays = _shard_arrays(spec.training)
+    needs: dict[str, tuple[jobspec.ParameterServers | jobspec.Workers, int, str]] = {
+        "parameterServers": (spec.parameter_servers, shard_bytes(spec, parameters),
                              f"each shard holds {shard_arrays} float32 arrays of its "
                              f"{math.ceil(parameters / shards):,} parameters"),
-        "workers": _replica_pod_need(parameters, int(spec["model"].get("partitions", 1))),
+        "workers": (spec.workers, *_replica_pod_need(parameters, spec.model.partitions)),
     }
     lines = []
-    for role, (need, why) in needs.items():
-        limit = ((spec[role].get("resources") or {}).get("limits") or {}).get("memory")
+    for role, (section, need, why) in needs.items():
+        limit = (section.resources.get("limits") or {}).get("memory")
         if limit is not None and podparts.cpu_cores(limit) < need:
             lines.append(f"spec.{role}.resources.limits.memory: {limit} is likely too small: {why} "
                          f"(about {_gib(need)}) before any overhead")
@@ -69,13 +74,13 @@ def _replica_pod_need(parameters: int, partitions: int) -> tuple[int, str]:
                                      f"{share:,} parameters (the model's {parameters:,} over {partitions} partitions)")
 
 
-def _shard_arrays(training: Mapping[str, Any]) -> int:
+def _shard_arrays(training: jobspec.Training) -> int:
     """Arrays of a shard's slice size it holds. Downpour: the parameters, a gradient
     received, a checkpoint copy, and Adagrad's sums. Sandblaster: the parameters, the
     gradient, the search direction, the trial point and the L-BFGS history pairs."""
-    if training.get("algorithm") == "sandblaster":
-        return 4 + 2 * int(training["sandblaster"]["historySize"])
-    return 3 + bool(training.get("adagrad", True))
+    if training.algorithm == "sandblaster":
+        return 4 + 2 * training.sandblaster.history_size
+    return 3 + (training.optimizer == "adagrad")
 
 
 def _gib(size: int) -> str:

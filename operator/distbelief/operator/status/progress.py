@@ -1,6 +1,6 @@
 """How far a job is and when it will be done: status.progress, status.eta, status.throughput.
 
-Pure functions of the spec, the status being computed, the previous one and the time.
+Pure functions of spec.training, the status being computed, the previous one and the time.
 The step rate is measured by the operator itself, from the chief's global step at two
 status passes (throughput.sampledStep at throughput.sampledAt, smoothed), so it counts
 what the job really applies, whatever the algorithm, the replicas or the partitions; it
@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 from collections.abc import Mapping
 from typing import Any
+
+from distbelief.runtime import jobspec
 
 # A new rate counts this much against the smoothed one (an exponential moving average).
 SMOOTHING = 0.5
@@ -28,21 +30,21 @@ def parse_timestamp(text: str) -> datetime.datetime:
     return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
 
 
-def done_fraction(spec: Mapping[str, Any], status: Mapping[str, Any]) -> float | None:
+def done_fraction(training: jobspec.Training, status: Mapping[str, Any]) -> float | None:
     """The share of the job's work done: status.globalStep of spec.training.maxSteps. A job
     whose data streams by epochs counts its epochs here instead, once its status has one;
     None before the chief has answered."""
     step = status.get("globalStep")
     if step is None:
         return None
-    return min(1.0, int(step) / int(spec["training"]["maxSteps"]))
+    return min(1.0, int(step) / training.max_steps)
 
 
-def progress_fields(spec: Mapping[str, Any], previous: Mapping[str, Any], status: Mapping[str, Any],
+def progress_fields(training: jobspec.Training, previous: Mapping[str, Any], status: Mapping[str, Any],
                     *, running: bool, succeeded: bool, now: datetime.datetime) -> dict[str, Any]:
     """progress (percent, one decimal; 100 once Succeeded), throughput, and eta while the
     job runs and its rate is known (None once it no longer does, to remove it)."""
-    fraction = done_fraction(spec, status)
+    fraction = done_fraction(training, status)
     if fraction is None:
         return {}
     fields: dict[str, Any] = {"progress": 100.0 if succeeded else round(100 * fraction, 1)}
@@ -51,7 +53,7 @@ def progress_fields(spec: Mapping[str, Any], previous: Mapping[str, Any], status
     fields["throughput"] = throughput
     rate = throughput.get("stepsPerSecond")
     if running and rate:
-        remaining = max(0, int(spec["training"]["maxSteps"]) - step)
+        remaining = max(0, training.max_steps - step)
         fields["eta"] = format_seconds(remaining / rate)
     elif "eta" in previous:
         fields["eta"] = None  # removed: the status is merge-patched, an absent key would stay

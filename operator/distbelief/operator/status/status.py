@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 
 from distbelief.operator.status.progress import parse_timestamp, progress_fields, timestamp
 from distbelief.operator.status.scrape import Figures
-from distbelief.runtime import contract, jobbase
+from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.runtime import contract, jobspec
 
 PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"
 SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
@@ -94,27 +95,25 @@ def _last_line(text: str | None) -> str:
     return next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1] if lines else "")
 
 
-def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.datetime) -> dict[str, Any]:
-    """The new status. job is the validated job, or with observed.invalid_spec the job as
-    the API server stored it (its spec then holds the CRD's defaults, nothing more)."""
-    spec, meta = job["spec"], job["metadata"]
-    previous: Mapping[str, Any] = job.get("status") or {}
+def compute_status(job: DistBeliefJob, observed: Observed, now: datetime.datetime) -> dict[str, Any]:
+    """The new status, from job.status, the one before. job is validated, or with
+    observed.invalid_spec as the API server stored it (its spec then holds the CRD's
+    defaults, nothing more)."""
+    spec, previous, generation = job.config.spec, job.status, job.generation
     phase, reason, message = _phase(spec, previous, observed, now)
-    generation = int(meta.get("generation", 0))
-    shards = int((spec.get("parameterServers") or {}).get("shards", 1))
     status: dict[str, Any] = {
         "phase": phase,
         "observedGeneration": generation,
         "workers": {"replicas": observed.workers, "ready": observed.workers_ready},
-        "parameterServers": {"shards": shards, "ready": observed.shards_ready},
+        "parameterServers": {"shards": spec.parameter_servers.shards, "ready": observed.shards_ready},
         "selector": ",".join(f"{k}={v}" for k, v in
-                             contract.selector_labels(meta["name"], contract.ROLE_WORKER).items()),
+                             contract.selector_labels(job.config.name, contract.ROLE_WORKER).items()),
         "startTime": previous.get("startTime") or timestamp(now),
     }
     status.update(_training_figures(previous, observed.figures))
-    status.update(progress_fields(spec, previous, status, running=phase == RUNNING, succeeded=phase == SUCCEEDED,
-                                  now=now))
-    shards = _shard_copies(meta["name"], spec, observed.figures) or previous.get("shards")
+    status.update(progress_fields(spec.training, previous, status, running=phase == RUNNING,
+                                  succeeded=phase == SUCCEEDED, now=now))
+    shards = _shard_copies(job.config, observed.figures) or previous.get("shards")
     if shards:
         status["shards"] = shards
     restarts = observed.restarts if observed.restarts is not None else previous.get("restarts")
@@ -127,7 +126,7 @@ def compute_status(job: Mapping[str, Any], observed: Observed, now: datetime.dat
     return status
 
 
-def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Observed,
+def _phase(spec: jobspec.JobSpec, previous: Mapping[str, Any], observed: Observed,
            now: datetime.datetime) -> tuple[str, str, str]:
     """(phase, reason, message); a finished job stays finished."""
     if previous.get("phase") in TERMINAL:
@@ -143,7 +142,7 @@ def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Obser
         return FAILED, "InvalidConfig", observed.invalid_config
     if observed.non_finite_loss:
         return FAILED, "NonFiniteLoss", observed.non_finite_loss
-    limit = int(spec["runPolicy"]["backoffLimit"])
+    limit = spec.run_policy.backoff_limit
     if observed.shard_restarts > limit:
         detail = f"; {observed.shard_failure}" if observed.shard_failure else ""
         return FAILED, "BackoffLimitExceeded", \
@@ -151,25 +150,25 @@ def _phase(spec: Mapping[str, Any], previous: Mapping[str, Any], observed: Obser
     deadline = _deadline_passed(spec, previous, now)
     if deadline:
         return FAILED, "DeadlineExceeded", deadline
-    if spec["runPolicy"]["suspend"] or observed.queued:
+    if spec.run_policy.suspend or observed.queued:
         return SUSPENDED, *(observed.queued or
                             ("Suspended", "runPolicy.suspend is true: no pods run, the checkpoints are kept"))
-    shards = int(spec["parameterServers"]["shards"])
-    if observed.shards_ready >= shards and observed.workers_ready >= min(1, int(spec["workers"]["replicas"])):
+    shards, replicas = spec.parameter_servers.shards, spec.workers.replicas
+    if observed.shards_ready >= shards and observed.workers_ready >= min(1, replicas):
         return RUNNING, "Training", f"{shards} shards and {observed.workers_ready} replicas ready"
     return PENDING, "WaitingForPods", f"{observed.shards_ready}/{shards} shards and " \
-        f"{observed.workers_ready}/{spec['workers']['replicas']} replicas ready"
+        f"{observed.workers_ready}/{replicas} replicas ready"
 
 
-def _deadline_passed(spec: Mapping[str, Any], previous: Mapping[str, Any], now: datetime.datetime) -> str | None:
-    duration = spec["training"].get("maxDuration")
-    started = previous.get("startTime")
-    if not duration or not started or spec["runPolicy"]["suspend"]:
+def _deadline_passed(spec: jobspec.JobSpec, previous: Mapping[str, Any], now: datetime.datetime) -> str | None:
+    limit, started = spec.training.max_duration_seconds, previous.get("startTime")
+    if limit is None or not started or spec.run_policy.suspend:
         return None
     elapsed = (now - parse_timestamp(started)).total_seconds()
-    if elapsed <= jobbase.parse_duration(duration) + DEADLINE_GRACE_SECONDS:
+    if elapsed <= limit + DEADLINE_GRACE_SECONDS:
         return None
-    return f"running for {elapsed:.0f} s, past maxDuration {duration}, and the chief has not ended the job"
+    return f"running for {elapsed:.0f} s, past maxDuration {spec.training.max_duration}, and the chief has not " \
+        "ended the job"
 
 
 def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str, Any]:
@@ -192,11 +191,11 @@ def _training_figures(previous: Mapping[str, Any], figures: Figures) -> dict[str
     return {**keep, **fresh}
 
 
-def _shard_copies(job: str, spec: Mapping[str, Any], figures: Figures) -> dict[str, Any] | None:
+def _shard_copies(config: contract.JobConfig, figures: Figures) -> dict[str, Any] | None:
     """With backups: each shard's copies in sync, its primary's pod and its failovers."""
     if not figures.copies:
         return None
-    shards, names = int(spec["parameterServers"]["shards"]), contract.JobNames(job)
+    shards, names = config.spec.parameter_servers.shards, config.names
     return {str(shard): {"copies": seen.get("copies", 0), "failovers": seen.get("failovers", 0),
                          "primary": names.shard_pod(seen.get("primary", 0) * shards + shard)}
             for shard, seen in sorted(figures.copies.items())}
