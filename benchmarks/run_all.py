@@ -10,7 +10,9 @@ server), sparse_bench.py and sparse_table_bench.py (embedding rows), heavy_tail_
 (sparse jobs' AUC on click data shaped like real logs), backups_bench.py (shard
 copies), copycheck.py (shard copies under faults: what is lost or applied twice),
 partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
-data_bench.py (a replica's memory and input speed on file sources) and operator_bench.py.
+data_bench.py (a replica's memory and input speed on file sources), operator_bench.py and
+operator_scale.py (the operator at --operator-jobs jobs on KWOK's fake nodes: issue 40's
+targets, printed with the others).
 Their figures go into --json, written afresh: every figure in it is from this run; each is a
 median with its min and max.
 
@@ -106,6 +108,12 @@ def summary(results: dict) -> list[str]:
         ratio = "failed" if row["ratio"] is None else f"{row['ratio']:6.2f}"
         verdict = {True: "met", False: "MISSED", None: ""}[row["met"]]
         lines.append(f"{row['figure']:<42} {ratio:>6}  target {row['target']:<7} {verdict}".rstrip())
+    scale = results.get("operator_scale") or {}
+    for row in scale.get("targets", []):
+        value = "failed" if row["value"] is None else f"{row['value']:6.2f}"
+        verdict = {True: "met", False: "MISSED", None: ""}[row["met"]]
+        lines.append(f"operator at {scale['config']['jobs']} jobs: {row['figure']:<26} {value:>6}  target "
+                     f"{row['target']:<7} {verdict}".rstrip())
     check = (results.get("copies_check") or {}).get("summary")
     if check:
         lines.append(f"copies check: {check['ok']}/{check['runs']} runs ok ({len(check.get('not_checked', []))} could "
@@ -133,7 +141,7 @@ def per_replica(results: dict) -> dict:
     return {"compute_bound": summarize([rate / replicas])}
 
 
-def measure(runs: int, scale: float) -> dict:
+def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: int = 100) -> dict:
     failures: list[dict] = []
     results = run_json("runtime_bench.py", failures, "--repeats", str(runs), "--params", "10000000")
     if mlp := run_json("mlp_step_bench.py", failures, "--runs", str(max(runs, 7))):
@@ -166,6 +174,10 @@ def measure(runs: int, scale: float) -> dict:
     operator = run_json("operator_bench.py", failures, "--runs", str(runs))
     if "operator_create_to_children_s" in operator:
         results["operator_create_to_children_s"] = operator["operator_create_to_children_s"]
+    # One run (about 40 min at 1,000 jobs on 2 cores): issue 40's figures.
+    if at_scale := run_json("operator_scale.py", failures, "--jobs", str(operator_jobs),
+                            "--nodes", str(operator_nodes)):
+        results["operator_scale"] = at_scale["operator_scale"]
     results["peer_metadata"] = peers.get("metadata", {})
     results["failures"] = ours.get("failures", []) + peers.get("failures", []) + failures
     return results
@@ -177,8 +189,10 @@ def main() -> int:
     p.add_argument("--plot", default=str(HERE.parent / "docs" / "benchmarks.png"))
     p.add_argument("--runs", type=int, default=5, help="runs per figure (at least 5 for the published figures)")
     p.add_argument("--scale", type=float, default=1.0, help="e2e_bench.py's --scale (1 for the published figures)")
+    p.add_argument("--operator-jobs", type=int, default=1000, help="operator_scale.py's --jobs (1,000 for issue 40)")
+    p.add_argument("--operator-nodes", type=int, default=100, help="operator_scale.py's --nodes")
     args = p.parse_args()
-    results = measure(args.runs, args.scale)
+    results = measure(args.runs, args.scale, args.operator_jobs, args.operator_nodes)
     results["targets"] = target_ratios(results)
     path = Path(args.json)
     path.write_text(json.dumps(results, indent=2) + "\n")

@@ -18,7 +18,7 @@ from support.shards import LiveShards, start_shards
 
 # `control_plane`, `kubectl`, `api`, `helm`, `namespace`, `chart`, `operator`, `chiefs`: the real
 # control plane of the cluster tier (support/cluster.py); `kube`: the Kubernetes API emulator on
-# loopback that benchmarks/operator_bench.py measures the operator against (tests/kube)
+# loopback (tests/kube), which only its own tests use now
 pytest_plugins = ["kube.plugin", "support.cluster"]
 
 
