@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from distbelief.operator.cluster import children
+from distbelief.operator.spec.job import DistBeliefJob
 
 
 def claim(name: str, job: str | None, uid: str | None = None) -> dict[str, Any]:
@@ -32,8 +33,9 @@ class Claims:
         return [c for c in self.claims if all(c["metadata"]["labels"].get(k) == v for k, v in selector.items())]
 
 
-def job(name: str, uid: str) -> dict[str, Any]:
-    return {"metadata": {"name": name, "namespace": "ml", "uid": uid}, "spec": {}}
+def job(name: str, uid: str) -> DistBeliefJob:
+    return DistBeliefJob.of({"metadata": {"name": name, "namespace": "ml", "uid": uid},
+                             "spec": {"data": {"source": "builtin:digits"}}})
 
 
 def test_only_the_claims_labelled_with_the_jobs_name_are_listed() -> None:

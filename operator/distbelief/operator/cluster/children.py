@@ -23,6 +23,7 @@ from typing import Any
 
 from distbelief.operator.cluster.kube import Kube, Manifest, contains, controller_uid, mutable_part
 from distbelief.operator.render import render
+from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class Applied:
         return {name: result for name, result in self.results.items() if result not in ("unchanged", "foreign")}
 
 
-def apply_all(kube: Kube, job: Mapping[str, Any], children: list[Manifest], *, new: bool = False) -> Applied:
+def apply_all(kube: Kube, job: DistBeliefJob, children: list[Manifest], *, new: bool = False) -> Applied:
     """Create (a new job's: without reading first) or patch every child; delete an optional
     child that the spec no longer asks for. The removal runs for a new job too: a retried
     create may have left one. Only the job's own objects are changed."""
@@ -68,7 +69,7 @@ def apply_all(kube: Kube, job: Mapping[str, Any], children: list[Manifest], *, n
     return applied
 
 
-def drifted(job: Mapping[str, Any], children: list[Manifest], seen: Mapping[str, Any], *, gone: bool) -> bool:
+def drifted(job: DistBeliefJob, children: list[Manifest], seen: Mapping[str, Any], *, gone: bool) -> bool:
     """Whether the job's child a watch saw (seen; gone: it was deleted) no longer matches
     children, the job's rendered children: a child the job wants that is gone or differs,
     or an optional child the spec no longer asks for. Another's object never drifts."""
@@ -80,7 +81,7 @@ def drifted(job: Mapping[str, Any], children: list[Manifest], seen: Mapping[str,
     return gone or not contains(seen, mutable_part(wanted))
 
 
-def put_back(kube: Kube, job: Mapping[str, Any], children: list[Manifest], seen: Mapping[str, Any], *,
+def put_back(kube: Kube, job: DistBeliefJob, children: list[Manifest], seen: Mapping[str, Any], *,
              gone: bool) -> str | None:
     """Make a drifted child match the job again: "created", "patched", "deleted" (an optional
     child the spec no longer asks for), or None when there was nothing to do."""
@@ -100,7 +101,7 @@ def _wanted(children: list[Manifest], seen: Mapping[str, Any]) -> Manifest | Non
                  and c["metadata"]["name"] == seen["metadata"]["name"]), None)
 
 
-def stale_claims(kube: Kube, job: Mapping[str, Any]) -> list[str]:
+def stale_claims(kube: Kube, job: DistBeliefJob) -> list[str]:
     """The checkpoint claims the job's shards would mount that another job made: a job of the
     same name, deleted with its claims kept (retention Retain). Their names, sorted.
 
@@ -116,12 +117,11 @@ def stale_claims(kube: Kube, job: Mapping[str, Any]) -> list[str]:
                   and (claim["metadata"].get("labels") or {}).get(JOB_UID_LABEL) != uid)
 
 
-def _identity(job: Mapping[str, Any]) -> tuple[contract.JobNames, str, str]:
-    meta = job["metadata"]
-    return contract.JobNames(meta["name"]), meta.get("namespace") or "default", meta.get("uid", "")
+def _identity(job: DistBeliefJob) -> tuple[contract.JobNames, str, str]:
+    return job.config.names, job.config.namespace, job.config.uid or ""
 
 
-def stop_workloads(kube: Kube, job: Mapping[str, Any]) -> None:
+def stop_workloads(kube: Kube, job: DistBeliefJob) -> None:
     """Scale the job's own StatefulSet and Deployments to 0 without rendering them (for a
     job whose spec cannot be rendered any more)."""
     names, namespace, uid = _identity(job)

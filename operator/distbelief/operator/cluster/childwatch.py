@@ -71,7 +71,7 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
     except errors.SpecError:
         return
     finished = (fresh.get("status") or {}).get("phase") in TERMINAL
-    result = children.put_back(kube, job.manifest(), handlers.desired_children(job, finished=finished), dict(body),
+    result = children.put_back(kube, job, handlers.desired_children(job, finished=finished), dict(body),
                                gone=gone)
     if result:
         what = f"{body.get('kind')} {body.metadata.name}"
@@ -83,7 +83,7 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
 
 def _drifted(job: Mapping[str, Any], child: kopf.Body, *, gone: bool) -> bool:
     wanted = _rendered(job)
-    return wanted is not None and children.drifted(wanted[0].manifest(), wanted[1], dict(child), gone=gone)
+    return wanted is not None and children.drifted(wanted[0], wanted[1], dict(child), gone=gone)
 
 
 # The children each indexed version of a job wants, by (uid, resourceVersion): every

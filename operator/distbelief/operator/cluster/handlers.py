@@ -187,7 +187,7 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
         job = dataclasses.replace(job, annotations={k: v for k, v in job.annotations.items()
                                                     if k != queue.ADMISSION_ANNOTATION})
     if SHARDS_ANNOTATION not in (body.metadata.annotations or {}):  # the job's first reconcile
-        stale = children.stale_claims(kube, job.manifest())
+        stale = children.stale_claims(kube, job)
         if stale:
             _block(body, memo, "CheckpointsOfAnotherJob", (
                 f"PersistentVolumeClaims {', '.join(stale)} hold the checkpoints of an earlier job named "
@@ -201,7 +201,7 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
         _block(body, memo, "KeysSecretForeign", (
             f"Secret {names.keys_secret} exists but was not made for this job; the job will not use it "
             "(delete it, and the operator makes the job's own)"))
-    applied = children.apply_all(kube, job.manifest(), desired_children(job, finished=finished), new=reason == "create")
+    applied = children.apply_all(kube, job, desired_children(job, finished=finished), new=reason == "create")
     if applied.foreign:
         _block(body, memo, "ForeignObject", (
             f"{', '.join(applied.foreign)} exist but are not this job's (no controller reference to it): the "
@@ -364,9 +364,9 @@ def _finish(kube: Kube, body: kopf.Body, job: DistBeliefJob, status: Mapping[str
     condition = next(c for c in status["conditions"] if c["type"] == status["phase"])
     try:
         if stop_only:
-            children.stop_workloads(kube, job.manifest())
+            children.stop_workloads(kube, job)
         else:
-            children.apply_all(kube, job.manifest(), desired_children(job, finished=True))
+            children.apply_all(kube, job, desired_children(job, finished=True))
     except errors.KubeError as exc:
         raise kopf.TemporaryError(f"cannot scale the finished job down: {exc}", delay=5) from exc
     post = kopf.info if status["phase"] != FAILED else kopf.warn
