@@ -85,7 +85,8 @@ test-nodes: install
 	if [ -x ../shared/kube/node ] && [ "$$(id -u)" = 0 ]; then ../shared/kube/node deps >/dev/null; fi
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q -rs tests/nodes
 
-# Benchmarks (~50 min on 2 cores): installs the bench extra (torch, the peer), then runs
+# Benchmarks (~90 min on 2 cores, 35 of them the operator at 1,000 jobs): installs the bench
+# extra (torch, the peer), then runs
 # benchmarks/run_all.py: every figure of docs/benchmarks.md, 5 runs each (3 for the 90M-
 # parameter job), into benchmarks/results.json and docs/benchmarks.png, with the target
 # ratios and any failed run printed. A crashed run is retried once, then recorded.

@@ -3,7 +3,8 @@
 on KWOK's fake nodes, the operator as a local process, every chief answered by a stub.
 
     python benchmarks/operator_scale.py [--jobs 1000] [--nodes 100] [--shards 2] [--workers 8]
-        [--namespaces 1] [--rate 20] [--steady 120] [--timeout 3600] [--json PATH] [--keep DIR]
+        [--namespaces 1] [--rate 20] [--steady 120] [--status-interval S] [--operator-env NAME=VALUE]
+        [--timeout 3600] [--json PATH] [--keep DIR]
 
 One run, in order (kube_harness.py has the parts):
 1. The control plane (../shared/kube/control-plane), the CRD, --namespaces namespaces, KWOK
@@ -237,7 +238,8 @@ def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         chiefs = stack.start(kh.Chiefs())
         watches = [stack.start(watch) for watch in record.watches(api)]
         watches.append(stack.start(kh.Watch(api, kh.JOBS, record.on_job)))
-        operator = stack.start(kh.Operator(plane, folder, chiefs.url, status_interval=args.status_interval))
+        operator = stack.start(kh.Operator(plane, folder, chiefs.url, status_interval=args.status_interval,
+                                           env=dict(e.split("=", 1) for e in args.operator_env)))
         audit = kh.AuditTail(plane.audit_log)
         assert operator.process is not None and kwok.process is not None
         sampler = stack.start(kh.Sampler({"operator": operator.process.pid, **plane.pids(),
@@ -347,6 +349,7 @@ def report(args: argparse.Namespace, record: Record, phases: Phases, sampler: kh
     figures["config"] = {"jobs": jobs, "nodes": args.nodes, "shards": args.shards, "workers": args.workers,
                          "pods": jobs * (args.shards + args.workers), "namespaces": args.namespaces, "rate": args.rate,
                          "steady_s": args.steady, "status_interval_s": args.status_interval or 5.0,
+                         "operator_env": args.operator_env,
                          "set_up_s": set_up, "kopf": metadata.version("kopf"), "python": platform.python_version(),
                          "cpus": os.cpu_count(), "loadavg_1m_end": os.getloadavg()[0],
                          "other_work_cores": by_phase["run"].get("other_work_cores")}
@@ -394,6 +397,8 @@ def main() -> int:
     p.add_argument("--steady", type=float, default=120.0, help="seconds with every job running, before they finish")
     p.add_argument("--status-interval", type=float, default=None,
                    help="DISTBELIEF_STATUS_INTERVAL for the operator (default: the operator's, 5 s)")
+    p.add_argument("--operator-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the operator (repeatable), e.g. MALLOC_ARENA_MAX=2")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for each phase")
     p.add_argument("--json", default=None)
     p.add_argument("--keep", default=None, metavar="DIR", help="work in DIR and keep it (logs, audit log)")
