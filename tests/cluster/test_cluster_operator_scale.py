@@ -57,7 +57,10 @@ def test_the_scale_benchmark_runs_jobs_through_their_phases_and_stops_what_it_st
     assert {"get statefulsets", "list pods", "patch distbeliefjobs/status"} <= steady["requests_by_verb"].keys() or \
         steady["seconds"] < 5   # a 1 s window may see no status pass
     run = figures["phases"]["run"]
-    assert run["flowcontrol"]["dispatched"] >= run["operator_requests"] > 0  # the operator alone is a ServiceAccount
+    # the operator alone is a ServiceAccount: its flow schema's count and the audit log's agree
+    # but for the requests at the window's edges (one counted by time, the other by snapshot)
+    assert run["operator_requests"] > 0 and abs(run["flowcontrol"]["dispatched"] - run["operator_requests"]) <= \
+        0.2 * run["operator_requests"] + 5
     assert run["apiserver_latency_s"]["all"]["p99"] > 0
     assert 0 < figures["operator"]["rss_peak_mib"] < 1024
     assert {t["figure"] for t in figures["targets"]} == {"apply_to_children_p99_s", "status_lag_p99_s",
