@@ -72,7 +72,7 @@ sys.path[:0] = [str(REPO / "runtime")]
 import numpy as np
 import yaml
 
-from distbelief.runtime import contract, jobspec
+from distbelief.runtime import contract, jobresolve
 from distbelief.runtime.model import data, models
 from distbelief.runtime.params import optim
 
@@ -317,7 +317,7 @@ def single_process_seconds(spec: dict, target: float) -> float:
 def plain_trainer(spec: dict) -> tuple[Callable[[], None], Callable[[], float]]:
     """A job's model, data and optimizer in this process, no parameter server:
     (one training step, held-out accuracy now)."""
-    typed = jobspec.resolve(spec)
+    typed = jobresolve.resolve(spec)
     dataset = data.load(typed.data)
     model = models.build_model(typed.model, dataset.n_features, dataset.n_classes)
     params = model.init_params(0)

@@ -20,7 +20,7 @@ import zmq
 from distbelief.operator.local import local
 from distbelief.operator.spec import spec
 from distbelief.operator.spec.job import DistBeliefJob
-from distbelief.runtime import contract, errors, jobspec, keys
+from distbelief.runtime import contract, errors, jobresolve, keys
 from distbelief.runtime.client.group import Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.dense_client import Float32Dense
@@ -216,7 +216,7 @@ class _Job:
     spec.parameterServers.encryption resolves as the CRD's default, True) and its plan."""
 
     def __init__(self, **parameter_servers: object) -> None:
-        self.spec = jobspec.resolve({"data": {"source": "builtin:digits"}, "parameterServers": parameter_servers})
+        self.spec = jobresolve.resolve({"data": {"source": "builtin:digits"}, "parameterServers": parameter_servers})
         self.plan = None  # not partitioned
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from distbelief.operator.spec import spec
-from distbelief.runtime import jobspec
+from distbelief.runtime import jobresolve, jobspec
 from support.paths import EXAMPLES
 
 
@@ -16,4 +16,4 @@ def load_example(name: str) -> dict[str, Any]:
 
 def typed_model(written: dict[str, Any]) -> jobspec.Model:
     """A spec.model as the runtime takes it, resolved from a dict as a job's config is."""
-    return jobspec.resolve({"data": {"source": "builtin:digits"}, "model": written}).model
+    return jobresolve.resolve({"data": {"source": "builtin:digits"}, "model": written}).model

@@ -20,7 +20,7 @@ import yaml
 from distbelief.operator.local import preflight
 from distbelief.operator.spec import spec
 from distbelief.operator.spec.job import DistBeliefJob
-from distbelief.runtime import contract, errors, jobbase, jobspec
+from distbelief.runtime import contract, errors, jobbase, jobresolve, jobspec
 from distbelief.runtime.model.job import Job
 
 from support.examples import load_example
@@ -29,7 +29,7 @@ from support.paths import EXAMPLES, REPO
 
 RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
 CRD = REPO / "crds" / "distbelief.io_distbeliefjobs.yaml"
-RESOLVER = RUNTIME / "jobspec.py"
+CLASSES, RESOLVER = RUNTIME / "jobspec.py", RUNTIME / "jobresolve.py"
 GENERATOR = REPO / "tools" / "gen-jobspec"
 MINIMAL = {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND, "metadata": {"name": "tiny"},
            "spec": {"data": {"source": "builtin:digits"}}}
@@ -52,15 +52,17 @@ def crd_keys() -> set[str]:
     return {key for key in _crd_keys(spec_schema(yaml.safe_load(CRD.read_text(encoding="utf-8")))) if key != key.lower()}
 
 
-def generated(crd_text: str) -> str:
-    """What tools/gen-jobspec writes for a CRD, in memory."""
+def generated(crd_text: str) -> dict[Path, str]:
+    """What tools/gen-jobspec writes for a CRD, in memory: each module's text by its path."""
     generator = runpy.run_path(str(GENERATOR))
     return generator["generate"](crd_text, generator["hand_written_bases"]())
 
 
 def test_the_typed_job_is_what_the_generator_makes_of_the_crd() -> None:
     fresh = generated(CRD.read_text(encoding="utf-8"))
-    assert RESOLVER.read_text(encoding="utf-8") == fresh, "jobspec.py is stale: run tools/gen-jobspec"
+    assert set(fresh) == {CLASSES, RESOLVER}
+    for path, text in fresh.items():
+        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run tools/gen-jobspec"
 
 
 def test_a_field_added_to_the_crd_reaches_the_typed_job_with_its_type_default_and_description() -> None:
@@ -69,21 +71,30 @@ def test_a_field_added_to_the_crd_reaches_the_typed_job_with_its_type_default_an
     training["warmupSeconds"] = {"type": "number", "default": 5, "description": "Seconds of warm-up."}
     training["schedule"] = {"type": "object", "description": "The rate's schedule.",
                             "properties": {"decayEvery": {"type": "integer"}}}
-    text = generated(yaml.safe_dump(crd, sort_keys=False))
-    assert 'warmup_seconds: float = 5.0\n    """Seconds of warm-up."""' in text
-    assert 'warmup_seconds=at.get("warmupSeconds", jobbase.number, 5.0),' in text
-    assert 'class Schedule:\n    """spec.training.schedule: The rate\'s schedule."""' in text
-    assert "schedule: Schedule | None = None" in text and "decay_every: int | None = None" in text
+    texts = generated(yaml.safe_dump(crd, sort_keys=False))
+    classes, resolver = texts[CLASSES], texts[RESOLVER]
+    assert 'warmup_seconds: float = 5.0\n    """Seconds of warm-up."""' in classes
+    assert 'warmup_seconds=at.get("warmupSeconds", jobbase.number, 5.0),' in resolver
+    assert 'class Schedule:\n    """spec.training.schedule: The rate\'s schedule."""' in classes
+    assert "schedule: Schedule | None = None" in classes and "decay_every: int | None = None" in classes
+    assert 'schedule=at.optional("schedule", _schedule),' in resolver
+
+
+def test_properties_the_roles_share_are_declared_once() -> None:
+    classes = generated(CRD.read_text(encoding="utf-8"))[CLASSES]
+    assert classes.count("    resources: Mapping[str, Any]") == 1 and classes.count("    template: Mapping") == 1
+    assert jobspec.Workers().resources == {} and jobspec.ParameterServers(resources={"a": 1}).resources == {"a": 1}
+    assert issubclass(jobspec.Workers, jobspec.Role) and issubclass(jobspec.ParameterServers, jobspec.Role)
 
 
 def test_the_typed_defaults_are_the_crds() -> None:
     """What validate_job fills in resolves to exactly the dataclasses' defaults, so a
     value built in code (or a config from before a field) agrees with the CRD."""
-    resolved = jobspec.resolve(spec.validate_job(MINIMAL)["spec"])
+    resolved = jobresolve.resolve(spec.validate_job(MINIMAL)["spec"])
     assert resolved == jobspec.JobSpec(data=jobspec.Data(source="builtin:digits"))
     with_rows = dict(MINIMAL, spec={"data": {"source": "synthetic-ctr:fields=2,ids=50,samples=100"},
                                     "model": {"embeddings": {}}})
-    assert jobspec.resolve(spec.validate_job(with_rows)["spec"]).model.embeddings == jobspec.Embeddings()
+    assert jobresolve.resolve(spec.validate_job(with_rows)["spec"]).model.embeddings == jobspec.Embeddings()
 
 
 def test_an_example_resolves_to_the_values_it_gives() -> None:
@@ -112,7 +123,7 @@ def test_an_example_resolves_to_the_values_it_gives() -> None:
 ])
 def test_a_config_the_resolver_cannot_read_names_the_field(spec_dict: dict, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
-        jobspec.resolve(spec_dict)
+        jobresolve.resolve(spec_dict)
 
 
 def test_the_configmap_still_holds_the_spec_as_a_dict(tmp_path: Path) -> None:

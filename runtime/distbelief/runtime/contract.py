@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from distbelief.runtime import jobspec
+from distbelief.runtime import jobresolve, jobspec
 
 API_GROUP = "distbelief.io"
 API_VERSION = "v1alpha1"
@@ -230,7 +230,7 @@ class JobConfig:
     spec: jobspec.JobSpec = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "spec", jobspec.resolve(self.written))
+        object.__setattr__(self, "spec", jobresolve.resolve(self.written))
 
     @property
     def names(self) -> JobNames:

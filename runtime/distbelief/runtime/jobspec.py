@@ -18,12 +18,9 @@ tests/unit/test_jobspec.py fails while this file is stale.
     │   └── autoscaling: Autoscaling | None
     └── run_policy: RunPolicy
 
-`resolve(spec)` is the one place that reads the CRD's camelCase keys (a test checks that no
-other runtime module names one). The spec it reads is the one the ConfigMap holds, which
-`distbelief.operator.spec.validate_job` has checked and filled with the CRD's defaults; the
-defaults here are the same, so that a config written before a field existed still resolves,
-and a test or a tool can build a value in a line. Pod templates, resources and pull secrets
-stay the mappings the job gives.
+The defaults are the CRD's, so that a config written before a field existed still resolves
+(jobresolve.py) and a test or a tool can build a value in a line. Pod templates, resources
+and pull secrets stay the mappings the job gives.
 
 Like contract.py, this module imports only the standard library.
 """
@@ -34,6 +31,28 @@ import dataclasses
 from typing import Any, Mapping
 
 from distbelief.runtime import jobbase
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Role:
+    """What every role of the job (spec.parameterServers, spec.workers) takes for its pods."""
+
+    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Kubernetes resource requests and limits of each of the role's pods. The CPU limit (else the CPU request),
+    rounded up, also sets the pods' OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and MKL_NUM_THREADS, so that numpy's
+    BLAS uses the pod's CPUs rather than the node's; without a CPU quantity those are left unset. Local mode
+    holds each pod's process to its memory limit as a cluster holds its container.
+    """
+    template: Mapping[str, Any] | None = None
+    """Merged onto the role's pods: a subset of a PodTemplateSpec. metadata.labels and annotations are added;
+    spec.nodeSelector, tolerations, affinity, topologySpreadConstraints, priorityClassName, imagePullSecrets,
+    serviceAccountName, schedulerName and volumes go into the pod spec (lists are appended to the operator's);
+    spec.containers[0] (name: the role, ps or worker) adds env and volumeMounts to the role's container. In a
+    partitioned job the workers' template applies to every partition's pods. What the operator owns is refused by
+    name: the command, args, image, ports, probes, security contexts and resources (spec.*.resources), its labels
+    (app.kubernetes.io/name, instance, component, managed-by and distbelief.io/*), its env names, volumes and
+    mount paths.
+    """
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,7 +300,7 @@ class Checkpoint:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ParameterServers(jobbase.ParameterServersBase):
+class ParameterServers(Role, jobbase.ParameterServersBase):
     """spec.parameterServers: The parameter shards."""
 
     shards: int = 1
@@ -313,22 +332,6 @@ class ParameterServers(jobbase.ParameterServersBase):
     with or without backups (not with Sandblaster, model.embeddings or model.partitions > 1). One of: float32,
     bfloat16.
     """
-    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Kubernetes resource requests and limits of each of the role's pods. The CPU limit (else the CPU request),
-    rounded up, also sets the pods' OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and MKL_NUM_THREADS, so that numpy's
-    BLAS uses the pod's CPUs rather than the node's; without a CPU quantity those are left unset. Local mode
-    holds each pod's process to its memory limit as a cluster holds its container.
-    """
-    template: Mapping[str, Any] | None = None
-    """Merged onto the role's pods: a subset of a PodTemplateSpec. metadata.labels and annotations are added;
-    spec.nodeSelector, tolerations, affinity, topologySpreadConstraints, priorityClassName, imagePullSecrets,
-    serviceAccountName, schedulerName and volumes go into the pod spec (lists are appended to the operator's);
-    spec.containers[0] (name: the role, ps or worker) adds env and volumeMounts to the role's container. In a
-    partitioned job the workers' template applies to every partition's pods. What the operator owns is refused by
-    name: the command, args, image, ports, probes, security contexts and resources (spec.*.resources), its labels
-    (app.kubernetes.io/name, instance, component, managed-by and distbelief.io/*), its env names, volumes and
-    mount paths.
-    """
     checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
 
 
@@ -347,28 +350,12 @@ class Autoscaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Workers:
+class Workers(Role):
     """spec.workers: The model replicas."""
 
     replicas: int = 1
     """Model replicas; what kubectl scale sets (the scale subresource). With spec.model.partitions, each replica is
     one pod of every partition.
-    """
-    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Kubernetes resource requests and limits of each of the role's pods. The CPU limit (else the CPU request),
-    rounded up, also sets the pods' OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and MKL_NUM_THREADS, so that numpy's
-    BLAS uses the pod's CPUs rather than the node's; without a CPU quantity those are left unset. Local mode
-    holds each pod's process to its memory limit as a cluster holds its container.
-    """
-    template: Mapping[str, Any] | None = None
-    """Merged onto the role's pods: a subset of a PodTemplateSpec. metadata.labels and annotations are added;
-    spec.nodeSelector, tolerations, affinity, topologySpreadConstraints, priorityClassName, imagePullSecrets,
-    serviceAccountName, schedulerName and volumes go into the pod spec (lists are appended to the operator's);
-    spec.containers[0] (name: the role, ps or worker) adds env and volumeMounts to the role's container. In a
-    partitioned job the workers' template applies to every partition's pods. What the operator owns is refused by
-    name: the command, args, image, ports, probes, security contexts and resources (spec.*.resources), its labels
-    (app.kubernetes.io/name, instance, component, managed-by and distbelief.io/*), its env names, volumes and
-    mount paths.
     """
     autoscaling: Autoscaling | None = None
 
@@ -405,178 +392,3 @@ class JobSpec(jobbase.JobSpecBase):
     parameter_servers: ParameterServers = dataclasses.field(default_factory=ParameterServers)
     workers: Workers = dataclasses.field(default_factory=Workers)
     run_policy: RunPolicy = dataclasses.field(default_factory=RunPolicy)
-
-
-# ------------------------------------------------------------------- the resolver
-
-
-def resolve(spec: Mapping[str, Any]) -> JobSpec:
-    """The typed job of a resolved spec (the ConfigMap's). ValueError names the field
-    that is missing or of the wrong type."""
-    return _job_spec(spec, "spec")
-
-
-def _embeddings(values: Any, path: str) -> Embeddings:
-    at = jobbase.Section(values, path)
-    return Embeddings(
-        dim=at.get("dim", jobbase.integer, 16),
-        hash_buckets=at.get("hashBuckets", jobbase.integer, 0),
-        admit_after=at.get("admitAfter", jobbase.integer, 1),
-        expire_after_seconds=at.optional("expireAfterSeconds", jobbase.integer),
-        wide=at.get("wide", jobbase.boolean, True),
-        l2=at.get("l2", jobbase.number, 0.001),
-        wide_l2=at.get("wideL2", jobbase.number, 3e-05),
-        embed_after=at.get("embedAfter", jobbase.integer, 5),
-        max_rows_per_shard=at.optional("maxRowsPerShard", jobbase.integer),
-    )
-
-
-def _model(values: Any, path: str) -> Model:
-    at = jobbase.Section(values, path)
-    return Model(
-        type=at.optional("type", jobbase.string),
-        hidden_layers=at.get("hiddenLayers", jobbase.integers, (64,)),
-        activation=at.get("activation", jobbase.string, "relu"),
-        l2=at.get("l2", jobbase.number, 0.0),
-        entrypoint=at.optional("entrypoint", jobbase.string),
-        partitions=at.get("partitions", jobbase.integer, 1),
-        micro_batches=at.get("microBatches", jobbase.integer, 1),
-        embeddings=at.optional("embeddings", _embeddings),
-    )
-
-
-def _object_store(values: Any, path: str) -> ObjectStore:
-    at = jobbase.Section(values, path)
-    return ObjectStore(
-        endpoint=at.optional("endpoint", jobbase.string),
-        region=at.optional("region", jobbase.string),
-        secret_ref=at.optional("secretRef", jobbase.string),
-    )
-
-
-def _data(values: Any, path: str) -> Data:
-    at = jobbase.Section(values, path)
-    return Data(
-        source=at.required("source", jobbase.string),
-        test_fraction=at.get("testFraction", jobbase.number, 0.2),
-        seed=at.get("seed", jobbase.integer, 0),
-        max_eval_examples=at.get("maxEvalExamples", jobbase.integer, 10000),
-        volume=at.optional("volume", jobbase.string),
-        test=at.optional("test", jobbase.string),
-        label=at.get("label", jobbase.string, "y"),
-        features=at.optional("features", jobbase.strings),
-        ids=at.get("ids", jobbase.strings, ()),
-        object_store=at.optional("objectStore", _object_store),
-        on_bad_file=at.get("onBadFile", jobbase.string, "fail"),
-    )
-
-
-def _sandblaster(values: Any, path: str) -> Sandblaster:
-    at = jobbase.Section(values, path)
-    return Sandblaster(
-        history_size=at.get("historySize", jobbase.integer, 10),
-        work_unit_size=at.get("workUnitSize", jobbase.integer, 64),
-        backup_tasks=at.get("backupTasks", jobbase.boolean, True),
-        gradient_tolerance=at.get("gradientTolerance", jobbase.number, 1e-05),
-    )
-
-
-def _training(values: Any, path: str) -> Training:
-    at = jobbase.Section(values, path)
-    return Training(
-        algorithm=at.get("algorithm", jobbase.string, "downpour"),
-        batch_size=at.get("batchSize", jobbase.integer, 32),
-        learning_rate=at.get("learningRate", jobbase.number, 0.1),
-        optimizer=at.get("optimizer", jobbase.string, "adagrad"),
-        max_staleness=at.optional("maxStaleness", jobbase.integer),
-        max_gradient_norm=at.get("maxGradientNorm", jobbase.number, 100.0),
-        overlap=at.get("overlap", jobbase.boolean, False),
-        fetch_every=at.get("fetchEvery", jobbase.integer, 1),
-        push_every=at.get("pushEvery", jobbase.integer, 1),
-        warmstart_steps=at.get("warmstartSteps", jobbase.integer, 0),
-        keep_best=at.get("keepBest", jobbase.boolean, False),
-        fail_on_degraded=at.get("failOnDegraded", jobbase.boolean, False),
-        max_steps=at.get("maxSteps", jobbase.integer, 10000),
-        target_accuracy=at.optional("targetAccuracy", jobbase.number),
-        target_loss=at.optional("targetLoss", jobbase.number),
-        max_duration=at.optional("maxDuration", jobbase.duration),
-        eval_every_seconds=at.get("evalEverySeconds", jobbase.number, 2.0),
-        seed=at.get("seed", jobbase.integer, 0),
-        sandblaster=at.get("sandblaster", _sandblaster, Sandblaster()),
-    )
-
-
-def _storage(values: Any, path: str) -> Storage:
-    at = jobbase.Section(values, path)
-    return Storage(
-        size=at.get("size", jobbase.string, "1Gi"),
-        storage_class_name=at.optional("storageClassName", jobbase.string),
-        retention=at.get("retention", jobbase.string, "Retain"),
-    )
-
-
-def _checkpoint(values: Any, path: str) -> Checkpoint:
-    at = jobbase.Section(values, path)
-    return Checkpoint(
-        every_seconds=at.get("everySeconds", jobbase.integer, 30),
-        keep=at.get("keep", jobbase.integer, 3),
-        storage=at.get("storage", _storage, Storage()),
-    )
-
-
-def _parameter_servers(values: Any, path: str) -> ParameterServers:
-    at = jobbase.Section(values, path)
-    return ParameterServers(
-        shards=at.get("shards", jobbase.integer, 1),
-        backups=at.get("backups", jobbase.integer, 0),
-        port=at.get("port", jobbase.integer, 7070),
-        network_policy=at.get("networkPolicy", jobbase.boolean, True),
-        encryption=at.get("encryption", jobbase.boolean, True),
-        wire_format=at.get("wireFormat", jobbase.string, "float32"),
-        resources=at.get("resources", jobbase.mapping, {}),
-        template=at.optional("template", jobbase.mapping),
-        checkpoint=at.get("checkpoint", _checkpoint, Checkpoint()),
-    )
-
-
-def _autoscaling(values: Any, path: str) -> Autoscaling:
-    at = jobbase.Section(values, path)
-    return Autoscaling(
-        min_replicas=at.get("minReplicas", jobbase.integer, 1),
-        max_replicas=at.required("maxReplicas", jobbase.integer),
-        metrics=at.optional("metrics", jobbase.mappings),
-    )
-
-
-def _workers(values: Any, path: str) -> Workers:
-    at = jobbase.Section(values, path)
-    return Workers(
-        replicas=at.get("replicas", jobbase.integer, 1),
-        resources=at.get("resources", jobbase.mapping, {}),
-        template=at.optional("template", jobbase.mapping),
-        autoscaling=at.optional("autoscaling", _autoscaling),
-    )
-
-
-def _run_policy(values: Any, path: str) -> RunPolicy:
-    at = jobbase.Section(values, path)
-    return RunPolicy(
-        suspend=at.get("suspend", jobbase.boolean, False),
-        backoff_limit=at.get("backoffLimit", jobbase.integer, 3),
-        ttl_seconds_after_finished=at.optional("ttlSecondsAfterFinished", jobbase.integer),
-        clean_pod_policy=at.get("cleanPodPolicy", jobbase.string, "All"),
-    )
-
-
-def _job_spec(values: Any, path: str) -> JobSpec:
-    at = jobbase.Section(values, path)
-    return JobSpec(
-        image=at.optional("image", jobbase.string),
-        image_pull_secrets=at.optional("imagePullSecrets", jobbase.mappings),
-        model=at.get("model", _model, Model()),
-        data=at.required("data", _data),
-        training=at.get("training", _training, Training()),
-        parameter_servers=at.get("parameterServers", _parameter_servers, ParameterServers()),
-        workers=at.get("workers", _workers, Workers()),
-        run_policy=at.get("runPolicy", _run_policy, RunPolicy()),
-    )
