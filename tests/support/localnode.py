@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 import yaml
 
 from support import controlplane
-from support.cluster import Kubectl, unavailable
+from support.cluster import Kubectl, stop_process, unavailable
 from support.paths import REPO
 from support.waiting import eventually
 
@@ -47,17 +46,6 @@ class LocalNode:
 
     def log(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def terminate(process: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGTERM, and SIGKILL when it has not ended within timeout seconds."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _exited_early(process: subprocess.Popen, log_path: Path) -> None:
@@ -93,7 +81,7 @@ def local_node(control_plane: controlplane.ControlPlane, kubectl: Kubectl,
         port = eventually(ready, 60, what=f"Node {name} Ready and untainted")
         yield LocalNode(name=name, root=root, port=port, process=process, log_path=log_path)
     finally:
-        terminate(process)
+        stop_process(process)
         kubectl("delete", "node", name, "--wait=false", check=False)
 
 
@@ -121,7 +109,7 @@ def operator(chart: str, control_plane: controlplane.ControlPlane, local_node: L
     try:
         yield log_path
     finally:
-        terminate(process)
+        stop_process(process)
 
 
 def get(kubectl: Kubectl, *args: str) -> Any:
