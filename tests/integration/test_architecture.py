@@ -14,7 +14,7 @@ from support.paths import REPO
 
 RUNTIME = REPO / "runtime" / "distbelief" / "runtime"
 # The runtime modules the operator process may import: dependency-free, beside the layers.
-RUNTIME_FOR_THE_OPERATOR = {"contract", "jobspec", "jobbase", "keys", "keyfiles", "errors"}
+RUNTIME_FOR_THE_OPERATOR = {"contract", "jobspec", "jobresolve", "jobbase", "keys", "keyfiles", "errors"}
 
 
 def contracts() -> list[dict]:
