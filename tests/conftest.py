@@ -1,5 +1,5 @@
-"""Shared fixtures: the real control plane (support/cluster.py), the Kubernetes API emulator
-(tests/kube), live shards on loopback, job keys. Helpers shared by tests live in support/
+"""Shared fixtures: the real control plane (support/cluster.py), live shards on loopback,
+job keys. Helpers shared by tests live in support/
 (paths, examples, shards, fire, cli, waiting, ports), never in a test file."""
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from support.paths import REPO
 from support.shards import LiveShards, start_shards
 
 # `control_plane`, `kubectl`, `api`, `helm`, `namespace`, `chart`, `operator`, `chiefs`: the real
-# control plane of the cluster tier (support/cluster.py); `kube`: the Kubernetes API emulator on
-# loopback (tests/kube), which only its own tests use now
-pytest_plugins = ["kube.plugin", "support.cluster"]
+# control plane of the cluster tier (support/cluster.py)
+pytest_plugins = ["support.cluster"]
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
