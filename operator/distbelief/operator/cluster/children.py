@@ -22,15 +22,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from distbelief.operator.cluster.kube import Kube, Manifest, contains, controller_uid, mutable_part
-from distbelief.operator.render import render
+from distbelief.operator.render import kinds, render
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
 
-# Children the spec may stop asking for: (apiVersion, kind) -> the name of the job's one.
-OPTIONAL = {("autoscaling/v2", "HorizontalPodAutoscaler"): lambda names: names.worker,
-            ("networking.k8s.io/v1", "NetworkPolicy"): lambda names: names.ps}
 # The label the StatefulSet copies from its claim template to every checkpoint claim.
 JOB_UID_LABEL = render.JOB_UID_LABEL
 
@@ -60,7 +57,7 @@ def apply_all(kube: Kube, job: DistBeliefJob, children: list[Manifest], *, new: 
             applied.foreign.append(key)
     names, namespace, uid = _identity(job)
     rendered = {(c["apiVersion"], c["kind"]) for c in children}
-    for (api_version, kind), name_of in OPTIONAL.items():
+    for (api_version, kind), name_of in kinds.OPTIONAL.items():
         if (api_version, kind) in rendered:
             continue
         name = name_of(names)
@@ -77,7 +74,7 @@ def drifted(job: DistBeliefJob, children: list[Manifest], seen: Mapping[str, Any
         return False
     wanted = _wanted(children, seen)
     if wanted is None:
-        return not gone and (seen.get("apiVersion"), seen.get("kind")) in OPTIONAL
+        return not gone and (seen.get("apiVersion"), seen.get("kind")) in kinds.OPTIONAL
     return gone or not contains(seen, mutable_part(wanted))
 
 

@@ -18,7 +18,7 @@ import kopf
 from distbelief.operator import errors
 from distbelief.operator.cluster import children, handlers
 from distbelief.operator.cluster.kube import Kube
-from distbelief.operator.render import podparts
+from distbelief.operator.render import kinds, podparts
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status.status import TERMINAL
 from distbelief.runtime import contract
@@ -26,20 +26,13 @@ from distbelief.runtime import contract
 log = logging.getLogger(__name__)
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-# Every kind of child the operator applies (the keys Secret aside: the operator may create
-# Secrets, never read or watch them).
-CHILD_RESOURCES = (("v1", "configmaps"), ("v1", "services"), ("apps/v1", "statefulsets"),
-                   ("apps/v1", "deployments"), ("policy/v1", "poddisruptionbudgets"),
-                   ("autoscaling/v2", "horizontalpodautoscalers"), ("networking.k8s.io/v1", "networkpolicies"))
-
-
 @kopf.on.startup()
 def select_children(settings: kopf.OperatorSettings, **_: Any) -> None:
     """The children are watched by their label on the server where kopf can say so (1.45 and
     later); older kopf lists every object of those kinds and the handlers' filter drops the rest."""
     selectors = getattr(settings.watching, "label_selectors", None)
     if selectors is not None:
-        for group_version, plural in CHILD_RESOURCES:
+        for group_version, plural in kinds.WATCHED_CHILDREN:
             selectors[group_version, plural] = f"{MANAGED_BY_LABEL}={podparts.MANAGED_BY}"
 
 
@@ -108,6 +101,6 @@ def _rendered(job: Mapping[str, Any]) -> tuple[DistBeliefJob, list[dict[str, Any
     return _RENDERED[key]
 
 
-for _group_version, _plural in CHILD_RESOURCES:
+for _group_version, _plural in kinds.WATCHED_CHILDREN:
     kopf.on.event(_group_version, _plural, id=f"put_back/{_plural}",
                   labels={MANAGED_BY_LABEL: podparts.MANAGED_BY})(put_back)

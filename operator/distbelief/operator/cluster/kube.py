@@ -23,35 +23,12 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from distbelief.operator import errors
-from distbelief.operator.render import podparts
-from distbelief.runtime import contract
+from distbelief.operator.render import kinds, podparts
 
 log = logging.getLogger(__name__)
 
 Manifest = dict[str, Any]
 
-# apiVersion/kind -> plural. Every kind the operator touches, and nothing more.
-PLURALS = {
-    ("v1", "ConfigMap"): "configmaps",
-    ("v1", "Service"): "services",
-    ("v1", "Pod"): "pods",
-    ("v1", "Event"): "events",
-    ("v1", "Secret"): "secrets",
-    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
-    ("v1", "ServiceAccount"): "serviceaccounts",
-    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
-    ("apps/v1", "StatefulSet"): "statefulsets",
-    ("apps/v1", "Deployment"): "deployments",
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
-    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
-    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    (contract.JOB_API_VERSION, contract.KIND): contract.PLURAL,
-    ("kueue.x-k8s.io/v1beta1", "Workload"): "workloads",
-    ("kueue.x-k8s.io/v1beta1", "ResourceFlavor"): "resourceflavors",
-    ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
-    ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
-}
 # Fields the API server refuses to change after creation.
 IMMUTABLE = {
     "StatefulSet": ("selector", "serviceName", "volumeClaimTemplates", "podManagementPolicy"),
@@ -82,7 +59,7 @@ def _failed(verb: str, what: str, exc: ApiException) -> errors.KubeError:
 
 def path_of(api_version: str, kind: str, namespace: str | None, name: str | None = None,
             subresource: str | None = None) -> str:
-    plural = PLURALS[(api_version, kind)]
+    plural = kinds.PLURALS[(api_version, kind)]
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
     parts = [base] + ([f"namespaces/{namespace}"] if namespace else []) + [plural]
     parts += [name] if name else []
