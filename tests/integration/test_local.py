@@ -17,18 +17,12 @@ import pytest
 
 from distbelief.operator.local import local, report
 from distbelief.operator.spec.job import DistBeliefJob
-from distbelief.operator.status import scrape
 from distbelief.runtime import contract
 
 from support.examples import load_example
-from support.waiting import eventually
+from support.localruns import restored_steps, run_job, suspend_at, wait_for_step
 
 pytestmark = pytest.mark.slow
-
-
-def run_job(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
-    code = local.LocalRun(DistBeliefJob.validated(doc), str(output)).run(progress=False)
-    return code, json.loads((output / report.REPORT_FILE).read_text())
 
 
 @pytest.mark.floors
@@ -135,18 +129,6 @@ def test_an_unencrypted_job_trains_with_its_keys_checked_and_says_so(tmp_path: P
     assert all("auth=plain" in text for name, text in logs.items() if "-ps-" in name)
 
 
-def _wait_for_step(port: int, step: int, timeout: float = 120) -> int:
-    def reached() -> int:
-        seen = scrape.read(f"http://127.0.0.1:{port}/metrics").global_step or 0
-        return seen if seen >= step else 0
-    return eventually(reached, timeout, interval=0.2, what=f"global step {step}")
-
-
-def _restored_steps(log_path: Path) -> list[int]:
-    return [int(line.split("step=")[1].split()[0]) for line in log_path.read_text().splitlines()
-            if "event=restored" in line]
-
-
 def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path) -> None:
     doc = copy.deepcopy(load_example("digits-mlp.yaml"))
     doc["spec"]["training"].update(maxSteps=12000)
@@ -157,7 +139,7 @@ def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path
     thread.start()
     try:
         chief_port = run.shards[0].ports[contract.METRICS_PORT_NAME]
-        _wait_for_step(chief_port, 2500)
+        wait_for_step(chief_port, 2500)
         time.sleep(1.5)  # let a periodic checkpoint land after step 2500
         run.shards[1].process.send_signal(signal.SIGKILL)
         run.workers[0].process.send_signal(signal.SIGKILL)
@@ -171,7 +153,7 @@ def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path
     assert summary["restartsByPod"]["digits-worker-0"] == 1
     _every_pod_reports_its_memory_and_traffic(summary, shards=2, workers=3)
     assert summary["pods"]["digits-ps-1"]["restarts"] == 1 and summary["pods"]["digits-worker-0"]["restarts"] == 1
-    restored = _restored_steps(tmp_path / "logs" / "digits-ps-1.log")
+    restored = restored_steps(tmp_path / "logs" / "digits-ps-1.log")
     assert restored and restored[0] >= 2000, "the restarted shard did not resume from its checkpoint"
     assert summary["accuracy"] >= 0.95
 
@@ -179,18 +161,11 @@ def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path
 def test_ctrl_c_suspends_and_a_second_run_resumes_from_the_checkpoints(tmp_path: Path) -> None:
     doc = load_example("digits-mlp.yaml")
     doc["spec"]["training"]["maxSteps"] = 6000
-    run = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path))
-    codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
-    thread.start()
-    _wait_for_step(run.shards[0].ports[contract.METRICS_PORT_NAME], 1000)
-    run.interrupt()
-    thread.join(timeout=60)
-    first = json.loads((tmp_path / report.REPORT_FILE).read_text())
-    assert codes == [130] and first["phase"] == "Suspended"
+    code, first = suspend_at(doc, tmp_path, 1000)
+    assert code == 130 and first["phase"] == "Suspended"
     code, second = run_job(doc, tmp_path)
     assert code == 0 and second["phase"] == "Succeeded"
-    steps = _restored_steps(tmp_path / "logs" / "digits-ps-0.log")
+    steps = restored_steps(tmp_path / "logs" / "digits-ps-0.log")
     assert steps and steps[0] >= 1000, "the second run started from scratch"
 
 

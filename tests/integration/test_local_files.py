@@ -6,25 +6,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from distbelief.operator.local import local, report
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract, errors
 from distbelief.runtime.model import models
+from support.localruns import run_job
 from support.filejobs import job, sparse_job, write_ctr_parquet, write_teacher_parquet
 
 pytestmark = pytest.mark.slow
-
-def run_job(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, Any]]:
-    code = local.LocalRun(DistBeliefJob.validated(doc), str(output)).run(progress=False)
-    return code, json.loads((output / report.REPORT_FILE).read_text())
-
 
 def test_replicas_stream_parquet_row_groups_to_the_target_accuracy(tmp_path: Path) -> None:
     write_teacher_parquet(tmp_path / "train", files=5, per_file=300, group=100)   # 1,200 to train on
