@@ -19,7 +19,8 @@
     ├── LineSearchFailed     Sandblaster's line search found no decrease (lbfgs.py's own)
     ├── Stopped              the role was asked to stop while it waited
     ├── CheckpointError      a checkpoint that cannot be written
-    │   └── CorruptCheckpoint  a checkpoint that cannot be trusted on read
+    │   ├── CorruptCheckpoint  a checkpoint that cannot be trusted on read
+    │   └── ReshardError     checkpoints that cannot be re-cut for another shard count
     ├── ConfigError          a resolved config or data source the roles cannot use
     │   └── BadData          one file of a file source that cannot be used (names the file,
     │                        column and row group)
@@ -96,6 +97,10 @@ class CheckpointError(RuntimeFailure):
 
 class CorruptCheckpoint(CheckpointError):
     pass
+
+
+class ReshardError(CheckpointError):
+    """Checkpoints that cannot be re-cut for another shard count (shard/reshard.py)."""
 
 
 class ConfigError(RuntimeFailure):
