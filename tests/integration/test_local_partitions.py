@@ -86,5 +86,5 @@ def test_local_mode_checks_earlier_checkpoints_against_the_staged_layout() -> No
     ignored the cut would refuse the job's own checkpoints."""
     job = spec.validate_job(load_example("digits-partitioned.yaml"))
     checked = preflight.check(DistBeliefJob.of(job))
-    assert checked.layout == Job(spec.job_config(job)).layout.hash
-    assert checked.layout != Layout.of(checked.shapes, 2).hash
+    assert checked.layout.hash == Job(spec.job_config(job)).layout.hash
+    assert checked.layout.hash != Layout.of(checked.shapes, 2).hash

@@ -161,7 +161,7 @@ def test_local_mode_checks_derive_the_model_and_layout_the_roles_do(name: str, m
     job = spec.validate_job(load_example(name))
     derived = Job(spec.job_config(job))
     checked = preflight.check(DistBeliefJob.of(job))
-    assert checked.layout == derived.layout.hash
+    assert checked.layout.hash == derived.layout.hash
     assert checked.shapes == [(n, tuple(s)) for n, s in derived.model.shapes]
     embeddings = derived.spec.model.embeddings
     if embeddings is not None:  # the MLP takes the dense features and a row per id field

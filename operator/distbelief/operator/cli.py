@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fresh", action="store_true", help="discard the checkpoints of an earlier run in DIR")
     run.set_defaults(func=_run)
 
+    reshard = add_parser("reshard", help="re-lay a local run's checkpoints for another shard count")
+    reshard.add_argument("output", metavar="DIR", help="the run's output folder (distbelief run --output)")
+    reshard.add_argument("--shards", type=int, required=True, metavar="N", help="the new shard count")
+    reshard.set_defaults(func=_reshard)
+
     predict = add_parser("predict", help="score or use the model a finished run trained")
     predict.add_argument("file", metavar="JOB.yaml")
     predict.add_argument("--output", default=None, metavar="DIR", help="the run's folder (default: ./out/NAME)")
@@ -180,6 +185,14 @@ def _run(args: argparse.Namespace) -> int:
     from distbelief.operator.local import local
 
     return local.run_file(args.file, output=args.output, progress=not args.no_progress, fresh=args.fresh)
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from distbelief.operator.local import resharding
+
+    done = resharding.reshard_folder(args.output, args.shards)
+    print(done.announcement() if done else f"{args.output}: already laid over {args.shards} shards, or no checkpoints")
+    return 0
 
 
 def _predict(args: argparse.Namespace) -> int:

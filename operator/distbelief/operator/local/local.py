@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from distbelief.operator.local import curves, livestatus, outputdir, podusage, preflight, report
+from distbelief.operator.local import curves, livestatus, outputdir, podusage, preflight, report, resharding
 from distbelief.operator.local.localpods import LocalPod, metrics_targets, plan_pods, volume_dir
 from distbelief.operator.render import render, sizing
 from distbelief.operator.spec import spec
@@ -77,7 +77,10 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
     with outputdir.locked(output):
         if fresh:
             outputdir.clear(output)
-        found = outputdir.earlier(output, job.config, checked.layout)
+        resharded = resharding.reshard(output, job.config, checked.layout)
+        if resharded:
+            sys.stdout.write(resharded.announcement() + "\n")
+        found = outputdir.earlier(output, job.config, checked.layout.hash)
         announcement = found.announcement()
         if announcement:
             sys.stdout.write(announcement + "\n")

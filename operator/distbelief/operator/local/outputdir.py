@@ -111,7 +111,7 @@ def earlier(output: str, config: contract.JobConfig, layout: int) -> Earlier:
     newest = []
     for index in range(config.spec.parameter_servers.shards):
         folder = volume_dir(output, names.shard_pod(index), contract.CHECKPOINT_VOLUME)
-        found = _newest(folder)
+        found = newest_with_time(folder)
         if found and found[0].layout != layout:
             raise errors.ConfigError(
                 f"{folder}: the checkpoints there are of another model or shard count (layout "
@@ -122,7 +122,13 @@ def earlier(output: str, config: contract.JobConfig, layout: int) -> Earlier:
     return Earlier(result=report.read_result(chief), step=ckpt.step if ckpt else None, saved_at=saved_at)
 
 
-def _newest(folder: str) -> tuple[checkpoint.Checkpoint, float] | None:
+def newest(folder: str) -> checkpoint.Checkpoint | None:
+    """The newest checkpoint in folder that verifies."""
+    found = newest_with_time(folder)
+    return found[0] if found else None
+
+
+def newest_with_time(folder: str) -> tuple[checkpoint.Checkpoint, float] | None:
     """The newest checkpoint in folder that verifies, and when it was written."""
     for path in checkpoint.list_checkpoints(folder):
         try:

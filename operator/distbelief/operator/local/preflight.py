@@ -12,6 +12,7 @@ import dataclasses
 import logging
 
 from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class Checked:
     classes: int
     parameters: int
     shapes: list[tuple[str, tuple[int, ...]]]
-    layout: int   # the hash of the parameters' layout over the shards, as every role derives it
+    layout: Layout   # the parameters' layout over the shards, as every role derives it
 
 
 def check(job: DistBeliefJob) -> Checked:
@@ -40,7 +41,7 @@ def check(job: DistBeliefJob) -> Checked:
                 sum(unit.rows for unit in derived.files.train_units + derived.files.test_units))  # Parquet's count
     checked = Checked(examples=examples, features=dataset.n_features,
                       classes=dataset.n_classes, parameters=models.num_params(model),
-                      shapes=[(name, tuple(shape)) for name, shape in model.shapes], layout=derived.layout.hash)
+                      shapes=[(name, tuple(shape)) for name, shape in model.shapes], layout=derived.layout)
     log.info("event=preflight_passed job=%s examples=%d features=%d classes=%d parameters=%d",
              job.config.name, checked.examples, checked.features, checked.classes, checked.parameters)
     return checked

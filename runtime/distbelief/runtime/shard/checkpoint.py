@@ -96,7 +96,7 @@ def write(path: str, ckpt: Checkpoint) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_folder(folder)
+        fsync_folder(folder)
     except OSError as exc:
         _remove_quietly(tmp)
         raise errors.CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
@@ -258,7 +258,7 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def _fsync_folder(folder: str) -> None:
+def fsync_folder(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,0 +1,132 @@
+"""Local mode's shard count changes: a suspended run's checkpoints re-laid for another shard
+count hold the same model and optimizer state bit for bit, training resumes at the same
+step, and a reshard killed after any change to the folder loses nothing and finishes when
+run again."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import yaml
+
+from distbelief.operator.local import outputdir, resharding
+from distbelief.operator.local.localpods import volume_dir
+from distbelief.runtime import contract
+from support.cli import run_cli
+from support.examples import load_example
+from support.localruns import restored_steps, suspend_at
+
+pytestmark = pytest.mark.slow
+
+STATE = ("params", "adagrad_accumulator")
+
+
+def digits(shards: int) -> dict[str, Any]:
+    doc = copy.deepcopy(load_example("digits-mlp.yaml"))
+    doc["spec"]["parameterServers"]["shards"] = shards
+    doc["spec"]["training"]["maxSteps"] = 3000
+    return doc
+
+
+@pytest.fixture(scope="module")
+def suspended(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A digits run on 2 shards, suspended past step 800."""
+    output = tmp_path_factory.mktemp("suspended")
+    code, summary = suspend_at(digits(2), output, 800)
+    assert code == 130 and summary["phase"] == "Suspended"
+    yield output
+
+
+def state(output: Path, shards: int) -> tuple[list[int], dict[str, np.ndarray]]:
+    """The steps of the shards' newest checkpoints, and their state laid end to end."""
+    ckpts = [outputdir.newest(volume_dir(str(output), f"digits-ps-{shard}", contract.CHECKPOINT_VOLUME))
+             for shard in range(shards)]
+    assert all(ckpts), f"a shard of {shards} has no checkpoint in {output}"
+    return [c.step for c in ckpts], {name: np.concatenate([c.arrays[name] for c in ckpts]) for name in STATE}
+
+
+def same_bits(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return all(a[name].tobytes() == b[name].tobytes() for name in STATE)
+
+
+def test_a_suspended_run_resharded_holds_the_same_model_and_resumes_at_its_step(suspended: Path,
+                                                                                 tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    shutil.copytree(suspended, output)
+    (chief_step, _), before = state(output, 2)
+
+    done = run_cli("reshard", str(output), "--shards", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"resharded from 2 to 3 shards at step {chief_step}"
+    steps_after, after = state(output, 3)
+    assert steps_after == [chief_step] * 3 and same_bits(before, after)
+    assert not (output / resharding.WORK).exists()
+    assert (Path(volume_dir(str(output), "digits-ps-0", contract.CHECKPOINT_VOLUME)) / contract.HISTORY_FILE).exists()
+
+    # `distbelief run` with yet another count reshards by itself (3 -> 4), then trains on.
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(digits(4)))
+    ran = run_cli("run", str(job), "--output", str(output), "--no-progress")
+    assert ran.returncode == 0, ran.stderr
+    assert f"resharded from 3 to 4 shards at step {chief_step}" in ran.stdout.splitlines()
+    for shard in range(4):
+        assert restored_steps(output / "logs" / f"digits-ps-{shard}.log")[0] == chief_step
+    report = yaml.safe_load((output / "report.json").read_text())
+    assert report["phase"] == "Succeeded" and report["accuracy"] > 0.9
+
+
+def test_a_reshard_killed_after_any_change_loses_nothing_and_finishes_when_run_again(suspended: Path,
+                                                                                      tmp_path: Path) -> None:
+    _, before = state(suspended, 2)
+    kills = 0
+    while True:
+        output = tmp_path / f"kill-{kills + 1}"
+        shutil.copytree(suspended, output)
+        done = run_cli("reshard", str(output), "--shards", "3", env={resharding.KILL_AFTER_ENV: str(kills + 1)})
+        if done.returncode == 0:
+            break   # the reshard made fewer changes than that: every kill point was tried
+        assert done.returncode == -9, done.stderr
+        kills += 1
+        if not (output / resharding.WORK / resharding.PLAN).exists():
+            # Without a plan to roll forward, the folder holds one whole layout: the old one
+            # (killed before the commit point) or the new one (after the plan was done).
+            assert _whole_layout(output, before) in (2, 3)
+        again = run_cli("reshard", str(output), "--shards", "3")
+        assert again.returncode == 0, again.stderr
+        assert same_bits(state(output, 3)[1], before), f"killed after change {kills}"
+        assert not (output / resharding.WORK).exists()
+    # 3 staged checkpoints, the plan, 2 + 2 + 1 renames, the plan's removal
+    assert kills == 10
+
+
+def _whole_layout(output: Path, before: dict[str, np.ndarray]) -> int | None:
+    """The shard count whose checkpoints in output hold the state `before`, if any."""
+    for shards in (2, 3):
+        ckpts = [outputdir.newest(volume_dir(str(output), f"digits-ps-{s}", contract.CHECKPOINT_VOLUME))
+                 for s in range(shards)]
+        if all(ckpts) and sum(c.arrays["params"].size for c in ckpts) == before["params"].size \
+                and same_bits(state(output, shards)[1], before):
+            return shards
+    return None
+
+
+def test_a_new_shard_count_with_shard_copies_is_refused_by_name_and_the_folder_kept(suspended: Path,
+                                                                                     tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    shutil.copytree(suspended, output)
+    _, before = state(output, 2)
+    doc = digits(3)
+    doc["spec"]["parameterServers"]["backups"] = 1
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    ran = run_cli("run", str(job), "--output", str(output), "--no-progress")
+    assert ran.returncode == 2
+    assert ran.stderr.strip().splitlines()[-1] == (
+        f"error: {output}: resharding a job with shard copies (spec.parameterServers.backups) is not supported; "
+        "run it on 2 shards, or --fresh")
+    assert _whole_layout(output, before) == 2 and not (output / resharding.WORK).exists()
