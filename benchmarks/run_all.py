@@ -10,7 +10,8 @@ server), sparse_bench.py and sparse_table_bench.py (embedding rows), heavy_tail_
 (sparse jobs' AUC on click data shaped like real logs), backups_bench.py (shard
 copies), copycheck.py (shard copies under faults: what is lost or applied twice),
 partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
-data_bench.py (a replica's memory and input speed on file sources), operator_bench.py and
+data_bench.py (a replica's memory and input speed on file sources), reshard_bench.py (a
+dense job's checkpoints re-laid for another shard count), operator_bench.py and
 operator_scale.py (the operator at --operator-jobs jobs on KWOK's fake nodes: issue 40's
 targets, printed with the others).
 Their figures go into --json, written afresh: every figure in it is from this run; each is a
@@ -67,6 +68,9 @@ TARGETS: list[tuple[str, FigurePath, FigurePath | None, float | None, str]] = [
      ("time_to_accuracy_mnist_s", "single_process"), None, "max"),
     ("time to 0.94 distbelief / torch DDP gloo", ("time_to_accuracy_mnist_s", "distbelief"),
      ("time_to_accuracy_mnist_s", "torch_ddp_gloo"), None, "max"),
+    # Issue 39: a reshard of 90M parameters against writing and reading one checkpoint of it.
+    ("reshard 2->3 / (write + read)", ("reshard", "cases", "2->3", "ratio"), None, 2.0, "max"),
+    ("reshard 4->2 / (write + read)", ("reshard", "cases", "4->2", "ratio"), None, 2.0, "max"),
 ]
 
 
@@ -170,6 +174,8 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
         results["staleness_tau"] = staleness["staleness_tau"]
     if files := run_json("data_bench.py", failures, "--runs", str(runs)):
         results["data"] = files["data"]
+    if relaid := run_json("reshard_bench.py", failures, "--runs", str(min(runs, 3))):
+        results["reshard"] = relaid["reshard"]
     results["examples_per_replica_s"] = per_replica(results)
     operator = run_json("operator_bench.py", failures, "--runs", str(runs))
     if "operator_create_to_children_s" in operator:

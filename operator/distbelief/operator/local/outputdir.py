@@ -122,17 +122,18 @@ def earlier(output: str, config: contract.JobConfig, layout: int) -> Earlier:
     return Earlier(result=report.read_result(chief), step=ckpt.step if ckpt else None, saved_at=saved_at)
 
 
-def newest(folder: str) -> checkpoint.Checkpoint | None:
-    """The newest checkpoint in folder that verifies."""
-    found = newest_with_time(folder)
+def newest(folder: str, *, copy: bool = True) -> checkpoint.Checkpoint | None:
+    """The newest checkpoint in folder that verifies (without copy: its arrays are views of
+    the file's bytes)."""
+    found = newest_with_time(folder, copy=copy)
     return found[0] if found else None
 
 
-def newest_with_time(folder: str) -> tuple[checkpoint.Checkpoint, float] | None:
+def newest_with_time(folder: str, *, copy: bool = True) -> tuple[checkpoint.Checkpoint, float] | None:
     """The newest checkpoint in folder that verifies, and when it was written."""
     for path in checkpoint.list_checkpoints(folder):
         try:
-            return checkpoint.load(path), os.path.getmtime(path)
+            return checkpoint.load(path, copy=copy), os.path.getmtime(path)
         except errors.CorruptCheckpoint:
             continue  # the shard sets it aside when it starts
     return None

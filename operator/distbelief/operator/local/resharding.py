@@ -30,7 +30,7 @@ from distbelief.operator.local.localpods import volume_dir
 from distbelief.operator.render import podparts
 from distbelief.runtime import contract, errors
 from distbelief.runtime.shard import checkpoint
-from distbelief.runtime.shard.reshard import recut
+from distbelief.runtime.shard.reshard import Recut, recut
 from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -84,14 +84,18 @@ def layout_found(output: str, names: contract.JobNames, after: Layout) -> Layout
     """The layout the folder's checkpoints were written for, if they are of after's model
     (only the shard count may differ); None for a folder without checkpoints or of another
     model. The count is no more than the folder's shard pods."""
-    newest = outputdir.newest(_checkpoints(output, names.shard_pod(0)))
-    if newest is None:
+    newest = checkpoint.list_checkpoints(_checkpoints(output, names.shard_pod(0)))
+    if not newest:
+        return None
+    try:
+        found = checkpoint.read_header(newest[0])["layout"]
+    except (errors.CorruptCheckpoint, KeyError):
         return None
     pods = 1
     while os.path.isdir(_checkpoints(output, names.shard_pod(pods))):
         pods += 1
     candidates = (_layout(after, count) for count in range(1, pods + 1))
-    return next((layout for layout in candidates if layout is not None and layout.hash == newest.layout), None)
+    return next((layout for layout in candidates if layout is not None and layout.hash == found), None)
 
 
 def reshard(output: str, config: contract.JobConfig, after: Layout) -> Resharded | None:
@@ -111,7 +115,7 @@ def reshard(output: str, config: contract.JobConfig, after: Layout) -> Resharded
     old = []
     for shard in range(before.shards):
         folder = _checkpoints(output, names.shard_pod(shard))
-        ckpt = outputdir.newest(folder)
+        ckpt = outputdir.newest(folder, copy=False)
         if ckpt is None:
             raise errors.ReshardError(f"shard {shard} has no checkpoint that verifies in {folder}")
         old.append(ckpt)
@@ -121,9 +125,9 @@ def reshard(output: str, config: contract.JobConfig, after: Layout) -> Resharded
     new_pods = [names.shard_pod(s) for s in range(after.shards)]
     _stage(output, old_pods, new_pods, new, changes)
     _commit(output, old_pods, new_pods, changes)
-    log.info("event=resharded output=%s before=%d after=%d step=%d", output, before.shards, after.shards,
-             new[0].step)
-    return Resharded(before.shards, after.shards, new[0].step)
+    step = new[0].header.step
+    log.info("event=resharded output=%s before=%d after=%d step=%d", output, before.shards, after.shards, step)
+    return Resharded(before.shards, after.shards, step)
 
 
 def reshard_folder(output: str, shards: int) -> Resharded | None:
@@ -146,15 +150,15 @@ def reshard_folder(output: str, shards: int) -> Resharded | None:
         return reshard(output, job.config, after)
 
 
-def _stage(output: str, old_pods: list[str], new_pods: list[str], new: list[checkpoint.Checkpoint],
-           changes: _Changes) -> None:
+def _stage(output: str, old_pods: list[str], new_pods: list[str], new: list[Recut], changes: _Changes) -> None:
     work = os.path.join(output, WORK)
-    for pod, ckpt in zip(new_pods, new):
+    for pod, shard in zip(new_pods, new):
         staged = os.path.join(work, "staged", pod)
         os.makedirs(staged)
         if pod in old_pods:
             _copy_beside(_checkpoints(output, pod), staged)
-        checkpoint.write(os.path.join(staged, checkpoint.file_name(ckpt.step)), ckpt)
+        checkpoint.write(os.path.join(staged, checkpoint.file_name(shard.header.step)), shard.header,
+                         shard.pieces)
         changes.made()
     _write_plan(work, {"old": old_pods, "new": new_pods})
     changes.made()

@@ -50,22 +50,28 @@ class Checkpoint:
     sha256: str = ""  # of a checkpoint read from a file
 
 
+# A checkpoint's arrays, each as pieces laid end to end (write(): a re-cut's, not joined).
+Pieces = dict[str, list[np.ndarray]]
+
+
 def file_name(step: int) -> str:
     return f"step-{step:012d}{SUFFIX}"
 
 
-def encode(ckpt: Checkpoint) -> list[bytes | memoryview]:
-    """ckpt in the file format, as consecutive parts (the arrays are not copied)."""
-    return _encoded(ckpt)[0]
+def encode(ckpt: Checkpoint, pieces: Pieces | None = None) -> list[bytes | memoryview]:
+    """ckpt in the file format, as consecutive parts (the arrays are not copied); with
+    pieces, those are its arrays (as write() takes them)."""
+    return _encoded(ckpt, pieces)[0]
 
 
-def _encoded(ckpt: Checkpoint) -> tuple[list[bytes | memoryview], str]:
-    """encode()'s parts and the SHA-256 its header holds."""
+def _encoded(ckpt: Checkpoint, pieces: Pieces | None = None) -> tuple[list[bytes | memoryview], str]:
+    """encode()'s parts and the SHA-256 its header holds; with pieces, those are the arrays."""
+    laid = pieces if pieces is not None else {name: [array] for name, array in ckpt.arrays.items()}
     body = {
         "step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
-        "arrays": [[name, int(a.size)] for name, a in ckpt.arrays.items()],
+        "arrays": [[name, sum(int(piece.size) for piece in parts)] for name, parts in laid.items()],
     }
-    arrays = [memoryview(_as_f32(array)) for array in ckpt.arrays.values()]
+    arrays = [memoryview(_as_f32(piece)) for parts in laid.values() for piece in parts]
     digest = hashlib.sha256(json.dumps(body).encode())
     for array in arrays:
         digest.update(array)
@@ -81,11 +87,12 @@ def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
     return path
 
 
-def write(path: str, ckpt: Checkpoint) -> str:
-    """Write ckpt atomically to path (in the checkpoint format); its SHA-256."""
+def write(path: str, ckpt: Checkpoint, pieces: Pieces | None = None) -> str:
+    """Write ckpt atomically to path (in the checkpoint format); its SHA-256. With pieces,
+    each array is written from its pieces instead of ckpt.arrays (a re-cut's, never joined)."""
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".{os.path.basename(path)}{TEMPORARY}")
-    parts, sha256 = _encoded(ckpt)
+    parts, sha256 = _encoded(ckpt, pieces)
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise errors.CheckpointError(f"cannot write checkpoint {path}: {folder} is not a folder")
     try:
@@ -103,17 +110,18 @@ def write(path: str, ckpt: Checkpoint) -> str:
     return sha256
 
 
-def load(path: str) -> Checkpoint:
-    """Read and verify one checkpoint; CorruptCheckpoint says why it cannot be trusted."""
+def load(path: str, *, copy: bool = True) -> Checkpoint:
+    """Read and verify one checkpoint; CorruptCheckpoint says why it cannot be trusted.
+    Without copy, the arrays are read-only views of the file's bytes."""
     try:
         with open(path, "rb") as f:
             blob = f.read()
     except OSError as exc:
         raise errors.CorruptCheckpoint(f"{path}: unreadable: {exc}") from exc
-    return decode(blob, path)
+    return decode(blob, path, copy=copy)
 
 
-def decode(blob: bytes | memoryview, source: str) -> Checkpoint:
+def decode(blob: bytes | memoryview, source: str, *, copy: bool = True) -> Checkpoint:
     """A checkpoint from the bytes encode() made, verified; source names them in errors."""
     blob = memoryview(blob)
     header, start = _header(source, blob)
@@ -133,14 +141,16 @@ def decode(blob: bytes | memoryview, source: str) -> Checkpoint:
         raise errors.CorruptCheckpoint(f"{source}: checksum mismatch")
     arrays, offset = {}, 0
     for name, size in names_and_sizes:
-        arrays[name] = np.frombuffer(payload, dtype=DTYPE, count=size, offset=offset).copy()
+        array = np.frombuffer(payload, dtype=DTYPE, count=size, offset=offset)
+        arrays[name] = array.copy() if copy else array
         offset += size * DTYPE.itemsize
     return Checkpoint(step=step, layout=layout, shard=shard, arrays=arrays, meta=dict(header.get("meta", {})),
                       sha256=digest.hexdigest())
 
 
-def read_meta(path: str) -> dict[str, Any]:
-    """The free metadata in a checkpoint's header, without reading (or verifying) its arrays."""
+def read_header(path: str) -> dict[str, Any]:
+    """A checkpoint's header (step, layout, shard, meta, arrays), without reading (or
+    verifying) its arrays."""
     try:
         with open(path, "rb") as f:
             head = f.read(len(MAGIC) + LENGTH.size)
@@ -148,7 +158,12 @@ def read_meta(path: str) -> dict[str, Any]:
             blob = head + f.read(min(length, MAX_HEADER_BYTES))
     except OSError as exc:
         raise errors.CorruptCheckpoint(f"{path}: unreadable: {exc}") from exc
-    meta = _header(path, blob)[0].get("meta", {})
+    return _header(path, blob)[0]
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """The free metadata in a checkpoint's header, without reading (or verifying) its arrays."""
+    meta = read_header(path).get("meta", {})
     if not isinstance(meta, dict):
         raise errors.CorruptCheckpoint(f"{path}: unreadable header: meta is not an object")
     return meta

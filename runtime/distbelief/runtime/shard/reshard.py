@@ -3,7 +3,8 @@
 A dense shard's state is elementwise: its slice of the flat parameter vector, and per
 value its optimizer's state (Adagrad's accumulators) and its algorithm's vectors. The
 slices of the old shards, in order, are the flat vectors; the new layout cuts them again
-(wire/layout.py: within each stage when the model is partitioned). Every value lands
+(wire/layout.py: within each stage when the model is partitioned), each new slice written
+from the pieces of the old ones it spans, without joining them. Every value lands
 unchanged, so the model and optimizer state after a reshard are those before it.
 
 The new checkpoints take the global step (shard 0's, the chief's) and shard 0's figures
@@ -15,6 +16,7 @@ differs between the shards (a Sandblaster coordinator's state), a finished job.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,18 +32,33 @@ CORE_META = ("restarts", "startTime", "finished", "examples", checkpoint.JOB_UID
 ROWS_META = ("sparseDim", "sparseChain")
 
 
-def recut(old: Sequence[checkpoint.Checkpoint], before: Layout, after: Layout) -> list[checkpoint.Checkpoint]:
+@dataclasses.dataclass
+class Recut:
+    """A new shard's checkpoint: its step, layout, shard and metadata (no arrays), and its
+    arrays as pieces of the old shards' (views, never joined: checkpoint.write takes them)."""
+
+    header: checkpoint.Checkpoint
+    pieces: checkpoint.Pieces
+
+
+def recut(old: Sequence[checkpoint.Checkpoint], before: Layout, after: Layout) -> list[Recut]:
     """The checkpoints of `after`'s shards holding exactly the state of `old` (one checkpoint
     per shard of `before`, in shard order). ReshardError names what cannot be re-cut."""
     _check(old, before, after)
-    flat = {name: np.concatenate([ckpt.arrays[name] for ckpt in old]) for name in old[0].arrays}
     meta = _carried_meta(old[0].meta)
-    step = old[0].step
-    return [checkpoint.Checkpoint(step=step, layout=after.hash, shard=shard,
-                                  arrays={name: values[slice(*after.bounds(shard))].copy()
-                                          for name, values in flat.items()},
-                                  meta=dict(meta))
+    return [Recut(checkpoint.Checkpoint(step=old[0].step, layout=after.hash, shard=shard, arrays={}, meta=dict(meta)),
+                  {name: _pieces(old, before, *after.bounds(shard), name) for name in old[0].arrays})
             for shard in range(after.shards)]
+
+
+def _pieces(old: Sequence[checkpoint.Checkpoint], before: Layout, start: int, stop: int,
+            name: str) -> list[np.ndarray]:
+    """The parts of the old shards' array `name` that hold the flat range [start, stop)."""
+    pieces = []
+    for shard in before.shards_of(start, stop):
+        low, high = before.bounds(shard)
+        pieces.append(old[shard].arrays[name][max(start, low) - low:min(stop, high) - low])
+    return pieces
 
 
 def _check(old: Sequence[checkpoint.Checkpoint], before: Layout, after: Layout) -> None:
