@@ -175,6 +175,8 @@ def test_scale_and_autoscaling_go_through_the_spec(operator: Operator, api: Api,
     scale = api.request("GET", api.path(JOBS, namespace, "scale", "scale"))
     assert (scale["status"]["replicas"], scale["status"]["selector"]) == (
         5, "distbelief.io/job=scale,distbelief.io/role=worker")
+    scaled = api.wait_event(namespace, "scale", "WorkersScaled")
+    assert (scaled["type"], scaled["message"]) == ("Normal", "model replicas 3 -> 5")
     patch_job(kubectl, namespace, "scale", {"spec": {"workers": {"autoscaling": {"minReplicas": 2, "maxReplicas": 6}}}})
     hpas = "autoscaling/v2/horizontalpodautoscalers"
     hpa = api.wait(hpas, namespace, "scale-worker")

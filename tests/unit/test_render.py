@@ -332,9 +332,18 @@ def test_hpa_scales_the_job_itself_with_the_default_cpu_metric() -> None:
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 6)
     assert hpa["spec"]["metrics"] == [{"type": "Resource", "resource": {
         "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}]
+    assert "behavior" not in hpa["spec"]   # the autoscaler's own defaults
     # the Deployment keeps the spec's replicas: the HPA writes them through the job
     deploy = next(o for o in objs if o["kind"] == "Deployment")
     assert deploy["spec"]["replicas"] == job["spec"]["workers"]["replicas"]
+
+
+def test_hpa_takes_the_behavior_of_the_spec() -> None:
+    job = job_of(variant="autoscaled")
+    behavior = {"scaleDown": {"stabilizationWindowSeconds": 15,
+                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 15}]}}
+    job["spec"]["workers"]["autoscaling"]["behavior"] = behavior
+    assert children(job)["HorizontalPodAutoscaler"]["spec"]["behavior"] == behavior
 
 
 def test_hpa_uses_the_metrics_of_the_spec() -> None:

@@ -153,6 +153,7 @@ def _autoscaling(values: Any, path: str) -> jobspec.Autoscaling:
         min_replicas=at.get("minReplicas", jobbase.integer, 1),
         max_replicas=at.required("maxReplicas", jobbase.integer),
         metrics=at.optional("metrics", jobbase.mappings),
+        behavior=at.optional("behavior", jobbase.mapping),
     )
 
 

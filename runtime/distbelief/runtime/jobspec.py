@@ -347,6 +347,11 @@ class Autoscaling:
     """The autoscaler's upper bound."""
     metrics: tuple[Mapping[str, Any], ...] | None = None
     """autoscaling/v2 MetricSpec list; 80% average CPU utilisation when empty."""
+    behavior: Mapping[str, Any] | None = None
+    """autoscaling/v2 HorizontalPodAutoscalerBehavior, copied into the autoscaler - how fast it scales up and down
+    (scaleUp, scaleDown - stabilizationWindowSeconds, policies, selectPolicy). Absent, the autoscaler's defaults
+    - a scale-down waits for 5 minutes of lower recommendations.
+    """
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

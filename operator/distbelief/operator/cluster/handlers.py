@@ -158,9 +158,20 @@ def locked_job(validated: dict[str, Any]) -> tuple[DistBeliefJob, dict[str, str]
 @kopf.on.create(*RESOURCE)
 @kopf.on.resume(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
-def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, **_: Any) -> None:
+def reconcile(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo, old: Any = None, new: Any = None,
+              **_: Any) -> None:
     with metrics.OPERATOR.reconciling() as attempt:
         attempt.outcome = apply_job(body, patch, reason, memo)
+    if attempt.outcome == metrics.APPLIED and reason == "update":
+        _tell_scaled(body, old, new)
+
+
+def _tell_scaled(body: kopf.Body, old: Any, new: Any) -> None:
+    """An Event for a change of the model replicas (kubectl scale, the autoscaler): the job's
+    history of its sizes."""
+    before, after = ((spec or {}).get("workers", {}).get("replicas") for spec in (old, new))
+    if before is not None and after is not None and before != after:
+        kopf.info(body, reason="WorkersScaled", message=f"model replicas {before} -> {after}")
 
 
 def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) -> str:

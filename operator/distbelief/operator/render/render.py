@@ -354,6 +354,7 @@ def render_worker_hpa(ctx: RenderContext) -> Manifest | None:
             "minReplicas": autoscaling.min_replicas,
             "maxReplicas": autoscaling.max_replicas,
             "metrics": copy.deepcopy(list(autoscaling.metrics or [])) or [podparts.cpu_metric()],
+            **({"behavior": copy.deepcopy(dict(autoscaling.behavior))} if autoscaling.behavior else {}),
         },
     }
 
