@@ -207,6 +207,32 @@ def test_spec_updates_roll_out_and_a_reshard_is_refused(operator: Operator, api:
     assert api.wait_event(namespace, "update", "ShardCountLocked")["type"] == "Warning"
 
 
+def test_an_operator_with_another_default_image_leaves_running_jobs_on_theirs(operator: Operator, api: Api,
+                                                                             kubectl: Kubectl, namespace: str) -> None:
+    """An upgrade of the operator (a new runtime image by default) restarts no running job:
+    each keeps the image recorded at its creation; new jobs get the new one."""
+    apply(kubectl, namespace, new_job("pinned"))
+    before = api.wait(STS, namespace, "pinned-ps")
+    image = before["spec"]["template"]["spec"]["containers"][0]["image"]
+    job = api.wait(JOBS, namespace, "pinned", lambda j: "distbelief.io/runtime-image" in j["metadata"]["annotations"])
+    assert job["metadata"]["annotations"]["distbelief.io/runtime-image"] == image
+    operator.extra_env["DISTBELIEF_RUNTIME_IMAGE"] = "example.org/distbelief:next"
+    try:
+        operator.restart()
+        apply(kubectl, namespace, new_job("fresh"))
+        fresh = api.wait(STS, namespace, "fresh-ps")
+        assert fresh["spec"]["template"]["spec"]["containers"][0]["image"] == "example.org/distbelief:next"
+        kubectl("scale", "dbj/pinned", "--replicas=4", "-n", namespace)   # the new operator reconciles it
+        worker = api.wait(DEPLOY, namespace, "pinned-worker", replicas_are(4))
+        assert worker["spec"]["template"]["spec"]["containers"][0]["image"] == image
+        after = api.get(STS, namespace, "pinned-ps")
+        assert (after["metadata"]["generation"], after["spec"]["template"]["spec"]["containers"][0]["image"]) == (
+            before["metadata"]["generation"], image)
+    finally:
+        operator.extra_env.pop("DISTBELIEF_RUNTIME_IMAGE")
+        operator.restart()
+
+
 def test_a_partitioned_job_scales_every_partition_and_keeps_its_partition_count(
         operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
     doc = copy.deepcopy(load_example("digits-partitioned.yaml"))

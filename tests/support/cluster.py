@@ -287,6 +287,7 @@ class Operator:
         self.metrics_url = f"http://{self.metrics}/metrics"
         self.log_path = folder / "operator.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.extra_env: dict[str, str] = {}   # what a test changes in the chart's environment (an upgrade)
 
     def command(self) -> list[str]:
         args = [f"--liveness={self.liveness}" if a.startswith("--liveness=") else a for a in self.container["args"]
@@ -297,7 +298,7 @@ class Operator:
         values = {e["name"]: e["value"] for e in self.container.get("env", []) if "value" in e}
         values.update(POD_ID=self.POD_ID, DISTBELIEF_OPERATOR_NAMESPACE=self.namespace,
                       DISTBELIEF_STATUS_INTERVAL="1", DISTBELIEF_BLOCKED_RETRY_SECONDS="2",
-                      DISTBELIEF_METRICS_URL=self.chiefs.url)
+                      DISTBELIEF_METRICS_URL=self.chiefs.url, **self.extra_env)
         return {**{k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "DISTBELIEF_"))},
                 **values, "KUBECONFIG": str(self.kubeconfig)}
 

@@ -67,6 +67,9 @@ STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
 # Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
 METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
 IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", render.DEFAULT_IMAGE)
+# The runtime image the operator gave a job without spec.image, recorded at its first
+# reconcile: an upgrade of the operator (a new default) does not restart running jobs.
+IMAGE_ANNOTATION = f"{contract.API_GROUP}/runtime-image"
 # The operator's own namespace (the chart sets it from the downward API): the jobs'
 # NetworkPolicies admit the operator's metrics scrapes from there.
 OPERATOR_NAMESPACE = os.environ.get("DISTBELIEF_OPERATOR_NAMESPACE") or None
@@ -187,6 +190,8 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
             kopf.warn(body, reason=lock.condition, message=refusals[lock.condition])
         elif lock.annotation not in (body.metadata.annotations or {}):
             locks[lock.annotation] = str(lock.wanted(job.config.spec))
+    if IMAGE_ANNOTATION not in (body.metadata.annotations or {}):
+        locks[IMAGE_ANNOTATION] = IMAGE
     for line in sizing.warnings(job.config.spec):
         kopf.warn(body, reason="MemoryLimitLow", message=line)
     finished = (body.status or {}).get("phase") in TERMINAL
@@ -229,7 +234,7 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
 def sync_queue(kube: Kube, body: kopf.Body, job: DistBeliefJob, *, finished: bool) -> tuple[str, str] | None:
     """One step of Kueue's contract (cluster/queue.py); an Event for each transition."""
     try:
-        hold = QueuedJob(kube, job, IMAGE).sync(finished=finished)
+        hold = QueuedJob(kube, job, runtime_image(job)).sync(finished=finished)
     except errors.KubeError as exc:  # Kueue's types absent, or a call refused: the job stays held
         log.warning("event=queue_failed job=%s error=%r", job.config.name, str(exc))
         return ("QueueUnavailable", f"cannot follow the job's Kueue Workload ({exc}); is Kueue installed?")
@@ -250,8 +255,13 @@ def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoRet
     raise kopf.TemporaryError(message, delay=BLOCKED_RETRY_SECONDS)
 
 
+def runtime_image(job: DistBeliefJob) -> str:
+    """The image of the job's pods when its spec names none: the one recorded for it."""
+    return job.annotations.get(IMAGE_ANNOTATION) or IMAGE
+
+
 def desired_children(job: DistBeliefJob, *, finished: bool) -> list[dict[str, Any]]:
-    return render.render_children(job, image=IMAGE, finished=finished, held=queue.held(job),
+    return render.render_children(job, image=runtime_image(job), finished=finished, held=queue.held(job),
                                   operator_namespace=OPERATOR_NAMESPACE)
 
 
