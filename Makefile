@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 # Folders too: a deleted module changes its folder's time, and the wheel is built again.
 SOURCES := pyproject.toml README.md $(shell find operator runtime crds -not -path '*/__pycache__*' 2>/dev/null)
 
-.PHONY: demo lint test test-unit test-floors test-nodes install venv kube-tools clean bench image
+.PHONY: demo lint test test-unit test-chaos test-floors test-nodes install venv kube-tools clean bench image
 
 # The dependencies (and the test and lint tools), once per change of pyproject.toml.
 venv: $(VENV)/.deps
@@ -59,11 +59,16 @@ kube-tools: venv
 	PYTHON=$(PYTHON) tools/fetch-moto >/dev/null
 	tools/fetch-prometheus >/dev/null
 
-# Every tier: tests/unit, tests/integration, tests/chaos, and beside them, in a pytest process
-# of its own, tests/cluster (tools/test-tiers; docs/development.md, "Running the tests"); the slowest
-# tests are listed at the end of each.
+# The suite: tests/unit, tests/integration, and beside them, in a pytest process of its own,
+# tests/cluster (tools/test-tiers; docs/development.md, "Running the tests"); the slowest
+# tests are listed at the end of each. The fault campaigns (test-chaos) and real nodes
+# (test-nodes) have targets of their own, which CI runs after it.
 test: install kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" VENV=$(VENV) tools/test-tiers
+
+# The chaos tier: local jobs under injected faults and the copies checker (4 to 6 minutes).
+test-chaos: install
+	$(BIN)/pytest -q --durations=10 tests/chaos
 
 # The unit tier: no processes, no sockets (tests/unit/conftest.py refuses them), no kube tools.
 test-unit: install
@@ -76,9 +81,10 @@ test-floors: install kube-tools
 
 # The nodes tier (tests/nodes): the product on real nodes, as root. Per session a control
 # plane, three real nodes (containerd, runc, CNI, kubelet, kube-proxy; two in network
-# namespaces of their own, one link at 1gbit), CoreDNS, hostPath volumes, `make image`'s two
-# images in every node, the chart's operator in-cluster; then the examples are applied and
-# trained (tests/support/nodes.py). Needs ../shared/kube beside the repository (NODES.md
+# namespaces of their own, one link at 1gbit), CoreDNS and metrics-server (built from their Go
+# modules), hostPath volumes, `make image`'s two images in every node, the chart's operator
+# in-cluster; then the examples are applied and trained, and a job is autoscaled
+# (tests/support/nodes.py). Needs ../shared/kube beside the repository (NODES.md
 # there); skips without it or root, fails instead under CI=true.
 test-nodes: install
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
