@@ -7,7 +7,6 @@ import copy
 import json
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,10 @@ import numpy as np
 import pytest
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 from support.examples import load_example
-from support.localruns import restored_steps, run_job, suspend_at, wait_for_step
+from support.localruns import chief_port, restored_steps, run_job, run_while, suspend_at, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -133,22 +131,15 @@ def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path
     doc = copy.deepcopy(load_example("digits-mlp.yaml"))
     doc["spec"]["training"].update(maxSteps=12000)
     doc["spec"]["parameterServers"]["checkpoint"]["everySeconds"] = 1
-    run = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path))
-    codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
-    thread.start()
-    try:
-        chief_port = run.shards[0].ports[contract.METRICS_PORT_NAME]
-        wait_for_step(chief_port, 2500)
+
+    def kill_a_shard_and_a_replica(run: local.LocalRun) -> None:
+        wait_for_step(chief_port(run), 2500)
         time.sleep(1.5)  # let a periodic checkpoint land after step 2500
         run.shards[1].process.send_signal(signal.SIGKILL)
         run.workers[0].process.send_signal(signal.SIGKILL)
-        thread.join(timeout=240)
-    finally:
-        run.interrupt()
-        thread.join(timeout=60)
-    summary = json.loads((tmp_path / report.REPORT_FILE).read_text())
-    assert codes == [0] and summary["phase"] == "Succeeded"
+
+    code, summary = run_while(doc, tmp_path, kill_a_shard_and_a_replica)
+    assert code == 0 and summary["phase"] == "Succeeded"
     assert summary["restartsByPod"]["digits-ps-1"] == 1
     assert summary["restartsByPod"]["digits-worker-0"] == 1
     _every_pod_reports_its_memory_and_traffic(summary, shards=2, workers=3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from distbelief.operator.local import local, report
 from distbelief.operator.spec.job import DistBeliefJob
@@ -29,19 +29,34 @@ def wait_for_step(port: int, step: int, timeout: float = 120) -> int:
     return eventually(reached, timeout, interval=0.2, what=f"global step {step}")
 
 
-def suspend_at(doc: dict[str, Any], output: Path, step: int) -> tuple[int, dict[str, Any]]:
-    """Run the job in output and interrupt it (Ctrl-C) once it reached step: its exit code
-    and its report."""
+def run_while(doc: dict[str, Any], output: Path, act: Callable[[local.LocalRun], None], *,
+              timeout: float = 240) -> tuple[int, dict[str, Any]]:
+    """Run the job in output, do act(run) meanwhile, and wait for the run's end (timeout:
+    then it is interrupted, as Ctrl-C does): its exit code and its report."""
     run = local.LocalRun(DistBeliefJob.validated(doc), str(output))
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(run.run(progress=False)))
     thread.start()
     try:
-        wait_for_step(run.shards[0].ports[contract.METRICS_PORT_NAME], step)
+        act(run)
+        thread.join(timeout=timeout)
     finally:
         run.interrupt()
         thread.join(timeout=60)
     return codes[0], json.loads((output / report.REPORT_FILE).read_text())
+
+
+def chief_port(run: local.LocalRun) -> int:
+    return run.shards[0].ports[contract.METRICS_PORT_NAME]
+
+
+def suspend_at(doc: dict[str, Any], output: Path, step: int) -> tuple[int, dict[str, Any]]:
+    """Run the job in output and interrupt it (Ctrl-C) once it reached step: its exit code
+    and its report."""
+    def interrupt(run: local.LocalRun) -> None:
+        wait_for_step(chief_port(run), step)
+        run.interrupt()
+    return run_while(doc, output, interrupt, timeout=60)
 
 
 def restored_steps(log_path: Path) -> list[int]:

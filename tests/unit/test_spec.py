@@ -735,7 +735,7 @@ def test_crd_uses_only_keywords_the_validator_supports() -> None:
 
 
 CONSTRAINTS = ("default", "enum", "minimum", "maximum", "pattern", "maxLength",
-               "maxItems")
+               "maxItems", "maxProperties")
 # Leaves of spec that are deliberately free, each with its reason: a role template's
 # affinity is a core/v1 Affinity, which the API server checks when it creates the pods; the
 # fields the operator owns are declared only so that a rule can refuse them by name.
@@ -772,3 +772,13 @@ def test_validation_is_idempotent_so_the_defaults_are_valid() -> None:
     job = spec.validate_job(MINIMAL)
     doc = copy.deepcopy(job)
     assert spec.validate_job(doc) == job
+
+
+def test_an_autoscaler_behavior_takes_scale_up_and_scale_down_and_no_third_field() -> None:
+    doc = copy.deepcopy(MINIMAL)
+    doc["spec"]["workers"] = {"autoscaling": {"maxReplicas": 4, "behavior": {
+        "scaleUp": {"stabilizationWindowSeconds": 0}, "scaleDown": {"stabilizationWindowSeconds": 30}}}}
+    assert spec.validate_job(doc)["spec"]["workers"]["autoscaling"]["behavior"]["scaleDown"] == {
+        "stabilizationWindowSeconds": 30}
+    doc["spec"]["workers"]["autoscaling"]["behavior"]["scaleSideways"] = {}
+    assert errors_of(doc) == ["spec.workers.autoscaling.behavior: must have at most 2 fields (got 3)"]

@@ -23,6 +23,7 @@ PLURAL = "distbeliefjobs"
 # The outcomes the chief decides, which are also the job's final phases.
 SUCCEEDED, FAILED = "Succeeded", "Failed"
 MODEL_DEGRADED = "ModelDegraded"  # a condition, and the reason of a job failed by failOnDegraded
+UPDATES_LOST = "UpdatesLost"      # a condition, and the reason of a job failed by failOnUpdatesLost
 # Data sets the runtime ships (spec.data.source "builtin:<name>").
 BUILTIN_DATASETS: tuple[str, ...] = ("digits",)
 
@@ -54,6 +55,7 @@ class Metric:
     SHARD_COPIES = "distbelief_shard_copies"
     SHARD_PRIMARY = "distbelief_shard_primary_copy"
     SHARD_FAILOVERS = "distbelief_shard_failovers"
+    UPDATES_LOST = "distbelief_updates_lost"       # the chief's, by shard: applied updates a shard lost
     MODEL_DEGRADED = "distbelief_model_degraded"   # the chief's: 1 with the reason and message, once judged
     ROWS = "distbelief_rows"                       # a shard's embedding rows
     ROW_BUDGET = "distbelief_row_budget"           # its budget (spec.model.embeddings.maxRowsPerShard; 0: none)

@@ -104,6 +104,7 @@ def _training(values: Any, path: str) -> jobspec.Training:
         warmstart_steps=at.get("warmstartSteps", jobbase.integer, 0),
         keep_best=at.get("keepBest", jobbase.boolean, False),
         fail_on_degraded=at.get("failOnDegraded", jobbase.boolean, False),
+        fail_on_updates_lost=at.get("failOnUpdatesLost", jobbase.boolean, False),
         max_steps=at.get("maxSteps", jobbase.integer, 10000),
         target_accuracy=at.optional("targetAccuracy", jobbase.number),
         target_loss=at.optional("targetLoss", jobbase.number),

@@ -255,6 +255,8 @@ class Training(jobbase.TrainingBase):
     """End a job whose model degraded (held-out metric at chance, or far below its own best, or a held-out loss that
     diverged) as Failed with reason ModelDegraded, instead of Succeeded with the condition ModelDegraded.
     """
+    fail_on_updates_lost: bool = False
+    """Fail a job whose shards lost applied updates (reason UpdatesLost), not Succeed with that condition."""
     max_steps: int = 10000
     """Stop after this many global updates."""
     target_accuracy: float | None = None
@@ -348,10 +350,7 @@ class Autoscaling:
     metrics: tuple[Mapping[str, Any], ...] | None = None
     """autoscaling/v2 MetricSpec list; 80% average CPU utilisation when empty."""
     behavior: Mapping[str, Any] | None = None
-    """autoscaling/v2 HorizontalPodAutoscalerBehavior, copied into the autoscaler - how fast it scales up and down
-    (scaleUp, scaleDown - stabilizationWindowSeconds, policies, selectPolicy). Absent, the autoscaler's defaults
-    - a scale-down waits for 5 minutes of lower recommendations.
-    """
+    """autoscaling/v2 HorizontalPodAutoscalerBehavior of the autoscaler; absent, scale-downs wait 5 min."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import kopf
 
 from distbelief.operator import errors
-from distbelief.operator.cluster import children, handlers
+from distbelief.operator.cluster import children, handlers, locks
 from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.render import kinds, podparts
 from distbelief.operator.spec.job import DistBeliefJob
@@ -60,7 +60,7 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
     if fresh is None or fresh["metadata"]["uid"] != owner["uid"] or fresh["metadata"].get("deletionTimestamp"):
         return
     try:
-        job, _ = handlers.locked_job(handlers.validated(fresh))
+        job, _ = locks.locked_job(handlers.validated(fresh))
     except errors.SpecError:
         return
     finished = (fresh.get("status") or {}).get("phase") in TERMINAL
@@ -92,7 +92,7 @@ def _rendered(job: Mapping[str, Any]) -> tuple[DistBeliefJob, list[dict[str, Any
         if len(_RENDERED) >= _RENDERED_MAX:
             _RENDERED.clear()
         try:
-            valid, _ = handlers.locked_job(handlers.validated(job))
+            valid, _ = locks.locked_job(handlers.validated(job))
         except errors.SpecError:
             _RENDERED[key] = None
         else:

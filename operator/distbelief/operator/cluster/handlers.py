@@ -37,12 +37,12 @@ import datetime
 import logging
 import os
 import threading
-from typing import Any, Callable, Literal, Mapping, NoReturn
+from typing import Any, Literal, Mapping, NoReturn
 
 import kopf
 
 from distbelief.operator import errors
-from distbelief.operator.cluster import children, metrics, peering as peering_watch
+from distbelief.operator.cluster import children, locks, metrics, peering as peering_watch
 from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.render import queue, render, sizing
@@ -50,14 +50,13 @@ from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import events, scrape
 from distbelief.operator.status.progress import parse_timestamp
-from distbelief.operator.status.status import FAILED, TERMINAL, WARNINGS, Observed, compute_status, pod_failures
-from distbelief.runtime import contract, jobspec, keys
+from distbelief.operator.status.status import (FAILED, TERMINAL, UPDATES_LOST, WARNINGS, Observed, compute_status,
+                                               pod_failures)
+from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
 
 RESOURCE = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
-SHARDS_ANNOTATION = f"{contract.API_GROUP}/shards"
-PARTITIONS_ANNOTATION = f"{contract.API_GROUP}/partitions"
 # The uid of the keys Secret this operator created for the job: the job's record that the
 # Secret of that name is its own (the operator may create Secrets, never read them).
 KEYS_ANNOTATION = f"{contract.API_GROUP}/keys-secret-uid"
@@ -67,9 +66,6 @@ STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
 # Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
 METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
 IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", render.DEFAULT_IMAGE)
-# The runtime image the operator gave a job without spec.image, recorded at its first
-# reconcile: an upgrade of the operator (a new default) does not restart running jobs.
-IMAGE_ANNOTATION = f"{contract.API_GROUP}/runtime-image"
 # The operator's own namespace (the chart sets it from the downward API): the jobs'
 # NetworkPolicies admit the operator's metrics scrapes from there.
 OPERATOR_NAMESPACE = os.environ.get("DISTBELIEF_OPERATOR_NAMESPACE") or None
@@ -123,41 +119,6 @@ def validated(body: Mapping[str, Any]) -> dict[str, Any]:
     return job_spec.validate_job(stored(body))
 
 
-@dataclasses.dataclass(frozen=True)
-class Lock:
-    """A count fixed at the job's creation, kept in an annotation; a change is refused."""
-
-    condition: str       # the status condition and the Warning's reason while a change is refused
-    annotation: str
-    path: tuple[str, str]  # the count's keys in the spec
-    wanted: Callable[[jobspec.JobSpec], int]
-    refusal: str         # why the change cannot be followed
-
-
-LOCKS = (
-    Lock("ShardCountLocked", SHARDS_ANNOTATION, ("parameterServers", "shards"),
-         lambda spec: spec.parameter_servers.shards, "resharding a job is not supported"),
-    Lock("PartitionCountLocked", PARTITIONS_ANNOTATION, ("model", "partitions"), lambda spec: spec.model.partitions,
-         "repartitioning a job is not supported (the parameters' places on the shards follow the partitions)"),
-)
-
-
-def locked_job(validated: dict[str, Any]) -> tuple[DistBeliefJob, dict[str, str]]:
-    """The job, parsed, with its shard and partition counts as created (in the spec its pods
-    read too), and a refusal message by condition for each count the spec changed."""
-    job, refusals = DistBeliefJob.of(validated), {}
-    for lock in LOCKS:
-        locked, wanted = job.annotations.get(lock.annotation), lock.wanted(job.config.spec)
-        if locked is None or int(locked) == wanted:
-            continue
-        validated = copy.deepcopy(validated)
-        validated["spec"].setdefault(lock.path[0], {})[lock.path[1]] = int(locked)
-        field = f"spec.{'.'.join(lock.path)}"
-        refusals[lock.condition] = (f"{field} changed from {locked} to {wanted}: {lock.refusal}; the job keeps "
-                                    f"{locked} {lock.path[1]} (set it back, or create a new job)")
-    return (DistBeliefJob.of(validated) if refusals else job), refusals
-
-
 @kopf.on.create(*RESOURCE)
 @kopf.on.resume(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
@@ -180,18 +141,18 @@ def _tell_scaled(body: kopf.Body, old: Any, new: Any) -> None:
 def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) -> str:
     """Make the job's children what its spec asks for; the outcome (cluster/metrics.py)."""
     try:
-        job, refusals = locked_job(validated(body))
+        job, refusals = locks.locked_job(validated(body))
     except errors.SpecError as exc:  # the CRD let it through (a server without its rules): observe() fails it
         log.warning("event=invalid_spec job=%s problems=%r", body.metadata.name, str(exc))
         return metrics.INVALID_SPEC
-    locks = {}
-    for lock in LOCKS:
+    recorded = {}
+    for lock in locks.LOCKS:
         if lock.condition in refusals:
             kopf.warn(body, reason=lock.condition, message=refusals[lock.condition])
         elif lock.annotation not in (body.metadata.annotations or {}):
-            locks[lock.annotation] = str(lock.wanted(job.config.spec))
-    if IMAGE_ANNOTATION not in (body.metadata.annotations or {}):
-        locks[IMAGE_ANNOTATION] = IMAGE
+            recorded[lock.annotation] = str(lock.wanted(job.config.spec))
+    if locks.IMAGE_ANNOTATION not in (body.metadata.annotations or {}):
+        recorded[locks.IMAGE_ANNOTATION] = IMAGE
     for line in sizing.warnings(job.config.spec):
         kopf.warn(body, reason="MemoryLimitLow", message=line)
     finished = (body.status or {}).get("phase") in TERMINAL
@@ -202,7 +163,7 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
         # (written by hand, or left from an admission Kueue has withdrawn).
         job = dataclasses.replace(job, annotations={k: v for k, v in job.annotations.items()
                                                     if k != queue.ADMISSION_ANNOTATION})
-    if SHARDS_ANNOTATION not in (body.metadata.annotations or {}):  # the job's first reconcile
+    if locks.SHARDS_ANNOTATION not in (body.metadata.annotations or {}):  # the job's first reconcile
         stale = children.stale_claims(kube, job)
         if stale:
             _block(body, memo, "CheckpointsOfAnotherJob", (
@@ -224,7 +185,7 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
             "operator leaves them alone and creates nothing in their place; delete or rename them, or create "
             "the job under another name"))
     memo["blocked"] = memo["warned"] = None
-    patch.metadata.annotations.update(locks)  # only once the children are the job's
+    patch.metadata.annotations.update(recorded)  # only once the children are the job's
     if applied.changed:
         kopf.info(body, reason="ChildrenApplied" if reason != "update" else "SpecApplied",
                   message=", ".join(f"{name} {result}" for name, result in applied.changed.items()))
@@ -234,7 +195,7 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
 def sync_queue(kube: Kube, body: kopf.Body, job: DistBeliefJob, *, finished: bool) -> tuple[str, str] | None:
     """One step of Kueue's contract (cluster/queue.py); an Event for each transition."""
     try:
-        hold = QueuedJob(kube, job, runtime_image(job)).sync(finished=finished)
+        hold = QueuedJob(kube, job, locks.runtime_image(job, IMAGE)).sync(finished=finished)
     except errors.KubeError as exc:  # Kueue's types absent, or a call refused: the job stays held
         log.warning("event=queue_failed job=%s error=%r", job.config.name, str(exc))
         return ("QueueUnavailable", f"cannot follow the job's Kueue Workload ({exc}); is Kueue installed?")
@@ -255,14 +216,9 @@ def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoRet
     raise kopf.TemporaryError(message, delay=BLOCKED_RETRY_SECONDS)
 
 
-def runtime_image(job: DistBeliefJob) -> str:
-    """The image of the job's pods when its spec names none: the one recorded for it."""
-    return job.annotations.get(IMAGE_ANNOTATION) or IMAGE
-
-
 def desired_children(job: DistBeliefJob, *, finished: bool) -> list[dict[str, Any]]:
-    return render.render_children(job, image=runtime_image(job), finished=finished, held=queue.held(job),
-                                  operator_namespace=OPERATOR_NAMESPACE)
+    return render.render_children(job, image=locks.runtime_image(job, IMAGE), finished=finished,
+                                  held=queue.held(job), operator_namespace=OPERATOR_NAMESPACE)
 
 
 def ensure_keys_secret(kube: Kube, job: DistBeliefJob) -> Literal["created", "own", "foreign"]:
@@ -306,7 +262,7 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
     """Read what the job's children and chief show, and write the job's status from it."""
     kube = Kube()
     try:
-        job, refusals = locked_job(validated(body))
+        job, refusals = locks.locked_job(validated(body))
         observed = read_observed(kube, job, refusals, blocked=memo.get("blocked"))
         if queue.queue_name(job):
             finished = (body.status or {}).get("phase") in TERMINAL
@@ -376,11 +332,14 @@ def read_observed(kube: Kube, job: DistBeliefJob, refusals: Mapping[str, str],
 
 
 def _warn_new_conditions(body: kopf.Body, before: list[Mapping[str, Any]], after: list[Mapping[str, Any]]) -> None:
-    """A Warning Event for each warning condition (ModelDegraded, RowBudgetReached) that just turned True."""
-    was = {c.get("type") for c in before if c.get("status") == "True"}
+    """A Warning Event for each warning condition (ModelDegraded, RowBudgetReached, UpdatesLost)
+    that just turned True, and again for UpdatesLost each time its count grows."""
+    was = {c.get("type"): c.get("message") for c in before if c.get("status") == "True"}
     for condition in after:
-        if condition.get("type") in WARNINGS and condition.get("status") == "True" and condition["type"] not in was:
-            kopf.warn(body, reason=condition["type"], message=condition.get("message", condition["type"]))
+        kind, message = condition.get("type"), condition.get("message", condition.get("type"))
+        if kind in WARNINGS and condition.get("status") == "True" and (
+                kind not in was or (kind == UPDATES_LOST and message != was[kind])):
+            kopf.warn(body, reason=kind, message=message)
 
 
 def _own(obj: dict[str, Any] | None, uid: str | None) -> dict[str, Any]:

@@ -63,9 +63,10 @@ def _decided(result: Mapping[str, Any] | None) -> scrape.Figures | None:
     if result is None:
         return None
     degraded = result.get("degraded") or {}
+    lost = {int(shard): int(n) for shard, n in (result.get("updatesLost") or {}).items()}
     return scrape.Figures(global_step=int(result.get("globalStep", 0)), finished_outcome=result["phase"],
                           finished_reason=result["reason"], degraded_reason=degraded.get("reason"),
-                          degraded_message=degraded.get("message"))
+                          degraded_message=degraded.get("message"), updates_lost=lost or None)
 
 
 def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = False) -> int:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from distbelief.operator.local import curves
 from distbelief.operator.local.podusage import OOM_KILLED
 from distbelief.operator.status import scrape
-from distbelief.operator.status.status import MODEL_DEGRADED, ROW_BUDGET_REACHED, WARNINGS
+from distbelief.operator.status.status import MODEL_DEGRADED, ROW_BUDGET_REACHED, UPDATES_LOST, WARNINGS
 
 from distbelief.runtime import contract
 
@@ -155,7 +155,7 @@ def print_summary(summary: Mapping[str, Any], output: str) -> None:
     sys.stdout.write("\n".join(lines) + "\n")
 
 
-WARNING_LABELS = {MODEL_DEGRADED: "MODEL DEGRADED", ROW_BUDGET_REACHED: "ROW BUDGET"}
+WARNING_LABELS = {MODEL_DEGRADED: "MODEL DEGRADED", ROW_BUDGET_REACHED: "ROW BUDGET", UPDATES_LOST: "UPDATES LOST"}
 
 
 def _held_out_lines(summary: Mapping[str, Any]) -> list[str]:

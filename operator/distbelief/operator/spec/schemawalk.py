@@ -210,6 +210,8 @@ class Walker:
     def _object(self, value: dict[str, Any], schema: Mapping[str, Any], path: str) -> None:
         if path == "metadata":
             return  # checked by _check_metadata; the API server owns the rest
+        if "maxProperties" in schema and len(value) > schema["maxProperties"]:
+            self.problems.add(path, f"must have at most {schema['maxProperties']} fields (got {len(value)})")
         props: Mapping[str, Any] = schema.get("properties", {})
         extra = schema.get("additionalProperties")
         opaque = bool(schema.get("x-kubernetes-preserve-unknown-fields"))

@@ -49,7 +49,7 @@ FILE_SCHEMES = ("npz", "npy", "parquet", "csv")  # sources read from files in th
 SUPPORTED_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "enum",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
-    "maxLength", "pattern", "minItems", "maxItems", "default", "nullable", "anyOf",
+    "maxLength", "pattern", "minItems", "maxItems", "maxProperties", "default", "nullable", "anyOf",
     "format", "description", "x-kubernetes-int-or-string",
     "x-kubernetes-preserve-unknown-fields", "x-kubernetes-validations",
     "x-kubernetes-list-type", "x-kubernetes-list-map-keys",

@@ -56,6 +56,7 @@ class Figures:
     row_budget: int | None = None           # ... a shard's row budget (0: none)
     rows_refused: int | None = None         # ... rows the shards refused for want of room
     rows_evicted: int | None = None         # ... rows they evicted to make room
+    updates_lost: dict[int, int] | None = None  # shard -> applied updates it lost, where any (shard/losses.py)
 
     @property
     def reachable(self) -> bool:
@@ -69,6 +70,7 @@ def parse(text: str) -> Figures:
     rows: dict[str, int] = {}
     staleness: list[tuple[float, float]] = []  # (bucket bound, updates at most that stale)
     copies: dict[int, dict[str, int]] = {}
+    lost: dict[int, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == M.JOB_FINISHED and sample.value == 1:
@@ -77,6 +79,9 @@ def parse(text: str) -> Figures:
                 degraded = (sample.labels.get("reason", ""), sample.labels.get("message", ""))
             elif sample.name == M.JOB_ROWS:
                 rows[sample.labels.get("figure", "")] = int(sample.value)
+            elif sample.name == M.UPDATES_LOST and sample.labels.get("shard", "").isdigit():
+                if sample.value > 0:
+                    lost[int(sample.labels["shard"])] = int(sample.value)
             elif sample.name in _COPY_FIGURES and sample.labels.get("shard", "").isdigit():
                 copies.setdefault(int(sample.labels["shard"]), {})[_COPY_FIGURES[sample.name]] = int(sample.value)
             elif sample.name == M.STALENESS + "_bucket":
@@ -117,6 +122,7 @@ def parse(text: str) -> Figures:
         row_budget=rows.get("budget"),
         rows_refused=rows.get("refused"),
         rows_evicted=rows.get("evicted"),
+        updates_lost=lost or None,
     )
 
 

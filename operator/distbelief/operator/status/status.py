@@ -27,8 +27,8 @@ TERMINAL = (SUCCEEDED, FAILED)
 CONDITION_TYPES = ("Created", RUNNING, SUSPENDED, SUCCEEDED, FAILED)
 # Conditions that warn of something the job's phase does not say; once True they stay
 # (the pods that told may be gone), and the operator posts each as a Warning Event.
-MODEL_DEGRADED, ROW_BUDGET_REACHED = contract.MODEL_DEGRADED, "RowBudgetReached"
-WARNINGS = (MODEL_DEGRADED, ROW_BUDGET_REACHED)
+MODEL_DEGRADED, ROW_BUDGET_REACHED, UPDATES_LOST = contract.MODEL_DEGRADED, "RowBudgetReached", contract.UPDATES_LOST
+WARNINGS = (MODEL_DEGRADED, ROW_BUDGET_REACHED, UPDATES_LOST)
 # Grace beyond maxDuration before the operator itself fails a job whose chief is silent.
 DEADLINE_GRACE_SECONDS = 60
 CHIEF_ENDED = "the chief ended the job"
@@ -217,7 +217,8 @@ def _conditions(previous: list[Mapping[str, Any]], verdict: tuple[str, str, str]
         wanted["ShardCountLocked"] = ("True", "ReshardingUnsupported", observed.shard_lock_message)
     if observed.partition_lock_message:
         wanted["PartitionCountLocked"] = ("True", "RepartitioningUnsupported", observed.partition_lock_message)
-    for kind, seen in ((MODEL_DEGRADED, _degraded(observed.figures)), (ROW_BUDGET_REACHED, _row_budget(observed.figures))):
+    for kind, seen in ((MODEL_DEGRADED, _degraded(observed.figures)), (ROW_BUDGET_REACHED, _row_budget(observed.figures)),
+                       (UPDATES_LOST, _updates_lost(observed.figures))):
         before = _find(previous, kind)
         if seen:
             wanted[kind] = ("True", *seen)
@@ -251,6 +252,17 @@ def _row_budget(figures: Figures) -> tuple[str, str] | None:
         return "RowsRefused", f"{budget}: {refused:,} new rows refused, their gradients dropped; raise the " \
             "budget (and the shards' memory limit), or set expireAfterSeconds to evict idle rows"
     return "RowsEvicted", f"{budget}: {evicted:,} rows evicted, those pushed to least recently first"
+
+
+def _updates_lost(figures: Figures) -> tuple[str, str] | None:
+    """(reason, message) once a shard lost applied updates: it came back from a checkpoint,
+    or a copy took over, behind the step it had served to the replicas."""
+    if not figures.updates_lost:
+        return None
+    shards = ", ".join(f"shard {shard} {count:,}" for shard, count in sorted(figures.updates_lost.items()))
+    return "ShardStateBehind", (f"applied updates lost ({shards}): a shard came back from a checkpoint, or a copy "
+                                "took over, behind the step it had served; spec.parameterServers.backups keeps "
+                                "copies, spec.training.failOnUpdatesLost fails such a job")
 
 
 def _find(conditions: list[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:

@@ -39,10 +39,11 @@ from distbelief.runtime.model import models
 from distbelief.runtime.model.data import Dataset
 from distbelief.runtime.observe.metrics import ChiefMetrics
 from distbelief.runtime.params.dense_client import Float32Dense
+from distbelief.runtime.shard.losses import KEY as LOST_KEY
 
 log = logging.getLogger(__name__)
 
-SUCCEEDED, FAILED = contract.SUCCEEDED, contract.FAILED
+SUCCEEDED, FAILED, UPDATES_LOST = contract.SUCCEEDED, contract.FAILED, contract.UPDATES_LOST
 # What a history line says of the replicas when the algorithm's shards report nothing of
 # them (Sandblaster's; Downpour's shard 0 reports these: algorithms/downpour/updates.py).
 REPLICA_FIGURES = {"trainLoss": None, "replicas": 0, "examplesPerSecondPerReplica": None}
@@ -137,15 +138,18 @@ class Chief:
                  output_dir: str, start_time: float, metrics: ChiefMetrics, training: Callable[[], dict[str, Any]],
                  optimizer_state: Callable[[], dict | None] = lambda: None, copies: bool = False,
                  record: HeldOutRecord | None = None, keep_best: bool = False, fail_on_degraded: bool = False,
-                 rows: bool = False) -> None:
+                 fail_on_updates_lost: bool = False, rows: bool = False) -> None:
         """copies: the shards have backups, whose state each evaluation also reports; record:
-        the held-out record to keep (two classes, chance 0.5 when not given); keep_best and
-        fail_on_degraded: spec.training's; rows: the shards hold embedding rows, whose
-        figures each evaluation also reads."""
+        the held-out record to keep (two classes, chance 0.5 when not given); keep_best,
+        fail_on_degraded and fail_on_updates_lost: spec.training's; rows: the shards hold
+        embedding rows, whose figures each evaluation also reads. Every evaluation reads
+        the updates each shard lost (shard/losses.py)."""
         self.group, self.scorer, self.rules = group, scorer, rules
         self.copies, self.rows = copies, rows
         self.record = record or HeldOutRecord(two_classes=True, chance=0.5)
         self.keep_best, self.fail_on_degraded = keep_best, fail_on_degraded
+        self.fail_on_updates_lost = fail_on_updates_lost
+        self.updates_lost: dict[int, int] = {}   # shard -> applied updates it lost, as last reported
         self.eval_every, self.output_dir, self.start_time = eval_every, output_dir, start_time
         self.metrics = metrics
         self.training = training  # shard 0's training figures (examples, examples/s, train loss, replicas)
@@ -200,10 +204,12 @@ class Chief:
         self._record(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed, auc=auc)
         if self.record.observe(step, loss, accuracy, auc) and self.keep_best:
             self.scorer.save(os.path.join(self.output_dir, contract.BEST_PARAMS_FILE))
+        stats = self.group.stats()
+        self._record_losses(stats)
         if self.copies:
-            self._record_copies()
+            self._record_copies(stats)
         if self.rows:
-            self._record_rows()
+            self._record_rows(stats)
         verdict = self.rules.verdict(step=step, loss=loss, accuracy=accuracy, elapsed=elapsed,
                                      converged=self._converged())
         if verdict is None:
@@ -226,17 +232,26 @@ class Chief:
             f.write(json.dumps(line) + "\n")
         log.info("event=evaluated step=%d loss=%.4f accuracy=%.4f", step, loss, accuracy)
 
-    def _record_copies(self) -> None:
+    def _record_losses(self, every: list[dict]) -> None:
+        """The applied updates each shard lost (a restore or takeover behind what it served)."""
+        for shard, stats in enumerate(every):
+            lost = int(stats.get(LOST_KEY, 0))
+            if lost > self.updates_lost.get(shard, 0):
+                log.warning("event=updates_lost shard=%d lost=%d", shard, lost)
+            self.updates_lost[shard] = lost
+            self.metrics.updates_lost.labels(shard=str(shard)).set(lost)
+
+    def _record_copies(self, every: list[dict]) -> None:
         """Each shard's copies in sync, its primary's rank and its failovers, as its primary says."""
-        for shard, stats in enumerate(self.group.stats()):
+        for shard, stats in enumerate(every):
             self.metrics.shard_copies.labels(shard=str(shard)).set(stats.get("copies", 0))
             self.metrics.shard_primary.labels(shard=str(shard)).set(stats.get("copy", 0))
             self.metrics.shard_failovers.labels(shard=str(shard)).set(stats.get("failovers", 0))
 
-    def _record_rows(self) -> None:
+    def _record_rows(self, every: list[dict]) -> None:
         """Every shard's embedding rows: the fullest shard's, the budget, and the rows refused
         and evicted for want of room, over all shards."""
-        stats = [s for s in self.group.stats() if "rows" in s]
+        stats = [s for s in every if "rows" in s]
         if not stats:
             return
         figures = {"max": max(s["rows"] for s in stats), "budget": max(s.get("rowBudget", 0) for s in stats),
@@ -254,6 +269,9 @@ class Chief:
             log.warning("event=model_degraded reason=%s message=%r", *degraded)
             if self.fail_on_degraded:
                 reason, outcome = contract.MODEL_DEGRADED, FAILED
+        lost = {str(shard): n for shard, n in sorted(self.updates_lost.items()) if n}
+        if lost and self.fail_on_updates_lost:
+            reason, outcome = UPDATES_LOST, FAILED
         self.metrics.finished.labels(reason=reason, outcome=outcome).set(1)
         examples = self.training()["examples"]
         result = {"phase": outcome, "reason": reason, "globalStep": step,
@@ -265,6 +283,8 @@ class Chief:
             result["auc"] = auc
         if degraded:
             result["degraded"] = {"reason": degraded[0], "message": degraded[1]}
+        if lost:
+            result["updatesLost"] = lost
         if self.keep_best and os.path.exists(os.path.join(self.output_dir, contract.BEST_PARAMS_FILE)):
             result["best"] = {"step": held_out["bestStep"], held_out["metric"]: held_out["best"],
                               "params": contract.BEST_PARAMS_FILE}

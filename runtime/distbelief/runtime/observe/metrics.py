@@ -38,6 +38,8 @@ class ShardMetrics:
             return prom.Counter(name, doc, list(labels), registry=registry).labels(**labels)
 
         self.global_step = gauge(M.GLOBAL_STEP, "Updates this shard has applied over the job's life")
+        self.updates_lost = gauge("distbelief_shard_updates_lost",
+                                  "Applied updates this shard lost (a restore or takeover behind what replicas pulled)")
         self.train_loss = gauge(M.TRAIN_LOSS, "Moving average of the minibatch loss replicas report")
         self.examples_per_second = gauge(M.EXAMPLES_PER_SECOND, "Examples per second behind the applied updates")
         self.examples = counter("distbelief_examples", "Examples behind the applied updates")
@@ -117,6 +119,8 @@ class ChiefMetrics:
         self.shard_primary = prom.Gauge(M.SHARD_PRIMARY, "Copy rank of the shard's primary", ["shard"], registry=registry)
         self.shard_failovers = prom.Gauge(M.SHARD_FAILOVERS, "Times a backup of the shard took over", ["shard"],
                                           registry=registry)
+        # each shard's lost updates (shard/losses.py), as it reports them
+        self.updates_lost = prom.Gauge(M.UPDATES_LOST, "Applied updates the shard lost", ["shard"], registry=registry)
         # every shard's embedding rows, as each reports them (jobs with embeddings only): max (the
         # fullest shard's), budget (a shard's; 0: none), refused and evicted (all shards')
         self.rows = prom.Gauge(M.JOB_ROWS, "The shards' embedding rows and their budget, by figure", ["figure"],

@@ -116,7 +116,7 @@ def _start_chief(ctx: interface.ChiefContext, output_dir: str, algorithm: interf
                   start_time=server.start_time, metrics=ChiefMetrics(ctx.registry), training=server.training_figures,
                   optimizer_state=algorithm.optimizer_state(server), copies=job.spec.parameter_servers.copies > 1, record=record,
                   keep_best=training.keep_best, fail_on_degraded=training.fail_on_degraded,
-                  rows=job.spec.model.embeddings is not None)
+                  fail_on_updates_lost=training.fail_on_updates_lost, rows=job.spec.model.embeddings is not None)
     server.step_reached = chief.step_reached
     chief.on_failure = server.stop
     chief.start()

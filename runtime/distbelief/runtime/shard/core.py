@@ -40,10 +40,10 @@ import numpy as np
 
 from distbelief.runtime import errors, keys
 from distbelief.runtime.observe.metrics import RateWindow, ShardMetrics
-from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard import checkpoint, losses
 from distbelief.runtime.shard.plugin import (
     Answer, Handler, RawHandler, Replication, ShardPlugin, SingleCopy, UpdateHook)
-from distbelief.runtime.shard.resends import CHECKPOINT_KEY, LastCommands
+from distbelief.runtime.shard.resends import CHECKPOINT_KEY, LastCommands, repeat_of
 from distbelief.runtime.shard.saves import CheckpointSchedule
 from distbelief.runtime.transport import interface, zmq_transport
 from distbelief.runtime.wire import protocol
@@ -96,6 +96,7 @@ class Shard:
         self.command_time = time.time()  # the primary's clock when it took this command (answer)
         self._rate = RateWindow(RATE_WINDOW_SECONDS)
         self.last_commands = LastCommands()
+        self.lost = losses.LostUpdates(self.index, metrics.updates_lost)
         self.saves = CheckpointSchedule(self)
         self._outbox: collections.deque[tuple[Any, bytes, list]] = collections.deque()  # (tag, peer, reply)
 
@@ -148,6 +149,7 @@ class Shard:
         """Take the training state of a checkpoint (at start, or a Sandblaster rollback)."""
         for plugin in self.plugins:
             plugin.restore(ckpt)
+        self.lost.new_life()
         self.step = ckpt.step
         self.saves.taken(self.step)
         self.metrics.global_step.set(self.step)
@@ -157,6 +159,7 @@ class Shard:
         self.start_time = float(meta.get("startTime", self.start_time))
         self.finished, self.examples_total = meta.get("finished"), int(meta.get("examples", 0))
         self.last_commands.load(meta.get(CHECKPOINT_KEY, []))
+        self.lost.restore(int(meta.get(losses.KEY, 0)))
 
     def stop(self) -> None:
         self.stopping.set()
@@ -288,19 +291,12 @@ class Shard:
 
     def _repeated(self, peer: tuple, message: Message) -> list | None:
         """The reply to a command this peer sent before, if this is that command again."""
-        header = message.header
-        if not message.spec.command:
-            return None
-        seq, op, reply = self.last_commands.get(peer)
-        if seq is not None and 0 < (seq - header.seq) & 0xFFFFFFFF < 1 << 31:
-            # A copy of an earlier command that lingered on the way (a resend on another
-            # connection): its peer has moved on, and it was applied when it first came.
-            raise errors.Refused(f"command {header.seq} is older than this peer's last ({seq}): not applied again")
-        if (seq, op) != (header.seq, header.op):
+        record = repeat_of(self.last_commands, peer, message.header) if message.spec.command else None
+        if record is None:
             return None
         log.info("event=command_repeated shard=%d worker=%08x op=%s action=first_reply_again",
-                 self.index, header.worker, message.spec.name)
-        return reply if reply is not None else self._dispatch(message, self._repeats[header.op])
+                 self.index, message.header.worker, message.spec.name)
+        return record[2] if record[2] is not None else self._dispatch(message, self._repeats[message.header.op])
 
     def _remember(self, peer: tuple, message: Message, reply: list) -> None:
         if not message.spec.command:
@@ -328,7 +324,8 @@ class Shard:
 
     def _stats(self, message: Message) -> Answer:
         stats = {"shard": self.index, "step": self.step, "restarts": self.restarts, "startTime": self.start_time,
-                 "finished": self.finished, **self._hook_figures(), **self.copies.stats()}
+                 "finished": self.finished, losses.KEY: self.lost.total, **self._hook_figures(),
+                 **self.copies.stats()}
         return Answer(meta=protocol.JsonObject(stats))
 
     def _done(self, message: Message) -> Answer:
@@ -347,7 +344,10 @@ class Shard:
     def applied(self, header: Header, *, examples: int, loss: float) -> None:
         """One update applied (header: its request's; examples and their mean loss behind it):
         the update hooks are told first, while the step is still the one before it; then the
-        step advances and the examples are counted."""
+        step advances and the examples are counted. A push pulled at a step this shard has
+        not reached tells of updates it lost (losses.py)."""
+        if header.step > self.step and self.copies.serves_clients():
+            self.lost.seen(header.step, self.step)
         for hook in self.update_hooks:
             hook.applied(self._peer, header, examples=examples, loss=loss)
         self.step += 1
@@ -385,7 +385,7 @@ class Shard:
     def core_meta(self) -> dict[str, Any]:
         """The core's figures saved beside its state (take_meta reads them back)."""
         meta = {"restarts": self.restarts, "startTime": self.start_time, "finished": self.finished,
-                "examples": self.examples_total}
+                "examples": self.examples_total, losses.KEY: self.lost.total}
         return {**meta, checkpoint.JOB_UID: self.settings.job_uid} if self.settings.job_uid else meta
 
     def snapshot(self, *, transfer: bool = False) -> checkpoint.Checkpoint:

@@ -127,6 +127,11 @@ class Replication(Protocol):
         """Raise NotPrimary unless this copy serves clients."""
         ...
 
+    def serves_clients(self) -> bool:
+        """Whether this copy answers the replicas now (the primary; not a backup applying
+        what the primary forwards, nor a copy catching up)."""
+        ...
+
     def replicate(self, incoming: Incoming) -> None:
         """A command was just applied: forward it to the backups (without waiting for them)."""
         ...
@@ -171,6 +176,9 @@ class SingleCopy:
 
     def check_serving(self, spec: OpSpec) -> None:
         pass
+
+    def serves_clients(self) -> bool:
+        return True
 
     def replicate(self, incoming: Incoming) -> None:
         pass

@@ -13,6 +13,9 @@ import base64
 from collections import OrderedDict
 from typing import Any
 
+from distbelief.runtime import errors
+from distbelief.runtime.wire.protocol import Header
+
 CHECKPOINT_KEY = "lastCommands"  # the checkpoint metadata that holds LastCommands.export()
 REMEMBERED_PEERS = 4096  # peers (replicas, the coordinator) whose last command a shard remembers
 
@@ -45,6 +48,16 @@ class LastCommands:
         for user, peer, seq, op, reply in entries[-self.limit:]:
             frames = None if reply is None else [base64.b64decode(f) for f in reply]
             self._records[(user, bytes.fromhex(peer))] = (int(seq), int(op), frames)
+
+
+def repeat_of(commands: LastCommands, peer: Peer, header: Header) -> Record | None:
+    """The peer's record of this very command if it sent it before, None for a new one;
+    Refused for an earlier one (a copy that lingered on the way, on another connection: its
+    peer has moved on, and it was applied when it first came)."""
+    seq, op, reply = commands.get(peer)
+    if seq is not None and 0 < (seq - header.seq) & 0xFFFFFFFF < 1 << 31:
+        raise errors.Refused(f"command {header.seq} is older than this peer's last ({seq}): not applied again")
+    return (seq, op, reply) if seq is not None and op is not None and (seq, op) == (header.seq, header.op) else None
 
 
 def _text(frame: bytes) -> str:

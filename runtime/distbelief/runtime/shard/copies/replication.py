@@ -114,6 +114,9 @@ class Copies:
         return {COPY_STATUS: self._status, JOIN: self._join, REPLICATE: self.follower.replicate,
                 COPY_STATE: self.follower.copy_state}
 
+    def serves_clients(self) -> bool:
+        return self.role == PRIMARY and not self.forwarded
+
     def check_serving(self, spec: OpSpec) -> None:
         if self.role != PRIMARY and not self.forwarded:
             raise errors.NotPrimary(f"copy {self.rank} of shard {self.shard.index} is {self.role}, not the primary")
@@ -318,6 +321,7 @@ class Copies:
             since = self._keeping[(rank, incarnation)]
             self.chain.resume(rank, incarnation, self.addresses[rank], since=since, commands=self.follower.since(since))
         self.follower.drop()
+        self.shard.lost.new_life()   # what the replicas pulled from the old primary is measured against this copy
         log.warning("event=copy_promoted shard=%d copy=%d view=%d step=%d was=%s failovers=%d position=%s "
                     "keeping=%s", self.shard.index, self.rank, self.view, self.shard.step, was, self._failovers,
                     position, [rank for rank, _ in record.in_sync[1:]])
