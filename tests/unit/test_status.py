@@ -277,3 +277,24 @@ def test_a_refusal_to_create_the_children_is_the_created_condition() -> None:
     created = condition(blocked, "Created")
     assert (created["status"], created["reason"], created["message"]) == (
         "False", "ForeignObject", "StatefulSet/digits-ps is not ours")
+
+
+def test_updates_a_shard_lost_are_a_warning_condition_that_stays_and_names_the_shards() -> None:
+    registry = prom.CollectorRegistry()
+    chief = ChiefMetrics(registry)
+    ShardMetrics(registry, 0).global_step.set(9)
+    chief.updates_lost.labels(shard="0").set(0)
+    figures = scrape.parse(prom.generate_latest(registry).decode())
+    assert figures.updates_lost is None
+    clean = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=figures), NOW)
+    assert all(c["type"] != "UpdatesLost" for c in clean["conditions"])
+    chief.updates_lost.labels(shard="1").set(1668)
+    figures = scrape.parse(prom.generate_latest(registry).decode())
+    assert figures.updates_lost == {1: 1668}
+    lossy = compute_status(job(), Observed(shards_ready=2, workers_ready=3, figures=figures), NOW)
+    lost = condition(lossy, "UpdatesLost")
+    assert (lost["status"], lost["reason"]) == ("True", "ShardStateBehind")
+    assert lost["message"].startswith("applied updates lost (shard 1 1,668)")
+    assert lossy["phase"] == "Running"   # the condition tells; spec.training.failOnUpdatesLost fails the job
+    silent = compute_status(job(**lossy), Observed(shards_ready=2, workers_ready=3), LATER)
+    assert condition(silent, "UpdatesLost")["status"] == "True"
