@@ -25,7 +25,7 @@ import yaml
 
 from distbelief.runtime import keys
 from support.chiefs import Chiefs
-from support.cluster import JOBS, Api, Kubectl, Operator, stop_process
+from support.cluster import CRD_NAME, JOBS, Api, Kubectl, Operator, stop_process
 from support.examples import load_example
 from support.kubejobs import (READY, apply, condition, condition_holds, controller_of, kubelet_runs, new_job,
                               patch_job, phase_is, pods_of, replicas_are)
@@ -413,6 +413,25 @@ def test_an_invalid_job_is_refused_by_the_api_naming_the_field(kubectl: Kubectl,
                        input=yaml.safe_dump(new_job("invalid", training={"batchSize": 0})))
     assert done.returncode != 0
     assert "spec.training.batchSize" in done.stderr
+
+
+def test_a_crd_newer_than_the_operator_fails_no_job(operator: Operator, api: Api, kubectl: Kubectl,
+                                                    namespace: str) -> None:
+    """The CRD upgraded before the operator: its new defaulted field is in every job the
+    API server returns; the operator ignores it (and says so) instead of failing the job."""
+    path = "/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/training/properties/futureKnob"
+    kubectl("patch", "crd", CRD_NAME, "--type=json", "-p", json.dumps(
+        [{"op": "add", "path": path, "value": {"type": "boolean", "default": False}}]))
+    try:
+        eventually(lambda: "futureKnob" in kubectl("get", "crd", CRD_NAME, "-o", "json"), 30, interval=0.5)
+        apply(kubectl, namespace, new_job("newer"))
+        job = api.wait(JOBS, namespace, "newer", condition_holds("Created"))
+        assert job["spec"]["training"]["futureKnob"] is False   # the newer CRD's default
+        assert (job.get("status") or {}).get("phase") != "Failed", job.get("status")
+        api.wait(DEPLOY, namespace, "newer-worker")
+        assert "event=fields_unknown job=newer fields=spec.training.futureKnob" in operator.log_tail(200_000)
+    finally:
+        kubectl("patch", "crd", CRD_NAME, "--type=json", "-p", json.dumps([{"op": "remove", "path": path}]))
 
 
 # ------------------------------------------------------------------ restarts

@@ -782,3 +782,15 @@ def test_an_autoscaler_behavior_takes_scale_up_and_scale_down_and_no_third_field
         "stabilizationWindowSeconds": 30}
     doc["spec"]["workers"]["autoscaling"]["behavior"]["scaleSideways"] = {}
     assert errors_of(doc) == ["spec.workers.autoscaling.behavior: must have at most 2 fields (got 3)"]
+
+
+def test_a_stored_job_under_a_newer_crd_has_its_unknown_fields_dropped_and_named() -> None:
+    """The operator reads jobs the API server pruned to its CRD: a field this code does not
+    know came with a newer CRD, and is dropped (and named), not a reason to fail the job."""
+    doc = copy.deepcopy(MINIMAL)
+    doc["spec"]["training"] = {"futureKnob": True, "maxSteps": 50}
+    assert errors_of(copy.deepcopy(doc)) == ["spec.training.futureKnob: unknown field"]
+    pruned: list[str] = []
+    job = spec.validate_job(doc, pruned=pruned)
+    assert pruned == ["spec.training.futureKnob"]
+    assert "futureKnob" not in job["spec"]["training"] and job["spec"]["training"]["maxSteps"] == 50

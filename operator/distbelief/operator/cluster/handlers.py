@@ -115,8 +115,22 @@ def stored(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def validated(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The job with the CRD's defaults; SpecError when the rules refuse it."""
-    return job_spec.validate_job(stored(body))
+    """The job with the CRD's defaults; SpecError when the rules refuse it. A field this
+    operator does not know came with a newer CRD (the API server prunes any other): it is
+    ignored, and said once, rather than failing a stored job."""
+    pruned: list[str] = []
+    job = job_spec.validate_job(stored(body), pruned=pruned)
+    if pruned and _PRUNED_SAID.get(body["metadata"].get("uid")) != pruned:
+        if len(_PRUNED_SAID) >= 4096:
+            _PRUNED_SAID.clear()
+        _PRUNED_SAID[body["metadata"].get("uid")] = pruned
+        log.warning("event=fields_unknown job=%s fields=%s note=a_newer_crd_than_this_operator",
+                    body["metadata"].get("name"), ",".join(pruned))
+    return job
+
+
+# The unknown fields last logged per job uid (a CRD newer than the operator): said once.
+_PRUNED_SAID: dict[str | None, list[str]] = {}
 
 
 @kopf.on.create(*RESOURCE)

@@ -112,10 +112,13 @@ def got(value: Any) -> str:
 
 
 class Walker:
-    """Applies defaults and checks one structural schema, the way the API server does."""
+    """Applies defaults and checks one structural schema, the way the API server does. An
+    unknown field is a problem, or with prune (the API server's own pruning) dropped and
+    named in `pruned`."""
 
-    def __init__(self, problems: Problems) -> None:
-        self.problems = problems
+    def __init__(self, problems: Problems, *, prune: bool = False) -> None:
+        self.problems, self.prune = problems, prune
+        self.pruned: list[str] = []
 
     def walk(self, value: Any, schema: Mapping[str, Any], path: str) -> Any:
         """The checked value (integral floats of integer fields become ints)."""
@@ -154,7 +157,7 @@ class Walker:
             return True
         for branch in branches:
             trial = Problems()
-            Walker(trial).walk(copy.deepcopy(value), branch, path)
+            Walker(trial, prune=self.prune).walk(copy.deepcopy(value), branch, path)
             if not trial.lines:
                 return True
         self.problems.add(path, f"must match one of the anyOf schemas ({got(value)})")
@@ -207,6 +210,13 @@ class Walker:
             for i, item in enumerate(value):
                 value[i] = self.walk(item, items, f"{path}[{i}]")
 
+    def _unknown_field(self, value: dict[str, Any], key: str, where: str, props: Mapping[str, Any]) -> None:
+        if self.prune:
+            del value[key]
+            self.pruned.append(where)
+        else:
+            self.problems.add(where, REPLACED.get(where) or _unknown(key, props))
+
     def _object(self, value: dict[str, Any], schema: Mapping[str, Any], path: str) -> None:
         if path == "metadata":
             return  # checked by _check_metadata; the API server owns the rest
@@ -219,8 +229,7 @@ class Walker:
             sub = props.get(key, extra if isinstance(extra, Mapping) else None)
             if sub is None:
                 if not opaque:
-                    where = join(path, key)
-                    self.problems.add(where, REPLACED.get(where) or _unknown(key, props))
+                    self._unknown_field(value, key, join(path, key), props)
             elif value[key] is None and not sub.get("nullable"):
                 del value[key]  # the API server prunes nulls of non-nullable fields
         for key, sub in props.items():

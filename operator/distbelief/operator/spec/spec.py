@@ -121,13 +121,18 @@ def _unsupported_keywords(schema: Mapping[str, Any], path: str) -> Iterator[str]
 # ------------------------------------------------------------------ public checks
 
 
-def validate_job(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of ``doc`` with the CRD's defaults applied; SpecError lists every problem."""
+def validate_job(doc: Mapping[str, Any], *, pruned: list[str] | None = None) -> dict[str, Any]:
+    """A deep copy of ``doc`` with the CRD's defaults applied; SpecError lists every problem.
+    With a `pruned` list (a job the API server stored, under a CRD newer than this code),
+    fields this code does not know are dropped and named in it instead of refused."""
     if not isinstance(doc, Mapping):
         raise errors.SpecError(f"manifest: must be a mapping (got {kind(doc)})")
     problems = Problems()
     job: dict[str, Any] = copy.deepcopy(dict(doc))
-    job = Walker(problems).walk(job, _schema(), "")
+    walker = Walker(problems, prune=pruned is not None)
+    job = walker.walk(job, _schema(), "")
+    if pruned is not None:
+        pruned += walker.pruned
     _check_identity(job, problems)
     _check_metadata(job.get("metadata"), problems)
     _check_model(doc, problems)
