@@ -44,9 +44,17 @@ def train(kubectl: Kubectl, namespace: str, doc: dict[str, Any], *, timeout: flo
           operator_namespace: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Apply the job and wait for its end: its status, and the node each of its pods ran on
     (pod name -> node name, for every pod seen running)."""
-    name = doc["metadata"]["name"]
     started = time.monotonic()
     kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    return follow(kubectl, namespace, doc["metadata"]["name"], timeout=timeout, started=started,
+                  operator_namespace=operator_namespace)
+
+
+def follow(kubectl: Kubectl, namespace: str, name: str, *, timeout: float, started: float | None = None,
+           operator_namespace: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Wait for the job's end (Succeeded, else AssertionError with the diagnostics): its
+    status and where its pods ran."""
+    started = time.monotonic() if started is None else started
     placements: dict[str, str] = {}
     deadline = started + timeout
     while True:

@@ -10,9 +10,9 @@ One per pytest session, from ../shared/kube (NODES.md there):
                             node1 in this machine's network namespace, node2 in its own with
                             its link shaped to 1gbit, node3 in its own, unshaped; their
                             kubelets' clusterDNS is 10.0.0.10
-    CoreDNS                 built from its released module (tools/fetch-go-tools coredns),
-                            packed FROM scratch, run as a Deployment behind the Service
-                            kube-system/kube-dns at 10.0.0.10 (tests/nodes/coredns.yaml)
+    CoreDNS, metrics-server built from their released modules, packed FROM scratch, run as
+                            Deployments (support/nodeaddons.py): cluster DNS at 10.0.0.10,
+                            the metrics API the HPA controller reads
     the product's images    `make image` (distbelief/operator and distbelief/distbelief),
                             imported into every node (`node image-load`)
 
@@ -44,14 +44,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from support.paths import REPO, TESTS
+from support import nodeaddons
+from support.paths import REPO
 
 SHARED = REPO.parent / "shared" / "kube"
 NODE = SHARED / "node"
 BASE = Path(os.environ.get("DISTBELIEF_NODES_DIR", "/var/tmp/distbelief-nodes"))
 OPERATOR_IMAGE = "distbelief/operator:0.1.0"
 RUNTIME_IMAGE = "distbelief/distbelief:0.1.0"
-COREDNS_MANIFESTS = TESTS / "nodes" / "coredns.yaml"
 DNS_IP = "10.0.0.10"                       # kube-system/kube-dns's ClusterIP, the kubelets' clusterDNS
 STAND_IN_DNS_IP = "10.244.0.53"            # where `node addons` puts its dnsmasq, which nothing asks
 # name, `node up` options
@@ -202,35 +202,6 @@ def has_make_target(target: str) -> bool:
     return run(["make", "-n", target], timeout=60, check=False, cwd=REPO).returncode == 0
 
 
-def build_coredns_image(workdir: Path) -> tuple[str | None, str]:
-    """CoreDNS in a FROM scratch image: (its reference, how it was made), or (None, why not)."""
-    tool = REPO / "tools" / "fetch-go-tools"
-    if not tool.exists():
-        return None, "no tools/fetch-go-tools"
-    try:
-        done = run([str(tool), "coredns"], timeout=BUILD_SECONDS, check=False)
-    except subprocess.TimeoutExpired:
-        return None, f"tools/fetch-go-tools coredns did not finish in {BUILD_SECONDS:.0f} s"
-    if done.returncode != 0:
-        return None, f"tools/fetch-go-tools coredns failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}"
-    bin_dir = Path(done.stdout.strip().splitlines()[-1])
-    version = bin_dir.parent.name.removeprefix("coredns-")         # <cache>/coredns-v1.15.0/bin
-    ref = f"distbelief-test/coredns:{version}"
-    context = Path(tempfile.mkdtemp(prefix="coredns-image.", dir=workdir))
-    try:
-        shutil.copy2(bin_dir / "coredns", context / "coredns")
-        (context / "Dockerfile").write_text(
-            "FROM scratch\n"
-            "COPY coredns /coredns\n"
-            "EXPOSE 53 53/udp 9153\n"
-            'ENTRYPOINT ["/coredns"]\n')
-        run(["nice", "-n", BUILD_NICE, "docker", "build", "--network", "host", "-q", "-t", ref, str(context)],
-            timeout=600, env={**os.environ, "DOCKER_BUILDKIT": "0"})
-    finally:
-        shutil.rmtree(context, ignore_errors=True)
-    return ref, f"CoreDNS {version} ({bin_dir / 'coredns'})"
-
-
 def build_product_images() -> None:
     """`make image`: the operator's and the runtime's images (incremental: docker's cache)."""
     if not has_make_target("image"):
@@ -300,6 +271,8 @@ class NodeCluster:
         self.dns = "coredns"            # or "dnsmasq" (the stand-in), when CoreDNS could not be built
         self.dns_note = ""
         self.coredns_image: str | None = None
+        self.metrics_image: str | None = None   # metrics-server's, None when it could not be built
+        self.metrics_note = ""
         self.before: tuple[set[str], str] = (set(), "")
 
     # ------------------------------------------------------------ the duck type
@@ -308,7 +281,7 @@ class NodeCluster:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig), **extra}
 
     def has(self, component: str) -> bool:
-        return True
+        return component != "metrics-server" or self.metrics_image is not None
 
     # ------------------------------------------------------------ start
 
@@ -337,12 +310,16 @@ class NodeCluster:
             with Timed("images: make image"):
                 build_product_images()
         with Timed("images: CoreDNS"):
-            self.coredns_image, self.dns_note = build_coredns_image(self.run_dir)
+            self.coredns_image, self.dns_note = nodeaddons.build_image(nodeaddons.COREDNS, self.run_dir, run)
             if self.coredns_image is None:
                 self.dns = "dnsmasq"
+        with Timed("images: metrics-server"):
+            self.metrics_image, self.metrics_note = nodeaddons.build_image(nodeaddons.METRICS_SERVER, self.run_dir,
+                                                                           run)
         with Timed("cluster up: control plane"):
+            aggregation = nodeaddons.front_proxy(self.run_dir / "front-proxy", run)
             self.plane = Daemon("control plane", self.dir, ["control-plane", str(self.dir)],
-                                self.logs / "control-plane.out").start()
+                                self.logs / "control-plane.out", env={"EXTRA_APISERVER_ARGS": aggregation}).start()
             assert self.plane.process
             (self.run_dir / "control-plane.pid").write_text(str(self.plane.process.pid))
             self.plane.wait_ready()
@@ -366,11 +343,17 @@ class NodeCluster:
                                      self.logs / f"{node.name}.out", env=node_env).start()
             for daemon in [self.addons] + [n.daemon for n in self.nodes if n.daemon]:
                 daemon.wait_ready()
+        addons = [(addon, image) for addon, image in ((nodeaddons.COREDNS, self.coredns_image),
+                                                      (nodeaddons.METRICS_SERVER, self.metrics_image)) if image]
         with Timed("image load"):
-            self.load_images([OPERATOR_IMAGE, RUNTIME_IMAGE] + ([self.coredns_image] if self.coredns_image else []))
-        if self.coredns_image:
-            with Timed("cluster DNS: CoreDNS Deployment ready"):
-                self.deploy_coredns()
+            self.load_images([OPERATOR_IMAGE, RUNTIME_IMAGE] + [image for _, image in addons])
+        for addon, image in addons:
+            with Timed(f"add-on: {addon.name} Deployment ready"):
+                self.deploy_addon(addon, image)
+        if self.metrics_image:
+            with Timed("add-on: the metrics API available"):
+                self.kubectl("wait", "--for=condition=Available", "apiservice/v1beta1.metrics.k8s.io",
+                             "--timeout=300s", timeout=330)
 
     def _stop_stale(self) -> None:
         """What an earlier session killed before its end left running in our folders."""
@@ -407,25 +390,24 @@ class NodeCluster:
             raise RuntimeError(f"kubectl {' '.join(args)} failed (exit {done.returncode}): {done.stderr.strip()}")
         return done.stdout
 
-    def deploy_coredns(self) -> None:
-        assert self.coredns_image
-        self.kubectl("apply", "-f", "-", input=COREDNS_MANIFESTS.read_text().replace("__COREDNS_IMAGE__",
-                                                                                      self.coredns_image))
+    def deploy_addon(self, addon: nodeaddons.Addon, image: str) -> None:
+        self.kubectl("apply", "-f", "-", input=nodeaddons.manifests(addon, image))
         try:
-            self.kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=300s",
+            self.kubectl("-n", "kube-system", "rollout", "status", f"deployment/{addon.name}", "--timeout=300s",
                          timeout=330)
         except (RuntimeError, subprocess.TimeoutExpired):
-            pods = self.kubectl("-n", "kube-system", "describe", "pods", "-l", "k8s-app=kube-dns", check=False)
-            logs = self.kubectl("-n", "kube-system", "logs", "deployment/coredns", "--tail=30", check=False)
-            raise RuntimeError(f"CoreDNS did not become ready:\n{pods[-4000:]}\n{logs}") from None
+            pods = self.kubectl("-n", "kube-system", "describe", "pods", check=False)
+            logs = self.kubectl("-n", "kube-system", "logs", f"deployment/{addon.name}", "--tail=30", check=False)
+            raise RuntimeError(f"{addon.name} did not become ready:\n{pods[-4000:]}\n{logs}") from None
 
     def summary(self) -> str:
         if self.dns == "coredns":
             dns = f"cluster DNS: {self.dns_note} at {DNS_IP}"
         else:
             dns = f"cluster DNS: the dnsmasq stand-in of `node addons` (CoreDNS: {self.dns_note})"
+        metrics = self.metrics_note if self.metrics_image else f"none ({self.metrics_note})"
         return (f"nodes tier: run folder {self.run_dir}; nodes {', '.join(n.name for n in self.nodes)} "
-                f"(folders under {BASE / 'nodes'}); {dns}")
+                f"(folders under {BASE / 'nodes'}); {dns}; metrics API: {metrics}")
 
     # ------------------------------------------------------------ stop
 
