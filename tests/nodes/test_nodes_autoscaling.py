@@ -120,6 +120,8 @@ def test_cpu_load_scales_the_replicas_up_through_the_hpa_and_a_higher_target_sca
                     key=lambda e: e.get("firstTimestamp") or e["metadata"]["creationTimestamp"])
     changes = [e["message"].removeprefix("model replicas ") for e in events]
     assert changes and changes[0].startswith("1 -> ") and changes[-1].endswith(" -> 1"), changes
-    hpa = kubectl.json("get", "hpa", f"{NAME}-worker", "-n", namespace)
-    assert hpa["status"]["currentReplicas"] == 1 and hpa["status"]["currentMetrics"], hpa["status"]
+    # The autoscaler's own status catches up at its next sync (every 15 s).
+    hpa = eventually(lambda: (h := kubectl.json("get", "hpa", f"{NAME}-worker", "-n", namespace))["status"].get(
+        "currentReplicas") == 1 and h, 120, interval=2, what="the autoscaler's status at 1 replica")
+    assert hpa["status"]["currentMetrics"], hpa["status"]
     kubectl("delete", "dbj", NAME, "-n", namespace, "--wait=false")
