@@ -57,9 +57,9 @@ STAND_IN_DNS_IP = "10.244.0.53"            # where `node addons` puts its dnsmas
 # name, `node up` options
 NODES = (("node1", ()), ("node2", ("--netns", "--rate", "1gbit")), ("node3", ("--netns",)))
 NICE = os.environ.get("DISTBELIEF_NODES_NICE", "5")   # the nodes (so their pods), against the machine's others
-BUILD_NICE = "10"
+BUILD_NICE = nodeaddons.BUILD_NICE
 READY_SECONDS = 180.0
-BUILD_SECONDS = 3600.0
+BUILD_SECONDS = nodeaddons.BUILD_SECONDS
 LOAD_SECONDS = 1800.0
 
 # Phase name, seconds; and what the cluster was made of: printed at the end of the session
