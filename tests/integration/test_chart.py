@@ -63,7 +63,7 @@ VALUES: dict[str, dict[str, Any]] = {
         "image": {"repository": "registry.example:5000/ml/distbelief", "digest": DIGEST, "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "registry"}],
         "runtimeImage": "registry.example:5000/ml/distbelief-gpu:0.1.0",
-        "operator": {"watchNamespaces": ["ml"], "statusInterval": 2,
+        "operator": {"watchNamespaces": ["ml"], "statusInterval": 2, "handlerThreads": 64,
                      "metricsURL": "http://{pod}.{service}.{namespace}.svc.cluster.local:{port}/metrics",
                      "logLevel": "debug", "podAnnotations": {"example.org/team": "ml"},
                      "podLabels": {"team": "ml"}, "nodeSelector": {"kubernetes.io/os": "linux"},
@@ -230,6 +230,7 @@ def test_operator_deployment(values_dir: Path) -> None:
     env = env_of(container)
     assert env["DISTBELIEF_RUNTIME_IMAGE"] == f"distbelief/distbelief:{chart_meta()['appVersion']}"  # the runtime image
     assert env["DISTBELIEF_STATUS_INTERVAL"] == "5"
+    assert env["DISTBELIEF_HANDLER_THREADS"] == "32"
     assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     # The jobs' NetworkPolicies admit the operator from the namespace it really runs in.
     assert env["DISTBELIEF_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -245,6 +246,7 @@ def test_operator_arguments_follow_the_values(values_dir: Path) -> None:
     assert env["DISTBELIEF_RUNTIME_IMAGE"] == "registry.example:5000/ml/distbelief-gpu:0.1.0"
     assert env["DISTBELIEF_METRICS_URL"] == VALUES["everything"]["operator"]["metricsURL"]
     assert env["DISTBELIEF_STATUS_INTERVAL"] == "2"
+    assert env["DISTBELIEF_HANDLER_THREADS"] == "64"
     standalone = operator_container(template(values_dir, "standalone"))
     assert "--standalone" in standalone["args"] and not any(a.startswith("--peering") for a in standalone["args"])
     # The operator's own CLI accepts exactly these arguments.

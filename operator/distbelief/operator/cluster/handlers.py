@@ -44,7 +44,7 @@ import kopf
 from distbelief.operator import errors
 from distbelief.operator.cluster import children, locks, metrics, peering as peering_watch
 from distbelief.operator.cluster.queue import QueuedJob
-from distbelief.operator.cluster.kube import Kube, controller_uid
+from distbelief.operator.cluster.kube import Kube, controller_uid, share_one_client
 from distbelief.operator.render import queue, render, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.spec.job import DistBeliefJob
@@ -63,6 +63,10 @@ KEYS_ANNOTATION = f"{contract.API_GROUP}/keys-secret-uid"
 # How often reconcile() looks again while it refuses to create a job's children.
 BLOCKED_RETRY_SECONDS = float(os.environ.get("DISTBELIEF_BLOCKED_RETRY_SECONDS", "30"))
 STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
+# kopf's executor: a status pass holds a thread about 0.1 s, mostly waiting on the API
+# server, so the CPUs + 4 of kopf's default leave status passes queued behind each other
+# from a few hundred jobs on (docs/benchmarks.md, the operator at 1,000 jobs).
+HANDLER_THREADS = int(os.environ.get("DISTBELIEF_HANDLER_THREADS", "32"))
 # Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
 METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
 IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", render.DEFAULT_IMAGE)
@@ -84,7 +88,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # A job deleted while its status timer runs: let kopf release its finalizer promptly
     # (the default polls the timer's cancellation for 60 s).
     settings.background.cancellation_polling = 1
+    settings.execution.max_workers = HANDLER_THREADS
     _load_kube_config()
+    # One client for every handler: kept-alive connections instead of a TLS handshake per
+    # call, a pool as large as the threads that share it (and the watches beside them).
+    share_one_client(connections=HANDLER_THREADS + 8)
 
 
 @kopf.on.startup()

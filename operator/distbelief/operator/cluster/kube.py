@@ -67,9 +67,25 @@ def path_of(api_version: str, kind: str, namespace: str | None, name: str | None
     return "/".join(parts)
 
 
+# The operator process's one client (share_one_client); None elsewhere (kubectl distbelief,
+# tests), where each Kube() builds its own from the default configuration of the moment.
+_SHARED: k8s.ApiClient | None = None
+
+
+def share_one_client(connections: int) -> None:
+    """From now on every Kube() of this process uses one client, built here from the default
+    configuration, with a pool of up to `connections` kept-alive connections (urllib3's
+    pool is thread-safe). A client per call would open, and pay a TLS handshake for, a
+    connection per call."""
+    global _SHARED
+    configuration = k8s.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = connections
+    _SHARED = k8s.ApiClient(configuration)
+
+
 class Kube:
     def __init__(self, api: k8s.ApiClient | None = None) -> None:
-        self.api = api or k8s.ApiClient()
+        self.api = api or _SHARED or k8s.ApiClient()
 
     def _call(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
               query: list[tuple[str, str]] | None = None) -> Any:
