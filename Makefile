@@ -95,10 +95,12 @@ test-nodes: install
 # extra (torch, the peer), then runs
 # benchmarks/run_all.py: every figure of docs/benchmarks.md, 5 runs each (3 for the 90M-
 # parameter job), into benchmarks/results.json and docs/benchmarks.png, with the target
-# ratios and any failed run printed. A crashed run is retried once, then recorded.
-bench: install
+# ratios and any failed run printed. A crashed run is retried once, then recorded. As root
+# beside ../shared/kube it also runs benchmarks/shaped_scaling.py (real nodes, shaped links:
+# about 15 min more), into docs/scale.png.
+bench: install kube-tools
 	rm -rf build && $(BIN)/pip install --quiet '.[bench]' && rm -rf build
-	$(BIN)/python benchmarks/run_all.py --json benchmarks/results.json
+	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/python benchmarks/run_all.py --json benchmarks/results.json
 
 clean:
 	rm -rf $(VENV) out build dist .pytest_cache

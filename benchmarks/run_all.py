@@ -13,7 +13,8 @@ partition_bench.py (model-parallel replicas), staleness_bench.py (bounded stalen
 data_bench.py (a replica's memory and input speed on file sources), reshard_bench.py (a
 dense job's checkpoints re-laid for another shard count), operator_bench.py and
 operator_scale.py (the operator at --operator-jobs jobs on KWOK's fake nodes: issue 40's
-targets, printed with the others).
+targets, printed with the others), shaped_scaling.py (examples/s against the shard count on
+a real node whose pods' links are shaped, beside torch DDP; its plot docs/scale.png).
 Their figures go into --json, written afresh: every figure in it is from this run; each is a
 median with its min and max.
 
@@ -184,6 +185,9 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
     if at_scale := run_json("operator_scale.py", failures, "--jobs", str(operator_jobs),
                             "--nodes", str(operator_nodes)):
         results["operator_scale"] = at_scale["operator_scale"]
+    # Real nodes with shaped links (root and ../shared/kube; exit 2 without them: a failure).
+    if shaped := run_json("shaped_scaling.py", failures, "--plot", str(HERE.parent / "docs" / "scale.png")):
+        results["shaped_scaling"] = shaped["shaped_scaling"]
     results["peer_metadata"] = peers.get("metadata", {})
     results["failures"] = ours.get("failures", []) + peers.get("failures", []) + failures
     return results

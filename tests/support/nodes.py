@@ -253,7 +253,8 @@ class NodeCluster:
     kubectl, api and helm fixtures: dir (the control plane's: certs/apiserver.crt), kubeconfig,
     server, admin_token, env(), has()."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: Iterable[tuple[str, Iterable[str]]] = NODES) -> None:
+        """layout: each node's name and `node up` options (the tier's three by default)."""
         BASE.mkdir(parents=True, exist_ok=True)
         self.run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=BASE))
         self.run_dir.chmod(0o755)   # hostPath volumes below it are entered by the pods' uid 10001
@@ -264,7 +265,7 @@ class NodeCluster:
         self.server = ""
         self.admin_token = ""
         fresh = os.environ.get("DISTBELIEF_NODES_FRESH") == "1"
-        self.nodes = [Node(name, BASE / "nodes" / name, options, fresh) for name, options in NODES]
+        self.nodes = [Node(name, BASE / "nodes" / name, options, fresh) for name, options in layout]
         self.plane: Daemon | None = None
         self.addons: Daemon | None = None
         self.docker: Daemon | None = None
@@ -325,7 +326,7 @@ class NodeCluster:
             self.plane.wait_ready()
             endpoints = dict(line.partition("=")[::2] for line in (self.dir / "endpoints.env").read_text().splitlines())
             self.server, self.admin_token = endpoints["APISERVER_URL"], endpoints["ADMIN_TOKEN"]
-        with Timed("cluster up: addons and 3 nodes"):
+        with Timed(f"cluster up: addons and {len(self.nodes)} node(s)"):
             dns_ip = STAND_IN_DNS_IP if self.dns == "coredns" else None
             self.addons = Daemon("addons", self.run_dir / "addons",
                                  ["addons", str(self.run_dir / "addons"), "--kubeconfig", str(self.kubeconfig),
