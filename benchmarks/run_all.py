@@ -11,7 +11,8 @@ server), sparse_bench.py and sparse_table_bench.py (embedding rows), heavy_tail_
 copies), copycheck.py (shard copies under faults: what is lost or applied twice),
 partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
 data_bench.py (a replica's memory and input speed on file sources), reshard_bench.py (a
-dense job's checkpoints re-laid for another shard count), operator_bench.py and
+dense job's checkpoints re-laid for another shard count), fanout_bench.py (a push's cost per
+shard, 1 to 64 shards), operator_bench.py and
 operator_scale.py (the operator at --operator-jobs jobs on KWOK's fake nodes: issue 40's
 targets, printed with the others), shaped_scaling.py (examples/s against the shard count on
 a real node whose pods' links are shaped, beside torch DDP; its plot docs/scale.png).
@@ -177,6 +178,8 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
         results["data"] = files["data"]
     if relaid := run_json("reshard_bench.py", failures, "--runs", str(min(runs, 3))):
         results["reshard"] = relaid["reshard"]
+    if fanout := run_json("fanout_bench.py", failures, "--runs", str(min(runs, 3))):
+        results["fanout"] = fanout["fanout"]
     results["examples_per_replica_s"] = per_replica(results)
     operator = run_json("operator_bench.py", failures, "--runs", str(runs))
     if "operator_create_to_children_s" in operator:
