@@ -2,7 +2,8 @@
 """Throughput against the shard count where the network is the limit (issue 40).
 
     sudo python benchmarks/shaped_scaling.py [--shards 1,2,4,8] [--replicas 4] [--rate 100M]
-        [--features 1024] [--hidden 2048,1024] [--seconds 90] [--plot docs/scale.png] [--json out.json]
+        [--features 1024] [--hidden 2048,1024] [--seconds 90] [--peer-steps 30] [--peer-only]
+        [--plot docs/scale.png] [--json out.json]
 
 One real node (tests/support/nodes.py's harness over ../shared/kube/node: containerd, runc,
 the CNI bridge, kubelet, kube-proxy, CoreDNS) whose CNI chain also runs the `bandwidth`
@@ -48,7 +49,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from figures import save
 
 from support import controlplane, nodes
-from support.cluster import CHART, RELEASE, RELEASE_NAMESPACE
+from support.cluster import CHART, RELEASE, RELEASE_NAMESPACE, helm_env
 
 BATCH = 64
 WARMUP_S = 20.0
@@ -110,9 +111,7 @@ class Cluster:
         return json.loads(self.kubectl(*args, "-o", "json"))
 
     def helm(self, *args: str) -> str:
-        home = str(self.nodes.run_dir / "helm")
-        env = self.nodes.env(HELM_CACHE_HOME=home, HELM_CONFIG_HOME=home, HELM_DATA_HOME=home)
-        return nodes.run([str(self.helm_binary), *args], timeout=700, env=env).stdout
+        return nodes.run([str(self.helm_binary), *args], timeout=700, env=helm_env(self.nodes)).stdout
 
     def annotations(self) -> dict[str, str]:
         return {"kubernetes.io/ingress-bandwidth": self.rate, "kubernetes.io/egress-bandwidth": self.rate}

@@ -105,14 +105,19 @@ def helm(control_plane: controlplane.ControlPlane) -> Callable[..., str]:
 
     def run(*args: str, timeout: float = 120) -> str:
         done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=timeout,
-                              env=control_plane.env(HELM_CACHE_HOME=str(control_plane.dir / "helm"),
-                                                    HELM_CONFIG_HOME=str(control_plane.dir / "helm"),
-                                                    HELM_DATA_HOME=str(control_plane.dir / "helm")))
+                              env=helm_env(control_plane))
         if done.returncode != 0:
             raise AssertionError(f"helm {' '.join(args)} failed (exit {done.returncode}): {done.stderr.strip()}")
         return done.stdout
 
     return run
+
+
+def helm_env(plane: controlplane.ControlPlane) -> dict[str, str]:
+    """helm's environment for the plane: its kubeconfig, and helm's caches in the plane's
+    folder (nothing of the user's helm read or written)."""
+    home = str(plane.dir / "helm")
+    return plane.env(HELM_CACHE_HOME=home, HELM_CONFIG_HOME=home, HELM_DATA_HOME=home)
 
 
 class ApiError(Exception):
