@@ -91,8 +91,8 @@ test-nodes: install
 	if [ -x ../shared/kube/node ] && [ "$$(id -u)" = 0 ]; then ../shared/kube/node deps >/dev/null; fi
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q -rs tests/nodes
 
-# Benchmarks (~90 min on 2 cores, 35 of them the operator at 1,000 jobs): installs the bench
-# extra (torch, the peer), then runs
+# Benchmarks (~2 h on 2 cores, 35 min of it the operator at 1,000 jobs, 30 the peers in
+# rounds): installs the bench extra (torch, TensorFlow and TorchRec: the peers), then runs
 # benchmarks/run_all.py: every figure of docs/benchmarks.md, 5 runs each (3 for the 90M-
 # parameter job), into benchmarks/results.json and docs/benchmarks.png, with the target
 # ratios and any failed run printed. A crashed run is retried once, then recorded. As root
@@ -100,6 +100,7 @@ test-nodes: install
 # about 15 min more), into docs/scale.png.
 bench: install kube-tools
 	rm -rf build && $(BIN)/pip install --quiet '.[bench]' && rm -rf build
+	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/python benchmarks/run_all.py --json benchmarks/results.json
 
 clean:

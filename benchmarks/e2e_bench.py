@@ -176,12 +176,17 @@ def run_job(job: dict) -> tuple[float, list[dict]]:
         return launched, [json.loads(line) for line in history.read_text().splitlines()]
 
 
-def steady_rate(history: list[dict], warmup_s: float = 2.0) -> float:
-    """Examples/s between the first evaluation after warmup_s and the last one."""
+def steady_window(history: list[dict], warmup_s: float = 2.0) -> tuple[dict, dict]:
+    """The first evaluation after warmup_s and the last one: the window a job's rate is timed over."""
     warm = [h for h in history if h["elapsed"] >= warmup_s]
     if len(warm) < 2:
         raise RunFailed(f"{len(warm)} evaluation(s) after {warmup_s} s of warm-up: no rate", None)
-    first, last = warm[0], warm[-1]
+    return warm[0], warm[-1]
+
+
+def steady_rate(history: list[dict], warmup_s: float = 2.0) -> float:
+    """Examples/s between the first evaluation after warmup_s and the last one."""
+    first, last = steady_window(history, warmup_s)
     return (last["examples"] - first["examples"]) / (last["time"] - first["time"])
 
 
@@ -334,13 +339,15 @@ def plain_trainer(spec: dict) -> tuple[Callable[[], None], Callable[[], float]]:
 
 
 def train_for(step: Callable[[], None], batch: int, seconds: float) -> dict:
-    """Examples/s over `seconds` of steps (at least 3), after 2 untimed warm-up steps."""
+    """Examples/s over `seconds` of steps (at least 3), after 2 untimed warm-up steps, and the
+    timed window's wall-clock ends."""
     step(), step()
-    started, steps = time.perf_counter(), 0
+    start, started, steps = time.time(), time.perf_counter(), 0
     while steps < 3 or time.perf_counter() - started < seconds:
         step()
         steps += 1
-    return {"examples_per_s": steps * batch / (time.perf_counter() - started)}
+    return {"examples_per_s": steps * batch / (time.perf_counter() - started), "examples": steps * batch,
+            "start": start, "end": time.time()}
 
 
 def train_to(step: Callable[[], None], accuracy: Callable[[], float], target: float) -> dict:

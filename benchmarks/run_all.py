@@ -6,9 +6,11 @@
 Runs, in this order, each in its own process: runtime_bench.py (memcpy, apply, pull,
 push), mlp_step_bench.py, e2e_bench.py (our jobs in local mode, their one-process
 baselines and parallel efficiency), torch_peers_bench.py (DDP gloo and an RPC parameter
-server), sparse_bench.py and sparse_table_bench.py (embedding rows), heavy_tail_bench.py
-(sparse jobs' AUC on click data shaped like real logs), backups_bench.py (shard
-copies), copycheck.py (shard copies under faults: what is lost or applied twice),
+server), peer_rounds.py (ours, torch's peers and TensorFlow's ParameterServerStrategy in
+interleaved rounds, with the CPU each spends per example), sparse_bench.py and
+sparse_table_bench.py (embedding rows), heavy_tail_bench.py (sparse jobs' AUC on click data
+shaped like real logs), torchrec_peer.py (the larger click job against TorchRec for as
+long), backups_bench.py (shard copies), copycheck.py (shard copies under faults: what is lost or applied twice),
 partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
 data_bench.py (a replica's memory and input speed on file sources), reshard_bench.py (a
 dense job's checkpoints re-laid for another shard count), fanout_bench.py (a push's cost per
@@ -45,23 +47,45 @@ TARGETS: list[tuple[str, FigurePath, FigurePath | None, float | None, str]] = [
     ("push / memcpy", ("push_gbps_encrypted",), ("memcpy_gbps",), 0.25, "min"),
     ("pull unencrypted / memcpy", ("pull_gbps",), ("memcpy_gbps",), 0.25, "min"),
     ("push unencrypted / memcpy", ("push_gbps",), ("memcpy_gbps",), 0.25, "min"),
+    # Sparse: our click-data job against TorchRec for as long (torchrec_peer.py), round by round.
+    ("examples/s sparse distbelief / TorchRec", ("sparse_peers", "examples_per_s_ratio"), None, 1.0, "min"),
+    ("AUC sparse distbelief - TorchRec", ("sparse_peers", "auc_difference"), None, 0.0, "min"),
+    # Encrypted pull and push against what one core's AES-256-GCM seal and open allow.
+    ("pull encrypted / AES-GCM bound", ("pull_gbps_encrypted",), ("aes_gcm_bound_gbps",), 0.5, "min"),
+    ("push encrypted / AES-GCM bound", ("push_gbps_encrypted",), ("aes_gcm_bound_gbps",), 0.5, "min"),
     ("MLP step distbelief / torch", ("mlp_step_ms", "distbelief"), ("mlp_step_ms", "torch"), 1.0, "max"),
+    # Peers, interleaved round by round (peer_rounds.py): the median of the rounds' ratios.
+    ("examples/s distbelief / TF PS strategy, best", ("peer_rounds", "ratios", "distbelief_over_tf_ps_best"), None,
+     2.0, "min"),
+    ("examples/s distbelief / torch DDP, rounds", ("peer_rounds", "ratios", "distbelief_over_torch_ddp"), None,
+     1.3, "min"),
+    ("examples/s distbelief / torch RPC PS, rounds", ("peer_rounds", "ratios", "distbelief_over_torch_rpc_ps"),
+     None, 1.0, "min"),
+    # CPU per 1,000 examples over one plain process's on the same model (1.0: distribution for free).
+    ("CPU cost, compute-bound", ("peer_rounds", "cpu_cost", "compute_bound"), None, 1.5, "max"),
+    ("CPU cost, compute-bound, every 4", ("peer_rounds", "cpu_cost", "compute_bound_every4"), None, 1.2, "max"),
+    ("CPU distbelief / CPU torch DDP", ("peer_rounds", "ratios", "distbelief_cpu_over_torch_ddp_cpu"), None, 1.0,
+     "max"),
+    ("CPU cost, communication-bound", ("peer_rounds", "cpu_cost", "communication_bound"), None, None, "max"),
+    ("CPU cost, large dense", ("peer_rounds", "cpu_cost", "large_dense"), None, None, "max"),
+    # Measured one system after the other (torch_peers_bench.py, e2e_bench.py): figures kept,
+    # their targets superseded by the interleaved ratios above.
     ("examples/s distbelief / torch RPC PS", ("examples_per_s", "distbelief"), ("examples_per_s", "torch_rpc_ps"),
-     1.0, "min"),
+     None, "min"),
     ("examples/s distbelief / torch DDP gloo", ("examples_per_s", "distbelief"),
-     ("examples_per_s", "torch_ddp_gloo"), 0.8, "min"),
-    # The peers encrypt nothing; this is the like-for-like comparison (encryption: false).
+     ("examples_per_s", "torch_ddp_gloo"), None, "min"),
     ("examples/s unencrypted / torch RPC PS", ("examples_per_s", "distbelief_unencrypted"),
-     ("examples_per_s", "torch_rpc_ps"), 1.0, "min"),
+     ("examples_per_s", "torch_rpc_ps"), None, "min"),
     ("examples/s unencrypted / torch DDP gloo", ("examples_per_s", "distbelief_unencrypted"),
-     ("examples_per_s", "torch_ddp_gloo"), 0.8, "min"),
-    # Parallel efficiency: job examples/s / (cores x one plain process on one thread).
-    ("efficiency, compute-bound", ("efficiency", "compute_bound"), None, 0.6, "min"),
-    ("efficiency, compute-bound, overlapped", ("efficiency_overlap", "compute_bound"), None, 0.6, "min"),
+     ("examples_per_s", "torch_ddp_gloo"), None, "min"),
+    # Parallel efficiency: job examples/s / (cores x one plain process on one thread). Retired
+    # as targets: five processes on 2 cores measure the machine, not the design.
+    ("efficiency, compute-bound", ("efficiency", "compute_bound"), None, None, "min"),
+    ("efficiency, compute-bound, overlapped", ("efficiency_overlap", "compute_bound"), None, None, "min"),
     ("examples/s overlapped / torch DDP gloo", ("examples_per_s", "distbelief_overlap"),
-     ("examples_per_s", "torch_ddp_gloo"), 1.2, "min"),
-    ("efficiency, communication-bound", ("efficiency", "communication_bound"), None, 0.3, "min"),
-    ("efficiency, large dense", ("efficiency", "large_dense"), None, 0.3, "min"),
+     ("examples_per_s", "torch_ddp_gloo"), None, "min"),
+    ("efficiency, communication-bound", ("efficiency", "communication_bound"), None, None, "min"),
+    ("efficiency, large dense", ("efficiency", "large_dense"), None, None, "min"),
     # Time to 0.94 on the MNIST-sized set: no target, the ratios to what a user could run instead.
     # A replica reading, shuffling and batching Parquet, against what one compute-bound replica trains on.
     ("input examples/s / compute-bound replica", ("data", "input_examples_per_s"),
@@ -103,7 +127,8 @@ def target_ratios(results: dict) -> list[dict]:
         ratio = None if top is None or not bottom else top / bottom
         met = None if bound is None or ratio is None else (ratio >= bound if kind == "min" else ratio <= bound)
         target = "none" if bound is None else f"{'>=' if kind == 'min' else '<='} {bound}"
-        rows.append({"figure": label, "ratio": ratio, "target": target, "met": bool(met) if bound else None})
+        rows.append({"figure": label, "ratio": ratio, "target": target,
+                     "met": None if bound is None else bool(met)})
     return rows
 
 
@@ -155,6 +180,10 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
     ours = run_json("e2e_bench.py", failures, "--runs", str(runs), "--scale", str(scale))
     peers = run_json("torch_peers_bench.py", failures, "--what", "all", "--runs", str(runs))
     results.update(merge(ours, peers))
+    # Ours, torch's and TensorFlow's in interleaved rounds, with each one's CPU per example.
+    if rounds := run_json("peer_rounds.py", failures, "--rounds", str(min(runs, 3))):  # ~9 min a round
+        results["peer_rounds"] = rounds["peer_rounds"]
+        failures += rounds.get("failures", [])
     for key in ("efficiency", "efficiency_overlap", "efficiency_bfloat16", "accuracy_bfloat16",
                 "final_accuracy_digits"):
         if key in ours:
@@ -165,6 +194,9 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
         results["sparse"] = {**results.get("sparse", {}), **table["sparse"]}
     if heavy := run_json("heavy_tail_bench.py", failures):  # one job per setting: ~2 min each
         results["heavy_tail"] = heavy["heavy_tail"]
+    if sparse_peers := run_json("torchrec_peer.py", failures, "--rounds", str(min(runs, 3))):  # ~3 min a round
+        results["sparse_peers"] = sparse_peers["sparse_peers"]
+        failures += sparse_peers.get("failures", [])
     if backups := run_json("backups_bench.py", failures, "--runs", str(min(runs, 3))):
         results["backups"] = backups["backups"]
     if checked := run_json("copycheck.py", failures, "--runs", str(2 * runs), "--seconds", "30"):

@@ -55,6 +55,7 @@ except ImportError:  # running from a checkout without the editable install
     sys.path[:0] = [str(REPO / "runtime")]
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 import zmq
 
 from distbelief.runtime import contract, keys
@@ -93,6 +94,21 @@ def minflt() -> int:
 
 # -- local (single-process) figures ---------------------------------------------------
 
+def cipher_figures(plain: np.ndarray, repeats: int, calls: int) -> dict:
+    """One core's AES-256-GCM seal and open of `plain` into warm buffers, with the calls the
+    bulk channel makes per frame (encrypt_into, decrypt_into): the bound an encrypted pull or
+    push on this machine is held to, beside memcpy's."""
+    aead = AESGCM(AESGCM.generate_key(bit_length=256))
+    nonce, nbytes, plain = bytes(12), plain.nbytes, memoryview(plain).cast("B")
+    sealed = bytearray(nbytes + 16)
+    opened = bytearray(nbytes)
+    aead.encrypt_into(nonce, plain, None, sealed)
+    return {"aes_gcm_seal_gbps": rate_runs(lambda: aead.encrypt_into(nonce, plain, None, sealed), nbytes, repeats,
+                                           calls),
+            "aes_gcm_open_gbps": rate_runs(lambda: aead.decrypt_into(nonce, sealed, None, opened), nbytes, repeats,
+                                           calls)}
+
+
 def local_figures(params: int, repeats: int, calls: int) -> dict:
     rng = np.random.default_rng(0)
     nbytes = params * 4
@@ -107,6 +123,8 @@ def local_figures(params: int, repeats: int, calls: int) -> dict:
     figures["apply_gbps"] = rate_runs(lambda: adagrad.apply(weights, grad), nbytes, repeats, calls)
     sgd = optim.Sgd(params, 0.01)
     figures["sgd_apply_gbps"] = rate_runs(lambda: sgd.apply(weights, grad), nbytes, repeats, calls)
+
+    figures.update(cipher_figures(src, repeats, calls))
 
     # Pieces of a push on the shard, to explain the push figure.
     # 1) the finiteness check the shard runs before applying (np.dot -> BLAS sdot).
@@ -286,6 +304,14 @@ def merge(results: list):
     return first
 
 
+def encrypted_bound(figures: dict) -> list[float]:
+    """Per run, what an encrypted pull or push can reach on 2 cores: the receiving process
+    opens every byte on one core while the shards seal them on the other, so the slower of
+    one core's seal and open bounds it."""
+    return [min(seal, opened) for seal, opened in zip(figures["aes_gcm_seal_gbps"]["runs"],
+                                                       figures["aes_gcm_open_gbps"]["runs"])]
+
+
 def build_report(raw: dict[str, dict], args: argparse.Namespace) -> dict:
     variants = {}
     for name, res in raw.items():
@@ -309,6 +335,9 @@ def build_report(raw: dict[str, dict], args: argparse.Namespace) -> dict:
         "push_gbps_encrypted": main["push_gbps_shards_2_sessions"],
         "pull_gbps_curvezmq": main["pull_gbps_shards_2_curve"],
         "push_gbps_curvezmq": main["push_gbps_shards_2_curve"],
+        "aes_gcm_seal_gbps": main["aes_gcm_seal_gbps"],
+        "aes_gcm_open_gbps": main["aes_gcm_open_gbps"],
+        "aes_gcm_bound_gbps": summarize(encrypted_bound(main)),
         "definition": "GB/s = 4*params bytes (the float32 parameter array) per second per call, GB = 1e9 B; "
                       "median/min/max over `repeats` runs of `calls` calls each, one warm-up run excluded. "
                       "Top-level pull/push: 2 shard processes, the roles' GLIBC_TUNABLES, no keys; "
