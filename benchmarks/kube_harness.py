@@ -700,7 +700,7 @@ CHILD_KINDS = {"v1/configmaps": "ConfigMap", "v1/services": "Service", "v1/secre
 def child_suffixes(job: dict[str, Any]) -> list[str]:
     """"Kind/-suffix" of every child the operator makes for job, its keys Secret included:
     each child's kind and name less the job's (rendered here as the operator renders it)."""
-    from distbelief.operator.render import render
+    from distbelief.operator.render import context, render
     from distbelief.operator.spec import spec
 
     name = job["metadata"]["name"]
@@ -711,7 +711,7 @@ def child_suffixes(job: dict[str, Any]) -> list[str]:
         pass
     else:
         valid = DistBeliefJob.of(valid)
-    children = render.render_children(valid, image=render.DEFAULT_IMAGE, operator_namespace=OPERATOR_NAMESPACE)
+    children = render.render_children(valid, image=context.DEFAULT_IMAGE, operator_namespace=OPERATOR_NAMESPACE)
     names = [(c["kind"], c["metadata"]["name"]) for c in children] + [("Secret", contract.JobNames(name).keys_secret)]
     return [f"{kind}/{child[len(name):]}" for kind, child in names]
 

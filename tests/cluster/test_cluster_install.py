@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from distbelief.operator import errors
-from distbelief.operator.render import render
+from distbelief.operator.render import context, render
 from distbelief.operator.spec import spec
 from distbelief.operator.spec.job import DistBeliefJob
 from support.cluster import CRD_NAME, Kubectl
@@ -44,7 +44,7 @@ def test_the_chart_lets_the_operator_grant_the_shard_pods_their_leases(chart: st
     doc = copy.deepcopy(BASE)
     doc["metadata"]["namespace"] = namespace
     doc["spec"]["parameterServers"]["backups"] = 1
-    objs = [o for o in render.render_children(DistBeliefJob.validated(doc), image=render.DEFAULT_IMAGE)
+    objs = [o for o in render.render_children(DistBeliefJob.validated(doc), image=context.DEFAULT_IMAGE)
             if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
     assert len(objs) == 3
     kubectl("create", "-n", namespace, f"--as={account}", "-f", "-", input=render.to_yaml(objs))

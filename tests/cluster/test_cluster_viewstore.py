@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from distbelief.operator.render import render
+from distbelief.operator.render import context, render
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 from distbelief.runtime.shard.copies import kubelease, stores
@@ -84,7 +84,7 @@ def pod_credentials(plane: ControlPlane, kubectl: Kubectl, namespace: str, folde
     doc = load_example("digits-mlp.yaml")
     doc["metadata"]["namespace"] = namespace
     doc["spec"]["parameterServers"]["backups"] = 1
-    objs = [o for o in render.render_children(DistBeliefJob.validated(doc), image=render.DEFAULT_IMAGE)
+    objs = [o for o in render.render_children(DistBeliefJob.validated(doc), image=context.DEFAULT_IMAGE)
             if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
     kubectl("apply", "-f", "-", input=render.to_yaml(objs))
     token = kubectl("create", "token", "digits-ps", "-n", namespace, "--duration=1h").strip()

@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distbelief.operator.render import podparts, render
+from distbelief.operator.render import context, podparts, render
 from distbelief.operator.spec.job import DistBeliefJob
 from support.chartdocs import of_kind, operator_container, operator_deployment, operator_grants
 from support.cli import run_cli
@@ -267,7 +267,7 @@ def test_runtime_image_defaults_to_the_renderers_default(values_dir: Path) -> No
     """The chart's default runtime image is the one the renderer falls back to, so
     `distbelief render` shows what a default install runs."""
     env = env_of(operator_container(template(values_dir, "defaults")))
-    assert env["DISTBELIEF_RUNTIME_IMAGE"] == render.DEFAULT_IMAGE
+    assert env["DISTBELIEF_RUNTIME_IMAGE"] == context.DEFAULT_IMAGE
 
 
 @pytest.mark.parametrize("name", list(VALUES))
@@ -277,10 +277,10 @@ def test_operator_pod_is_hardened(values_dir: Path, name: str) -> None:
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod["securityContext"]["runAsUser"] == podparts.RUN_AS_ID  # the image's user, as for job pods
     (container,) = pod["containers"]
-    context = container["securityContext"]
-    assert context["allowPrivilegeEscalation"] is False
-    assert context["readOnlyRootFilesystem"] is True
-    assert context["capabilities"] == {"drop": ["ALL"]}
+    hardening = container["securityContext"]
+    assert hardening["allowPrivilegeEscalation"] is False
+    assert hardening["readOnlyRootFilesystem"] is True
+    assert hardening["capabilities"] == {"drop": ["ALL"]}
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
 
 
@@ -299,7 +299,7 @@ def test_monitors_select_the_jobs_metrics_ports(values_dir: Path) -> None:
     (service_monitor,) = [m for m in of_kind(docs, "ServiceMonitor") if m["metadata"]["name"].endswith("-shards")]
     (pod_monitor,) = of_kind(docs, "PodMonitor")
     children = {c["kind"]: c for c in render.render_children(DistBeliefJob.validated(load_example("digits-mlp.yaml")),
-                                                                 image=render.DEFAULT_IMAGE)}
+                                                                 image=context.DEFAULT_IMAGE)}
     service = children["Service"]
     assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert {e["port"] for e in service_monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from distbelief.operator import errors
-from distbelief.operator.render import context, podparts, render, sizing
+from distbelief.operator.render import context, deployment, podparts, render, secret, sizing
 from distbelief.operator.spec import spec
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract, keys
@@ -235,14 +235,14 @@ def test_every_pod_mounts_the_job_keys_read_only_and_a_replica_never_the_server_
 @pytest.mark.parametrize("variant", ["as-is", "stored"])
 def test_the_keys_secret_is_immutable_owned_and_holds_the_key_files(variant: str) -> None:
     job_keys = keys.JobKeys.generate()
-    secret = render.render_keys_secret(DistBeliefJob.of(job_of(variant=variant)), job_keys.files())
-    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
-    assert (secret["kind"], secret["metadata"]["name"], secret["type"]) == ("Secret", "digits-keys", "Opaque")
-    assert secret["immutable"] is True
-    assert secret["metadata"]["labels"][contract.LABEL_JOB] == "digits"
-    decoded = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    made = secret.render_keys_secret(DistBeliefJob.of(job_of(variant=variant)), job_keys.files())
+    kubernetes_validate.validate(made, K8S_VERSION, strict=True)
+    assert (made["kind"], made["metadata"]["name"], made["type"]) == ("Secret", "digits-keys", "Opaque")
+    assert made["immutable"] is True
+    assert made["metadata"]["labels"][contract.LABEL_JOB] == "digits"
+    decoded = {k: base64.b64decode(v).decode() for k, v in made["data"].items()}
     assert decoded == job_keys.files() and sorted(decoded) == sorted(keys.FILES)
-    owners = secret["metadata"].get("ownerReferences")
+    owners = made["metadata"].get("ownerReferences")
     assert (owners[0]["uid"] == "6f1c-uid") if variant == "stored" else owners is None
     assert "Secret" not in children(job_of())  # made once by the operator, never re-applied
 
@@ -562,7 +562,7 @@ def test_a_partitioned_job_has_one_worker_deployment_per_partition_with_every_re
     workers = [o for o in objs if o["kind"] == "Deployment"]
     assert [w["metadata"]["name"] for w in workers] == [names.worker_partition(0), names.worker_partition(1)] \
         == ["digits-partitioned-worker-p0", "digits-partitioned-worker-p1"]
-    assert render.worker_deployment_names(spec.job_config(job)) == [w["metadata"]["name"] for w in workers]
+    assert deployment.worker_deployment_names(spec.job_config(job)) == [w["metadata"]["name"] for w in workers]
     for k, worker in enumerate(workers):
         assert worker["spec"]["replicas"] == job["spec"]["workers"]["replicas"] == 3
         selector = worker["spec"]["selector"]["matchLabels"]
@@ -603,7 +603,7 @@ def test_an_unpartitioned_job_s_replicas_get_no_partition_stage_or_label() -> No
     assert not {contract.ENV_PARTITION, contract.ENV_POD_IP, contract.ENV_STAGE_ADDRESS} & \
         {e["name"] for e in env_of(worker)}
     assert podparts.PARTITION_LABEL not in worker["spec"]["template"]["metadata"]["labels"]
-    assert render.worker_deployment_names(spec.job_config(job_of())) == ["digits-worker"]
+    assert deployment.worker_deployment_names(spec.job_config(job_of())) == ["digits-worker"]
 
 
 def test_partitioned_workers_mount_the_stage_keys_and_others_do_not() -> None:
@@ -695,7 +695,7 @@ def test_the_liveness_probe_waits_for_data_and_checkpoint_loading() -> None:
     small = probes(example("digits-mlp.yaml"))
     for container in small.values():
         assert container["startupProbe"]["httpGet"] == container["livenessProbe"]["httpGet"]
-        assert budget(container["startupProbe"]) >= render.STARTUP_SECONDS
+        assert budget(container["startupProbe"]) >= sizing.STARTUP_SECONDS
     large_doc = example("digits-mlp.yaml")
     large_doc["spec"]["data"]["source"] = "synthetic:features=4096,classes=10,samples=1000"
     large_doc["spec"]["model"]["hiddenLayers"] = [4096, 4096, 4096]
@@ -703,19 +703,19 @@ def test_the_liveness_probe_waits_for_data_and_checkpoint_loading() -> None:
     typed = spec.job_config(spec.validate_job(large_doc)).spec
     parameters = sizing.parameter_count(typed)
     shard_bytes = sizing.shard_bytes(typed, parameters)
-    assert budget(large["StatefulSet"]["startupProbe"]) >= render.STARTUP_SECONDS + \
-        shard_bytes / render.RESTORE_BYTES_PER_SECOND > budget(small["StatefulSet"]["startupProbe"])
+    assert budget(large["StatefulSet"]["startupProbe"]) >= sizing.STARTUP_SECONDS + \
+        shard_bytes / sizing.RESTORE_BYTES_PER_SECOND > budget(small["StatefulSet"]["startupProbe"])
     assert budget(large["Deployment"]["startupProbe"]) == budget(small["Deployment"]["startupProbe"])
     user = example("digits-mlp.yaml")
     user["spec"]["model"] = {"entrypoint": "my_pkg.models:build"}
-    assert budget(probes(user)["StatefulSet"]["startupProbe"]) >= render.STARTUP_UNKNOWN_SECONDS
+    assert budget(probes(user)["StatefulSet"]["startupProbe"]) >= sizing.STARTUP_UNKNOWN_SECONDS
 
 
 def test_the_checkpoint_claims_carry_the_uid_of_the_job_that_made_them() -> None:
     claim = children(job_of(variant="stored"))["StatefulSet"]["spec"]["volumeClaimTemplates"][0]
-    assert claim["metadata"]["labels"][render.JOB_UID_LABEL] == "6f1c-uid"
+    assert claim["metadata"]["labels"][podparts.JOB_UID_LABEL] == "6f1c-uid"
     unstored = children(job_of())["StatefulSet"]["spec"]["volumeClaimTemplates"][0]
-    assert render.JOB_UID_LABEL not in unstored["metadata"]["labels"]  # distbelief render: no job yet
+    assert podparts.JOB_UID_LABEL not in unstored["metadata"]["labels"]  # distbelief render: no job yet
 
 
 def test_the_config_carries_the_jobs_uid_and_its_hash_leaves_it_out() -> None:

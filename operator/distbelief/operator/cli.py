@@ -168,14 +168,14 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from distbelief.operator.render import render
+    from distbelief.operator.render import context, render
     from distbelief.operator.spec import spec
     from distbelief.operator.spec.job import DistBeliefJob
 
     objects = []
     for doc in spec.load_manifests(args.file):
         objects += render.render_children(DistBeliefJob.of(spec.validate_job(doc)),
-                                          image=args.image or render.DEFAULT_IMAGE,
+                                          image=args.image or context.DEFAULT_IMAGE,
                                           operator_namespace=args.operator_namespace)
     sys.stdout.write(render.to_yaml(objects))
     return 0

@@ -22,14 +22,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from distbelief.operator.cluster.kube import Kube, Manifest, contains, controller_uid, mutable_part
-from distbelief.operator.render import kinds, render
+from distbelief.operator.render import kinds, podparts
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
 
 # The label the StatefulSet copies from its claim template to every checkpoint claim.
-JOB_UID_LABEL = render.JOB_UID_LABEL
+JOB_UID_LABEL = podparts.JOB_UID_LABEL
 
 
 @dataclasses.dataclass

@@ -45,7 +45,7 @@ from distbelief.operator import errors
 from distbelief.operator.cluster import children, locks, metrics, peering as peering_watch
 from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, controller_uid, share_one_client
-from distbelief.operator.render import queue, render, sizing
+from distbelief.operator.render import context, deployment, queue, render, secret, sizing
 from distbelief.operator.spec import spec as job_spec
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import events, scrape
@@ -69,7 +69,7 @@ STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
 HANDLER_THREADS = int(os.environ.get("DISTBELIEF_HANDLER_THREADS", "32"))
 # Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
 METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
-IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", render.DEFAULT_IMAGE)
+IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", context.DEFAULT_IMAGE)
 # The operator's own namespace (the chart sets it from the downward API): the jobs'
 # NetworkPolicies admit the operator's metrics scrapes from there.
 OPERATOR_NAMESPACE = os.environ.get("DISTBELIEF_OPERATOR_NAMESPACE") or None
@@ -259,7 +259,7 @@ def ensure_keys_secret(kube: Kube, job: DistBeliefJob) -> Literal["created", "ow
     the record. So a 409 for a body without the record reads the job as stored, which
     decides (issue 40: 562 of 1,000 healthy jobs were refused as foreign)."""
     names, namespace = job.config.names, job.config.namespace
-    created = kube.create(render.render_keys_secret(job, keys.JobKeys.generate().files()))
+    created = kube.create(secret.render_keys_secret(job, keys.JobKeys.generate().files()))
     if created is None:
         if KEYS_ANNOTATION in job.annotations:
             return "own"
@@ -332,7 +332,7 @@ def read_observed(kube: Kube, job: DistBeliefJob, refusals: Mapping[str, str],
     names, namespace, uid = job.config.names, job.config.namespace, job.config.uid
     sts = _own(kube.get("apps/v1", "StatefulSet", namespace, names.ps), uid)
     deployments = [(_own(kube.get("apps/v1", "Deployment", namespace, name), uid)).get("status") or {}
-                   for name in render.worker_deployment_names(job.config)]
+                   for name in deployment.worker_deployment_names(job.config)]
     pods = [pod for pod in kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: names.job})
             if (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE) != contract.ROLE_PS
             or controller_uid(pod) == (sts.get("metadata") or {}).get("uid")]

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 from distbelief.operator.local import curves, livestatus, outputdir, podusage, preflight, report, resharding
 from distbelief.operator.local.localpods import LocalPod, metrics_targets, plan_pods, volume_dir
-from distbelief.operator.render import render, sizing
+from distbelief.operator.render import context, render, secret, sizing
 from distbelief.operator.spec import spec
 from distbelief.operator.spec.job import DistBeliefJob
 from distbelief.operator.status import scrape
@@ -106,8 +106,8 @@ class LocalRun:
         self.output = output
         os.makedirs(os.path.join(output, "logs"), exist_ok=True)
         job_keys = keys.ensure(os.path.join(output, KEYS_FOLDER))
-        objects = [render.render_keys_secret(job, job_keys.files()),
-                   *render.render_children(job, image=render.DEFAULT_IMAGE)]
+        objects = [secret.render_keys_secret(job, job_keys.files()),
+                   *render.render_children(job, image=context.DEFAULT_IMAGE)]
         self.shards, self.workers = plan_pods(objects, output)
         self._interrupted = False
         self.status: dict[str, Any] = {}

@@ -26,6 +26,9 @@ _SCALING_FIELDS: tuple[tuple[str, ...], ...] = (
 )
 
 
+# The image the roles run when neither the job nor the operator's settings name one.
+DEFAULT_IMAGE = "distbelief/distbelief:0.1.0"
+
 # The placement a queue's admission gave the job's pods (render/queue.py), by role.
 ADMISSION_ANNOTATION = f"{contract.API_GROUP}/admission"
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
+from distbelief.operator.render import placement
 from distbelief.operator.render.context import RenderContext
 from distbelief.operator.spec.spec import DATA_DIR
 from distbelief.runtime import contract, jobbase, jobspec, keys
@@ -118,7 +119,7 @@ def account_token_mount() -> tuple[list[Manifest], list[Manifest]]:
 
 
 def copies_account(ctx: RenderContext) -> str | None:
-    """With backups, the shard pods' ServiceAccount (render.render_ps_access)."""
+    """With backups, the shard pods' ServiceAccount (access.render_ps_access)."""
     return ctx.names.ps_access if ctx.spec.parameter_servers.copies > 1 else None
 
 
@@ -314,3 +315,12 @@ def cpu_metric() -> dict[str, Any]:
     return {"type": "Resource",
             "resource": {"name": "cpu", "target": {"type": "Utilization",
                                                    "averageUtilization": DEFAULT_CPU_UTILIZATION}}}
+
+
+def role_pod_template(ctx: RenderContext, role: str, rendered: Manifest) -> Manifest:
+    """The rendered pod template with the role's spec template and the job's pull secrets."""
+    merged = placement.apply_template(rendered, role_spec(ctx, role).template, ctx.spec.image_pull_secrets)
+    admitted = (ctx.placement or {}).get(role)
+    if admitted:
+        merged = placement.add_placement(merged, admitted.get("nodeSelector") or {}, admitted.get("tolerations") or [])
+    return merged

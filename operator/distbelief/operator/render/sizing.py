@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from distbelief.operator.render import podparts
+from distbelief.operator.render.context import RenderContext
 from distbelief.runtime import contract, jobspec
 
 FLOAT_BYTES = 4
@@ -85,3 +86,23 @@ def _shard_arrays(training: jobspec.Training) -> int:
 
 def _gib(size: int) -> str:
     return f"{size / 2 ** 30:.1f} GiB" if size >= 2 ** 30 else f"{size / 2 ** 20:.0f} MiB"
+
+
+# How long a role may take to start serving: loading the data and building the model (a
+# built-in or synthetic source whose size the spec tells: STARTUP_SECONDS; npz files, user
+# code or embeddings, whose size only loading tells: STARTUP_UNKNOWN_SECONDS), and for a
+# shard also reading its checkpoint, at RESTORE_BYTES_PER_SECOND (a slow network disk).
+STARTUP_SECONDS = 300
+STARTUP_UNKNOWN_SECONDS = 900
+RESTORE_BYTES_PER_SECOND = 20 * 2 ** 20
+
+
+def startup_seconds(ctx: RenderContext, role: str) -> int:
+    """The startup probe's budget for a role's pods (see STARTUP_SECONDS)."""
+    parameters = None if ctx.spec.model.embeddings else parameter_count(ctx.spec)
+    if parameters is None:
+        return STARTUP_UNKNOWN_SECONDS
+    if role != contract.ROLE_PS:
+        return STARTUP_SECONDS
+    checkpoint = shard_bytes(ctx.spec, parameters)
+    return STARTUP_SECONDS + -(-checkpoint // RESTORE_BYTES_PER_SECOND)
