@@ -42,7 +42,7 @@ sys.path[:0] = [str(HERE), str(REPO / "operator"), str(REPO / "runtime")]
 from prometheus_client.parser import text_string_to_metric_families
 
 from distbelief.operator.local import local
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 import e2e_bench

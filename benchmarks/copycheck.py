@@ -56,7 +56,7 @@ import netfault
 from copyverdict import Op
 from distbelief.operator.local import local
 from distbelief.operator.local.localpods import LocalPod, volume_dir
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, errors, keys
 from distbelief.runtime.algorithms.pipeline.commit import Commit, new_token
 from distbelief.runtime.algorithms.pipeline.ops import HOLD, Held

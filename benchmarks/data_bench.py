@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from figures import save, summarize
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import jobspec
 from distbelief.runtime.algorithms.feed import ops
 from distbelief.runtime.algorithms.feed.dispenser import Dispenser, DispenserSettings

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 from figures import save_group
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import jobspec
 from distbelief.runtime.model import data, models
 

@@ -701,12 +701,12 @@ def child_suffixes(job: dict[str, Any]) -> list[str]:
     """"Kind/-suffix" of every child the operator makes for job, its keys Secret included:
     each child's kind and name less the job's (rendered here as the operator renders it)."""
     from distbelief.operator.render import context, render
-    from distbelief.operator.spec import spec
+    from distbelief.operator.validation import spec
 
     name = job["metadata"]["name"]
     valid: Any = spec.validate_job(job)
     try:  # the renderer takes the typed job since the operator reads it (and a dict before)
-        from distbelief.operator.spec.job import DistBeliefJob
+        from distbelief.operator.validation.job import DistBeliefJob
     except ImportError:
         pass
     else:

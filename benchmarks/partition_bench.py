@@ -45,7 +45,7 @@ from figures import RunFailed, interleaved, save, summarize
 
 import e2e_bench
 from distbelief.operator.local import local, report
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 
 HIDDEN, FEATURES = [2500, 2500, 2500, 2500], 2000
 SOURCE = f"synthetic:features={FEATURES},classes=10,samples=2048,seed=1"

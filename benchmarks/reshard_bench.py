@@ -22,7 +22,7 @@ import numpy as np
 
 from distbelief.operator.local import outputdir, resharding
 from distbelief.operator.local.localpods import volume_dir
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 from distbelief.runtime import contract
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.wire.layout import Layout

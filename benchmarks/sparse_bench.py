@@ -39,8 +39,8 @@ sys.path.insert(0, str(HERE))
 from figures import save_group, summarize
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime.client.group import ShardGroup
 from distbelief.runtime.model import models
 from distbelief.runtime.model.embedding import EmbeddingModel

@@ -14,8 +14,8 @@ import yaml
 
 from distbelief.operator import errors
 from distbelief.operator.render import context, render
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from support.cluster import CRD_NAME, Kubectl
 from support.paths import REPO
 

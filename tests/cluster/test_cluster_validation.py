@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from distbelief.operator import errors
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 from distbelief.runtime import contract
 from support.cli import run_cli
 from support.cluster import CRD_NAME, JOBS, Api, ApiError, Kubectl, Operator

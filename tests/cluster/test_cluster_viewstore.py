@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from distbelief.operator.render import context, render
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 from distbelief.runtime.shard.copies import kubelease, stores
 from distbelief.runtime.shard.copies.kubeapi import KubeApi

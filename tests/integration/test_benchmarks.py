@@ -22,7 +22,7 @@ import plot_results
 import run_all
 import sparse_table_bench
 
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 from distbelief.runtime.model import data
 
 

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from distbelief.operator.render import context, podparts, render
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from support.chartdocs import of_kind, operator_container, operator_deployment, operator_grants
 from support.cli import run_cli
 from support.examples import load_example

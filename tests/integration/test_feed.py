@@ -185,7 +185,7 @@ def test_a_bad_unit_ends_the_stream_naming_it_or_is_skipped(tmp_path):
 
 def test_a_streamed_job_opens_the_coordinator_port_beside_shard_0_for_its_dispenser():
     from distbelief.operator.render import render
-    from distbelief.operator.spec.job import DistBeliefJob
+    from distbelief.operator.validation.job import DistBeliefJob
     from distbelief.runtime import contract
 
     from support.examples import load_example

@@ -18,8 +18,8 @@ import pytest
 import zmq
 
 from distbelief.operator.local import local
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, errors, jobresolve, keys
 from distbelief.runtime.client.group import Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from distbelief.operator.local import local, preflight
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract, keys
 from distbelief.runtime.model.job import Job

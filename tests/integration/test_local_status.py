@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from distbelief.operator.local import local
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import timestamp
 

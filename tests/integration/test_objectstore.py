@@ -18,7 +18,7 @@ import pytest
 
 from distbelief.operator.local import local, report
 from distbelief.operator.render import render
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import errors, jobspec
 from distbelief.runtime.model import data, files
 

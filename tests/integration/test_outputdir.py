@@ -15,8 +15,8 @@ import yaml
 
 from distbelief.operator.local import outputdir, preflight, report
 from distbelief.operator.local.localpods import volume_dir
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, errors
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.wire.layout import Layout

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from distbelief.operator import predict
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 from distbelief.runtime import contract
 from distbelief.runtime.model import data, models
 from distbelief.runtime.model.job import Job

@@ -17,8 +17,8 @@ import yaml
 
 from distbelief.operator import predict
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import Observed, compute_status
 from distbelief.runtime import contract, errors

@@ -179,7 +179,7 @@ def test_a_job_at_its_row_budget_ends_with_the_condition_row_budget_reached(tmp_
     import json
 
     from distbelief.operator.local import local, report
-    from distbelief.operator.spec.job import DistBeliefJob
+    from distbelief.operator.validation.job import DistBeliefJob
 
     from support.examples import load_example
     doc = load_example("ctr-sparse.yaml")

@@ -18,7 +18,7 @@ import zmq
 from support.examples import load_example
 from distbelief.operator.local import local, report
 from distbelief.operator.render import render
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.algorithms.sandblaster import ops

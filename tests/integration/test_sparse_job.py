@@ -18,8 +18,8 @@ from sklearn.metrics import roc_auc_score
 
 from distbelief.operator import errors
 from distbelief.operator.local import local, report
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract
 from distbelief.runtime.model import data, models

@@ -12,7 +12,7 @@ import prometheus_client as prom
 import pytest
 
 from distbelief.operator.local import local
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import jobspec
 from distbelief.runtime.algorithms.downpour.worker import Worker

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 from distbelief.runtime.model.job import Job
 
 from support.cli import run_cli

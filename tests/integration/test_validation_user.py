@@ -11,7 +11,7 @@ import yaml
 
 from distbelief.operator.errors import SpecError
 from distbelief.operator.render import sizing
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 from distbelief.runtime import jobspec
 
 from support.cli import run_cli
@@ -147,7 +147,7 @@ def test_run_and_predict_take_one_job_per_file(tmp_path: Path) -> None:
 
 def test_every_pattern_of_the_crd_is_explained_with_an_example() -> None:
     """A pattern the CRD gains without an explanation would show users a raw regex."""
-    from distbelief.operator.spec import schemawalk
+    from distbelief.operator.validation import schemawalk
 
     def patterns(node: object) -> set[str]:
         if isinstance(node, dict):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 from distbelief.runtime import jobresolve, jobspec
 from support.paths import EXAMPLES
 

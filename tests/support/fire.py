@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distbelief.operator.local import local
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 
 KillRecord = dict[str, Any]
 

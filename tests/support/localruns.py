@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distbelief.operator.local import local, report
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.runtime import contract
 from support.waiting import eventually

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from distbelief.operator.cluster import children
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 
 
 def claim(name: str, job: str | None, uid: str | None = None) -> dict[str, Any]:

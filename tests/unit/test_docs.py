@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 
 from support.paths import REPO
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from distbelief.operator.local import preflight
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, errors, jobbase, jobresolve, jobspec
 from distbelief.runtime.model.job import Job
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from distbelief.operator.cluster import handlers
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 
 RECORD = handlers.KEYS_ANNOTATION
 

@@ -235,7 +235,7 @@ def test_an_unknown_optimizer_names_the_known_ones():
 
 
 def test_the_crd_offers_exactly_the_registered_optimizers():
-    from distbelief.operator.spec import spec
+    from distbelief.operator.validation import spec
 
     training = spec.openapi_schema()["properties"]["spec"]["properties"]["training"]["properties"]
     assert sorted(training["optimizer"]["enum"]) == sorted(optim.OPTIMIZERS)

@@ -11,8 +11,8 @@ import pytest
 
 from distbelief.operator import errors
 from distbelief.operator.render import placement, render
-from distbelief.operator.spec import spec, templates
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec, templates
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 from support.examples import load_example

@@ -12,8 +12,8 @@ import pytest
 
 from distbelief.operator.plugin import pods, top, views
 from distbelief.operator.plugin.localjobs import ended
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import Observed, compute_status
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.progress import format_seconds
 from distbelief.operator.status.status import Observed, compute_status

@@ -10,8 +10,8 @@ from typing import Any
 from distbelief.operator import errors
 from distbelief.operator.cluster import handlers
 from distbelief.operator.render import queue, render
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status.status import Observed, compute_status
 
 from support.examples import load_example

@@ -15,8 +15,8 @@ import yaml
 
 from distbelief.operator import errors
 from distbelief.operator.render import context, deployment, podparts, render, secret, sizing
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, keys
 
 from support.examples import load_example

@@ -1,4 +1,4 @@
-"""DistBeliefJob validation (distbelief.operator.spec) and the CRD it is driven by."""
+"""DistBeliefJob validation (distbelief.operator.validation) and the CRD it is driven by."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import yaml
 
 from distbelief.operator import cli
 from distbelief.operator.errors import SpecError
-from distbelief.operator.spec import spec, templates
+from distbelief.operator.validation import spec, templates
 from distbelief.runtime import contract
 from support.paths import REPO
 

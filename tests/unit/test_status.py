@@ -7,8 +7,8 @@ from typing import Any
 
 import prometheus_client as prom
 
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import Observed, compute_status, pod_failures, timestamp
 from distbelief.runtime.observe.metrics import ChiefMetrics, CoordinatorMetrics, DispenserMetrics, ShardMetrics

@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
 def _validate(args: argparse.Namespace) -> int:
     from distbelief.operator import errors
     from distbelief.operator.render import sizing
-    from distbelief.operator.spec import spec
+    from distbelief.operator.validation import spec
 
     failed = False
     for path in args.files:
@@ -169,8 +169,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from distbelief.operator.render import context, render
-    from distbelief.operator.spec import spec
-    from distbelief.operator.spec.job import DistBeliefJob
+    from distbelief.operator.validation import spec
+    from distbelief.operator.validation.job import DistBeliefJob
 
     objects = []
     for doc in spec.load_manifests(args.file):

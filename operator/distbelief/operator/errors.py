@@ -13,7 +13,7 @@
 
 Low-level errors are translated where they arise, once: the Kubernetes client's
 ApiException into KubeError in cluster/kube.py, a YAML parser's error into SpecError in
-spec/manifests.py, a socket's timeout into ScrapeError in status/scrape.py. The runtime's
+validation/manifests.py, a socket's timeout into ScrapeError in status/scrape.py. The runtime's
 errors (distbelief.runtime.errors, RuntimeFailure and below) are a tree of their own;
 the `distbelief` command turns both into one line and an exit code in one place,
 cli._report: SpecError exits 2 (contract.EXIT_INVALID_CONFIG), any other OperatorError 1.

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from distbelief.operator.local.localpods import volume_dir
-from distbelief.operator.spec import spec
+from distbelief.operator.validation import spec
 from distbelief.runtime import contract, errors, jobspec
 from distbelief.runtime.model import data, models
 from distbelief.runtime.model.job import Job

@@ -6,7 +6,7 @@ tests/unit/test_jobspec.py fails while this file is stale.
 
 `resolve(spec)` is the one place that reads the CRD's camelCase keys (a test checks that no
 other runtime module names one). The spec it reads is the one the ConfigMap holds, which
-`distbelief.operator.spec.validate_job` has checked and filled with the CRD's defaults.
+`distbelief.operator.validation.validate_job` has checked and filled with the CRD's defaults.
 
 Like contract.py, this module imports only the standard library.
 """

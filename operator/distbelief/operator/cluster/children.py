@@ -23,7 +23,7 @@ from typing import Any
 
 from distbelief.operator.cluster.kube import Kube, Manifest, contains, controller_uid, mutable_part
 from distbelief.operator.render import kinds, podparts
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from distbelief.operator import errors
 from distbelief.operator.cluster import children, handlers, locks
 from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.render import kinds, podparts
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status.status import TERMINAL
 from distbelief.runtime import contract
 

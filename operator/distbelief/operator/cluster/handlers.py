@@ -46,8 +46,8 @@ from distbelief.operator.cluster import children, locks, metrics, peering as pee
 from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, controller_uid, share_one_client
 from distbelief.operator.render import context, deployment, queue, render, secret, sizing
-from distbelief.operator.spec import spec as job_spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec as job_spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import events, scrape
 from distbelief.operator.status.progress import parse_timestamp
 from distbelief.operator.status.status import (FAILED, TERMINAL, UPDATES_LOST, WARNINGS, Observed, compute_status,

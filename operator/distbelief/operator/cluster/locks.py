@@ -9,7 +9,7 @@ import copy
 import dataclasses
 from typing import Any, Callable
 
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, jobspec
 
 SHARDS_ANNOTATION = f"{contract.API_GROUP}/shards"

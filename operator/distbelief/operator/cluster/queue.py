@@ -30,7 +30,7 @@ from typing import Any
 
 from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.render import queue, render
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)

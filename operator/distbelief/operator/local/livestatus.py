@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from distbelief.operator.local.localpods import LocalPod
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 STATUS_FILE = "status.json"

@@ -39,8 +39,8 @@ from typing import Any, Callable, Mapping
 from distbelief.operator.local import curves, livestatus, outputdir, podusage, preflight, report, resharding
 from distbelief.operator.local.localpods import LocalPod, metrics_targets, plan_pods, volume_dir
 from distbelief.operator.render import context, render, secret, sizing
-from distbelief.operator.spec import spec
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 from distbelief.operator.status.status import CHIEF_ENDED, SUSPENDED, TERMINAL, Observed, compute_status
 from distbelief.runtime import contract, keys

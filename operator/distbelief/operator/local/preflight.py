@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)

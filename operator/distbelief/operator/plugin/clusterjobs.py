@@ -22,7 +22,7 @@ from distbelief.operator.cluster.kube import Kube, path_of
 from distbelief.operator.plugin import pods as pods_of
 from distbelief.operator.plugin.views import Event, event_from_manifest
 from distbelief.operator.status import scrape
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 JOB = (contract.JOB_API_VERSION, contract.KIND)

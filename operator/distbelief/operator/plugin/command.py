@@ -29,7 +29,7 @@ from distbelief.operator import errors
 from distbelief.operator.plugin import pods as pods_of
 from distbelief.operator.plugin import top, views
 from distbelief.operator.status import scrape
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 SCRAPE_THREADS = 16

@@ -22,7 +22,7 @@ from distbelief.operator.local import livestatus, outputdir
 from distbelief.operator.local.ports import LOOPBACK
 from distbelief.operator.local.report import REPORT_FILE
 from distbelief.operator.plugin import pods as pods_of
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import scrape
 
 FOLLOW_POLL_SECONDS = 0.2

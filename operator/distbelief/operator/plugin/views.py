@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distbelief.operator.plugin.pods import Pod, shard_of
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status.progress import format_seconds, parse_timestamp
 from distbelief.runtime import jobspec
 

@@ -1,7 +1,7 @@
 """A role's template (spec.parameterServers.template, spec.workers.template) and the
 job-wide spec.imagePullSecrets, merged onto the pod template the renderer built.
 
-Pure functions. The validator (spec/templates.py) has already refused whatever the
+Pure functions. The validator (validation/templates.py) has already refused whatever the
 operator owns, so the merge only adds: labels, annotations and the node selector are
 merged key by key, lists (tolerations, spread constraints, pull secrets, volumes, env,
 mounts) are appended to the operator's, affinity terms are added to its own, and the

@@ -13,7 +13,7 @@ from typing import Any
 
 from distbelief.operator.render import placement
 from distbelief.operator.render.context import RenderContext
-from distbelief.operator.spec.spec import DATA_DIR
+from distbelief.operator.validation.spec import DATA_DIR
 from distbelief.runtime import contract, jobbase, jobspec, keys
 
 Manifest = dict[str, Any]

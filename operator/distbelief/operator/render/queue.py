@@ -17,7 +17,7 @@ from typing import Any
 
 from distbelief.operator.render import podparts
 from distbelief.operator.render.context import ADMISSION_ANNOTATION, RenderContext
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

@@ -1,6 +1,6 @@
 """Render a validated DistBeliefJob into the Kubernetes objects that run it.
 
-Pure functions: the output of :func:`distbelief.operator.spec.spec.validate_job` in, plain
+Pure functions: the output of :func:`distbelief.operator.validation.spec.validate_job` in, plain
 manifest dicts out, no cluster access and no kopf or kubernetes imports. The operator
 applies what these return, ``distbelief render`` prints it and local mode runs the
 containers' commands, so there is exactly one renderer.
@@ -39,7 +39,7 @@ import yaml
 from distbelief.operator.render import (access, configmap, deployment, disruption, hpa, networkpolicy, podparts, queue,
                                         service, statefulset)
 from distbelief.operator.render.context import RenderContext
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)

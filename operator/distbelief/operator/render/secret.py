@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from distbelief.operator.render import podparts
 from distbelief.operator.render.context import DEFAULT_IMAGE, RenderContext
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 
 COMPONENT_KEYS = "keys"
 

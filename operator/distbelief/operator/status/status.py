@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from distbelief.operator.status.progress import parse_timestamp, progress_fields, timestamp
 from distbelief.operator.status.scrape import Figures
-from distbelief.operator.spec.job import DistBeliefJob
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, jobspec
 
 PENDING, RUNNING, SUSPENDED = "Pending", "Running", "Suspended"

@@ -25,9 +25,9 @@ from typing import Any
 import yaml
 
 from distbelief.operator import errors
-from distbelief.operator.spec.manifests import load_manifests, load_single
-from distbelief.operator.spec.schemawalk import Problems, Walker, got, join, kind, show
-from distbelief.operator.spec.templates import check_templates
+from distbelief.operator.validation.manifests import load_manifests, load_single
+from distbelief.operator.validation.schemawalk import Problems, Walker, got, join, kind, show
+from distbelief.operator.validation.templates import check_templates
 from distbelief.runtime import contract, jobbase
 
 __all__ = ["load_manifests", "load_single", "validate_job", "job_config", "load_crd", "openapi_schema"]

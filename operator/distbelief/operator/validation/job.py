@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from distbelief.operator.spec.spec import job_config, validate_job
+from distbelief.operator.validation.spec import job_config, validate_job
 from distbelief.runtime import contract
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from distbelief.operator.spec.schemawalk import Problems, show
+from distbelief.operator.validation.schemawalk import Problems, show
 from distbelief.runtime import contract
 
 ROLE_KEYS = {contract.ROLE_PS: "parameterServers", contract.ROLE_WORKER: "workers"}

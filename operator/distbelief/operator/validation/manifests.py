@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from distbelief.operator import errors
-from distbelief.operator.spec.schemawalk import kind
+from distbelief.operator.validation.schemawalk import kind
 
 
 class _DuplicateKey(yaml.MarkedYAMLError):
