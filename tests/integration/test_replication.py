@@ -52,8 +52,9 @@ class Copies:
     """Copies of shard 0 serving in threads, each at its fixed loopback address."""
 
     def __init__(self, folder: Path, count: int = 2, attach: Callable[[Shard], None] = lambda shard: None,
-                 wire_format: str = "float32", job_keys: keys.JobKeys | None = None) -> None:
+                 wire_format: str = "float32", job_keys: keys.JobKeys | None = None, min_in_sync: int = 1) -> None:
         self.folder, self.attach, self.wire_format, self.job_keys = folder, attach, wire_format, job_keys
+        self.min_in_sync = min_in_sync
         self.addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(count)]
         self.shards: list[Shard | None] = [None] * count
         self.threads: list[threading.Thread | None] = [None] * count
@@ -70,7 +71,8 @@ class Copies:
         self.attach(shard)
         shard.serve_copies(replication.Copies(shard, rank=rank, addresses=self.addresses,
                                               security=self.client_options(keys.CHIEF),
-                                              store=store or self.store, lease_seconds=LEASE_SECONDS))
+                                              store=store or self.store, lease_seconds=LEASE_SECONDS,
+                                              min_in_sync=self.min_in_sync))
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)
         thread.start()
@@ -255,6 +257,47 @@ def test_a_copy_that_comes_back_catches_up_and_rejoins_as_backup(pair: Copies, t
     assert returned.copies.role == PRIMARY and returned.step == 9
     np.testing.assert_array_equal(_params(returned), after)
     link.close()
+
+
+def test_with_min_in_sync_2_a_push_waits_for_the_returning_backup_and_survives_the_primarys_loss(
+        tmp_path: Path) -> None:
+    """The schedule that loses updates with minInSync 1 (the backup killed, then the primary
+    before the backup is back): with minInSync 2 the primary applies on but acknowledges
+    nothing until the backup has caught up, so every acknowledged push is on both copies."""
+    copies = Copies(tmp_path, min_in_sync=2)
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    link = zmq_transport.default().link(copies.addresses, None)
+    rng = np.random.default_rng(8)
+    assert _push(link, seq=1, grad=rng.standard_normal(LAYOUT.total).astype(np.float32)).step == 1
+    copies.kill(1)
+    primary = copies.copy(0)
+    eventually(lambda: primary.copies.stats()["copies"] == 1, 20, what="the primary dropped its dead backup")
+    replies: list[Header] = []
+    pushing = threading.Thread(target=lambda: replies.append(
+        _push(link, seq=2, grad=rng.standard_normal(LAYOUT.total).astype(np.float32))))
+    pushing.start()
+    eventually(lambda: primary.step == 2, 10, what="the primary applied the push")
+    pushing.join(timeout=3 * LEASE_SECONDS)
+    assert not replies, "a push was acknowledged with one copy in sync"
+    returned = copies.start(1, folder=str(tmp_path / "empty"))  # nothing on disk: it catches up from the primary
+    pushing.join(timeout=30)
+    assert [r.step for r in replies] == [2] and returned.step == 2
+    after = _params(primary).copy()
+    copies.kill(0)
+    eventually(lambda: returned.copies.role == PRIMARY, 20, what="the returned copy took over")
+    assert returned.step == 2
+    np.testing.assert_array_equal(_params(returned), after)
+    copies.start(0, folder=str(tmp_path / "empty-0"))  # alone it acknowledges nothing, until a copy is back
+    assert _push(link, seq=3, grad=rng.standard_normal(LAYOUT.total).astype(np.float32)).step == 3
+    link.close()
+    copies.stop()
+
+
+def test_a_copy_refuses_a_min_in_sync_above_its_copies(tmp_path: Path) -> None:
+    with pytest.raises(errors.ConfigError, match="3 of them in sync"):
+        Copies(tmp_path, min_in_sync=3).start(0)
 
 
 def test_copies_of_an_encrypted_job_forward_and_fail_over_over_aes_gcm_sessions(tmp_path: Path) -> None:

@@ -408,6 +408,12 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("status-phase", _set("status.phase", "Done"), "status.phase", "one of"),
     ("backups-too-many", _set("spec.parameterServers.backups", 3), "spec.parameterServers.backups",
      "must be <= 2 (got 3)"),
+    ("min-in-sync-above-the-copies", lambda doc: (put(doc, "spec.parameterServers.backups", 1),
+                                                  put(doc, "spec.parameterServers.minInSync", 3)),
+     "spec.parameterServers.minInSync", "must be at most spec.parameterServers.backups + 1 (the copies of each "
+     "shard); got 3 with backups 1"),
+    ("min-in-sync-without-backups", _set("spec.parameterServers.minInSync", 2), "spec.parameterServers.minInSync",
+     "got 2 with backups 0"),
     ("backups-sandblaster", lambda doc: (put(doc, "spec.parameterServers.backups", 1),
                                          put(doc, "spec.training.algorithm", "sandblaster")),
      "spec.parameterServers.backups", "not available with spec.training.algorithm: sandblaster"),

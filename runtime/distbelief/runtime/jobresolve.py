@@ -138,6 +138,7 @@ def _parameter_servers(values: Any, path: str) -> jobspec.ParameterServers:
     return jobspec.ParameterServers(
         shards=at.get("shards", jobbase.integer, 1),
         backups=at.get("backups", jobbase.integer, 0),
+        min_in_sync=at.get("minInSync", jobbase.integer, 1),
         port=at.get("port", jobbase.integer, 7070),
         network_policy=at.get("networkPolicy", jobbase.boolean, True),
         encryption=at.get("encryption", jobbase.boolean, True),

@@ -18,11 +18,8 @@ tests/unit/test_jobspec.py fails while this file is stale.
     │   └── autoscaling: Autoscaling | None
     └── run_policy: RunPolicy
 
-The defaults are the CRD's, so that a config written before a field existed still resolves
-(jobresolve.py) and a test or a tool can build a value in a line. Pod templates, resources
-and pull secrets stay the mappings the job gives.
-
-Like contract.py, this module imports only the standard library.
+The CRD's defaults (old configs resolve; a value is built in a line); pod templates,
+resources and pull secrets stay mappings. Like contract.py: the standard library alone.
 """
 
 from __future__ import annotations
@@ -312,6 +309,11 @@ class ParameterServers(Role, jobbase.ParameterServersBase):
     only once every copy applied it, and a backup takes over within seconds when the primary dies, so a killed
     shard process loses no acknowledged update. With model partitions, the partitioned steps' holds are
     replicated too. Not available with Sandblaster or embeddings.expireAfterSeconds.
+    """
+    min_in_sync: int = 1
+    """Copies of a shard holding an update before it is acknowledged (min.insync.replicas in Kafka), at most backups
+    + 1; with fewer in sync the primary applies pushes but acknowledges none. 1 goes on alone when a backup dies
+    (losing the updates since the checkpoint if the primary dies before it is back); 2 pauses.
     """
     port: int = 7070
     """The shards' port."""

@@ -300,3 +300,10 @@ def _is_date_time(text: str) -> bool:
     return "T" in text.upper()
 
 
+def at_path(doc: Any, *keys: str) -> Any:
+    """doc[keys[0]][keys[1]]..., or None where a key is missing or a value not a mapping."""
+    for key in keys:
+        if not isinstance(doc, Mapping):
+            return None
+        doc = doc.get(key)
+    return doc

@@ -26,7 +26,8 @@ import yaml
 
 from distbelief.operator import errors
 from distbelief.operator.validation.manifests import load_manifests, load_single
-from distbelief.operator.validation.schemawalk import Problems, Walker, got, join, kind, show
+from distbelief.operator.validation.schemawalk import Problems, Walker, at_path, got, join, kind, show
+from distbelief.operator.validation.servers import check_servers
 from distbelief.operator.validation.templates import check_templates
 from distbelief.runtime import contract, jobbase
 
@@ -141,8 +142,7 @@ def validate_job(doc: Mapping[str, Any], *, pruned: list[str] | None = None) -> 
     _check_data(job, problems)
     _check_training(job, problems)
     _check_autoscaling(job, problems)
-    _check_backups(job, problems)
-    _check_wire_format(job, problems)
+    check_servers(job, problems)
     _check_overlap(job, problems)
     check_templates(job, problems)
     if problems.lines:
@@ -165,14 +165,6 @@ def job_config(
 
 
 # ---------------------------------------------------- rules the schema cannot say
-
-
-def _get(doc: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(doc, Mapping):
-            return None
-        doc = doc.get(key)
-    return doc
 
 
 def _check_identity(job: Mapping[str, Any], problems: Problems) -> None:
@@ -218,7 +210,7 @@ def _check_job_name(name: str, problems: Problems) -> None:
 
 
 def _check_model(raw: Mapping[str, Any], problems: Problems) -> None:
-    model = _get(raw, "spec", "model")
+    model = at_path(raw, "spec", "model")
     if isinstance(model, Mapping) and model.get("entrypoint") is not None \
             and model.get("type") is not None:
         problems.add("spec.model.entrypoint", "not allowed together with spec.model.type "
@@ -227,8 +219,8 @@ def _check_model(raw: Mapping[str, Any], problems: Problems) -> None:
             and model.get("embeddings") is not None:
         problems.add("spec.model.embeddings", "not available with spec.model.entrypoint (user models "
                      "see one flat parameter vector)")
-    if _get(raw, "spec", "model", "embeddings") is not None \
-            and _get(raw, "spec", "training", "algorithm") == "sandblaster":
+    if at_path(raw, "spec", "model", "embeddings") is not None \
+            and at_path(raw, "spec", "training", "algorithm") == "sandblaster":
         problems.add("spec.model.embeddings", "needs spec.training.algorithm: downpour (Sandblaster's "
                      "L-BFGS runs over the dense parameters only)")
 
@@ -237,11 +229,11 @@ def _check_partitions(job: Mapping[str, Any], problems: Problems) -> None:
     """A partitioned replica cuts a built-in mlp's layers into consecutive stages, trains
     with Downpour, and places each stage's parameters on shards of its own."""
     path = "spec.model.partitions"
-    partitions = _get(job, "spec", "model", "partitions")
+    partitions = at_path(job, "spec", "model", "partitions")
     if not isinstance(partitions, int) or partitions <= 1 or problems.at("spec.model"):
         return
-    model = _get(job, "spec", "model")
-    if _get(job, "spec", "training", "algorithm") == "sandblaster":
+    model = at_path(job, "spec", "model")
+    if at_path(job, "spec", "training", "algorithm") == "sandblaster":
         problems.add(path, f"partitions > 1 is not supported with sandblaster (got {partitions}); "
                      "use spec.training.algorithm: downpour")
     if model.get("entrypoint") is not None:
@@ -255,7 +247,7 @@ def _check_partitions(job: Mapping[str, Any], problems: Problems) -> None:
                      f"{len(model['hiddenLayers']) + 1} (spec.model.hiddenLayers plus the output layer)")
     if model.get("embeddings") is not None:
         problems.add(path, "partitions > 1 is not available with spec.model.embeddings")
-    shards = _get(job, "spec", "parameterServers", "shards")
+    shards = at_path(job, "spec", "parameterServers", "shards")
     if isinstance(shards, int) and shards < partitions:
         problems.add(path, f"{partitions} partitions need at least {partitions} parameter shards, each "
                      f"partition its own (spec.parameterServers.shards is {shards})")
@@ -265,13 +257,13 @@ def _check_micro_batches(job: Mapping[str, Any], problems: Problems) -> None:
     """Micro-batches are the parts of a step's minibatch that go through a partitioned
     replica's stages one after another."""
     path = "spec.model.microBatches"
-    micro = _get(job, "spec", "model", "microBatches")
+    micro = at_path(job, "spec", "model", "microBatches")
     if not isinstance(micro, int) or micro <= 1 or problems.at(path):
         return
-    if (_get(job, "spec", "model", "partitions") or 1) <= 1:
+    if (at_path(job, "spec", "model", "partitions") or 1) <= 1:
         problems.add(path, "micro-batches above 1 need spec.model.partitions > 1 (they go through a partitioned "
                      "replica's stages one after another)")
-    batch = _get(job, "spec", "training", "batchSize")
+    batch = at_path(job, "spec", "training", "batchSize")
     if isinstance(batch, int) and micro > batch:
         problems.add(path, f"{micro} micro-batches need a minibatch of at least {micro} rows "
                      f"(spec.training.batchSize is {batch})")
@@ -279,7 +271,7 @@ def _check_micro_batches(job: Mapping[str, Any], problems: Problems) -> None:
 
 def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
     path = "spec.data.source"
-    source = _get(job, "spec", "data", "source")
+    source = at_path(job, "spec", "data", "source")
     if not isinstance(source, str) or problems.at(path):
         return
     scheme, _, body = source.partition(":")
@@ -292,11 +284,11 @@ def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
     elif scheme == "synthetic-ctr":
         for problem in contract.ctr_params(body)[1]:
             problems.add(path, problem)
-        if _get(job, "spec", "model", "embeddings") is None:
+        if at_path(job, "spec", "model", "embeddings") is None:
             problems.add(path, "synthetic-ctr data holds only ids: set spec.model.embeddings to embed them")
     elif scheme in FILE_SCHEMES and not posixpath.isabs(body):
         problems.add(path, f"a file source's path must be absolute inside the pod (got {show(body)})")
-    elif scheme in FILE_SCHEMES and _get(job, "spec", "data", "volume") and not body.startswith(DATA_DIR + "/"):
+    elif scheme in FILE_SCHEMES and at_path(job, "spec", "data", "volume") and not body.startswith(DATA_DIR + "/"):
         problems.add(path, f"with spec.data.volume the files must be under {DATA_DIR}/, where the claim is "
                      f"mounted (got {show(body)})")
     _check_columns(job, scheme, body, problems)
@@ -304,7 +296,7 @@ def _check_data(job: Mapping[str, Any], problems: Problems) -> None:
 
 def _check_columns(job: Mapping[str, Any], scheme: str, body: str, problems: Problems) -> None:
     """test, label, features and ids are a file source's (parquet:, csv:, npy:, an npz: glob)."""
-    data = _get(job, "spec", "data") or {}
+    data = at_path(job, "spec", "data") or {}
     test = data.get("test")
     if data.get("objectStore") is not None and scheme != "s3":
         problems.add("spec.data.objectStore", "is for an s3:// source")
@@ -322,7 +314,7 @@ def _check_columns(job: Mapping[str, Any], scheme: str, body: str, problems: Pro
 
 def _check_training(job: Mapping[str, Any], problems: Problems) -> None:
     path = "spec.training.maxDuration"
-    text = _get(job, "spec", "training", "maxDuration")
+    text = at_path(job, "spec", "training", "maxDuration")
     if not isinstance(text, str) or problems.at(path):
         return
     try:
@@ -336,7 +328,7 @@ def _check_training(job: Mapping[str, Any], problems: Problems) -> None:
 
 def _check_autoscaling(job: Mapping[str, Any], problems: Problems) -> None:
     path = "spec.workers.autoscaling"
-    autoscaling = _get(job, "spec", "workers", "autoscaling")
+    autoscaling = at_path(job, "spec", "workers", "autoscaling")
     if not isinstance(autoscaling, Mapping) or problems.at(path):
         return
     low, high = autoscaling.get("minReplicas"), autoscaling.get("maxReplicas")
@@ -344,29 +336,10 @@ def _check_autoscaling(job: Mapping[str, Any], problems: Problems) -> None:
         problems.add(f"{path}.minReplicas", f"must be <= maxReplicas (got {low} > {high})")
 
 
-def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
-    """What shard copies cannot cover yet: copies replay the same commands, so every state
-    change must be one (Sandblaster's rollbacks read each copy's own checkpoints, and row
-    expiry reads each copy's clock)."""
-    path = "spec.parameterServers.backups"
-    backups = _get(job, "spec", "parameterServers", "backups")
-    if not isinstance(backups, int) or backups == 0 or problems.at(path):
-        return
-    if _get(job, "spec", "training", "algorithm") == "sandblaster":
-        problems.add(path, "not available with spec.training.algorithm: sandblaster (its rollbacks restore each "
-                     "copy's own checkpoints); use 0, or downpour")
-    if _get(job, "spec", "model", "embeddings", "expireAfterSeconds"):
-        problems.add(path, "not available with spec.model.embeddings.expireAfterSeconds (each copy would expire "
-                     "rows by its own clock); use 0, or leave rows unexpired")
-    if _get(job, "spec", "parameterServers", "template", "spec", "serviceAccountName"):
-        problems.add(path, "not available with spec.parameterServers.template.spec.serviceAccountName (the shard "
-                     "copies run as their own account, <job>-ps, which keeps their view Leases); use 0, or drop it")
-
-
 def _check_overlap(job: Mapping[str, Any], problems: Problems) -> None:
     """The overlapped loop is the dense Downpour replica's, one push and one pull a step."""
     path = "spec.training.overlap"
-    training = _get(job, "spec", "training")
+    training = at_path(job, "spec", "training")
     if not isinstance(training, Mapping) or training.get("overlap") is not True or problems.at(path):
         return
     if training.get("fetchEvery", 1) != 1 or training.get("pushEvery", 1) != 1:
@@ -374,27 +347,10 @@ def _check_overlap(job: Mapping[str, Any], problems: Problems) -> None:
                      "the pull after it)")
     if training.get("algorithm") == "sandblaster":
         problems.add(path, "not available with spec.training.algorithm: sandblaster; use downpour")
-    if _get(job, "spec", "model", "embeddings") is not None:
+    if at_path(job, "spec", "model", "embeddings") is not None:
         problems.add(path, "not available with spec.model.embeddings")
-    if (_get(job, "spec", "model", "partitions") or 1) > 1:
+    if (at_path(job, "spec", "model", "partitions") or 1) > 1:
         problems.add(path, "not available with spec.model.partitions > 1")
     if training.get("maxStaleness") == 0:
         problems.add(path, "needs spec.training.maxStaleness of at least 1 (an overlapped gradient is always one "
                      "update behind its own replica's last)")
-
-
-def _check_wire_format(job: Mapping[str, Any], problems: Problems) -> None:
-    """bfloat16 is carried by the dense Downpour ops alone (shard copies replay them as they
-    are): what else moves arrays (Sandblaster's vectors, embedding rows, stages' activations
-    and held gradients) stays float32, so refuse it there rather than have part of a job in
-    one format and part in the other."""
-    path = "spec.parameterServers.wireFormat"
-    if _get(job, "spec", "parameterServers", "wireFormat") != "bfloat16" or problems.at(path):
-        return
-    if _get(job, "spec", "training", "algorithm") == "sandblaster":
-        problems.add(path, "bfloat16 is not available with spec.training.algorithm: sandblaster; use float32, "
-                     "or downpour")
-    if _get(job, "spec", "model", "embeddings") is not None:
-        problems.add(path, "bfloat16 is not available with spec.model.embeddings; use float32")
-    if (_get(job, "spec", "model", "partitions") or 1) > 1:
-        problems.add(path, "bfloat16 is not available with spec.model.partitions > 1; use float32, or one partition")

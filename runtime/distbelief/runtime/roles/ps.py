@@ -46,7 +46,7 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
     if servers.copies > 1:
         server.serve_copies(replication.Copies(server, rank=rank, addresses=copy_routes(job.config, index),
                                                security=access.client, store=stores.open_store(job.config.names, index),
-                                               lease_seconds=lease_seconds()))
+                                               lease_seconds=lease_seconds(), min_in_sync=servers.min_in_sync))
     server.restore()
     metrics = MetricsServer(metrics_registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     helpers: list[tuple[str, interface.Helper]] = []

@@ -49,9 +49,10 @@ class Seen:
 
 
 class Keeper:
-    def __init__(self, store: ViewStore, *, shard: int, rank: int, lease_seconds: float) -> None:
+    def __init__(self, store: ViewStore, *, shard: int, rank: int, lease_seconds: float, min_in_sync: int = 1) -> None:
         self.store, self.shard, self.rank = store, shard, rank
-        self.lease_seconds = lease_seconds
+        self.lease_seconds, self.min_in_sync = lease_seconds, min_in_sync
+        self._short_of_copies = False  # replies held for want of min_in_sync copies in the in-sync set
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self._seen = Seen(None, "", time.monotonic())
@@ -90,6 +91,18 @@ class Keeper:
     def lease_valid(self) -> bool:
         with self._lock:
             return self._holding is not None and time.monotonic() < self._holds_until
+
+    def may_acknowledge(self) -> bool:
+        """Whether a reply may leave: the lease holds and the confirmed in-sync set has
+        min_in_sync copies (spec.parameterServers.minInSync). With fewer, the primary applies
+        on and its replies wait until a copy catches up and joins the set."""
+        with self._lock:
+            count = len(self._holding.in_sync) if self._holding is not None else 0
+        if (count < self.min_in_sync) != self._short_of_copies:
+            self._short_of_copies = count < self.min_in_sync
+            log.warning("event=acknowledgements_%s shard=%d copy=%d in_sync=%d min_in_sync=%d",
+                        "held" if self._short_of_copies else "resumed", self.shard, self.rank, count, self.min_in_sync)
+        return not self._short_of_copies and self.lease_valid()
 
     def claim(self, version: str, record: ViewRecord) -> None:
         """Write record if the store still holds version (the outcome: claim_outcome())."""

@@ -7,8 +7,8 @@ the same core and plugins; only the primary serves clients.
 
 - Primary. It forwards each command it applies to every other copy it streams to (REPLICATE,
   forwarding.py) and goes on serving; a reply leaves (Replication.released) once every
-  installed copy acknowledged what it answers and while its lease holds (keeper.py, a
-  thread of its own renews it). A copy that is dead (its link broke, the transport's
+  installed copy acknowledged what it answers, while its lease holds and its in-sync set
+  has minInSync copies (keeper.py, a thread of its own renews it). A copy that is dead (its link broke, the transport's
   heartbeat timed out) or slow (FORWARD_SECONDS) is taken out of the in-sync set by a
   compare-and-swap, and only then is its acknowledgement no longer waited for. A copy joins
   the set only once it has installed the whole state (transfer.py) and acknowledged every
@@ -79,16 +79,17 @@ class Copies:
 
     def __init__(self, shard: Shard, *, rank: int, addresses: Sequence[str], security: dict | None,
                  store: ViewStore, transport_: interface.Transport | None = None,
-                 lease_seconds: float = LEASE_SECONDS) -> None:
-        if not 0 <= rank < len(addresses):
-            raise errors.ConfigError(f"copy {rank} of shard {shard.index}, which has {len(addresses)} copies")
+                 lease_seconds: float = LEASE_SECONDS, min_in_sync: int = 1) -> None:
+        if not 0 <= rank < len(addresses) or not 1 <= min_in_sync <= len(addresses):
+            raise errors.ConfigError(f"copy {rank} of shard {shard.index}, which has {len(addresses)} copies, "
+                                     f"{min_in_sync} of them in sync before an update is acknowledged")
         self.shard, self.rank, self.addresses, self.security = shard, rank, list(addresses), security
         self.lease_seconds = lease_seconds
         self._transport = transport_ or zmq_transport.default()
         self.incarnation = secrets.token_hex(6)
         self.role, self.view, self.term = SYNCING, 0, 0
         self.chain: Chain | None = None
-        self.keeper = Keeper(store, shard=shard.index, rank=rank, lease_seconds=lease_seconds)
+        self.keeper = Keeper(store, shard=shard.index, rank=rank, lease_seconds=lease_seconds, min_in_sync=min_in_sync)
         self.watch = Watch(shard=shard.index, layout=shard.layout.hash, security=security, transport_=self._transport,
                            addresses={r: a for r, a in enumerate(addresses) if r != rank})
         self.follower = Follower(self, shard, rank=rank, addresses=self.addresses, security=security,
@@ -132,7 +133,7 @@ class Copies:
         term, seq = tag
         if term != self.term or self.chain is None:
             return None
-        if not self.keeper.lease_valid() or not self.chain.settled(seq):
+        if not self.keeper.may_acknowledge() or not self.chain.settled(seq):
             return False
         self._released = max(self._released, seq)
         return True
