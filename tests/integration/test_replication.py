@@ -295,6 +295,40 @@ def test_with_min_in_sync_2_a_push_waits_for_the_returning_backup_and_survives_t
     copies.stop()
 
 
+def test_with_min_in_sync_2_the_acknowledged_survive_the_backup_then_the_primary_dying(tmp_path: Path) -> None:
+    """Both copies lost one after the other, the primary once it had dropped its dead backup:
+    no checkpoint was due (an hour apart), yet the restarted copies hold every acknowledged
+    push, because the primary saved one before it went on without acknowledging; and the
+    push it applied without acknowledging, sent again, is answered and not applied twice."""
+    copies = Copies(tmp_path, min_in_sync=2)
+    copies.start(0)
+    copies.start(1)
+    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    link = zmq_transport.default().link(copies.addresses, None)
+    rng = np.random.default_rng(9)
+    for seq in (1, 2, 3):
+        assert _push(link, seq=seq, grad=rng.standard_normal(LAYOUT.total).astype(np.float32)).step == seq
+    acknowledged = _params(copies.copy(0)).copy()
+    copies.kill(1)
+    primary = copies.copy(0)
+    eventually(lambda: primary.copies.stats()["copies"] == 1, 20, what="the primary dropped its dead backup")
+    held = rng.standard_normal(LAYOUT.total).astype(np.float32)
+    replies: list[Header] = []
+    pushing = threading.Thread(target=lambda: replies.append(_push(link, seq=4, grad=held)))
+    pushing.start()
+    eventually(lambda: primary.step == 4, 10, what="the primary applied the held push")
+    assert checkpoint.list_checkpoints(str(tmp_path / "copy-0")), "no checkpoint before going on alone"
+    copies.kill(0)
+    copies.start(0)
+    copies.start(1)
+    pushing.join(timeout=60)
+    assert [r.step for r in replies] == [4]  # sent again, answered: the copy that leads had applied it
+    leader = next(copies.copy(r) for r in (0, 1) if copies.copy(r).copies.role == PRIMARY)
+    assert leader.step == 4 and not np.array_equal(_params(leader), acknowledged)
+    link.close()
+    copies.stop()
+
+
 def test_a_copy_refuses_a_min_in_sync_above_its_copies(tmp_path: Path) -> None:
     with pytest.raises(errors.ConfigError, match="3 of them in sync"):
         Copies(tmp_path, min_in_sync=3).start(0)

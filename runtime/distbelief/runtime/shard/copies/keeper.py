@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Callable
 
 from distbelief.runtime.shard.copies.viewstore import Member, StoreUnavailable, ViewRecord, ViewStore
 
@@ -49,9 +50,10 @@ class Seen:
 
 
 class Keeper:
-    def __init__(self, store: ViewStore, *, shard: int, rank: int, lease_seconds: float, min_in_sync: int = 1) -> None:
+    def __init__(self, store: ViewStore, *, shard: int, rank: int, lease_seconds: float, min_in_sync: int = 1,
+                 save: Callable[[], None] = lambda: None) -> None:
         self.store, self.shard, self.rank = store, shard, rank
-        self.lease_seconds, self.min_in_sync = lease_seconds, min_in_sync
+        self.lease_seconds, self.min_in_sync, self._save = lease_seconds, min_in_sync, save
         self._short_of_copies = False  # replies held for want of min_in_sync copies in the in-sync set
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -95,13 +97,17 @@ class Keeper:
     def may_acknowledge(self) -> bool:
         """Whether a reply may leave: the lease holds and the confirmed in-sync set has
         min_in_sync copies (spec.parameterServers.minInSync). With fewer, the primary applies
-        on and its replies wait until a copy catches up and joins the set."""
+        on and its replies wait until a copy catches up and joins the set; and before it goes
+        on, it saves a checkpoint, so that what it acknowledged survives its own death too
+        while no other copy holds it."""
         with self._lock:
             count = len(self._holding.in_sync) if self._holding is not None else 0
         if (count < self.min_in_sync) != self._short_of_copies:
             self._short_of_copies = count < self.min_in_sync
             log.warning("event=acknowledgements_%s shard=%d copy=%d in_sync=%d min_in_sync=%d",
                         "held" if self._short_of_copies else "resumed", self.shard, self.rank, count, self.min_in_sync)
+            if self._short_of_copies:
+                self._save()
         return not self._short_of_copies and self.lease_valid()
 
     def claim(self, version: str, record: ViewRecord) -> None:

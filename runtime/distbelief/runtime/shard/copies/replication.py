@@ -89,7 +89,8 @@ class Copies:
         self.incarnation = secrets.token_hex(6)
         self.role, self.view, self.term = SYNCING, 0, 0
         self.chain: Chain | None = None
-        self.keeper = Keeper(store, shard=shard.index, rank=rank, lease_seconds=lease_seconds, min_in_sync=min_in_sync)
+        self.keeper = Keeper(store, shard=shard.index, rank=rank, lease_seconds=lease_seconds, min_in_sync=min_in_sync,
+                             save=shard.checkpoint_now)
         self.watch = Watch(shard=shard.index, layout=shard.layout.hash, security=security, transport_=self._transport,
                            addresses={r: a for r, a in enumerate(addresses) if r != rank})
         self.follower = Follower(self, shard, rank=rank, addresses=self.addresses, security=security,
