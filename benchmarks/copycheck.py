@@ -20,7 +20,10 @@ it is acknowledged when applied, refused when dropped, and must be applied on ev
 or on none.
 
 The faults (Nemesis), on one copy of a shard or between two (with backups: 2, sometimes
-on two copies at once): SIGKILL (local mode restarts the pod with back-off), SIGSTOP for
+on two copies at once), and one unkind schedule ("backup-then-primary": a backup killed,
+then the primary Plan.kill_gap seconds later, whatever the first kill left in sync; the
+plans of --unkind run it at minInSync 1 and 2, and at gaps within and beyond the 1.5-3 s a
+primary takes to drop a dead backup): SIGKILL (local mode restarts the pod with back-off), SIGSTOP for
 1-10 s then SIGCONT, the copies' traffic delayed 50-500 ms, a one-way partition for 1-10
 s (held, then healed or cut), and the connections cut. Copies reach each other through
 netfault.py proxies (DISTBELIEF_COPY_ROUTES), their AES-GCM sessions' bulk traffic
@@ -85,10 +88,13 @@ class Plan:
     target: str = "any"          # "backup" or "primary": whom the faults hit
     pause: tuple[float, float] = (0.5, 2.0)
     ids: int = 30000             # push ids available (each shard's slice holds more values)
+    min_in_sync: int = 1         # spec.parameterServers.minInSync
+    kill_gap: float = 0.3        # "backup-then-primary": seconds between the two kills
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-backups{self.backups}-seed{self.seed}"
+        unkind = f"-insync{self.min_in_sync}-gap{self.kill_gap:g}" if "backup-then-primary" in self.faults else ""
+        return f"{self.kind}-backups{self.backups}-seed{self.seed}{unkind}"
 
 
 def job_doc(plan: Plan) -> dict[str, Any]:
@@ -110,7 +116,7 @@ def job_doc(plan: Plan) -> dict[str, Any]:
                      "training": {"algorithm": "downpour", "optimizer": "sgd", "learningRate": 1.0,
                                   "maxGradientNorm": 1e9, "batchSize": 32, "maxSteps": 10 ** 12,
                                   "evalEverySeconds": 5, "warmstartSteps": 0},
-                     "parameterServers": {"shards": 2, "backups": plan.backups,
+                     "parameterServers": {"shards": 2, "backups": plan.backups, "minInSync": plan.min_in_sync,
                                           "checkpoint": {"everySeconds": 1}},
                      "workers": {"replicas": 0},
                      "runPolicy": {"backoffLimit": 100}}}
@@ -288,8 +294,9 @@ class Nemesis(threading.Thread):
 
     def _targets(self, shard: int, seen: dict[str, dict[str, float]], kind: str) -> list[LocalPod]:
         copies = self.cluster.copies(shard)
+        target = "backup" if kind == "backup-then-primary" else self.plan.target
         wanted = {"any": copies, "primary": [p for p in copies if seen[p.name].get("role") == PRIMARY],
-                  "backup": [p for p in copies if seen[p.name].get("role") != PRIMARY]}[self.plan.target]
+                  "backup": [p for p in copies if seen[p.name].get("role") != PRIMARY]}[target]
         many = 2 if self.plan.backups >= 2 and kind in ("kill", "stall") and self.rng.random() < 0.3 else 1
         return self.rng.sample(wanted, min(many, len(wanted)))
 
@@ -302,6 +309,13 @@ class Nemesis(threading.Thread):
         if kind == "kill":
             for pod in pods:
                 pod.signal(signal.SIGKILL)
+        elif kind == "backup-then-primary":  # unkind: the second kill ignores whether the first was caught up
+            (backup,) = pods
+            primary = next(p for p in self.cluster.copies(shard) if seen[p.name].get("role") == PRIMARY)
+            fault.update(pods=[backup.name, primary.name], primary=[False, True], gap=self.plan.kill_gap)
+            backup.signal(signal.SIGKILL)
+            time.sleep(self.plan.kill_gap)
+            primary.signal(signal.SIGKILL)
         elif kind == "stall":
             fault["seconds"] = round(rng.uniform(*self.plan.stall_seconds), 1)
             for pod in pods:
@@ -440,6 +454,14 @@ def plans(runs: int, seconds: float, seed: int) -> list[Plan]:
     return chosen
 
 
+def unkind_plans(seconds: float, seed: int) -> list[Plan]:
+    """A backup and then its primary killed, minInSync 1 and 2, the second kill before and
+    after the primary could have dropped the first (about 3 s)."""
+    return [Plan(kind="dense", backups=1, seed=seed, seconds=seconds, faults=("backup-then-primary",),
+                 pause=(4.0, 8.0), min_in_sync=needed, kill_gap=gap)
+            for gap in (0.3, 5.0) for needed in (1, 2)]
+
+
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     faults: dict[str, int] = {}
     for result in results:
@@ -464,11 +486,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None)
     p.add_argument("--strict", action="store_true", help="exit 1 when a run's verdict is not ok")
+    p.add_argument("--unkind", action="store_true", help="the backup-then-primary schedules instead (unkind_plans)")
     p.add_argument("--keep", default=os.path.join(tempfile.gettempdir(), "copycheck-logs"),
                    help="where the pods' logs of a run that failed or could not be checked go")
     args = p.parse_args()
     results, crashed = [], []
-    for plan in plans(args.runs, args.seconds, args.seed):
+    for plan in unkind_plans(args.seconds, args.seed) if args.unkind else plans(args.runs, args.seconds, args.seed):
         result = None
         for attempt in (1, 2):  # a run whose job cannot start (a pod's port taken meanwhile) is tried again
             try:

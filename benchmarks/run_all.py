@@ -201,6 +201,9 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
         results["backups"] = backups["backups"]
     if checked := run_json("copycheck.py", failures, "--runs", str(2 * runs), "--seconds", "30"):
         results["copies_check"] = checked["copies_check"]
+    # The backup and then its primary killed, ignoring in-sync state: what each minInSync loses.
+    if unkind := run_json("copycheck.py", failures, "--unkind", "--seconds", "60"):
+        results["copies_check_unkind"] = unkind["copies_check"]
     if partitions := run_json("partition_bench.py", failures, "--runs", str(min(runs, 3))):
         results["partitions"] = partitions["partitions"]
         failures += partitions.get("failures", [])
