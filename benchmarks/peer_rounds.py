@@ -43,7 +43,7 @@ from figures import retried, save, summarize
 LOAD_LIMIT, SETTLE_S = 1.5, 120.0
 OTHER_CORES_LIMIT = 0.5
 ROUND_ATTEMPTS = 3
-PEER_STEPS = 400  # timed steps per torch replica, and of both TF workers together x 2
+PEER_STEPS = 400  # timed steps of each torch rank; TF times twice as many, shared by its 2 workers
 TIMEOUT_S = 300.0
 Measure = Callable[[int], dict]
 
