@@ -43,8 +43,11 @@ def role(pid: int) -> str:
     for i, arg in enumerate(argv):
         if arg in ("run", "ps", "worker", "chief") and i and "distbelief" in " ".join(argv[:i]):
             return arg
-        if arg == "--child" and i + 1 < len(argv):
-            child = json.loads(argv[i + 1])
+        if arg == "--child" and i + 1 < len(argv) and argv[i + 1].startswith("{"):
+            try:
+                child = json.loads(argv[i + 1])
+            except ValueError:
+                break  # not one of this bench's children: named by its program
             return f"{child.get('job') or child.get('role')}{child.get('rank', child.get('index', ''))}"
     return Path(argv[0]).name if argv[0] else UNKNOWN
 

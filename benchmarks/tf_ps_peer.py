@@ -175,8 +175,9 @@ def run_cluster(dispatch: int, steps: int, run: int, timeout: float) -> dict:
     spec = cluster_spec(free_ports(PS_TASKS + WORKERS + 1))
     tasks = [child("ps", spec, i, {}) for i in range(PS_TASKS)] + [child("worker", spec, i, {})
                                                                    for i in range(WORKERS)]
+    chief = child("chief", spec, 0, {"dispatch": dispatch, "steps": steps, "run": run})
+    tasks.append(chief)  # stopped with the others, should it overrun
     try:
-        chief = child("chief", spec, 0, {"dispatch": dispatch, "steps": steps, "run": run})
         out, _ = chief.communicate(timeout=timeout)
         if chief.returncode:
             raise subprocess.CalledProcessError(chief.returncode, "tf_ps_peer coordinator")
