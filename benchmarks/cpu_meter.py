@@ -82,7 +82,7 @@ class TreeMeter:
         self.seen: dict[tuple[int, int], float] = {}  # every descendant ever seen: its last CPU seconds
         self.roles: dict[tuple[int, int], str] = {}
         self.times: list[float] = []
-        self.samples: list[tuple[float, float]] = []  # (tree CPU s, machine busy s)
+        self.samples: list[dict[str, float]] = []  # CPU s: "tree", "machine" (busy), and each role's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 

@@ -80,6 +80,13 @@ class Copies:
         self.shards[rank], self.threads[rank] = shard, thread
         return shard
 
+    def started(self) -> "Copies":
+        """Copies 0 and 1 serving, copy 0 leading with copy 1 in sync."""
+        self.start(0)
+        self.start(1)
+        eventually(lambda: self.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+        return self
+
     def kill(self, rank: int) -> None:
         """End a copy's serving loop and wait until its port is free again."""
         shard, thread = self.shards[rank], self.threads[rank]
@@ -113,10 +120,7 @@ class Copies:
 
 @pytest.fixture
 def pair(tmp_path: Path):
-    copies = Copies(tmp_path)
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path).started()
     yield copies
     copies.stop()
 
@@ -211,10 +215,7 @@ def test_a_push_resent_to_the_new_primary_is_answered_but_not_applied_again(pair
 
 
 def test_bfloat16_pushes_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> None:
-    copies = Copies(tmp_path, wire_format="bfloat16")
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path, wire_format="bfloat16").started()
     wire, out = Bfloat16Dense(copies.group()), np.empty(LAYOUT.total, np.float32)
     codec, rng = Codec(LAYOUT.total), np.random.default_rng(6)
     expected, reference = INITIAL.copy(), Adagrad(LAYOUT.total, 0.1)
@@ -264,10 +265,7 @@ def test_with_min_in_sync_2_a_push_waits_for_the_returning_backup_and_survives_t
     """The schedule that loses updates with minInSync 1 (the backup killed, then the primary
     before the backup is back): with minInSync 2 the primary applies on but acknowledges
     nothing until the backup has caught up, so every acknowledged push is on both copies."""
-    copies = Copies(tmp_path, min_in_sync=2)
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path, min_in_sync=2).started()
     link = zmq_transport.default().link(copies.addresses, None)
     rng = np.random.default_rng(8)
     assert _push(link, seq=1, grad=rng.standard_normal(LAYOUT.total).astype(np.float32)).step == 1
@@ -300,10 +298,7 @@ def test_with_min_in_sync_2_the_acknowledged_survive_the_backup_then_the_primary
     no checkpoint was due (an hour apart), yet the restarted copies hold every acknowledged
     push, because the primary saved one before it went on without acknowledging; and the
     push it applied without acknowledging, sent again, is answered and not applied twice."""
-    copies = Copies(tmp_path, min_in_sync=2)
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path, min_in_sync=2).started()
     link = zmq_transport.default().link(copies.addresses, None)
     rng = np.random.default_rng(9)
     for seq in (1, 2, 3):
@@ -338,10 +333,7 @@ def test_copies_of_an_encrypted_job_forward_and_fail_over_over_aes_gcm_sessions(
     """The replica's link holds a session with each copy it uses, the primary one with each
     backup; a copy that restarted (its sessions gone with its process) gets asked anew when
     the link comes back to it."""
-    copies = Copies(tmp_path, job_keys=keys.JobKeys.generate())
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path, job_keys=keys.JobKeys.generate()).started()
     wire, out = Float32Dense(copies.group()), np.empty(LAYOUT.total, np.float32)
     rng = np.random.default_rng(8)
 
@@ -403,10 +395,7 @@ def test_sparse_rows_reach_every_copy_and_survive_a_failover(tmp_path: Path) -> 
     def rows(shard: Shard) -> None:
         shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5))
 
-    copies = Copies(tmp_path, attach=rows)
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path, attach=rows).started()
     client = RowClient(copies.group(), dim=4)
     keys = np.arange(0, 4000, 7, dtype=np.int64)
     rng = np.random.default_rng(2)
@@ -432,10 +421,7 @@ def test_a_copy_catching_up_gets_every_row_of_a_primary_whose_row_checkpoints_ar
     def rows(shard: Shard) -> None:
         shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5, full_write_bytes=50 * (4 + 5) * 4))
 
-    copies = Copies(tmp_path, attach=rows)
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path, attach=rows).started()
     client, rng = RowClient(copies.group(), dim=4), np.random.default_rng(4)
     link = zmq_transport.default().link(copies.addresses, None)
     copies.kill(1)
@@ -543,10 +529,7 @@ def test_a_backup_stalled_in_a_forward_costs_no_acknowledged_update(tmp_path: Pa
 def test_a_primary_stalled_in_a_request_is_slow_not_dead(tmp_path: Path) -> None:
     """The primary's serving thread hangs 4 s (more than its lease): its lease is renewed by a
     thread of its own, so no backup takes over, and nothing is lost."""
-    copies = Copies(tmp_path)
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path).started()
     primary = copies.copy(0)
     pull, hung = primary._handlers[dense.PULL.code], threading.Event()
 
@@ -585,10 +568,7 @@ def test_a_copy_catching_up_while_pushes_go_on_ends_with_the_primarys_state_exac
     def rows(shard: Shard) -> None:
         shard.attach(SparseRows(shard, dim=4, learning_rate=0.1, seed=5, admit_after=2))
 
-    copies = Copies(tmp_path, attach=rows, job_keys=keys.JobKeys.generate() if encrypted else None)
-    copies.start(0)
-    copies.start(1)
-    eventually(lambda: copies.in_sync(0, 1), 20, what="copy 0 leads with copy 1 as its backup")
+    copies = Copies(tmp_path, attach=rows, job_keys=keys.JobKeys.generate() if encrypted else None).started()
     copies.kill(1)
     client, rng = RowClient(copies.group(), dim=4), np.random.default_rng(8)
     wire = Float32Dense(client.group)
