@@ -23,7 +23,11 @@ from distbelief.runtime.transport.interface import STOP_POLL_SECONDS, Frame, Inc
 
 log = logging.getLogger(__name__)
 
-SEND_HWM = 64             # replies queued for one peer before further ones are dropped
+# Replies queued for one peer before further ones are dropped. libzmq hears of the peer's
+# reads in steps of half of it, so a burst of more than about 32 unread replies may lose
+# some; a client (client/group.py) has one request in flight per shard, and a resend gets
+# the reply again.
+SEND_HWM = 64
 # libzmq checks ZMQ_MAXMSGSIZE against a frame as it arrives, and CurveZMQ's box (flags,
 # nonce, MAC: 33 bytes) arrives around every frame: a frame of exactly the allowed size
 # must still get in.
