@@ -149,7 +149,7 @@ class Shard:
         """Take the training state of a checkpoint (at start, or a Sandblaster rollback)."""
         for plugin in self.plugins:
             plugin.restore(ckpt)
-        self.lost.new_life()
+        self.lost.new_life(ckpt.step)
         self.step = ckpt.step
         self.saves.taken(self.step)
         self.metrics.global_step.set(self.step)

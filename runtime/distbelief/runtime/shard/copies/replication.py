@@ -323,7 +323,7 @@ class Copies:
             since = self._keeping[(rank, incarnation)]
             self.chain.resume(rank, incarnation, self.addresses[rank], since=since, commands=self.follower.since(since))
         self.follower.drop()
-        self.shard.lost.new_life()   # what the replicas pulled from the old primary is measured against this copy
+        self.shard.lost.new_life(self.shard.step)   # what the replicas pulled from the old primary is measured against this copy
         log.warning("event=copy_promoted shard=%d copy=%d view=%d step=%d was=%s failovers=%d position=%s "
                     "keeping=%s", self.shard.index, self.rank, self.view, self.shard.step, was, self._failovers,
                     position, [rank for rank, _ in record.in_sync[1:]])
