@@ -9,7 +9,10 @@ verdict (copyverdict.py).
 The pushes. The job trains with SGD at learning rate 1 and no clipping (maxGradientNorm far
 above 1) and no replicas of its own; each checker client says HELLO and pushes. Push id i's
 gradient is -1 at coordinate i of every shard's slice and 0 elsewhere, so a shard's final
-parameter i minus its initial one is how many times push i was applied there. With
+parameter i minus its initial one is how many times push i was applied there (with
+Plan.optimizer "adagrad", read through Adagrad's steps: applications()). A client pushes
+with the steps of its last acknowledgement, as a replica with those it pulled, so that a
+shard counts what it lost (shard/losses.py) and the run compares that with what was lost. With
 embeddings ("sparse") a push first sends the row of key i (every value -1) to the shard
 that owns it, then the dense push; SGD moves the row by 1 for each application too. A push is acknowledged when every shard
 answered it (the client's ShardGroup sends it again to a shard's next copy as a replica
@@ -29,7 +32,8 @@ s (held, then healed or cut), and the connections cut. Copies reach each other t
 netfault.py proxies (DISTBELIEF_COPY_ROUTES), their AES-GCM sessions' bulk traffic
 too; clients reach the copies directly. A fault
 begins only when every copy of its shard is in sync again, so at most `backups` copies of
-a shard are faulty at once, a copy catching up counting as faulty.
+a shard are faulty at once, a copy catching up counting as faulty; unless Plan.anytime
+(unkind), when a fault comes every few seconds whatever the copies' state.
 """
 from __future__ import annotations
 
@@ -90,15 +94,20 @@ class Plan:
     ids: int = 30000             # push ids available (each shard's slice holds more values)
     min_in_sync: int = 1         # spec.parameterServers.minInSync
     kill_gap: float = 0.3        # "backup-then-primary": seconds between the two kills
+    anytime: bool = False        # faults whatever the copies' state, not only once all are in sync
+    optimizer: str = "sgd"       # or "adagrad": counts read through its steps, accumulators compared
 
     @property
     def name(self) -> str:
         unkind = f"-insync{self.min_in_sync}-gap{self.kill_gap:g}" if "backup-then-primary" in self.faults else ""
-        return f"{self.kind}-backups{self.backups}-seed{self.seed}{unkind}"
+        if self.anytime:
+            unkind = f"-anytime-every{self.pause[0]:g}-{self.pause[1]:g}s-{'-'.join(self.faults)}-insync{self.min_in_sync}"
+        optimizer = "" if self.optimizer == "sgd" else f"-{self.optimizer}"
+        return f"{self.kind}{optimizer}-backups{self.backups}-seed{self.seed}{unkind}"
 
 
 def job_doc(plan: Plan) -> dict[str, Any]:
-    """The checker's job: two shards, no replicas of its own, SGD at learning rate 1."""
+    """The checker's job: two shards, no replicas of its own, SGD (or Adagrad) at learning rate 1."""
     model: dict[str, Any] = {"type": "mlp", "hiddenLayers": [1024], "activation": "relu"}
     data = {"source": "synthetic:features=64,classes=2,samples=2000,seed=1", "testFraction": 0.2}
     if plan.kind == "partitioned":  # two stages of about 66k parameters, one shard each
@@ -113,7 +122,7 @@ def job_doc(plan: Plan) -> dict[str, Any]:
     return {"apiVersion": contract.JOB_API_VERSION, "kind": contract.KIND,
             "metadata": {"name": f"check-{plan.kind}"},
             "spec": {"model": model, "data": data,
-                     "training": {"algorithm": "downpour", "optimizer": "sgd", "learningRate": 1.0,
+                     "training": {"algorithm": "downpour", "optimizer": plan.optimizer, "learningRate": 1.0,
                                   "maxGradientNorm": 1e9, "batchSize": 32, "maxSteps": 10 ** 12,
                                   "evalEverySeconds": 5, "warmstartSteps": 0},
                      "parameterServers": {"shards": 2, "backups": plan.backups, "minInSync": plan.min_in_sync,
@@ -183,6 +192,15 @@ class Cluster:
             return None
         return seen  # type: ignore[return-value]
 
+    def seen(self, shard: int) -> dict[str, dict[str, float]]:
+        """Each copy's figures, empty for one that does not answer (dead, stopped, starting)."""
+        return {pod.name: (figures(pod) if pod.running else None) or {} for pod in self.copies(shard)}
+
+    def reported_lost(self) -> list[int]:
+        """Each shard's count of the applied updates it lost, as its primary reports it."""
+        return [max((f.get("lost", 0) for f in self.seen(s).values() if f.get("role") == PRIMARY), default=-1)
+                for s in range(self.config.spec.parameter_servers.shards)]
+
     def wait_in_sync(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
         while not all(self.in_sync(s) for s in range(self.config.spec.parameter_servers.shards)):
@@ -207,7 +225,7 @@ def figures(pod: LocalPod) -> dict[str, float] | None:
     except OSError:
         return None
     wanted = {"distbelief_copy_role": "role", "distbelief_copies_in_sync": "copies",
-              contract.Metric.GLOBAL_STEP: "step"}
+              contract.Metric.GLOBAL_STEP: "step", "distbelief_shard_updates_lost": "lost"}
     return {wanted[s.name]: s.value for family in text_string_to_metric_families(text)
             for s in family.samples if s.name in wanted}
 
@@ -221,6 +239,9 @@ class Client(threading.Thread):
         self.cluster, self.index, self.count, self.history = cluster, index, count, history
         self.stopping, self.give_up = stopping, give_up
         self.failure: str | None = None
+        # Each shard's step in this client's last acknowledgement: pushed as the step it
+        # pulled, so that a shard that came back behind it counts what it lost (losses.py).
+        self.pulled = [0] * cluster.config.spec.parameter_servers.shards
 
     def run(self) -> None:
         group = self.cluster.group(stop=self.give_up)
@@ -255,8 +276,9 @@ class Client(threading.Thread):
         """A push (with sparse: the row of key op.id first), acknowledged once every shard answered."""
         if self.cluster.plan.kind == "sparse":
             RowClient(group, ROW_DIM).push(np.array([op.id], np.int64), -np.ones((1, ROW_DIM), np.float32))
-        replies = Float32Dense(group).push(grad, steps=[0] * group.layout.shards, examples=1, loss=0.0)
+        replies = Float32Dense(group).push(grad, steps=self.pulled, examples=1, loss=0.0)
         op.steps, op.acked = [r.step for r in replies], True
+        self.pulled = [max(a, b) for a, b in zip(self.pulled, op.steps)]
 
     def commit(self, group: ShardGroup, grad: np.ndarray, op: Op) -> None:
         """A partitioned job's step, as its partition 0 makes one: the gradient HELD on every
@@ -285,12 +307,16 @@ class Nemesis(threading.Thread):
             time.sleep(self.rng.uniform(*self.plan.pause))
             shard = self.rng.randrange(self.cluster.config.spec.parameter_servers.shards)
             seen = self.cluster.in_sync(shard)
+            in_sync = seen is not None
             if seen is None:
-                continue
+                if not self.plan.anytime:
+                    continue
+                seen = self.cluster.seen(shard)
             kind = self.rng.choice(self.plan.faults)
             pods = self._targets(shard, seen, kind)
             if pods:
                 self._inject(kind, shard, pods, seen)
+                self.faults[-1]["in_sync"] = in_sync
 
     def _targets(self, shard: int, seen: dict[str, dict[str, float]], kind: str) -> list[LocalPod]:
         copies = self.cluster.copies(shard)
@@ -304,6 +330,7 @@ class Nemesis(threading.Thread):
         rng, names = self.rng, [p.name for p in pods]
         fault: dict[str, Any] = {"kind": kind, "shard": shard, "pods": names,
                                  "primary": [seen[n].get("role") == PRIMARY for n in names],
+                                 "running": [p.running for p in pods],
                                  "at": round(time.monotonic() - self.started, 1)}
         links = [link for (a, b), link in self.cluster.links.items() if a in names or b in names]
         if kind == "kill":
@@ -402,7 +429,7 @@ def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
     final = np.empty(layout.total, np.float32)
     steps = [r.step for r in Float32Dense(group).pull(final)]
     limit = plan.ids
-    counts = np.stack([np.rint(final[a:a + limit] - initial[a:a + limit]).astype(np.int64)
+    counts = np.stack([applications(final[a:a + limit] - initial[a:a + limit], plan.optimizer)
                        for a in (layout.bounds(s)[0] for s in range(shards))])
     result: dict[str, Any] = {
         "plan": {**dataclasses.asdict(plan), "name": plan.name}, "faults": nemesis.faults, "settled": settled,
@@ -413,15 +440,41 @@ def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
         rows = RowClient(group, ROW_DIM).pull(keys_)[0]
         result["rows"] = copyverdict.rows_verdict(history, copyverdict.row_counts(initial_rows, rows))
     group.close()
+    # A shard's count is a lower bound (shard/losses.py): a life that has applied as many
+    # updates as it lost before a client comes back misses that client's, at most a push per
+    # client and fault. A loss is silent beyond that.
+    result["reported_lost"] = cluster.reported_lost()
+    lost_by_shard, told = result["verdict"]["lost_by_shard"], result["reported_lost"]
+    slack = [plan.clients * sum(f["shard"] == s for f in nemesis.faults) for s in range(shards)]
+    result["lost_silently"] = [s for s in range(shards) if lost_by_shard[s] > told[s] + slack[s]]
     result["copies_differ"] = copies_differ(cluster)
     result["bulk_connections"] = cluster.bulk_connections()
     result["ok"] = bool(result["verdict"]["ok"] and result.get("rows", {"ok": True})["ok"] and settled
                         and not result["copies_differ"])
+    # Under an unkind schedule a loss the chosen rule allows is no failure, if it is told.
+    v = result["verdict"]
+    result["ok_as_told"] = bool(settled and not result["copies_differ"] and not result["lost_silently"]
+                                and not v["duplicated"]["count"] and not v["phantom"]["count"]
+                                and all(v["steps_match_applied"]))
     return result
 
 
+ADAGRAD_MOVES = np.concatenate([[0.0], np.cumsum(1 / np.sqrt(np.arange(1, 65)))])  # after k applications
+
+
+def applications(moved: np.ndarray, optimizer: str) -> np.ndarray:
+    """How many times each push was applied, from how far its coordinate moved. Every
+    gradient value is -1 at learning rate 1: SGD moves it by 1 each time; Adagrad (its
+    accumulator from 0) by 1/sqrt(k) at the k-th time, so k is read from a table (up to 64)."""
+    if optimizer == "sgd":
+        return np.rint(moved).astype(np.int64)
+    midpoints = (ADAGRAD_MOVES[:-1] + ADAGRAD_MOVES[1:]) / 2
+    return np.searchsorted(midpoints, moved).astype(np.int64)
+
+
 def copies_differ(cluster: Cluster) -> list[str]:
-    """The shards whose copies, stopped in sync, left checkpoints of one step with other values."""
+    """The shards whose copies, stopped in sync, left checkpoints of one step with other
+    values: parameters, or optimizer state (Adagrad's accumulators)."""
     cluster.run.interrupt()
     cluster.thread.join(timeout=120)
     differ = []
@@ -436,8 +489,9 @@ def copies_differ(cluster: Cluster) -> list[str]:
             differ.append(f"shard {shard}: final steps {sorted(steps)}")
             continue
         first, *others = newest.values()
-        if any(not np.array_equal(first.arrays["params"], other.arrays["params"]) for other in others):
-            differ.append(f"shard {shard}: copies at step {first.step} hold different parameters")
+        for name in first.arrays:
+            if any(not np.array_equal(first.arrays[name], other.arrays.get(name)) for other in others):
+                differ.append(f"shard {shard}: copies at step {first.step} hold different {name}")
     return differ
 
 
@@ -456,10 +510,22 @@ def plans(runs: int, seconds: float, seed: int) -> list[Plan]:
 
 def unkind_plans(seconds: float, seed: int) -> list[Plan]:
     """A backup and then its primary killed, minInSync 1 and 2, the second kill before and
-    after the primary could have dropped the first (about 3 s)."""
-    return [Plan(kind="dense", backups=1, seed=seed, seconds=seconds, faults=("backup-then-primary",),
+    after the primary could have dropped the first (about 3 s); and faults 2-9 s apart at
+    any time, whatever the copies' state, on Adagrad jobs: SIGKILLs with backups 1 (minInSync
+    1 and 2), and with backups 2 SIGKILLs and stalls, then SIGKILLs, partitions and cuts; and
+    SIGKILLs 0.5-2 s apart with backups 1 (minInSync 1 and 2)."""
+    gaps = [Plan(kind="dense", backups=1, seed=seed, seconds=seconds, faults=("backup-then-primary",),
                  pause=(4.0, 8.0), min_in_sync=needed, kill_gap=gap)
             for gap in (0.3, 5.0) for needed in (1, 2)]
+    # At most 40 s: the clients use up the 30,000 push ids in about 45 s of such a schedule.
+    anytime = dict(kind="dense", optimizer="adagrad", seed=seed, seconds=min(seconds, 40.0), pause=(2.0, 9.0),
+                   anytime=True)
+    return [*gaps, *(Plan(backups=1, faults=("kill",), min_in_sync=needed, **anytime) for needed in (1, 2)),  # type: ignore[arg-type]
+            Plan(backups=2, faults=("kill", "stall"), **anytime),  # type: ignore[arg-type]
+            Plan(backups=2, faults=("kill", "partition", "cut"), **anytime),  # type: ignore[arg-type]
+            # a storm: most kills land while a copy is still restarting or catching up
+            *(Plan(backups=1, faults=("kill",), min_in_sync=needed, **{**anytime, "pause": (0.5, 2.0)})  # type: ignore[arg-type]
+              for needed in (1, 2))]
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -476,7 +542,9 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
             "duplicated": sum(v["duplicated"]["count"] for v in verdicts)
             + sum(r.get("rows", {}).get("duplicated", {}).get("count", 0) for r in results),
             "went_back": sum(len(v["went_back"]) for v in verdicts),
-            "half_applied": sum(v["half_applied"]["count"] for v in verdicts)}
+            "half_applied": sum(v["half_applied"]["count"] for v in verdicts),
+            "runs_that_lost_silently": sum(bool(r["lost_silently"]) for r in results),
+            "faults_out_of_sync": sum(not f.get("in_sync", True) for r in results for f in r["faults"])}
 
 
 def main() -> int:
@@ -507,6 +575,7 @@ def main() -> int:
         results.append(result)
         v = result["verdict"]
         print(f"{plan.name} faults={len(result['faults'])} acknowledged={v['acknowledged']} lost={v['lost']['count']} "
+              f"(by shard {v['lost_by_shard']}, reported {result['reported_lost']}) "
               f"duplicated={v['duplicated']['count']} ok={result['ok']}", flush=True)
     report = {"copies_check": {"summary": {**summary(results), "not_checked": crashed},
                                "runs": [brief(r) for r in results]}}
@@ -526,6 +595,8 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
             "indeterminate": v["indeterminate"], "lost": v["lost"]["count"], "duplicated": v["duplicated"]["count"],
             "rows_lost": result.get("rows", {}).get("lost", {}).get("count"), "went_back": len(v["went_back"]),
             "half_applied": v["half_applied"]["count"], "refused": v["refused"],
+            "lost_by_shard": v["lost_by_shard"], "reported_lost": result["reported_lost"],
+            "lost_silently": result["lost_silently"], "ok_as_told": result["ok_as_told"],
             "steps": v["steps"], "ok": result["ok"], "wall_seconds": result["wall_seconds"],
             "bulk_connections": result["bulk_connections"]}
 

@@ -51,7 +51,8 @@ def verdict(ops: list[Op], counts: np.ndarray, steps: list[int], *, limit: int, 
     applied = counts.sum(axis=1)
     result = {
         "pushes": int(began.sum()), "acknowledged": int(acked.sum()), "indeterminate": int(indeterminate.sum()),
-        "lost": _ids(lost), "duplicated": _ids(duplicated), "phantom": _ids(phantom),
+        "lost": _ids(lost), "lost_by_shard": [int(n) for n in (acked & (counts < 1)).sum(axis=1)],
+        "duplicated": _ids(duplicated), "phantom": _ids(phantom),
         "partial": _ids(partial), "half_applied": _ids(half_applied),
         "applied_though_refused": _ids(applied_though_refused), "refused": int(refused.sum()),
         "steps": list(map(int, steps)), "applied": list(map(int, applied)),

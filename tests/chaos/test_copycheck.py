@@ -38,8 +38,15 @@ def test_an_acknowledged_push_missing_from_a_shard_is_lost_and_one_applied_twice
     assert v["partial"]["ids"] == [2]       # indeterminate, applied on one shard: allowed
     assert v["duplicated"]["ids"] == [5] and v["phantom"]["ids"] == [5]
     assert v["steps_match_applied"] == [False, True] and not v["ok"]
+    assert v["lost_by_shard"] == [1, 0]
     clean = copyverdict.verdict(history[:2], np.array([[1, 1, 0], [1, 1, 0]]), steps=[2, 2], limit=3)
     assert clean["ok"], clean
+
+
+def test_adagrad_applications_are_read_back_from_how_far_a_coordinate_moved() -> None:
+    moved = np.array([0.0, 1.0, 1 + 2 ** -0.5, 1 + 2 ** -0.5 + 3 ** -0.5, 0.2], dtype=np.float32)
+    assert copycheck.applications(moved, "adagrad").tolist() == [0, 1, 2, 3, 0]
+    assert copycheck.applications(moved, "sgd").tolist() == [0, 1, 2, 2, 0]
 
 
 def test_a_held_step_applied_on_some_shards_only_or_applied_though_refused_breaks_atomicity() -> None:
@@ -132,3 +139,23 @@ def test_copies_under_faults_lose_nothing_acknowledged_and_apply_nothing_twice(p
     assert result["settled"] and not result["copies_differ"], result
     assert result["bulk_connections"] > 0, "no copy forwarded over an AES-GCM session, through its proxy"
     assert result["ok"]
+
+
+ANYTIME = copycheck.Plan(kind="dense", optimizer="adagrad", backups=1, seed=7, seconds=25.0, faults=("kill",),
+                         pause=(0.5, 2.0), anytime=True)
+
+
+@pytest.mark.slow
+def test_kills_at_any_time_lose_nothing_silently_and_leave_the_copies_and_their_accumulators_equal() -> None:
+    """SIGKILLs 0.5-2 s apart whatever the copies' state, on an Adagrad job at minInSync 1:
+    what the rule lets go (a kill of the last copy in sync) must be reported by the shard,
+    and nothing may be applied twice."""
+    result = copycheck.run(ANYTIME)
+    print(json.dumps(copycheck.brief(result)))
+    verdict = result["verdict"]
+    assert verdict["acknowledged"] > 100
+    assert any(not fault["in_sync"] for fault in result["faults"]), "no kill came while a copy was out of sync"
+    assert not result["lost_silently"], (verdict["lost_by_shard"], result["reported_lost"])
+    assert verdict["duplicated"]["count"] == 0 and verdict["phantom"]["count"] == 0, verdict
+    assert all(verdict["steps_match_applied"]), verdict
+    assert result["settled"] and not result["copies_differ"], result
