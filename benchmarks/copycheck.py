@@ -70,6 +70,7 @@ from distbelief.runtime.algorithms.pipeline.ops import HOLD, Held
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.params.rows.row_client import RowClient
+from distbelief.runtime.params.rows.rowcheckpoint import keys_from_parts
 from distbelief.runtime.roles.common import FAILOVER_ATTEMPT_SECONDS, Job
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.wire.protocol import Status
@@ -488,11 +489,25 @@ def copies_differ(cluster: Cluster) -> list[str]:
         if len(steps) != 1:
             differ.append(f"shard {shard}: final steps {sorted(steps)}")
             continue
-        first, *others = newest.values()
-        for name in first.arrays:
-            if any(not np.array_equal(first.arrays[name], other.arrays.get(name)) for other in others):
-                differ.append(f"shard {shard}: copies at step {first.step} hold different {name}")
+        first, *others = map(training_state, newest.values())
+        for name in first:
+            if any(not np.array_equal(first[name], other.get(name)) for other in others):
+                differ.append(f"shard {shard}: copies at step {next(iter(steps))} hold different {name}")
     return differ
+
+
+def training_state(ckpt: checkpoint.Checkpoint) -> dict[str, np.ndarray]:
+    """What every copy must hold alike: the dense parameters and optimizer state, and the
+    rows' values and accumulators by key; not when each copy last touched a row (kept
+    relative to its own checkpoint's time)."""
+    arrays = ckpt.arrays
+    state = {name: arrays[name] for name in ("params", "adagrad_accumulator") if name in arrays}
+    if "sparse.keys" in arrays:  # saved flat, a row's key in 3 parts and its values after one another
+        rows = arrays["sparse.accumulators"].size
+        order = np.argsort(keys_from_parts(arrays["sparse.keys"]), kind="stable")
+        state.update({name: arrays[name].reshape(rows, -1)[order]
+                      for name in ("sparse.keys", "sparse.values", "sparse.accumulators")})
+    return state
 
 
 def plans(runs: int, seconds: float, seed: int) -> list[Plan]:

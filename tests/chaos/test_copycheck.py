@@ -15,6 +15,9 @@ import time
 import numpy as np
 import pytest
 
+from distbelief.runtime.params.rows.rowcheckpoint import key_parts
+from distbelief.runtime.shard.checkpoint import Checkpoint
+
 from support.paths import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -41,6 +44,24 @@ def test_an_acknowledged_push_missing_from_a_shard_is_lost_and_one_applied_twice
     assert v["lost_by_shard"] == [1, 0]
     clean = copyverdict.verdict(history[:2], np.array([[1, 1, 0], [1, 1, 0]]), steps=[2, 2], limit=3)
     assert clean["ok"], clean
+
+
+def test_copies_compare_rows_by_key_and_not_when_each_last_touched_them() -> None:
+    def saved(keys: list[int], values: list[float], accumulators: list[float], touched: list[float]) -> Checkpoint:
+        arrays = {"params": np.ones(3, np.float32), "sparse.keys": key_parts(np.array(keys, np.int64)).ravel(),
+                  "sparse.values": np.repeat(np.array(values, np.float32), 2),  # rows of dim 2
+                  "sparse.accumulators": np.array(accumulators, np.float32),
+                  "sparse.touched": np.array(touched, np.float32)}
+        return Checkpoint(step=5, layout=0, shard=0, arrays=arrays)
+
+    def same(a: Checkpoint, b: Checkpoint) -> bool:
+        x, y = copycheck.training_state(a), copycheck.training_state(b)
+        return x.keys() == y.keys() and all(np.array_equal(x[name], y[name]) for name in x)
+
+    one = saved([7, 2**40 + 3], [1.0, 2.0], [0.5, 0.25], [0.0, 1.0])
+    assert same(one, saved([2**40 + 3, 7], [2.0, 1.0], [0.25, 0.5], [3.0, 9.0]))  # other order, other times
+    assert not same(one, saved([7, 2**40 + 3], [1.0, 2.0], [0.5, 0.3], [0.0, 1.0]))
+    assert not same(one, saved([7, 2**40 + 4], [1.0, 2.0], [0.5, 0.25], [0.0, 1.0]))
 
 
 def test_adagrad_applications_are_read_back_from_how_far_a_coordinate_moved() -> None:
