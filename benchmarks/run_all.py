@@ -11,6 +11,7 @@ interleaved rounds, with the CPU each spends per example), sparse_bench.py and
 sparse_table_bench.py (embedding rows), heavy_tail_bench.py (sparse jobs' AUC on click data
 shaped like real logs), torchrec_peer.py (the larger click job against TorchRec for as
 long), backups_bench.py (shard copies), copycheck.py (shard copies under faults: what is lost or applied twice),
+takeover_window.py (how long a shard stands with fewer copies in sync after a takeover),
 partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
 data_bench.py (a replica's memory and input speed on file sources), reshard_bench.py (a
 dense job's checkpoints re-laid for another shard count), fanout_bench.py (a push's cost per
@@ -201,9 +202,11 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
         results["backups"] = backups["backups"]
     if checked := run_json("copycheck.py", failures, "--runs", str(2 * runs), "--seconds", "30"):
         results["copies_check"] = checked["copies_check"]
-    # The backup and then its primary killed, ignoring in-sync state: what each minInSync loses.
+    # Faults ignoring in-sync state: what each minInSync loses, and whether the shards say so.
     if unkind := run_json("copycheck.py", failures, "--unkind", "--seconds", "60"):
         results["copies_check_unkind"] = unkind["copies_check"]
+    if window := run_json("takeover_window.py", failures, "--kills", str(max(runs, 5))):
+        results["takeover_window"] = window["takeover_window"]
     if partitions := run_json("partition_bench.py", failures, "--runs", str(min(runs, 3))):
         results["partitions"] = partitions["partitions"]
         failures += partitions.get("failures", [])
