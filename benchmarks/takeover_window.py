@@ -59,7 +59,7 @@ def one_kill(cluster: copycheck.Cluster) -> dict[str, float | None]:
     while marks["all_copies_s"] is None and time.monotonic() - killed_at < 180:
         time.sleep(POLL_S)
         now = time.monotonic()
-        figures = {pod.name: copycheck.figures(pod) if pod.running else None for pod in cluster.copies(SHARD)}
+        figures = cluster.seen(SHARD)
         leader = next((f for name, f in figures.items() if f and f.get("role") == copycheck.PRIMARY
                        and name != primary.name), None)
         if marks["restarted_s"] is None and figures.get(primary.name):
