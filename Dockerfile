@@ -54,17 +54,39 @@ RUN tools/image-venv operator /tmp/wheels
 FROM venv AS runtime-venv
 RUN tools/image-venv runtime /tmp/wheels
 
-# What both images share: the pods' user, and nothing that builds or installs.
-FROM python:3.11-slim-bookworm AS base
-LABEL org.opencontainers.image.licenses="Apache-2.0"
-RUN PIP_ROOT_USER_ACTION=ignore python -m pip uninstall --yes pip setuptools wheel \
- && groupadd --system --gid 10001 distbelief \
+# The root filesystem both images run on (tools/image-rootfs): CPython and the Debian
+# libraries that it and both virtualenvs load, CA certificates, time zones, /etc with the
+# pods' user; no shell, no package manager, no docs. tools/check-install then runs each
+# image's virtualenv on that root filesystem alone (chroot), so a library it left out fails
+# the build here.
+FROM python:3.11-slim-bookworm AS rootfs
+WORKDIR /src
+COPY pyproject.toml ./
+COPY tools/check-install tools/image-rootfs tools/
+COPY --from=operator-venv /opt/distbelief /venvs/operator
+COPY --from=runtime-venv /opt/distbelief /venvs/runtime
+RUN groupadd --system --gid 10001 distbelief \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp \
-      --shell /usr/sbin/nologin distbelief
+      --shell /usr/sbin/nologin distbelief \
+ && tools/image-rootfs /rootfs /venvs/operator /venvs/runtime \
+ && mkdir /rootfs/check /rootfs/opt \
+ && cp -a pyproject.toml tools /rootfs/check/ \
+ && for image in operator runtime; do \
+      cp -a "/venvs/$image" /rootfs/opt/distbelief \
+      && chroot /rootfs /opt/distbelief/bin/python /check/tools/check-install --image "$image" \
+      && rm -rf /rootfs/opt/distbelief; \
+    done \
+ && rm -rf /rootfs/check
+
+# What both images share: the root filesystem above, in one layer, and the pods' user.
+FROM scratch AS base
+LABEL org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=rootfs /rootfs /
 # The pods run with a read-only root filesystem and an emptyDir at /tmp: everything a
 # process writes (HOME, the shard's compiled update rules) goes there, and no bytecode is
 # written.
-ENV PATH=/opt/distbelief/bin:$PATH \
+ENV PATH=/opt/distbelief/bin:/usr/local/bin:/usr/bin:/bin \
+    LANG=C.UTF-8 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
