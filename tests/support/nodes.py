@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from support import nodeaddons
+from support import nodeaddons, registry
+from support.registry import Registry
 from support.paths import REPO
 
 SHARED = REPO.parent / "shared" / "kube"
@@ -89,6 +90,9 @@ def why_unavailable() -> str | None:
     missing = [c for c in ("docker", "containerd", "runc", "ctr", "iptables", "nsenter") if shutil.which(c) is None]
     if missing:
         return f"missing {', '.join(missing)}: `{NODE} deps` installs them"
+    packages = registry.missing_packages()
+    if packages:
+        return f"missing Debian packages {', '.join(packages)} (the private registry): `make test-nodes` installs them"
     return None
 
 
@@ -198,6 +202,13 @@ def docker_image_id(ref: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def host_ip() -> str:
+    """The address this machine reaches the outside with: every node reaches it, those in
+    network namespaces of their own through their link (as `node` finds it)."""
+    route = run(["ip", "-4", "route", "get", "1.1.1.1"], timeout=30).stdout.split()
+    return route[route.index("src") + 1]
+
+
 def has_make_target(target: str) -> bool:
     return run(["make", "-n", target], timeout=60, check=False, cwd=REPO).returncode == 0
 
@@ -274,6 +285,8 @@ class NodeCluster:
         self.coredns_image: str | None = None
         self.metrics_image: str | None = None   # metrics-server's, None when it could not be built
         self.metrics_note = ""
+        self.registry: Registry | None = None
+        self.registry_image = ""        # the runtime image, as pods pull it from the registry
         self.before: tuple[set[str], str] = (set(), "")
 
     # ------------------------------------------------------------ the duck type
@@ -326,28 +339,23 @@ class NodeCluster:
             self.plane.wait_ready()
             endpoints = dict(line.partition("=")[::2] for line in (self.dir / "endpoints.env").read_text().splitlines())
             self.server, self.admin_token = endpoints["APISERVER_URL"], endpoints["ADMIN_TOKEN"]
+        with Timed("registry: docker-registry with TLS and htpasswd"):
+            self.registry = Registry(self.run_dir / "registry", host_ip()).start()
         with Timed(f"cluster up: addons and {len(self.nodes)} node(s)"):
             dns_ip = STAND_IN_DNS_IP if self.dns == "coredns" else None
             self.addons = Daemon("addons", self.run_dir / "addons",
                                  ["addons", str(self.run_dir / "addons"), "--kubeconfig", str(self.kubeconfig),
                                   *(["--dns-ip", dns_ip] if dns_ip else [])], self.logs / "addons.out").start()
-            node_env = {"DNS_IP": DNS_IP} if self.dns == "coredns" else {}
             for node in self.nodes:
-                # `node up` writes DIR/cni/net.d/10-kpod<N>.conflist for the index N it takes
-                # (the first free one) but leaves those of earlier runs with other indices, and
-                # containerd reads the first file: pods would get another node's pod CIDR.
-                for stale in (node.dir / "cni" / "net.d").glob("*.conflist"):
-                    stale.unlink()
-                node.daemon = Daemon(node.name, node.dir,
-                                     ["up", str(node.dir), "--kubeconfig", str(self.kubeconfig), "--name", node.name,
-                                      "--nice", NICE, *node.options, *(["--fresh"] if node.fresh else [])],
-                                     self.logs / f"{node.name}.out", env=node_env).start()
+                self._start_node(node)
             for daemon in [self.addons] + [n.daemon for n in self.nodes if n.daemon]:
                 daemon.wait_ready()
         addons = [(addon, image) for addon, image in ((nodeaddons.COREDNS, self.coredns_image),
                                                       (nodeaddons.METRICS_SERVER, self.metrics_image)) if image]
         with Timed("image load"):
             self.load_images([OPERATOR_IMAGE, RUNTIME_IMAGE] + [image for _, image in addons])
+        with Timed("registry: the runtime image pushed"):
+            self.registry_image = self.registry.push(RUNTIME_IMAGE)
         for addon, image in addons:
             with Timed(f"add-on: {addon.name} Deployment ready"):
                 self.deploy_addon(addon, image)
@@ -355,6 +363,36 @@ class NodeCluster:
             with Timed("add-on: the metrics API available"):
                 self.kubectl("wait", "--for=condition=Available", "apiservice/v1beta1.metrics.k8s.io",
                              "--timeout=300s", timeout=330)
+
+    def _start_node(self, node: Node, fresh: bool | None = None) -> None:
+        # `node up` writes DIR/cni/net.d/10-kpod<N>.conflist for the index N it takes (the
+        # first free one) but leaves those of earlier runs with other indices, and containerd
+        # reads the first file: pods would get another node's pod CIDR.
+        for stale in (node.dir / "cni" / "net.d").glob("*.conflist"):
+            stale.unlink()
+        fresh = node.fresh if fresh is None else fresh
+        node_env = {"DNS_IP": DNS_IP} if self.dns == "coredns" else {}
+        if self.registry:   # containerd (Go) trusts the registry's CA
+            node_env["SSL_CERT_FILE"] = str(self.registry.trust_bundle)
+        node.daemon = Daemon(node.name, node.dir,
+                             ["up", str(node.dir), "--kubeconfig", str(self.kubeconfig), "--name", node.name,
+                              "--nice", NICE, *node.options, *(["--fresh"] if fresh else [])],
+                             self.logs / f"{node.name}.out", env=node_env).start()
+
+    def stop_node(self, name: str) -> None:
+        """The node lost: its kubelet, kube-proxy and containerd stop, and every container
+        on it with them (`node up` ends them all on SIGTERM); its Node object stays."""
+        (node,) = [n for n in self.nodes if n.name == name]
+        assert node.daemon is not None
+        node.daemon.stop(timeout=300)
+
+    def start_node(self, name: str) -> None:
+        """The same node back, with what its containerd held (the images): its kubelet
+        registers again and runs the pods still bound to it."""
+        (node,) = [n for n in self.nodes if n.name == name]
+        self._start_node(node, fresh=False)
+        assert node.daemon is not None
+        node.daemon.wait_ready()
 
     def _stop_stale(self) -> None:
         """What an earlier session killed before its end left running in our folders."""
@@ -425,6 +463,8 @@ class NodeCluster:
                     daemon.wait(timeout=300)
                 except RuntimeError as exc:
                     problems.append(str(exc))
+        if self.registry:
+            self.registry.stop()
         with Timed("teardown: control plane (SIGTERM)"):
             if self.plane:
                 try:
