@@ -82,13 +82,16 @@ test-floors: install kube-tools
 # The nodes tier (tests/nodes): the product on real nodes, as root. Per session a control
 # plane, three real nodes (containerd, runc, CNI, kubelet, kube-proxy; two in network
 # namespaces of their own, one link at 1gbit), CoreDNS and metrics-server (built from their Go
-# modules), hostPath volumes, `make image`'s two images in every node, the chart's operator
+# modules), hostPath volumes, `make image`'s two images in every node and the runtime's in a
+# private registry (Debian's docker-registry, TLS and htpasswd), the chart's operator
 # in-cluster; then the examples are applied and trained, and a job is autoscaled
 # (tests/support/nodes.py). Needs ../shared/kube beside the repository (NODES.md
 # there); skips without it or root, fails instead under CI=true.
 test-nodes: install
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
 	if [ -x ../shared/kube/node ] && [ "$$(id -u)" = 0 ]; then ../shared/kube/node deps >/dev/null; fi
+	if [ "$$(id -u)" = 0 ] && ! { command -v docker-registry && command -v htpasswd; } >/dev/null; then \
+	  apt-get update -qq && apt-get install --yes --quiet --no-install-recommends docker-registry apache2-utils >/dev/null; fi
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" $(BIN)/pytest -q -rs tests/nodes
 
 # Benchmarks (~2 h on 2 cores, 35 min of it the operator at 1,000 jobs, 30 the peers in
