@@ -98,6 +98,7 @@ def primary_off_the_chiefs_node(kubectl: Kubectl, namespace: str) -> str:
 def test_a_lost_node_leaves_the_shard_to_its_copy_and_the_job_succeeds_losing_nothing(
         node_cluster: NodeCluster, kubectl: Kubectl, release: str, namespace: str) -> None:
     job = lost_job()
+    applied = time.monotonic()
     kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
     primary = primary_off_the_chiefs_node(kubectl, namespace)
     lost_node = node_of(kubectl, namespace, primary)
@@ -115,7 +116,8 @@ def test_a_lost_node_leaves_the_shard_to_its_copy_and_the_job_succeeds_losing_no
         eventually(lambda: not_ready(kubectl, lost_node), 600, 1, f"{lost_node} marked not Ready")
         TIMINGS.append(("node lost: node stopped -> its Node not Ready", time.monotonic() - stopped))
         assert nodejobs.status_of(kubectl, namespace, NAME)["phase"] == "Running"
-        status, _ = nodejobs.follow(kubectl, namespace, NAME, timeout=JOB_SECONDS, operator_namespace=release)
+        status, _ = nodejobs.follow(kubectl, namespace, NAME, timeout=JOB_SECONDS, started=applied,
+                                    operator_namespace=release)
         TIMINGS.append(("node lost: node stopped -> Succeeded", time.monotonic() - stopped))
 
         assert status["globalStep"] >= job["spec"]["training"]["maxSteps"], status

@@ -5,7 +5,7 @@ nodes' containerd trusts the CA (SSL_CERT_FILE, which Go reads), so a pod pulls 
 only with a pull secret that holds the credentials.
 
     registry = Registry(folder, host).start()     # host: the address every node reaches
-    ref = registry.push("distbelief/distbelief:0.1.0")   # "<host>:5443/distbelief/distbelief:0.1.0"
+    ref = registry.push("distbelief/distbelief:0.1.0")   # "<host>:5443/distbelief/distbelief:0.1.0-<session>"
     registry.stop()
 """
 
@@ -34,6 +34,7 @@ class Registry:
     def __init__(self, folder: Path, host: str) -> None:
         self.dir, self.host = folder, host
         self.password = secrets.token_urlsafe(16)
+        self.session = secrets.token_hex(4)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -63,18 +64,28 @@ class Registry:
         return self
 
     def push(self, ref: str) -> str:
-        """Push a docker image to the registry (docker reaches it on 127.0.0.1, which docker
-        takes for an insecure registry) and return the reference the nodes pull it by."""
-        local = f"127.0.0.1:{PORT}/{ref}"
+        """Push a copy of a docker image to the registry (docker reaches it on 127.0.0.1,
+        which docker takes for an insecure registry) and return the reference the nodes pull
+        it by. The copy is another image (one label more): the kubelet (1.36, KEP-2535)
+        records which pull secrets an image ID was pulled with, and from then on it makes
+        every pod of that image ID, whatever name it uses, pull it again with credentials.
+        The same image would send the other tests' pods, imported with `node image-load`,
+        to docker.io. Its tag is new at each session, so that no node has it yet (the
+        nodes keep their images between sessions) and each pod pulls it."""
+        repository, _, tag = ref.rpartition(":")
+        ref_here = f"{repository}:{tag}-{self.session}"
+        local = f"127.0.0.1:{PORT}/{ref_here}"
         env = {**os.environ, "DOCKER_CONFIG": str(self.dir / "docker")}
         subprocess.run(["docker", "login", "--username", USER, "--password-stdin", f"127.0.0.1:{PORT}"],
                        input=self.password, capture_output=True, text=True, check=True, timeout=120, env=env)
-        subprocess.run(["docker", "tag", ref, local], capture_output=True, check=True, timeout=60)
+        subprocess.run(["docker", "build", "--quiet", "--tag", local, "-"],
+                       input=f"FROM {ref}\nLABEL io.distbelief.test.registry-copy=true\n", capture_output=True,
+                       text=True, check=True, timeout=300, env={**env, "DOCKER_BUILDKIT": "0"})
         try:
             subprocess.run(["docker", "push", "--quiet", local], capture_output=True, check=True, timeout=900, env=env)
         finally:
             subprocess.run(["docker", "rmi", local], capture_output=True, timeout=60)
-        return f"{self.address}/{ref}"
+        return f"{self.address}/{ref_here}"
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
