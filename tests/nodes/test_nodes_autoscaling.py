@@ -6,11 +6,15 @@ end cleanly on SIGTERM while training goes on.
 
 A training replica keeps its CPU busy whatever its number, so its load does not fall by
 itself: the scale-down is driven by a higher utilisation target, as a user would set one.
+
+The job's own signal goes the same way: the examples each replica trains per second, from
+Prometheus through prometheus-adapter (support/custommetrics.py) as a Pods metric.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -18,7 +22,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from support import nodejobs, nodes
+from support import custommetrics, nodejobs, nodes
 from support.cluster import Kubectl, unavailable
 from support.nodes import NodeCluster, kubectl_binary
 from support.paths import EXAMPLES
@@ -26,6 +30,11 @@ from support.waiting import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 NAME = "elastic"
+SIGNAL = "signal"
+EXAMPLES_METRIC = "distbelief_worker_examples_per_second"   # charts/prometheus-adapter-values.yaml
+# Scaling without the 5-minute stabilisation of a scale-down, by up to 2 pods each 15 s.
+_STEP = {"stabilizationWindowSeconds": 0, "policies": [{"type": "Pods", "value": 2, "periodSeconds": 15}]}
+FAST = {"scaleUp": _STEP, "scaleDown": {**_STEP, "stabilizationWindowSeconds": 15}}
 # Generous bounds for a shared 2-core machine (never asserted on as times): metrics-server
 # scrapes every 15 s, the HPA controller decides every 15 s.
 SCALE_SECONDS = 600
@@ -40,10 +49,31 @@ def elastic_job() -> dict[str, Any]:
     workers = doc["spec"]["workers"]
     workers["replicas"] = 1
     workers["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
-    fast = {"stabilizationWindowSeconds": 0, "policies": [{"type": "Pods", "value": 2, "periodSeconds": 15}]}
-    workers["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3, "metrics": [cpu_target(50)],
-                              "behavior": {"scaleUp": fast, "scaleDown": {**fast, "stabilizationWindowSeconds": 15}}}
+    workers["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3, "metrics": [cpu_target(50)], "behavior": FAST}
     return doc
+
+
+def signal_job(target: str) -> dict[str, Any]:
+    """examples/digits-autoscaled.yaml, which scales on the examples each replica trains per
+    second: 1..3 replicas at `target`, as fast as elastic_job, training until deleted."""
+    doc = yaml.safe_load((EXAMPLES / "digits-autoscaled.yaml").read_text())
+    doc["metadata"]["name"] = SIGNAL
+    doc["spec"]["training"].update(maxSteps=10**9, maxDuration="30m")
+    autoscaling = doc["spec"]["workers"]["autoscaling"]
+    autoscaling.update(maxReplicas=3, behavior=FAST)
+    autoscaling["metrics"] = [examples_target(target)]
+    return doc
+
+
+def examples_target(per_second: str) -> dict[str, Any]:
+    return {"type": "Pods", "pods": {"metric": {"name": EXAMPLES_METRIC},
+                                     "target": {"type": "AverageValue", "averageValue": per_second}}}
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity as the custom metrics API writes rates: 2345, 2345500m, 2k."""
+    scale = {"m": 1e-3, "k": 1e3, "M": 1e6}
+    return float(text[:-1]) * scale[text[-1]] if text[-1] in scale else float(text)
 
 
 def cpu_target(percent: int) -> dict[str, Any]:
@@ -69,18 +99,19 @@ def follow_logs(tmp_path: Path, node_cluster: NodeCluster) -> Iterator[Callable[
         stream.wait(timeout=30)
 
 
-def workers(kubectl: Kubectl, namespace: str) -> list[str]:
-    return sorted(p["metadata"]["name"] for p in nodejobs.job_pods(kubectl, namespace, NAME)
+def workers(kubectl: Kubectl, namespace: str, job: str = NAME) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in nodejobs.job_pods(kubectl, namespace, job)
                   if "-worker-" in p["metadata"]["name"] and not p["metadata"].get("deletionTimestamp")
                   and p.get("status", {}).get("phase") == "Running")
 
 
-def scaled_to(kubectl: Kubectl, namespace: str, replicas: int, release: str, what: str) -> dict[str, Any]:
+def scaled_to(kubectl: Kubectl, namespace: str, replicas: int, release: str, what: str,
+              job: str = NAME) -> dict[str, Any]:
     """The job's status once the autoscaler brought it to `replicas` ready replicas."""
     def reached() -> dict[str, Any] | None:
-        status = nodejobs.status_of(kubectl, namespace, NAME)
+        status = nodejobs.status_of(kubectl, namespace, job)
         ready = (status.get("workers") or {}).get("ready")
-        return status if ready == replicas and len(workers(kubectl, namespace)) == replicas else None
+        return status if ready == replicas and len(workers(kubectl, namespace, job)) == replicas else None
     try:
         return eventually(reached, SCALE_SECONDS, interval=2, what=what)
     except AssertionError as exc:
@@ -125,3 +156,39 @@ def test_cpu_load_scales_the_replicas_up_through_the_hpa_and_a_higher_target_sca
         "currentReplicas") == 1 and h, 120, interval=2, what="the autoscaler's status at 1 replica")
     assert hpa["status"]["currentMetrics"], hpa["status"]
     kubectl("delete", "dbj", NAME, "-n", namespace, "--wait=false")
+
+
+def per_replica_rates(kubectl: Kubectl, namespace: str) -> dict[str, float] | None:
+    """What the custom metrics API serves for the job's replicas: pod -> examples per second."""
+    path = f"/apis/custom.metrics.k8s.io/v1beta1/namespaces/{namespace}/pods/*/{EXAMPLES_METRIC}"
+    done = kubectl.run("get", "--raw", path)
+    if done.returncode != 0:
+        return None
+    rates = {i["describedObject"]["name"]: quantity(i["value"]) for i in json.loads(done.stdout)["items"]
+             if i["describedObject"]["name"].startswith(f"{SIGNAL}-worker-")}
+    return rates if rates and all(rates.values()) else None
+
+
+def test_the_examples_each_replica_trains_scale_the_replicas_through_prometheus_adapter(
+        kubectl: Kubectl, release: str, namespace: str, node_cluster: NodeCluster) -> None:
+    """The job's own signal, as a user autoscales on it: Prometheus scrapes the replicas,
+    prometheus-adapter (built from its module) serves their rate by the chart values we ship,
+    and the HPA controller scales the job through its /scale: up while each replica trains
+    more than the target, down once the target is more than they train."""
+    with custommetrics.serving(node_cluster):
+        kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(signal_job("100")))
+        rates = eventually(lambda: per_replica_rates(kubectl, namespace), SCALE_SECONDS, interval=2,
+                           what=f"{EXAMPLES_METRIC} served for the replica")
+        assert min(rates.values()) > 100, rates     # one replica trains far more than 100 examples/s
+        with nodes.Timed("autoscaling: 1 -> 3 replicas on examples per second"):
+            scaled_to(kubectl, namespace, 3, release, "the scale-up to 3 replicas on the custom metric", job=SIGNAL)
+        hpa = kubectl.json("get", "hpa", f"{SIGNAL}-worker", "-n", namespace)
+        (current,) = hpa["status"]["currentMetrics"]
+        assert current["type"] == "Pods" and current["pods"]["metric"]["name"] == EXAMPLES_METRIC, current
+        assert quantity(current["pods"]["current"]["averageValue"]) > 100, current
+
+        kubectl("patch", "dbj", SIGNAL, "-n", namespace, "--type=merge", "-p", yaml.safe_dump(
+            {"spec": {"workers": {"autoscaling": {"metrics": [examples_target("10000000")]}}}}))
+        with nodes.Timed("autoscaling: 3 -> 1 replica, each training less than the target"):
+            scaled_to(kubectl, namespace, 1, release, "the scale-down to 1 replica on the custom metric", job=SIGNAL)
+        kubectl("delete", "dbj", SIGNAL, "-n", namespace, "--wait=true", timeout=300)

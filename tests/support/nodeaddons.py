@@ -4,6 +4,8 @@ into FROM scratch images and run as clusters run them, each a Deployment in kube
     CoreDNS          cluster DNS behind kube-system/kube-dns at 10.0.0.10 (tests/nodes/coredns.yaml)
     metrics-server   the resource metrics API (metrics.k8s.io) that the HPA controller reads,
                      behind the APIService v1beta1.metrics.k8s.io (tests/nodes/metrics-server.yaml)
+    prometheus-adapter  the custom metrics API (custom.metrics.k8s.io), for the one test
+                     that autoscales on a job's own signal (support/custommetrics.py)
 
 The aggregation layer needs the API server to hold a front-proxy client certificate, and
 (its Service's ClusterIP is not routable from the API server's loopback) to reach the pod
@@ -28,15 +30,18 @@ BUILD_NICE = "10"
 
 @dataclasses.dataclass(frozen=True)
 class Addon:
-    name: str             # tools/fetch-go-tools's name, the binary's and the Deployment's
+    name: str             # tools/fetch-go-tools's name, the Deployment's (and the binary's)
     ports: str            # the image's EXPOSE line
     manifests: Path
     placeholder: str      # replaced in manifests by the image's reference
+    binary: str = ""      # the command's name, when not the add-on's
 
 
 COREDNS = Addon("coredns", "53 53/udp 9153", TESTS / "nodes" / "coredns.yaml", "__COREDNS_IMAGE__")
 METRICS_SERVER = Addon("metrics-server", "10250", TESTS / "nodes" / "metrics-server.yaml",
                        "__METRICS_SERVER_IMAGE__")
+PROMETHEUS_ADAPTER = Addon("prometheus-adapter", "6443", TESTS / "nodes" / "prometheus-adapter.yaml",
+                           "__PROMETHEUS_ADAPTER_IMAGE__", binary="adapter")
 
 Run = Callable[..., subprocess.CompletedProcess]
 
@@ -55,17 +60,18 @@ def build_image(addon: Addon, workdir: Path, run: Run) -> tuple[str | None, str]
     ref = f"distbelief-test/{addon.name}:{version}"
     context = Path(tempfile.mkdtemp(prefix=f"{addon.name}-image.", dir=workdir))
     try:
-        shutil.copy2(bin_dir / addon.name, context / addon.name)
+        binary = addon.binary or addon.name
+        shutil.copy2(bin_dir / binary, context / binary)
         (context / "Dockerfile").write_text(
             "FROM scratch\n"
-            f"COPY {addon.name} /{addon.name}\n"
+            f"COPY {binary} /{binary}\n"
             f"EXPOSE {addon.ports}\n"
-            f'ENTRYPOINT ["/{addon.name}"]\n')
+            f'ENTRYPOINT ["/{binary}"]\n')
         run(["nice", "-n", BUILD_NICE, "docker", "build", "--network", "host", "-q", "-t", ref, str(context)],
             timeout=600, env={**os.environ, "DOCKER_BUILDKIT": "0"})
     finally:
         shutil.rmtree(context, ignore_errors=True)
-    return ref, f"{addon.name} {version} ({bin_dir / addon.name})"
+    return ref, f"{addon.name} {version} ({bin_dir / (addon.binary or addon.name)})"
 
 
 def manifests(addon: Addon, image: str) -> str:
