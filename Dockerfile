@@ -74,7 +74,7 @@ RUN groupadd --system --gid 10001 distbelief \
  && for image in operator runtime; do \
       cp -a "/venvs/$image" /rootfs/opt/distbelief \
       && chroot /rootfs /opt/distbelief/bin/python /check/tools/check-install --image "$image" \
-      && rm -rf /rootfs/opt/distbelief; \
+      && rm -rf /rootfs/opt/distbelief || exit 1; \
     done \
  && rm -rf /rootfs/check
 
