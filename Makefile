@@ -20,6 +20,7 @@ $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet '.[test,lint]'
+	rm -rf build distbelief.egg-info
 	touch $@
 
 # The fast checks, on the source tree (not the installed wheel), each run even when one
@@ -36,13 +37,15 @@ lint: venv
 
 # The wheel, built from the tree and installed whenever a source file changes. build/ is
 # removed first: setuptools would otherwise ship modules deleted since the last build.
+# The egg-info setuptools leaves at the root goes too: `python -m pytest` from the root
+# would find its metadata before the installed wheel's.
 install: $(VENV)/.wheel
 
 $(VENV)/.wheel: $(VENV)/.deps $(SOURCES)
 	rm -rf build dist
 	$(BIN)/pip wheel --quiet --no-deps --wheel-dir dist .
 	$(BIN)/pip install --quiet --no-deps --force-reinstall dist/distbelief-*.whl
-	rm -rf build
+	rm -rf build distbelief.egg-info
 	touch $@
 
 demo: install
