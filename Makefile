@@ -92,6 +92,7 @@ test-floors: install kube-tools
 # there); skips without it or root, fails instead under CI=true.
 test-nodes: install
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
+	tools/fetch-prometheus >/dev/null
 	if [ -x ../shared/kube/node ] && [ "$$(id -u)" = 0 ]; then ../shared/kube/node deps >/dev/null; fi
 	if [ "$$(id -u)" = 0 ] && ! { command -v docker-registry && command -v htpasswd; } >/dev/null; then \
 	  apt-get update -qq && apt-get install --yes --quiet --no-install-recommends docker-registry apache2-utils >/dev/null; fi

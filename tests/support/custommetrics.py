@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import subprocess
 import textwrap
 import threading
@@ -94,6 +95,8 @@ def adapter_manifests(image: str, prometheus_url: str) -> str:
 @contextlib.contextmanager
 def prometheus(folder: Path) -> Iterator[str]:
     """A Prometheus scraping the replicas; yields its URL as pods reach it."""
+    if shutil.which("prometheus") is None:
+        raise RuntimeError("no prometheus on PATH: tools/fetch-prometheus installs it (make test-nodes runs it)")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "prometheus.yml").write_text(scrape_config(folder / "targets.json"))
     with open(folder / "prometheus.log", "ab") as log:
