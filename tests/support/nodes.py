@@ -400,10 +400,11 @@ class NodeCluster:
             pid_file = node.dir / "up.pid"
             if pid_file.exists():
                 run([str(NODE), "down", str(node.dir)], timeout=300, check=False)
-        for old in BASE.glob("run-*/control-plane.pid"):
+        for old, command in [(p, "control-plane") for p in BASE.glob("run-*/control-plane.pid")] + \
+                [(p, "docker-registry") for p in BASE.glob("run-*/registry/registry.pid")]:
             try:
                 pid = int(old.read_text())
-                if "control-plane" in Path(f"/proc/{pid}/cmdline").read_text():
+                if command in Path(f"/proc/{pid}/cmdline").read_text():
                     os.kill(pid, signal.SIGTERM)
             except (OSError, ValueError):
                 pass

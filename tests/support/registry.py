@@ -60,6 +60,7 @@ class Registry:
         with open(self.dir / "registry.log", "ab") as log:
             self.process = subprocess.Popen(["docker-registry", "serve", str(self.dir / "config.yml")], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        (self.dir / "registry.pid").write_text(str(self.process.pid))   # for a later session, if this one is killed
         self._wait_ready()
         return self
 
