@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from support import nodeaddons, registry
+from support import nodeaddons, reclaim, registry
 from support.registry import Registry
 from support.paths import REPO
 
@@ -395,7 +395,8 @@ class NodeCluster:
         node.daemon.wait_ready()
 
     def _stop_stale(self) -> None:
-        """What an earlier session killed before its end left running in our folders."""
+        """What an earlier session killed before its end left running in our folders, or left
+        behind when SIGKILLed."""
         for node in self.nodes:
             pid_file = node.dir / "up.pid"
             if pid_file.exists():
@@ -408,6 +409,11 @@ class NodeCluster:
                     os.kill(pid, signal.SIGTERM)
             except (OSError, ValueError):
                 pass
+        for addons in BASE.glob("run-*/addons/up.pid"):
+            run([str(NODE), "down", str(addons.parent)], timeout=120, check=False)
+        taken_back = reclaim.reclaim()     # what was SIGKILLed left, or `node up` and `node addons` refuse to start
+        if taken_back:
+            NOTES.append("taken back from a session killed before its end: " + "; ".join(taken_back))
 
     def load_images(self, refs: list[str]) -> None:
         """Import each image into the nodes that do not hold that very image (by ID) yet."""
