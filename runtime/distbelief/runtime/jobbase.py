@@ -1,7 +1,7 @@
-"""The hand-written half of the typed job: what jobspec.py's generated classes derive from
+"""The hand-written half of the typed job: what jobspec/'s generated classes derive from
 their fields, and how its resolver reads one value of a spec.
 
-tools/gen-jobspec writes jobspec.py from the CRD: a frozen dataclass per object of the
+tools/gen-jobspec writes jobspec/ from the CRD: a frozen dataclass per object of the
 spec, and `resolve(spec)`. A class `<Name>Base` here is the base of the generated class
 `<Name>`: its properties are values the CRD does not hold but every reader would otherwise
 work out again (the shards' copies, a duration in seconds, the memory limit). Each base
