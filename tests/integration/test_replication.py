@@ -756,3 +756,41 @@ def test_a_copy_whose_catch_up_broke_off_takes_the_record_of_last_commands_of_th
     assert behind.last_commands.get(peer)[0] == 2
     assert receiver.abort()  # the primary died mid-transfer
     assert (behind.step, behind.last_commands.get(peer)[:2]) == (0, (1, dense.PUSH.code))
+
+
+def test_a_deleted_view_record_never_brings_a_view_number_back(tmp_path: Path) -> None:
+    """The record gone (a Lease deleted by hand), the copies claim a view above every view
+    used before, from the live copies' views and, once every copy restarted, from the epoch
+    each keeps beside its checkpoints (copies/epoch.py); pushes go on without a loss."""
+    copies = Copies(tmp_path).started()
+    link = zmq_transport.default().link(copies.addresses, None)
+    grad = np.full(LAYOUT.total, 0.25, np.float32)
+    assert _push(link, seq=1, grad=grad).step == 1
+    copies.kill(0)
+    assert _push(link, seq=2, grad=grad).step == 2                  # copy 1 took over: view 2
+    copies.start(0)
+    eventually(lambda: copies.in_sync(1, 1), 20, what="copy 0 back as copy 1's backup")
+    used = copies.copy(1).copies.view
+    assert used >= 2
+
+    Path(copies.store.path).unlink()
+    record = eventually(lambda: _led_anew(copies), 60, what="a primary of a new record with its backup")
+    assert record.view > used, f"view {record.view} after views up to {used}"
+    assert _push(link, seq=3, grad=grad).step == 3
+
+    copies.stop()
+    Path(copies.store.path).unlink()                 # nothing live remembers a view now but the volumes
+    again = record.view
+    copies.start(0)
+    copies.start(1)
+    record = eventually(lambda: _led_anew(copies), 60, what="a primary after the restart, with its backup")
+    assert record.view > again, f"view {record.view} after views up to {again}"
+    assert _push(link, seq=4, grad=grad).step == 4
+    link.close()
+    copies.stop()
+
+
+def _led_anew(copies: Copies) -> Any:
+    """The record, once one exists again and its primary leads with the other copy in sync."""
+    record, _ = copies.store.read()
+    return record if record is not None and copies.in_sync(record.primary, 1) else None

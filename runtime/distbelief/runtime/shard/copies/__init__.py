@@ -10,6 +10,7 @@ changes only by compare-and-swap on a linearizable store.
     viewstore.py     the record and its stores: a flock'd file, in memory
     kubelease.py     ... a coordination.k8s.io Lease (kubeapi.py: a stdlib API client)
     stores.py        which store, from the pod's environment
+    epoch.py         the highest view a copy was in, beside its checkpoints: views never reused
 
 Attached to the shard core from above (Shard.serve_copies) through the small interface the
 core defines (plugin.Replication); it may use the core, the transport and the wire.

@@ -5,16 +5,15 @@ The view record names the view (a number), its primary and the in-sync set: the 
 (rank and incarnation) that hold every update acknowledged in this view. Every copy runs
 the same core and plugins; only the primary serves clients.
 
-- Primary. It forwards each command it applies to every other copy it streams to (REPLICATE,
-  forwarding.py) and goes on serving; a reply leaves (Replication.released) once every
-  installed copy acknowledged what it answers, while its lease holds and its in-sync set
-  has minInSync copies (keeper.py, a thread of its own renews it). A copy that is dead (its link broke, the transport's
-  heartbeat timed out) or slow (FORWARD_SECONDS) is taken out of the in-sync set by a
-  compare-and-swap, and only then is its acknowledgement no longer waited for. A copy joins
-  the set only once it has installed the whole state (transfer.py) and acknowledged every
-  command whose reply left. A primary whose lease turns out to be another's, or whose
-  forward a copy of a newer view refuses, steps down; the replies it held are dropped
-  (their clients ask the new primary, whose resend record answers them).
+- Primary. It forwards each command it applies to every copy it streams to (REPLICATE,
+  forwarding.py) and serves on; a reply leaves (Replication.released) once every installed
+  copy acknowledged it, while its lease holds and its in-sync set has minInSync copies
+  (keeper.py renews it in a thread). A dead copy (its link broke, the heartbeat timed out)
+  or a slow one (FORWARD_SECONDS) leaves the in-sync set by a compare-and-swap, and only
+  then is its acknowledgement no longer waited for. A copy joins the set once it installed
+  the whole state (transfer.py) and acknowledged every command whose reply left. A primary
+  whose lease is another's, or whose forward a copy of a newer view refuses, steps down;
+  the replies it held are dropped (the new primary's resend record answers their clients).
 - Backup. It applies the primary's messages in their order (a gap, another view or
   another stream is refused: the view fences an old primary off). When the lease of its
   view has not been renewed for its length by this copy's own clock, a backup of the
@@ -25,15 +24,14 @@ the same core and plugins; only the primary serves clients.
   commands they lack before it answers anyone, and one that does not stand where it said is
   taken out of the set first. A backup taken out of the set, or of a newer view whose set
   does not name it, catches up.
-- Catching up (SYNCING). It asks the primary of the record to JOIN, and receives its state
-  in parts while applying the commands that go on (transfer.py). With no live primary (a
-  whole job starting or resuming) and no copy of the in-sync set alive, the copy with the
-  newest state (then the lowest rank) of those that answer takes the view, once every
-  other copy answered or STARTUP_GRACE_SECONDS passed.
+- Catching up (SYNCING). It asks the primary of the record to JOIN and receives its state in
+  parts while applying the commands that go on (transfer.py). With no live primary and no
+  live copy of the in-sync set (a job starting or resuming), the copy with the newest state
+  (then the lowest rank) of those that answer takes the view, once all answered or
+  STARTUP_GRACE_SECONDS passed. A view claimed is above any view known (epoch.py).
 
-A copy takes a new incarnation (a random name) whenever it starts catching up: the in-sync
-set names copies by incarnation, so a copy that restarted or lost its place is never taken
-for the one that held every update.
+A copy takes a new incarnation (a random name) whenever it starts catching up, so that a
+copy that restarted or lost its place never passes for one the in-sync set names.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from typing import Any, Mapping, Sequence
 
 from distbelief.runtime import errors
 from distbelief.runtime.shard.copies.following import JOIN, Follower
-from distbelief.runtime.shard.copies import forwarding
+from distbelief.runtime.shard.copies import epoch, forwarding
 from distbelief.runtime.shard.copies.forwarding import REPLICATE, Chain, Position
 from distbelief.runtime.shard.copies.keeper import Keeper, Seen
 from distbelief.runtime.shard.copies.transfer import COPY_STATE, MAX_ARRAYS, PART_BYTES, Sender
@@ -88,6 +86,7 @@ class Copies:
         self._transport = transport_ or zmq_transport.default()
         self.incarnation = secrets.token_hex(6)
         self.role, self.view, self.term = SYNCING, 0, 0
+        self.epoch = epoch.ViewEpoch(shard.settings.checkpoint_dir)
         self.chain: Chain | None = None
         self.keeper = Keeper(store, shard=shard.index, rank=rank, lease_seconds=lease_seconds, min_in_sync=min_in_sync,
                              save=shard.checkpoint_now)
@@ -305,6 +304,7 @@ class Copies:
         return max([(self.shard.step, -self.rank), *heard]) == (self.shard.step, -self.rank)
 
     def _claim(self, seen: Seen, view: int, *, failovers: int, reason: str, keeping: dict[Member, Position]) -> None:
+        view = max(view, self.view + 1, self.epoch.highest + 1, *(p.view + 1 for p in list(self.watch.latest.values())))
         record = ViewRecord(view=view, primary=self.rank, in_sync=((self.rank, self.incarnation), *sorted(keeping)),
                             holder=self.incarnation, renewed=time.time(), lease_seconds=self.lease_seconds,
                             failovers=failovers)
@@ -391,6 +391,7 @@ class Copies:
         return protocol.reply_frames(header, step=self.shard.step, meta=JsonObject(value))
 
     def _show(self) -> None:
+        self.epoch.remember(self.view)   # after every change, as the metrics
         metrics = self.shard.metrics
         metrics.copy_role.set(ROLES[self.role])
         metrics.copy_view.set(self.view)
