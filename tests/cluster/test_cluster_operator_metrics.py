@@ -93,3 +93,29 @@ def test_a_refused_reconcile_counts_as_blocked_not_as_an_error(operator: Operato
     after = eventually(counted_blocked, WAIT, interval=0.2, what="a blocked reconcile counted")
     assert sample(after, "distbelief_operator_errors_total", handler="reconcile") == \
         sample(before, "distbelief_operator_errors_total", handler="reconcile")
+
+
+def api_requests(samples: Samples, method: str, resource: str) -> float:
+    return sample(samples, "distbelief_operator_api_requests_total", method=method, resource=resource) or 0.0
+
+
+def test_status_passes_read_the_operators_watches_not_the_api_server(operator: Operator, api: Api, kubectl: Kubectl,
+                                                                     chiefs: Chiefs, namespace: str) -> None:
+    """A running job's status follows its pods and its chief pass after pass, while the
+    operator's own client sends the API server no read of pods (cluster/observing.py: the
+    passes read the watches kopf keeps; they once listed the job's pods every pass)."""
+    before = scrape(operator)
+    apply(kubectl, namespace, new_job("watched"))
+    pods_of(api, namespace, "watched", 2, "ps")
+    pods_of(api, namespace, "watched", 3, "worker")
+    kubelet_runs(api, namespace, "watched")
+    shard, _ = chiefs.of(namespace, "watched")
+    for step in (100, 200, 300):        # a pass after each: the status shows the chief's step
+        shard.global_step.set(step)
+        api.wait(JOBS, namespace, "watched",
+                 lambda job, s=step: job is not None and (job.get("status") or {}).get("globalStep") == s)
+    running = api.wait(JOBS, namespace, "watched", phase_is("Running"))
+    status = running["status"]
+    assert status["parameterServers"]["ready"] == 2 and status["workers"] == {"replicas": 3, "ready": 3}
+    after = scrape(operator)
+    assert api_requests(after, "GET", "pods") == api_requests(before, "GET", "pods") == 0

@@ -133,10 +133,11 @@ ClusterRole (all namespaces) and the per-namespace Roles. */}}
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create]
-# The shards' restart counts (runPolicy.backoffLimit).
+# The jobs' pods, watched for the jobs' status: restarts (runPolicy.backoffLimit), how
+# containers ended.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 # kopf's Events on the jobs (phase changes, children applied).
 - apiGroups: [""]
   resources: [events]

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import kopf
 
 from distbelief.operator import errors
-from distbelief.operator.cluster import children, handlers, locks
+from distbelief.operator.cluster import children, handlers, locks, observing
 from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.render import kinds, podparts
 from distbelief.operator.validation.job import DistBeliefJob
@@ -32,7 +32,7 @@ def select_children(settings: kopf.OperatorSettings, **_: Any) -> None:
     later); older kopf lists every object of those kinds and the handlers' filter drops the rest."""
     selectors = getattr(settings.watching, "label_selectors", None)
     if selectors is not None:
-        for group_version, plural in kinds.WATCHED_CHILDREN:
+        for group_version, plural in set(kinds.WATCHED_CHILDREN) | set(observing.WATCHED):   # the jobs' pods too
             selectors[group_version, plural] = f"{MANAGED_BY_LABEL}={podparts.MANAGED_BY}"
 
 

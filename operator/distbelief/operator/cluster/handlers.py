@@ -3,7 +3,8 @@
     create / resume / spec update  ->  reconcile(): validate, check for another job's
                                                     checkpoints, create the key Secret once,
                                                     render, apply every child the job owns
-    timer (every STATUS_INTERVAL)  ->  observe():   read children and the chief's metrics,
+    timer (every STATUS_INTERVAL)  ->  observe():   read children (observing.py: from the
+                                                    operator's watches) and the chief's metrics,
                                                     compute the status, act on completion,
                                                     delete the job when its TTL has passed
     a child changed or deleted     ->  childwatch.put_back(): the child made to match its job again
@@ -44,14 +45,14 @@ import kopf
 from distbelief.operator import errors
 from distbelief.operator.cluster import children, locks, metrics, peering as peering_watch
 from distbelief.operator.cluster.queue import QueuedJob
-from distbelief.operator.cluster.kube import Kube, controller_uid, share_one_client
-from distbelief.operator.render import context, deployment, queue, render, secret, sizing
+from distbelief.operator.cluster.kube import Kube, share_one_client
+from distbelief.operator.cluster.observing import Seen, read_observed
+from distbelief.operator.render import context, queue, render, secret, sizing
 from distbelief.operator.validation import spec as job_spec
 from distbelief.operator.validation.job import DistBeliefJob
-from distbelief.operator.status import events, scrape
+from distbelief.operator.status import events
 from distbelief.operator.status.progress import parse_timestamp
-from distbelief.operator.status.status import (FAILED, TERMINAL, UPDATES_LOST, WARNINGS, Observed, compute_status,
-                                               pod_failures)
+from distbelief.operator.status.status import FAILED, TERMINAL, UPDATES_LOST, WARNINGS, Observed, compute_status
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,6 @@ STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
 # server, so the CPUs + 4 of kopf's default leave status passes queued behind each other
 # from a few hundred jobs on (docs/benchmarks.md, the operator at 1,000 jobs).
 HANDLER_THREADS = int(os.environ.get("DISTBELIEF_HANDLER_THREADS", "32"))
-# Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
-METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
 IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", context.DEFAULT_IMAGE)
 # The operator's own namespace (the chart sets it from the downward API): the jobs'
 # NetworkPolicies admit the operator's metrics scrapes from there.
@@ -275,17 +274,19 @@ def ensure_keys_secret(kube: Kube, job: DistBeliefJob) -> Literal["created", "ow
 
 
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=min(1.0, STATUS_INTERVAL))
-def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, statefulsets_seen: kopf.Index,
+            deployments_seen: kopf.Index, pods_seen: kopf.Index, **_: Any) -> None:
     with metrics.OPERATOR.counting_errors("status"):
-        update_status(body, patch, memo)
+        update_status(body, patch, memo, Seen(statefulsets_seen, deployments_seen, pods_seen))
 
 
-def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
-    """Read what the job's children and chief show, and write the job's status from it."""
+def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: Seen) -> None:
+    """Read what the job's children (as the operator's watches saw them) and chief show, and
+    write the job's status from it."""
     kube = Kube()
     try:
         job, refusals = locks.locked_job(validated(body))
-        observed = read_observed(kube, job, refusals, blocked=memo.get("blocked"))
+        observed = read_observed(seen, job, refusals, blocked=memo.get("blocked"))
         if queue.queue_name(job):
             finished = (body.status or {}).get("phase") in TERMINAL
             observed = dataclasses.replace(observed, queued=sync_queue(kube, body, job, finished=finished))
@@ -325,34 +326,6 @@ def _post_shard_events(body: kopf.Body, memo: kopf.Memo, observed: Observed, sha
         memo["shard_restarts"] = {pod: count for pod, (count, _) in observed.shard_pods.items()}
 
 
-def read_observed(kube: Kube, job: DistBeliefJob, refusals: Mapping[str, str],
-                  blocked: tuple[str, str] | None = None) -> Observed:
-    """What the job's own children and pods show (objects of their names that the job does
-    not own count as absent), and the chief's figures."""
-    names, namespace, uid = job.config.names, job.config.namespace, job.config.uid
-    sts = _own(kube.get("apps/v1", "StatefulSet", namespace, names.ps), uid)
-    deployments = [(_own(kube.get("apps/v1", "Deployment", namespace, name), uid)).get("status") or {}
-                   for name in deployment.worker_deployment_names(job.config)]
-    pods = [pod for pod in kube.list("v1", "Pod", namespace, {contract.LABEL_JOB: names.job})
-            if (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE) != contract.ROLE_PS
-            or controller_uid(pod) == (sts.get("metadata") or {}).get("uid")]
-    url = METRICS_URL.format(job=names.job, namespace=namespace, pod=names.shard_pod(0), service=names.ps,
-                             port=contract.METRICS_PORT)
-    return Observed(
-        shards_ready=int((sts.get("status") or {}).get("readyReplicas", 0)),
-        # A replica is one pod of each partition: count the partition with the fewest.
-        workers=min(int(d.get("replicas", 0)) for d in deployments),
-        workers_ready=min(int(d.get("readyReplicas", 0)) for d in deployments),
-        figures=scrape.read(url) if sts else scrape.Figures(),
-        **pod_failures(pods),
-        shard_pods=events.shard_restarts(pods),
-        children_created=bool(sts),
-        shard_lock_message=refusals.get("ShardCountLocked"),
-        partition_lock_message=refusals.get("PartitionCountLocked"),
-        blocked=blocked,
-    )
-
-
 def _warn_new_conditions(body: kopf.Body, before: list[Mapping[str, Any]], after: list[Mapping[str, Any]]) -> None:
     """A Warning Event for each warning condition (ModelDegraded, RowBudgetReached, UpdatesLost)
     that just turned True, and again for UpdatesLost each time its count grows."""
@@ -362,11 +335,6 @@ def _warn_new_conditions(body: kopf.Body, before: list[Mapping[str, Any]], after
         if kind in WARNINGS and condition.get("status") == "True" and (
                 kind not in was or (kind == UPDATES_LOST and message != was[kind])):
             kopf.warn(body, reason=kind, message=message)
-
-
-def _own(obj: dict[str, Any] | None, uid: str | None) -> dict[str, Any]:
-    """obj if the job controls it, else an empty object."""
-    return obj if obj is not None and controller_uid(obj) == uid else {}
 
 
 def _finish(kube: Kube, body: kopf.Body, job: DistBeliefJob, status: Mapping[str, Any], *,

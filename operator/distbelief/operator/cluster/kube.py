@@ -12,9 +12,11 @@ into errors.KubeError with the verb, the object and the reason.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal, Mapping
@@ -67,6 +69,26 @@ def path_of(api_version: str, kind: str, namespace: str | None, name: str | None
     return "/".join(parts)
 
 
+# Requests this process's Kube clients sent, by method and resource (kopf's own watches and
+# patches aside): the operator's metrics show them (metrics.py, distbelief_operator_api_requests).
+_REQUESTS: collections.Counter[tuple[str, str]] = collections.Counter()
+_REQUESTS_LOCK = threading.Lock()
+
+
+def requests_sent() -> dict[tuple[str, str], int]:
+    with _REQUESTS_LOCK:
+        return dict(_REQUESTS)
+
+
+def resource_of(path: str) -> str:
+    """The resource (plural) a request's path names: /api/v1/namespaces/ns/pods/x -> pods."""
+    parts = path.split("?")[0].strip("/").split("/")
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if rest[:1] == ["namespaces"] and len(rest) >= 3:
+        rest = rest[2:]
+    return rest[0] if rest else ""
+
+
 # The operator process's one client (share_one_client); None elsewhere (kubectl distbelief,
 # tests), where each Kube() builds its own from the default configuration of the moment.
 _SHARED: k8s.ApiClient | None = None
@@ -96,6 +118,8 @@ class Kube:
                  query: list[tuple[str, str]] | None = None, timeout: Any = 30) -> Any:
         """The client's response, its body not read yet (ApiException when not 2xx)."""
         headers = {"Accept": "application/json, */*", "Content-Type": content_type}
+        with _REQUESTS_LOCK:
+            _REQUESTS[method, resource_of(path)] += 1
         method, url, headers, _, _ = self.api.param_serialize(
             method, path, query_params=query or [], header_params=headers, auth_settings=["BearerToken"])
         # The client serialises the body itself for every JSON content type (+json too).

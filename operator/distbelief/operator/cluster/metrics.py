@@ -22,10 +22,11 @@ from typing import Any, Iterator
 
 import kopf
 import prometheus_client as prom
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from distbelief.operator import errors
+from distbelief.operator.cluster import kube
 from distbelief.operator.status.status import PENDING, RUNNING, SUSPENDED
 from distbelief.runtime import contract
 
@@ -69,6 +70,21 @@ class JobPhases(Collector):
         yield each
 
 
+class ApiRequests(Collector):
+    """The requests the operator's own API client sent, by method and resource, read at each
+    scrape. A status pass sends none (it reads the operator's watches): a rate that grows
+    with the jobs while nothing changes says a handler reads what it should watch."""
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        family = CounterMetricFamily("distbelief_operator_api_requests",
+                                     "Requests the operator's own client sent to the API server (kopf's watches "
+                                     "and status patches aside), by method and resource",
+                                     labels=["method", "resource"])
+        for (method, resource), count in sorted(kube.requests_sent().items()):
+            family.add_metric([method, resource], count)
+        yield family
+
+
 class OperatorMetrics:
     def __init__(self, registry: prom.CollectorRegistry) -> None:
         self.registry = registry
@@ -84,6 +100,7 @@ class OperatorMetrics:
             self.errors.labels(handler)
         self.phases = JobPhases()
         registry.register(self.phases)
+        registry.register(ApiRequests())
 
     @contextlib.contextmanager
     def reconciling(self) -> Iterator[Attempt]:

@@ -75,9 +75,10 @@ KINDS = (
     _kind("coordination.k8s.io/v1", "Lease", "leases", "get", "create", "update"),
     # The job's key Secret: created once, never read (its uid is kept in the job).
     _kind("v1", "Secret", "secrets", "create"),
-    # Checkpoint claims an earlier job of the same name left; the shards' restart counts.
+    # Checkpoint claims an earlier job of the same name left; the jobs' pods, watched for their
+    # status (cluster/observing.py).
     _kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims", "list"),
-    _kind("v1", "Pod", "pods", "list"),
+    _kind("v1", "Pod", "pods", *WATCH),
     _kind("v1", "Event", "events", "create"),
     # A queued job's Kueue Workload, and the flavors its admission assigns.
     _kind("kueue.x-k8s.io/v1beta1", "Workload", "workloads", "get", "create", "delete",

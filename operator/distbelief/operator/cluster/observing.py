@@ -1,0 +1,103 @@
+"""What a job's status pass reads, from the operator's own watches: no request to the API
+server per pass.
+
+    statefulsets_seen, deployments_seen   each workload the operator rendered, by
+                                          (namespace, name): its owner and its status
+    pods_seen                             each pod of a job, by (namespace, job): its name,
+                                          labels, owner and container statuses
+
+kopf keeps these indexes current from watches, fed by events, and fills them before any
+handler runs. Read by GET and LIST, a pass cost the API server three requests per job
+every statusInterval: 600 a second at 1,000 jobs, which is what bounded the operator there
+(docs/scale.md). Only the chief's figures are still fetched per pass (a scrape of shard 0's
+metrics). Each index keeps a few fields of its objects, not the objects (a pod's spec is
+most of it): the memory they take grows with the jobs' pods by about 1 KB each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import kopf
+
+from distbelief.operator.cluster.kube import controller_uid
+from distbelief.operator.render import deployment, podparts
+from distbelief.operator.status import events, scrape
+from distbelief.operator.status.status import Observed, pod_failures
+from distbelief.operator.validation.job import DistBeliefJob
+from distbelief.runtime import contract
+
+MANAGED = {"app.kubernetes.io/managed-by": podparts.MANAGED_BY}
+# Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
+METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
+# (group/version, plural) of what the indexes watch, for the server-side label selector.
+WATCHED = (("apps/v1", "statefulsets"), ("apps/v1", "deployments"), ("v1", "pods"))
+
+
+def _kept(body: kopf.Body) -> dict[str, Any]:
+    """What a status pass reads of an object."""
+    meta = body.metadata
+    return {"metadata": {"name": meta.name, "uid": meta.uid, "labels": dict(meta.labels),
+                         "ownerReferences": [dict(ref) for ref in meta.get("ownerReferences", [])]},
+            "status": {key: value for key, value in dict(body.status).items()
+                       if key in ("readyReplicas", "replicas", "containerStatuses")}}
+
+
+@kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
+def statefulsets_seen(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(namespace, name): _kept(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+def deployments_seen(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(namespace, name): _kept(body)}
+
+
+@kopf.index("v1", "pods", labels={**MANAGED, contract.LABEL_JOB: kopf.PRESENT})
+def pods_seen(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(namespace, labels[contract.LABEL_JOB]): _kept(body)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """The three indexes, as kopf hands them to a handler."""
+
+    statefulsets: kopf.Index[tuple[str, str], Any]
+    deployments: kopf.Index[tuple[str, str], Any]
+    pods: kopf.Index[tuple[str, str], Any]
+
+    def workload(self, index: kopf.Index[tuple[str, str], Any], namespace: str, name: str,
+                 uid: str | None) -> dict[str, Any]:
+        """The workload of that name if the job controls it, else an empty object."""
+        found = next(iter(index.get((namespace, name), [])), None)
+        return found if found is not None and controller_uid(found) == uid else {}
+
+
+def read_observed(seen: Seen, job: DistBeliefJob, refusals: Mapping[str, str],
+                  blocked: tuple[str, str] | None = None) -> Observed:
+    """What the job's own children and pods show (objects of their names that the job does
+    not own count as absent), and the chief's figures."""
+    names, namespace, uid = job.config.names, job.config.namespace, job.config.uid
+    sts = seen.workload(seen.statefulsets, namespace, names.ps, uid)
+    deployments = [seen.workload(seen.deployments, namespace, name, uid).get("status") or {}
+                   for name in deployment.worker_deployment_names(job.config)]
+    pods = [pod for pod in seen.pods.get((namespace, names.job), [])
+            if (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE) != contract.ROLE_PS
+            or controller_uid(pod) == (sts.get("metadata") or {}).get("uid")]
+    url = METRICS_URL.format(job=names.job, namespace=namespace, pod=names.shard_pod(0), service=names.ps,
+                             port=contract.METRICS_PORT)
+    return Observed(
+        shards_ready=int((sts.get("status") or {}).get("readyReplicas", 0)),
+        # A replica is one pod of each partition: count the partition with the fewest.
+        workers=min(int(d.get("replicas", 0)) for d in deployments),
+        workers_ready=min(int(d.get("readyReplicas", 0)) for d in deployments),
+        figures=scrape.read(url) if sts else scrape.Figures(),
+        **pod_failures(pods),
+        shard_pods=events.shard_restarts(pods),
+        children_created=bool(sts),
+        shard_lock_message=refusals.get("ShardCountLocked"),
+        partition_lock_message=refusals.get("PartitionCountLocked"),
+        blocked=blocked,
+    )
