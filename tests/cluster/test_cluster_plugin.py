@@ -46,10 +46,11 @@ def test_kubectl_distbelief_shows_and_drives_a_training_job(
     # get: the job's line, its figures those of the status as the operator wrote it. The
     # status drops its ETA for a sample after the rate restarts (a step seen going back, a
     # moment not Running: progress.measure), and get shows "-" then: the next line has one.
+    # Progress is in tenths of a percent: 0% for the first few thousand of a million steps.
     def row_with_eta() -> dict[str, str] | None:
         (row,) = columns(plugin(kubectl, "get", *ns).stdout)
-        return row if re.fullmatch(r"\d+[smhd](\d+[smh])?", row["ETA"]) else None
-    row = eventually(row_with_eta, 60, interval=0.5, what="kubectl distbelief get showing an ETA")
+        return row if re.fullmatch(r"\d+[smhd](\d+[smh])?", row["ETA"]) and row["PROGRESS"] != "0%" else None
+    row = eventually(row_with_eta, 90, interval=0.5, what="kubectl distbelief get showing an ETA and some progress")
     assert (row["NAME"], row["PHASE"]) == ("digits", "Running"), row
     assert 0 < float(row["PROGRESS"].rstrip("%")) < 100 and int(row["STEP"]) >= status["globalStep"], row
     assert 0 <= float(row["ACCURACY"]) <= 1, row
