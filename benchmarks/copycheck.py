@@ -60,9 +60,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import copyverdict
 import netfault
+import storefault
 from copyverdict import Op
 from distbelief.operator.local import local
-from distbelief.operator.local.localpods import LocalPod, volume_dir
+from distbelief.operator.local.localpods import VIEWS_FOLDER, LocalPod, volume_dir
 from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, errors, keys
 from distbelief.runtime.algorithms.pipeline.commit import Commit, new_token
@@ -73,10 +74,11 @@ from distbelief.runtime.params.rows.row_client import RowClient
 from distbelief.runtime.params.rows.rowcheckpoint import keys_from_parts
 from distbelief.runtime.roles.common import FAILOVER_ATTEMPT_SECONDS, Job
 from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard.copies.replication import LEASE_SECONDS
 from distbelief.runtime.wire.protocol import Status
 
 PRIMARY = 2  # distbelief_copy_role
-FAULTS = ("kill", "stall", "delay", "partition", "cut")
+FAULTS = ("kill", "stall", "delay", "partition", "cut")   # and, asked by name: "backup-then-primary", "store"
 ROW_DIM = 4
 SETTLE_SECONDS = 180.0  # at the end, for every shard's copies to be in sync again
 
@@ -97,6 +99,7 @@ class Plan:
     kill_gap: float = 0.3        # "backup-then-primary": seconds between the two kills
     anytime: bool = False        # faults whatever the copies' state, not only once all are in sync
     optimizer: str = "sgd"       # or "adagrad": counts read through its steps, accumulators compared
+    outage_seconds: tuple[float, float] = (5.0, 30.0)   # "store": how long the shard's view record is unreachable
 
     @property
     def name(self) -> str:
@@ -172,6 +175,9 @@ class Cluster:
     def bulk_connections(self) -> int:
         """Connections the proxies took to copies' bulk ports: forwards sealed under sessions."""
         return sum(link.connections[port] for link in self.links.values() for port in link.target_ports[1:])
+
+    def view_record(self, shard: int) -> str:
+        return os.path.join(self.output, VIEWS_FOLDER, f"shard-{shard}.json")
 
     def copies(self, shard: int) -> list[LocalPod]:
         """The pods of a shard's copies, by rank."""
@@ -374,6 +380,12 @@ class Nemesis(threading.Thread):
         elif kind == "cut":
             for link in links:
                 link.reset()
+        elif kind == "store":   # the view store, not a copy
+            fault.update(pods=[], primary=[], running=[], seconds=round(rng.uniform(*self.plan.outage_seconds), 1),
+                         began=time.monotonic())
+            with storefault.outage(self.cluster.view_record(shard)):
+                time.sleep(fault["seconds"])
+            fault["ended"] = time.monotonic()
         self.faults.append(fault)
 
 
@@ -450,14 +462,27 @@ def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
     result["lost_silently"] = [s for s in range(shards) if lost_by_shard[s] > told[s] + slack[s]]
     result["copies_differ"] = copies_differ(cluster)
     result["bulk_connections"] = cluster.bulk_connections()
+    result["acked_in_outages"] = acked_in_outages(history, nemesis.faults)
     result["ok"] = bool(result["verdict"]["ok"] and result.get("rows", {"ok": True})["ok"] and settled
-                        and not result["copies_differ"])
+                        and not result["copies_differ"] and not result["acked_in_outages"])
     # Under an unkind schedule a loss the chosen rule allows is no failure, if it is told.
     v = result["verdict"]
     result["ok_as_told"] = bool(settled and not result["copies_differ"] and not result["lost_silently"]
                                 and not v["duplicated"]["count"] and not v["phantom"]["count"]
-                                and all(v["steps_match_applied"]))
+                                and all(v["steps_match_applied"]) and not result["acked_in_outages"])
     return result
+
+
+OUTAGE_SLACK_SECONDS = 1.0  # a reply the primary sent just before its lease ran out, still on its way
+
+
+def acked_in_outages(history: list[Op], faults: list[dict[str, Any]]) -> list[int]:
+    """The pushes acknowledged while a shard's view record had been unreachable for more than
+    a lease: there must be none, as a primary acknowledges only while its lease holds and
+    cannot renew it then, and a push is acknowledged only once every shard answered it."""
+    windows = [(f["began"] + LEASE_SECONDS + OUTAGE_SLACK_SECONDS, f["ended"]) for f in faults if f["kind"] == "store"]
+    return sorted(op.id for op in history if op.acked and op.end is not None
+                  and any(start < op.end < end for start, end in windows))
 
 
 ADAGRAD_MOVES = np.concatenate([[0.0], np.cumsum(1 / np.sqrt(np.arange(1, 65)))])  # after k applications
@@ -527,8 +552,9 @@ def unkind_plans(seconds: float, seed: int) -> list[Plan]:
     """A backup and then its primary killed, minInSync 1 and 2, the second kill before and
     after the primary could have dropped the first (about 3 s); and faults 2-9 s apart at
     any time, whatever the copies' state, on Adagrad jobs: SIGKILLs with backups 1 (minInSync
-    1 and 2), and with backups 2 SIGKILLs and stalls, then SIGKILLs, partitions and cuts; and
-    SIGKILLs 0.5-2 s apart with backups 1 (minInSync 1 and 2)."""
+    1 and 2), and with backups 2 SIGKILLs and stalls, then SIGKILLs, partitions and cuts, then
+    SIGKILLs and 30 s view-store outages; and SIGKILLs 0.5-2 s apart with backups 1 (minInSync
+    1 and 2)."""
     gaps = [Plan(kind="dense", backups=1, seed=seed, seconds=seconds, faults=("backup-then-primary",),
                  pause=(4.0, 8.0), min_in_sync=needed, kill_gap=gap)
             for gap in (0.3, 5.0) for needed in (1, 2)]
@@ -538,6 +564,8 @@ def unkind_plans(seconds: float, seed: int) -> list[Plan]:
     return [*gaps, *(Plan(backups=1, faults=("kill",), min_in_sync=needed, **anytime) for needed in (1, 2)),  # type: ignore[arg-type]
             Plan(backups=2, faults=("kill", "stall"), **anytime),  # type: ignore[arg-type]
             Plan(backups=2, faults=("kill", "partition", "cut"), **anytime),  # type: ignore[arg-type]
+            # the view store unreachable for 30 s at a time, and kills, whatever the copies' state
+            Plan(backups=2, faults=("kill", "store"), outage_seconds=(30.0, 30.0), **anytime),  # type: ignore[arg-type]
             # a storm: most kills land while a copy is still restarting or catching up
             *(Plan(backups=1, faults=("kill",), min_in_sync=needed, **{**anytime, "pause": (0.5, 2.0)})  # type: ignore[arg-type]
               for needed in (1, 2))]

@@ -89,6 +89,16 @@ def test_a_step_below_one_acknowledged_before_the_push_began_went_back() -> None
     assert found == [{"id": 1, "shard": 0, "step": 4, "seen_before": 5}]  # id 2 overlapped id 0: not ordered
 
 
+def test_a_push_acknowledged_once_the_view_store_was_gone_for_a_lease_is_flagged() -> None:
+    outage = {"kind": "store", "began": 100.0, "ended": 110.0}
+    history = ops((1, 99.0, 102.0, True, [1, 1]),     # within the lease: the primary may still answer
+                  (2, 104.0, 105.5, True, [2, 2]),    # a lease and the slack after the store went: flagged
+                  (3, 104.0, 111.0, True, [3, 3]),    # answered after the store came back
+                  (4, 104.0, 106.0, False, None))     # not acknowledged
+    assert copycheck.acked_in_outages(history, [outage, {"kind": "kill"}]) == [2]
+    assert copycheck.acked_in_outages(history, [{"kind": "kill"}]) == []
+
+
 def test_rows_are_counted_by_how_far_sgd_moved_them() -> None:
     initial = np.zeros((5, 3), np.float32)
     final = initial + np.array([0.0, 1.0, 2.0, 0.3, 1.0], np.float32)[:, None]
@@ -140,11 +150,15 @@ RUNS = [copycheck.Plan(kind="dense", backups=2, seed=31, seconds=10.0, faults=("
         copycheck.Plan(kind="dense", backups=1, seed=11, seconds=15.0),
         copycheck.Plan(kind="sparse", backups=1, seed=12, seconds=15.0),
         copycheck.Plan(kind="partitioned", backups=1, seed=13, seconds=15.0),
-        copycheck.Plan(kind="sparse", backups=2, seed=14, seconds=15.0)]
+        copycheck.Plan(kind="sparse", backups=2, seed=14, seconds=15.0),
+        # the view store unreachable for 6 s (twice the lease): the shard's copies stop
+        # acknowledging, then go on, whoever leads after
+        copycheck.Plan(kind="dense", backups=1, seed=15, seconds=12.0, faults=("store",), outage_seconds=(6.0, 6.0),
+                       pause=(1.0, 2.0))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", RUNS, ids=lambda p: p.name + ("-stall" if p.faults == ("stall",) else ""))
+@pytest.mark.parametrize("plan", RUNS, ids=lambda p: p.name + ("" if p.faults == copycheck.FAULTS else "-" + "-".join(p.faults)))
 def test_copies_under_faults_lose_nothing_acknowledged_and_apply_nothing_twice(plan: copycheck.Plan) -> None:
     result = copycheck.run(plan)
     print(json.dumps({"plan": plan.name, "faults": result["faults"], "verdict": result["verdict"],
@@ -159,6 +173,7 @@ def test_copies_under_faults_lose_nothing_acknowledged_and_apply_nothing_twice(p
     assert result.get("rows", {"ok": True})["ok"], result["rows"]
     assert result["settled"] and not result["copies_differ"], result
     assert result["bulk_connections"] > 0, "no copy forwarded over an AES-GCM session, through its proxy"
+    assert not result["acked_in_outages"], result["acked_in_outages"]
     assert result["ok"]
 
 
