@@ -274,10 +274,9 @@ def ensure_keys_secret(kube: Kube, job: DistBeliefJob) -> Literal["created", "ow
 
 
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=min(1.0, STATUS_INTERVAL))
-def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, statefulsets_seen: kopf.Index,
-            deployments_seen: kopf.Index, pods_seen: kopf.Index, **_: Any) -> None:
+def observe(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **kwargs: Any) -> None:
     with metrics.OPERATOR.counting_errors("status"):
-        update_status(body, patch, memo, Seen(statefulsets_seen, deployments_seen, pods_seen))
+        update_status(body, patch, memo, Seen.of(kwargs))
 
 
 def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: Seen) -> None:

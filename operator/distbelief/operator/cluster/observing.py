@@ -46,33 +46,36 @@ def _kept(body: kopf.Body) -> dict[str, Any]:
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
-def statefulsets_seen(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
-    return {(namespace, name): _kept(body)}
+def statefulsets_seen(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(str(namespace), name): _kept(body)}
 
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)
-def deployments_seen(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
-    return {(namespace, name): _kept(body)}
+def deployments_seen(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(str(namespace), name): _kept(body)}
 
 
 @kopf.index("v1", "pods", labels={**MANAGED, contract.LABEL_JOB: kopf.PRESENT})
-def pods_seen(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
-    return {(namespace, labels[contract.LABEL_JOB]): _kept(body)}
+def pods_seen(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(str(namespace), labels[contract.LABEL_JOB]): _kept(body)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
-    """The three indexes, as kopf hands them to a handler."""
+    """The three indexes, as kopf hands them to a handler (among its keyword arguments)."""
 
     statefulsets: kopf.Index[tuple[str, str], Any]
     deployments: kopf.Index[tuple[str, str], Any]
     pods: kopf.Index[tuple[str, str], Any]
 
+    @classmethod
+    def of(cls, handler_kwargs: Mapping[str, Any]) -> "Seen":
+        return cls(handler_kwargs["statefulsets_seen"], handler_kwargs["deployments_seen"], handler_kwargs["pods_seen"])
+
     def workload(self, index: kopf.Index[tuple[str, str], Any], namespace: str, name: str,
                  uid: str | None) -> dict[str, Any]:
         """The workload of that name if the job controls it, else an empty object."""
-        found = next(iter(index.get((namespace, name), [])), None)
-        return found if found is not None and controller_uid(found) == uid else {}
+        return next((found for found in index.get((namespace, name), []) if controller_uid(found) == uid), {})
 
 
 def read_observed(seen: Seen, job: DistBeliefJob, refusals: Mapping[str, str],
