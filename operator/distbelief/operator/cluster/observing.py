@@ -7,11 +7,15 @@ server per pass.
                                           labels, owner and container statuses
 
 kopf keeps these indexes current from watches, fed by events, and fills them before any
-handler runs. Read by GET and LIST, a pass cost the API server three requests per job
-every statusInterval: 600 a second at 1,000 jobs, which is what bounded the operator there
-(docs/scale.md). Only the chief's figures are still fetched per pass (a scrape of shard 0's
-metrics). Each index keeps a few fields of its objects, not the objects (a pod's spec is
-most of it): the memory they take grows with the jobs' pods by about 1 KB each.
+handler runs. The index functions are coroutines: kopf runs them in its event loop, where
+they only copy a few fields, so the pods' many events at a job's start do not queue for
+the handler threads that reconcile() and the status passes need.
+
+Read by GET and LIST, a pass cost the API server three requests per job every
+statusInterval (600 a second at 1,000 jobs). Only the chief's figures are still fetched per
+pass (a scrape of shard 0's metrics). Each index keeps a few fields of its objects, not
+the objects (a pod's spec is most of it). docs/benchmarks.md has what this changed at 300
+jobs.
 """
 
 from __future__ import annotations
@@ -46,17 +50,17 @@ def _kept(body: kopf.Body) -> dict[str, Any]:
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
-def statefulsets_seen(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+async def statefulsets_seen(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
     return {(str(namespace), name): _kept(body)}
 
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)
-def deployments_seen(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+async def deployments_seen(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
     return {(str(namespace), name): _kept(body)}
 
 
 @kopf.index("v1", "pods", labels={**MANAGED, contract.LABEL_JOB: kopf.PRESENT})
-def pods_seen(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+async def pods_seen(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
     return {(str(namespace), labels[contract.LABEL_JOB]): _kept(body)}
 
 
