@@ -223,6 +223,7 @@ class Copies:
                     self.chain.close(stream)
                 log.warning("event=backup_dropped shard=%d copy=%d backup=%d view=%d", self.shard.index, self.rank,
                             member[0], self.view)
+        self.keeper.may_acknowledge()  # a set fallen short of minInSync saves now, not at its next reply
         self._show()
 
     def _follow(self, seen: Seen, now: float) -> None:
@@ -346,8 +347,7 @@ class Copies:
     def resumed(self, view: int) -> None:
         """The primary of a newer view took over with this copy in its in-sync set."""
         self.view = view
-        log.info("event=copy_resumed shard=%d copy=%d view=%d step=%d", self.shard.index, self.rank, view,
-                 self.shard.step)
+        log.info("event=copy_resumed shard=%d copy=%d view=%d step=%d", self.shard.index, self.rank, view, self.shard.step)
         self._show()
 
     def installed(self, view: int) -> None:
