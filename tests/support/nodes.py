@@ -411,7 +411,8 @@ class NodeCluster:
                 pass
         for addons in BASE.glob("run-*/addons/up.pid"):
             run([str(NODE), "down", str(addons.parent)], timeout=120, check=False)
-        taken_back = reclaim.reclaim()     # what was SIGKILLed left, or `node up` and `node addons` refuse to start
+        # what was SIGKILLed left, or `node up` and `node addons` refuse to start
+        taken_back = reclaim.reclaim(addons_ips=(reclaim.ADDONS_DEFAULT_IP, STAND_IN_DNS_IP))
         if taken_back:
             NOTES.append("taken back from a session killed before its end: " + "; ".join(taken_back))
 

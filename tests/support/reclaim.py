@@ -23,8 +23,7 @@ from pathlib import Path
 
 REG = Path(os.environ.get("KUBE_NODE_RUN", "/run/kube-node"))
 LINK_NET = os.environ.get("LINK_NET", "192.168.77")
-# the address a `node addons` puts on lo: its default, and the one the nodes tier asks for
-ADDONS_IPS = ("10.244.0.10", "10.244.0.53")
+ADDONS_DEFAULT_IP = "10.244.0.10"     # where `node addons` puts its DNS on lo unless told another
 
 
 def sh(*command: str) -> subprocess.CompletedProcess[str]:
@@ -102,7 +101,8 @@ def drop_iptables_rules(pattern: str) -> None:
 def reclaim_node(n: int) -> None:
     kill_cgroup(f"kn{n}")
     entry = REG / "nodes" / str(n)
-    node_dir = entry.read_text().split()[1] if entry.exists() and len(entry.read_text().split()) > 1 else None
+    fields = entry.read_text().split() if entry.exists() else []     # pid, then the node's folder
+    node_dir = fields[1] if len(fields) > 1 else None
     unmount_under(REG / str(n), *([Path(node_dir)] if node_dir else []))
     sh("ip", "netns", "del", f"kn{n}")
     for link in (f"vkn{n}", f"kbr{n}"):
@@ -160,8 +160,9 @@ def drop_kube_proxy_chains() -> None:
                 sh(tool, "-w", "-t", table, flag, chain)
 
 
-def reclaim() -> list[str]:
-    """Take back what dead nodes and a dead `node addons` left; what was taken back, one line each."""
+def reclaim(addons_ips: tuple[str, ...] = (ADDONS_DEFAULT_IP,)) -> list[str]:
+    """Take back what dead nodes and a dead `node addons` (its DNS on one of addons_ips) left;
+    what was taken back, one line each."""
     done = []
     live = live_indices()
     for n in sorted(left_indices() - live):
@@ -169,7 +170,7 @@ def reclaim() -> list[str]:
         done.append(f"node index {n} (netns kn{n}, links, route, iptables rules, cgroup, mounts)")
     if not addons_running():
         on_lo = sh("ip", "-4", "-o", "addr", "show", "dev", "lo").stdout
-        for ip in ADDONS_IPS:
+        for ip in addons_ips:
             if f" {ip}/" in on_lo:
                 sh("ip", "addr", "del", f"{ip}/32", "dev", "lo")
                 done.append(f"address {ip} on lo")

@@ -25,7 +25,7 @@ from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
 
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+
 @kopf.on.startup()
 def select_children(settings: kopf.OperatorSettings, **_: Any) -> None:
     """The children are watched by their label on the server where kopf can say so (1.45 and
@@ -33,7 +33,7 @@ def select_children(settings: kopf.OperatorSettings, **_: Any) -> None:
     selectors = getattr(settings.watching, "label_selectors", None)
     if selectors is not None:
         for group_version, plural in set(kinds.WATCHED_CHILDREN) | set(observing.WATCHED):   # the jobs' pods too
-            selectors[group_version, plural] = f"{MANAGED_BY_LABEL}={podparts.MANAGED_BY}"
+            selectors[group_version, plural] = ",".join(f"{k}={v}" for k, v in podparts.MANAGED.items())
 
 
 @kopf.index(*handlers.RESOURCE)
@@ -103,4 +103,4 @@ def _rendered(job: Mapping[str, Any]) -> tuple[DistBeliefJob, list[dict[str, Any
 
 for _group_version, _plural in kinds.WATCHED_CHILDREN:
     kopf.on.event(_group_version, _plural, id=f"put_back/{_plural}",
-                  labels={MANAGED_BY_LABEL: podparts.MANAGED_BY})(put_back)
+                  labels=podparts.MANAGED)(put_back)

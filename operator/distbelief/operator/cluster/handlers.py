@@ -64,9 +64,10 @@ KEYS_ANNOTATION = f"{contract.API_GROUP}/keys-secret-uid"
 # How often reconcile() looks again while it refuses to create a job's children.
 BLOCKED_RETRY_SECONDS = float(os.environ.get("DISTBELIEF_BLOCKED_RETRY_SECONDS", "30"))
 STATUS_INTERVAL = float(os.environ.get("DISTBELIEF_STATUS_INTERVAL", "5"))
-# kopf's executor: a status pass holds a thread about 0.1 s, mostly waiting on the API
-# server, so the CPUs + 4 of kopf's default leave status passes queued behind each other
-# from a few hundred jobs on (docs/benchmarks.md, the operator at 1,000 jobs).
+# kopf's executor: a status pass holds a thread while it scrapes the chief's metrics and
+# patches the status (what it reads of the children comes from the watches' indexes), so
+# the CPUs + 4 of kopf's default leave passes queued behind each other from a few hundred
+# jobs on (docs/benchmarks.md, the operator at 1,000 jobs).
 HANDLER_THREADS = int(os.environ.get("DISTBELIEF_HANDLER_THREADS", "32"))
 IMAGE = os.environ.get("DISTBELIEF_RUNTIME_IMAGE", context.DEFAULT_IMAGE)
 # The operator's own namespace (the chart sets it from the downward API): the jobs'

@@ -33,7 +33,6 @@ from distbelief.operator.status.status import Observed, pod_failures
 from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
-MANAGED = {"app.kubernetes.io/managed-by": podparts.MANAGED_BY}
 # Where the chief (shard 0) serves its metrics; {job} {namespace} {pod} {service} {port}.
 METRICS_URL = os.environ.get("DISTBELIEF_METRICS_URL", "http://{pod}.{service}.{namespace}.svc:{port}/metrics")
 # (group/version, plural) of what the indexes watch, for the server-side label selector.
@@ -49,17 +48,17 @@ def _kept(body: kopf.Body) -> dict[str, Any]:
                        if key in ("readyReplicas", "replicas", "containerStatuses")}}
 
 
-@kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
+@kopf.index("apps", "v1", "statefulsets", labels=podparts.MANAGED)
 async def statefulsets_seen(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
     return {(str(namespace), name): _kept(body)}
 
 
-@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+@kopf.index("apps", "v1", "deployments", labels=podparts.MANAGED)
 async def deployments_seen(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
     return {(str(namespace), name): _kept(body)}
 
 
-@kopf.index("v1", "pods", labels={**MANAGED, contract.LABEL_JOB: kopf.PRESENT})
+@kopf.index("v1", "pods", labels={**podparts.MANAGED, contract.LABEL_JOB: kopf.PRESENT})
 async def pods_seen(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
     return {(str(namespace), labels[contract.LABEL_JOB]): _kept(body)}
 

@@ -19,6 +19,8 @@ from distbelief.runtime import contract, jobbase, jobspec, keys
 Manifest = dict[str, Any]
 APP_NAME = "distbelief"
 MANAGED_BY = "distbelief-operator"
+# What every child carries, and what the operator's watches select on the server.
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 CONFIG_HASH_ANNOTATION = f"{contract.API_GROUP}/config-hash"
 RUN_AS_ID = 10001
 TERMINATION_GRACE_SECONDS = 30
@@ -41,7 +43,7 @@ def labels(job: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/name": APP_NAME,
         "app.kubernetes.io/instance": job,
         "app.kubernetes.io/component": component,
-        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **MANAGED,
         **contract.selector_labels(job, component),
     }
 
