@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""Shard copies (spec.parameterServers.backups): what replication costs, and how fast a
-backup takes over.
+"""Shard copies (spec.parameterServers.backups) and the journal: what each way of keeping
+acknowledged updates costs, and how fast a backup takes over.
 
     python benchmarks/backups_bench.py [--runs 3] [--kills 5] [--json out.json]
 
 Figures, merged into --json under "backups" (each a median with min and max):
 
-  updates_per_s.{backups_0, backups_1}
+  updates_per_s.{backups_0, journal, backups_1, min_in_sync_2}
       Global updates per second of the compute-bound job of e2e_bench.py (784-512-512-10
-      MLP, batch 128, 2 shards, 2 replicas, every step) with 0 and 1 backup per shard:
-      the step rate between the chief's first evaluation after the warm-up and its last.
-      Runs alternate between the two settings. ratio_1_over_0 is the median of each pair.
+      MLP, batch 128, 2 shards, 2 replicas, every step): with no backup; with no backup and
+      spec.parameterServers.journal; with 1 backup per shard; with 1 backup and minInSync 2.
+      The step rate between the chief's first evaluation after the warm-up and its last.
+      Runs alternate between the settings. ratio_1_over_0, ratio_journal_over_0 and
+      ratio_min_in_sync_2_over_0 are medians of each round's ratio to backups_0.
   failover_s, failover_stall_s
       Seconds from a SIGKILL (failover_s), or a SIGSTOP (failover_stall_s: the process is
       frozen, its sockets stay open; SIGCONT once its backup took over), of shard 1's
@@ -54,10 +56,15 @@ PRIMARY, BACKUP = 2, 1  # distbelief_copy_role
 WATCHED_SHARD = 1  # shard 0's first copy runs the chief; shard 1's kills leave it alone
 
 
-def updates_rate(backups: int) -> float:
+# How acknowledged updates are kept: spec.parameterServers fields of each setting.
+RULES = {"backups_0": {}, "journal": {"journal": True}, "backups_1": {"backups": 1},
+         "min_in_sync_2": {"backups": 1, "minInSync": 2}}
+
+
+def updates_rate(servers: dict) -> float:
     workload = e2e_bench.WORKLOADS["compute_bound"]
     job = e2e_bench.workload_job("compute_bound", workload)
-    job["spec"]["parameterServers"]["backups"] = backups
+    job["spec"]["parameterServers"].update(servers)
     history = e2e_bench.run_job(job)[1]
     warm = [h for h in history if h["elapsed"] >= workload.warmup_s]
     first, last = warm[0], warm[-1]
@@ -169,15 +176,17 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     failures: list[dict] = []
-    rates = interleaved(args.runs, {"backups_0": lambda run: updates_rate(0),
-                                    "backups_1": lambda run: updates_rate(1)}, failures, what="updates/s ")
-    ratios = [b / a for a, b in zip(rates["backups_0"], rates["backups_1"]) if a and b]
-    times = failover_times(args.kills)
+    rates = interleaved(args.runs, {name: lambda run, servers=servers: updates_rate(servers)
+                                    for name, servers in RULES.items()}, failures, what="updates/s ")
+    ratios = {f"ratio_{name}_over_0": summarize([b / a for a, b in zip(rates["backups_0"], rates[rule]) if a and b])
+              for name, rule in (("1", "backups_1"), ("journal", "journal"), ("min_in_sync_2", "min_in_sync_2"))}
+    times = failover_times(args.kills) if args.kills else {}
     results = {"backups": {
         "updates_per_s": {name: summarize(values) for name, values in rates.items()},
-        "ratio_1_over_0": summarize(ratios),
+        **ratios,
         **{name: summarize(values) for name, values in times.items()},
-        "definition": "compute_bound job of e2e_bench.py (2 shards, 2 replicas) with 0 and 1 backup per shard; "
+        "definition": "compute_bound job of e2e_bench.py (2 shards, 2 replicas) with 0 backups, 0 and the journal, "
+                      "1 backup, and 1 backup at minInSync 2; "
                       "failover: SIGKILL (failover_s) or SIGSTOP (failover_stall_s) of shard 1's primary to the "
                       "first push a replica is told shard 1 applied after it; backup_stall_s: the longest pause in "
                       "shard 1's acknowledgements while its backup is frozen; digits example with backups: 1, "

@@ -100,6 +100,7 @@ class Plan:
     anytime: bool = False        # faults whatever the copies' state, not only once all are in sync
     optimizer: str = "sgd"       # or "adagrad": counts read through its steps, accumulators compared
     outage_seconds: tuple[float, float] = (5.0, 30.0)   # "store": how long the shard's view record is unreachable
+    journal: bool = False        # spec.parameterServers.journal (with backups 0: one copy, its journal)
 
     @property
     def name(self) -> str:
@@ -107,7 +108,8 @@ class Plan:
         if self.anytime:
             unkind = f"-anytime-every{self.pause[0]:g}-{self.pause[1]:g}s-{'-'.join(self.faults)}-insync{self.min_in_sync}"
         optimizer = "" if self.optimizer == "sgd" else f"-{self.optimizer}"
-        return f"{self.kind}{optimizer}-backups{self.backups}-seed{self.seed}{unkind}"
+        journal = "-journal" if self.journal else ""
+        return f"{self.kind}{optimizer}-backups{self.backups}{journal}-seed{self.seed}{unkind}"
 
 
 def job_doc(plan: Plan) -> dict[str, Any]:
@@ -130,6 +132,7 @@ def job_doc(plan: Plan) -> dict[str, Any]:
                                   "maxGradientNorm": 1e9, "batchSize": 32, "maxSteps": 10 ** 12,
                                   "evalEverySeconds": 5, "warmstartSteps": 0},
                      "parameterServers": {"shards": 2, "backups": plan.backups, "minInSync": plan.min_in_sync,
+                                          "journal": plan.journal,
                                           "checkpoint": {"everySeconds": 1}},
                      "workers": {"replicas": 0},
                      "runPolicy": {"backoffLimit": 100}}}
@@ -191,7 +194,7 @@ class Cluster:
 
     def in_sync(self, shard: int) -> dict[str, dict[str, float]] | None:
         """Each copy's figures when one is primary with every copy in its in-sync set."""
-        seen = {pod.name: figures(pod) for pod in self.copies(shard) if pod.running}
+        seen = {pod.name: self.figures(pod) for pod in self.copies(shard) if pod.running}
         if len(seen) != self.config.spec.parameter_servers.copies or any(f is None for f in seen.values()):
             return None
         primaries = [f for f in seen.values() if f.get("role") == PRIMARY]
@@ -201,7 +204,14 @@ class Cluster:
 
     def seen(self, shard: int) -> dict[str, dict[str, float]]:
         """Each copy's figures, empty for one that does not answer (dead, stopped, starting)."""
-        return {pod.name: (figures(pod) if pod.running else None) or {} for pod in self.copies(shard)}
+        return {pod.name: (self.figures(pod) if pod.running else None) or {} for pod in self.copies(shard)}
+
+    def figures(self, pod: LocalPod) -> dict[str, float] | None:
+        """A copy's figures; a shard without backups is its own primary, in sync with itself."""
+        seen = figures(pod)
+        if seen is None or self.config.spec.parameter_servers.copies > 1:
+            return seen
+        return {**seen, "role": PRIMARY, "copies": 1}
 
     def reported_lost(self) -> list[int]:
         """Each shard's count of the applied updates it lost, as its primary reports it."""
@@ -553,8 +563,8 @@ def unkind_plans(seconds: float, seed: int) -> list[Plan]:
     after the primary could have dropped the first (about 3 s); and faults 2-9 s apart at
     any time, whatever the copies' state, on Adagrad jobs: SIGKILLs with backups 1 (minInSync
     1 and 2), and with backups 2 SIGKILLs and stalls, then SIGKILLs, partitions and cuts, then
-    SIGKILLs and 30 s view-store outages; and SIGKILLs 0.5-2 s apart with backups 1 (minInSync
-    1 and 2)."""
+    SIGKILLs and 30 s view-store outages; SIGKILLs 0.5-2 s apart with backups 1 (minInSync
+    1 and 2); and SIGKILLs 2-9 and 0.5-2 s apart with backups 0 and the journal."""
     gaps = [Plan(kind="dense", backups=1, seed=seed, seconds=seconds, faults=("backup-then-primary",),
                  pause=(4.0, 8.0), min_in_sync=needed, kill_gap=gap)
             for gap in (0.3, 5.0) for needed in (1, 2)]
@@ -568,7 +578,10 @@ def unkind_plans(seconds: float, seed: int) -> list[Plan]:
             Plan(backups=2, faults=("kill", "store"), outage_seconds=(30.0, 30.0), **anytime),  # type: ignore[arg-type]
             # a storm: most kills land while a copy is still restarting or catching up
             *(Plan(backups=1, faults=("kill",), min_in_sync=needed, **{**anytime, "pause": (0.5, 2.0)})  # type: ignore[arg-type]
-              for needed in (1, 2))]
+              for needed in (1, 2)),
+            # no copies, the journal: kills 2-9 s apart, and a storm
+            *(Plan(backups=0, journal=True, faults=("kill",), **{**anytime, "pause": pause})  # type: ignore[arg-type]
+              for pause in ((2.0, 9.0), (0.5, 2.0)))]
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -139,6 +139,7 @@ def _parameter_servers(values: Any, path: str) -> jobspec.ParameterServers:
         shards=at.get("shards", jobbase.integer, 1),
         backups=at.get("backups", jobbase.integer, 0),
         min_in_sync=at.get("minInSync", jobbase.integer, 1),
+        journal=at.get("journal", jobbase.boolean, False),
         port=at.get("port", jobbase.integer, 7070),
         network_policy=at.get("networkPolicy", jobbase.boolean, True),
         encryption=at.get("encryption", jobbase.boolean, True),

@@ -1,5 +1,6 @@
 """The rules of spec.parameterServers that an OpenAPI schema cannot say: what shard copies
-cover, how many must hold an update, and where a bfloat16 wire is carried."""
+and the journal cover, how many copies must hold an update, and where a bfloat16 wire is
+carried."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from distbelief.operator.validation.schemawalk import Problems, at_path
 def check_servers(job: Mapping[str, Any], problems: Problems) -> None:
     _check_min_in_sync(job, problems)
     _check_backups(job, problems)
+    _check_journal(job, problems)
     _check_wire_format(job, problems)
 
 
@@ -40,6 +42,21 @@ def _check_backups(job: Mapping[str, Any], problems: Problems) -> None:
     if at_path(job, "spec", "parameterServers", "template", "spec", "serviceAccountName"):
         problems.add(path, "not available with spec.parameterServers.template.spec.serviceAccountName (the shard "
                      "copies run as their own account, <job>-ps, which keeps their view Leases); use 0, or drop it")
+
+
+def _check_journal(job: Mapping[str, Any], problems: Problems) -> None:
+    """The journal replays one shard's commands on its own state: copies (which hold each
+    acknowledged update already) and Sandblaster's rollbacks (which undo commands) are not
+    what it replays."""
+    path = "spec.parameterServers.journal"
+    if at_path(job, "spec", "parameterServers", "journal") is not True or problems.at(path):
+        return
+    if (at_path(job, "spec", "parameterServers", "backups") or 0) > 0:
+        problems.add(path, "not available with spec.parameterServers.backups > 0 (the copies hold each acknowledged "
+                     "update instead); use false, or backups 0")
+    if at_path(job, "spec", "training", "algorithm") == "sandblaster":
+        problems.add(path, "not available with spec.training.algorithm: sandblaster (its rollbacks undo applied "
+                     "commands); use false, or downpour")
 
 
 def _check_wire_format(job: Mapping[str, Any], problems: Problems) -> None:

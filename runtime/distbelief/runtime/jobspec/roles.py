@@ -84,6 +84,14 @@ class ParameterServers(Role, jobbase.ParameterServersBase):
     + 1; with fewer in sync the primary applies pushes but acknowledges none. 1 goes on alone when a backup dies
     (losing the updates since the checkpoint if the primary dies before it is back); 2 pauses.
     """
+    journal: bool = False
+    """A write-ahead journal on each shard's checkpoint volume. Every command the shard applies is on disk before
+    the reply that acknowledges it leaves (one fdatasync per turn of its serving loop), and a restarted shard
+    replays what came after its newest checkpoint, so a SIGKILLed shard loses no acknowledged update whatever the
+    kill schedule. It costs a disk write of every push (a dense push is the shard's whole slice). Off by default,
+    where a restart loses the updates since the newest checkpoint and reports them as UpdatesLost. Only without
+    backups and with spec.training.algorithm downpour.
+    """
     port: int = 7070
     """The shards' port."""
     network_policy: bool = True

@@ -62,6 +62,8 @@ class ShardMetrics:
         self.copy_view = gauge("distbelief_copy_view", "The view this shard copy is in (its residue: the primary's rank)")
         self.copies_in_sync = gauge("distbelief_copies_in_sync", "On a primary: copies every update reaches, itself included")
         self.failovers = gauge("distbelief_copy_failovers", "Times a backup of this shard took over from its primary")
+        self.journal_bytes = counter("distbelief_journal_bytes", "Bytes of applied commands written to the shard's journal")
+        self.journal_syncs = counter("distbelief_journal_syncs", "Flushes of the journal to disk (each releases waiting replies)")
         self.staleness = prom.Histogram(
             M.STALENESS, "Updates applied between a replica's pull and its push",
             list(labels), buckets=STALENESS_BUCKETS, registry=registry).labels(**labels)

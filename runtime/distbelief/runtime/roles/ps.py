@@ -22,6 +22,7 @@ from distbelief.runtime.observe.metrics import ChiefMetrics, MetricsServer, Shar
 from distbelief.runtime.model.job import Job
 from distbelief.runtime.roles.common import load_access, new_registry, shard_group, stop_on_termination
 from distbelief.runtime.shard.copies import replication, stores
+from distbelief.runtime.shard.journal import Journal
 from distbelief.runtime.shard.core import Shard, ShardSettings
 
 
@@ -47,7 +48,10 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         server.serve_copies(replication.Copies(server, rank=rank, addresses=copy_routes(job.config, index),
                                                security=access.client, store=stores.open_store(job.config.names, index),
                                                lease_seconds=lease_seconds(), min_in_sync=servers.min_in_sync))
+    journal = attach_journal(server) if servers.journal else None
     server.restore()
+    if journal is not None:
+        journal.replay()
     metrics = MetricsServer(metrics_registry, metrics_port, ready=server.ready.is_set, host=listen).start()
     helpers: list[tuple[str, interface.Helper]] = []
     if ordinal == 0:  # the chief runs beside the first copy of shard 0
@@ -71,6 +75,14 @@ def run_ps(*, config_path: str, shard: int | None, port: int | None, metrics_por
         if helper.failure:
             raise errors.RuntimeFailure(f"the {name} stopped: {helper.failure}")
     return 0
+
+
+def attach_journal(server: Shard) -> Journal:
+    """The shard's journal, in its checkpoints and in its replication slot (a job without backups)."""
+    journal = Journal(server)
+    server.attach(journal)
+    server.serve_copies(journal)
+    return journal
 
 
 def copy_routes(config: contract.JobConfig, shard: int) -> list[str]:
