@@ -61,6 +61,7 @@ EMBEDDINGS = setting(spec__model={"type": "softmax", "embeddings": {"dim": 4}},
 USER_MODEL = setting(spec__model={"entrypoint": "my_pkg.models:build"})
 BF16 = setting(spec__parameterServers__wireFormat="bfloat16")
 BACKUPS = setting(spec__parameterServers__backups=1)
+JOURNAL = setting(spec__parameterServers__journal=True)
 OVERLAP = setting(spec__training__overlap=True)
 
 
@@ -149,6 +150,8 @@ RULES: list[tuple[str, str, Edit, Edit]] = [
      setting(spec__workers__autoscaling={"minReplicas": 5, "maxReplicas": 2}),
      setting(spec__workers__autoscaling={"minReplicas": 2, "maxReplicas": 2})),
     ("backups need downpour", "spec.parameterServers.backups", also(BACKUPS, SANDBLASTER), BACKUPS),
+    ("the journal is for shards without backups", "spec.parameterServers.journal", also(JOURNAL, BACKUPS), JOURNAL),
+    ("the journal needs downpour", "spec.parameterServers.journal", also(JOURNAL, SANDBLASTER), JOURNAL),
     ("backups need unexpired rows", "spec.parameterServers.backups",
      also(BACKUPS, EMBEDDINGS, setting(spec__model__embeddings={"dim": 4, "expireAfterSeconds": 60})),
      also(BACKUPS, EMBEDDINGS)),
