@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import struct
 import time
 import zlib
@@ -260,14 +261,14 @@ class Journal(SingleCopy):
                 os.remove(path)
 
     def _cut(self, path: str, good: int) -> None:
-        with open(path, "rb") as file:
+        with open(path, "rb") as file, open(path + ".rejected", "ab") as kept:
             file.seek(good)
-            rest = file.read()
-        with open(path + ".rejected", "ab") as kept:
-            kept.write(rest)
-        os.truncate(path, good)
-        log.warning("event=journal_tail_cut shard=%d file=%s at_byte=%d bytes=%d", self.shard.index,
-                    os.path.basename(path), good, len(rest))
+            shutil.copyfileobj(file, kept)
+        with open(path, "r+b") as file:   # cut for good before the next record is acknowledged after it
+            file.truncate(good)
+            os.fsync(file.fileno())
+        log.warning("event=journal_tail_cut shard=%d file=%s at_byte=%d kept=%s.rejected", self.shard.index,
+                    os.path.basename(path), good, os.path.basename(path))
 
     def _set_aside(self, paths: list[str], why: str) -> None:
         for path in paths:
