@@ -564,7 +564,8 @@ def unkind_plans(seconds: float, seed: int) -> list[Plan]:
     any time, whatever the copies' state, on Adagrad jobs: SIGKILLs with backups 1 (minInSync
     1 and 2), and with backups 2 SIGKILLs and stalls, then SIGKILLs, partitions and cuts, then
     SIGKILLs and 30 s view-store outages; SIGKILLs 0.5-2 s apart with backups 1 (minInSync
-    1 and 2); and SIGKILLs 2-9 and 0.5-2 s apart with backups 0 and the journal."""
+    1 and 2); and SIGKILLs 2-9 and 0.5-2 s apart with backups 0 and the journal (a storm of a
+    sparse job too)."""
     gaps = [Plan(kind="dense", backups=1, seed=seed, seconds=seconds, faults=("backup-then-primary",),
                  pause=(4.0, 8.0), min_in_sync=needed, kill_gap=gap)
             for gap in (0.3, 5.0) for needed in (1, 2)]
@@ -579,9 +580,9 @@ def unkind_plans(seconds: float, seed: int) -> list[Plan]:
             # a storm: most kills land while a copy is still restarting or catching up
             *(Plan(backups=1, faults=("kill",), min_in_sync=needed, **{**anytime, "pause": (0.5, 2.0)})  # type: ignore[arg-type]
               for needed in (1, 2)),
-            # no copies, the journal: kills 2-9 s apart, and a storm
-            *(Plan(backups=0, journal=True, faults=("kill",), **{**anytime, "pause": pause})  # type: ignore[arg-type]
-              for pause in ((2.0, 9.0), (0.5, 2.0)))]
+            # no copies, the journal: kills 2-9 s apart, and storms, of dense and sparse jobs
+            *(Plan(backups=0, journal=True, faults=("kill",), **{**anytime, "pause": pause, "kind": kind})  # type: ignore[arg-type]
+              for pause, kind in (((2.0, 9.0), "dense"), ((0.5, 2.0), "dense"), ((0.5, 2.0), "sparse")))]
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:

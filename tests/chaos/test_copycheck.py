@@ -198,10 +198,12 @@ def test_kills_at_any_time_lose_nothing_silently_and_leave_the_copies_and_their_
 
 
 @pytest.mark.slow
-def test_a_journal_without_copies_loses_nothing_acknowledged_under_kills_at_any_time() -> None:
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_journal_without_copies_loses_nothing_acknowledged_under_kills_at_any_time(kind: str) -> None:
     """SIGKILLs 0.5-2 s apart of shards without backups, with spec.parameterServers.journal:
-    every push a shard acknowledged is in its journal, and comes back when it restarts."""
-    plan = copycheck.Plan(kind="dense", optimizer="adagrad", backups=0, journal=True, seed=8, seconds=25.0,
+    every push a shard acknowledged (and with embeddings, every row update) is in its
+    journal, and comes back when it restarts."""
+    plan = copycheck.Plan(kind=kind, optimizer="adagrad", backups=0, journal=True, seed=8, seconds=25.0,
                           faults=("kill",), pause=(0.5, 2.0), anytime=True)
     result = copycheck.run(plan)
     print(json.dumps(copycheck.brief(result)))
@@ -210,5 +212,6 @@ def test_a_journal_without_copies_loses_nothing_acknowledged_under_kills_at_any_
     assert verdict["lost"]["count"] == 0 and verdict["duplicated"]["count"] == 0, verdict
     assert verdict["phantom"]["count"] == 0 and not verdict["went_back"], verdict
     assert all(verdict["steps_match_applied"]), verdict
+    assert result.get("rows", {"ok": True})["ok"], result["rows"]
     assert result["reported_lost"] == [0, 0] and result["settled"], result
 

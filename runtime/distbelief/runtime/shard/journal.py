@@ -65,7 +65,7 @@ class Record:
     user: str | None
     peer: bytes
     at: float          # when the shard first took it (Shard.command_time)
-    frames: list[bytes]
+    frames: list[memoryview]   # views of the record's body, read once
 
 
 class Journal(SingleCopy):
@@ -202,8 +202,7 @@ class Journal(SingleCopy):
         if record.seq != self.seq + 1:
             return f"command {record.seq} does not follow command {self.seq} (a file is missing)"
         header = protocol.unpack_header(record.frames[0])
-        frames = [memoryview(f) for f in record.frames]
-        self.shard.answer(header, Incoming(peer=record.peer, user=record.user, frames=frames), taken_at=record.at)
+        self.shard.answer(header, Incoming(peer=record.peer, user=record.user, frames=record.frames), taken_at=record.at)
         if self.seq != record.seq or self.shard.step != record.step:   # a refusal it was not the first time
             return (f"command {record.seq} ended at step {self.shard.step} (command {self.seq}), "
                     f"not at step {record.step} as when first applied")
@@ -307,11 +306,11 @@ def _parse(body: bytes) -> Record | None:
     try:
         (meta_bytes,) = META_BYTES.unpack_from(body)
         meta = json.loads(body[META_BYTES.size:META_BYTES.size + meta_bytes])
-        frames, at = [], META_BYTES.size + meta_bytes
+        frames, at, view = [], META_BYTES.size + meta_bytes, memoryview(body)
         while at < len(body):
             (frame_bytes,) = FRAME_BYTES.unpack_from(body, at)
             at += FRAME_BYTES.size
-            frames.append(body[at:at + frame_bytes])
+            frames.append(view[at:at + frame_bytes])
             at += frame_bytes
         if at != len(body) or not frames:
             return None
