@@ -323,6 +323,29 @@ def test_a_shard_killed_with_sigkill_is_restarted_and_counted_and_its_backup_car
 
 
 @pytest.mark.slow
+def test_a_shard_without_backups_sigkilled_replays_its_journal_and_the_job_loses_nothing(
+        kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
+    """spec.parameterServers.journal through the CRD's defaults, the rendered config and
+    the shard's claim: shard 1, SIGKILLed with no checkpoint written, comes back from its
+    journal, and the job, which fails on any update lost, succeeds."""
+    job = example("digits-mlp.yaml", parameterServers__journal=True, parameterServers__checkpoint={"everySeconds": 3600},
+                  training__maxSteps=6000, training__failOnUpdatesLost=True)
+    since = time.monotonic()
+    apply(kubectl, namespace, job)
+    name = job["metadata"]["name"]
+    shard = f"{name}-ps-1"       # not the chief's pod
+    eventually(lambda: (job_status(kubectl, namespace, name).get("globalStep") or 0) > 1000, 90, interval=0.3,
+               what="training under way")
+    os.kill(pid_of(container_status(kubectl, namespace, shard)), signal.SIGKILL)
+    restarted = eventually(lambda: (s := container_status(kubectl, namespace, shard)).get("restartCount", 0) >= 1
+                           and s, 60, what="the shard restarted")
+    assert restarted["lastState"]["terminated"]["exitCode"] == 137
+    status = finished(kubectl, namespace, name, operator, since)
+    assert_trained(kubectl, namespace, status, job)
+    assert not [c for c in status.get("conditions", []) if c["type"] == "UpdatesLost"], status
+
+
+@pytest.mark.slow
 def test_a_collapsed_job_succeeds_with_the_condition_and_the_warning_event_model_degraded(
         kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
     # Plain SGD at rate 2 sends the digits model to chance within a second (tests/test_quality.py).
