@@ -562,7 +562,7 @@ def unkind_plans(seconds: float, seed: int) -> list[Plan]:
     """A backup and then its primary killed, minInSync 1 and 2, the second kill before and
     after the primary could have dropped the first (about 3 s); and faults 2-9 s apart at
     any time, whatever the copies' state, on Adagrad jobs: SIGKILLs with backups 1 (minInSync
-    1 and 2), and with backups 2 SIGKILLs and stalls, then SIGKILLs, partitions and cuts, then
+    1 and 2, dense and sparse), and with backups 2 SIGKILLs and stalls, then SIGKILLs, partitions and cuts, then
     SIGKILLs and 30 s view-store outages; SIGKILLs 0.5-2 s apart with backups 1 (minInSync
     1 and 2); and SIGKILLs 2-9 and 0.5-2 s apart with backups 0 and the journal (a storm of a
     sparse job too)."""
@@ -573,6 +573,8 @@ def unkind_plans(seconds: float, seed: int) -> list[Plan]:
     anytime = dict(kind="dense", optimizer="adagrad", seed=seed, seconds=min(seconds, 40.0), pause=(2.0, 9.0),
                    anytime=True)
     return [*gaps, *(Plan(backups=1, faults=("kill",), min_in_sync=needed, **anytime) for needed in (1, 2)),  # type: ignore[arg-type]
+            *(Plan(backups=1, faults=("kill",), min_in_sync=needed, **{**anytime, "kind": "sparse"})  # type: ignore[arg-type]
+              for needed in (1, 2)),
             Plan(backups=2, faults=("kill", "stall"), **anytime),  # type: ignore[arg-type]
             Plan(backups=2, faults=("kill", "partition", "cut"), **anytime),  # type: ignore[arg-type]
             # the view store unreachable for 30 s at a time, and kills, whatever the copies' state
