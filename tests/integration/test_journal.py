@@ -197,3 +197,48 @@ def test_files_two_landed_checkpoints_hold_whole_are_removed(tmp_path: Path) -> 
                what="the journal's covered files removed")
     link.close()
     server.stop()
+
+
+def test_a_state_gone_back_to_a_checkpoint_sets_the_journal_after_it_aside(tmp_path: Path) -> None:
+    """A shard whose state went back to a checkpoint while serving (its recovery from a
+    non-finite state) undid the commands after it: a restart must not replay them, only
+    what it applied since."""
+    settings = ShardSettings(shard=0, bind="tcp://127.0.0.1:0", checkpoint_dir=str(tmp_path), checkpoint_every=3600)
+
+    def journaled() -> tuple[Shard, Journal]:
+        shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
+        shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1))
+        journal_ = Journal(shard)
+        shard.attach(journal_)
+        shard.serve_copies(journal_)
+        shard.restore()
+        journal_.replay()
+        return shard, journal_
+
+    def apply(shard: Shard, journal_: Journal, seq: int, grad: np.ndarray) -> None:
+        frames = [Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=seq, worker=7, count=grad.size).pack(),
+                  UPDATE, grad.tobytes()]
+        shard.answer(protocol.unpack_header(frames[0]), interface.Incoming(peer=b"replica", user=None,
+                                                                           frames=[memoryview(f) for f in frames]))
+        journal_.tick()
+
+    grads = gradients(6, seed=11)
+    shard, journal_ = journaled()
+    for seq in (1, 2, 3):
+        apply(shard, journal_, seq, grads[seq - 1])
+    shard.checkpoint_now()
+    (saved,) = checkpoint.list_checkpoints(str(tmp_path))
+    for seq in (4, 5):
+        apply(shard, journal_, seq, grads[seq - 1])
+    shard.load(checkpoint.load(saved))              # back to step 3: pushes 4 and 5 undone
+    assert list((tmp_path / journal.FOLDER).glob("*.undone-*"))
+    apply(shard, journal_, 6, grads[5])
+    expected = {name: array.copy() for name, array in shard.plugin(DenseSlice).checkpoint_state()[0].items()}
+    assert shard.step == 4
+
+    again, journal_again = journaled()
+
+    assert journal_again.replayed == 1 and again.step == 4
+    state = again.plugin(DenseSlice).checkpoint_state()[0]
+    assert all(np.array_equal(state[k], expected[k]) for k in expected)
+
