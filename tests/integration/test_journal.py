@@ -158,7 +158,8 @@ def test_a_reply_waits_until_the_command_is_on_disk(tmp_path: Path, monkeypatch:
     server.stop()
 
 
-def test_a_torn_tail_is_cut_and_kept_aside_and_the_journal_goes_on_from_a_record(tmp_path: Path) -> None:
+def test_a_torn_tail_is_cut_and_kept_aside_and_the_journal_goes_on_from_a_record(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     server = JournaledShard(tmp_path).start()
     link = zmq_transport.default().link([server.address], None)
     grads = gradients(6, seed=5)
@@ -177,6 +178,7 @@ def test_a_torn_tail_is_cut_and_kept_aside_and_the_journal_goes_on_from_a_record
     assert server.journal is not None and server.journal.replayed == 4
     assert all(np.array_equal(server.state()[k], at_four[k]) for k in at_four)
     assert Path(f"{last}.rejected").read_bytes() == torn
+    assert "event=journal_tail_cut" in caplog.text and "event=journal_replay_stopped" not in caplog.text
     push(link, 5, grads[4])
     at_five = server.state()
     server.stop()
@@ -184,6 +186,34 @@ def test_a_torn_tail_is_cut_and_kept_aside_and_the_journal_goes_on_from_a_record
     server.start()                                  # over the cut file, on to the one after it
     assert server.journal.replayed == 5
     assert all(np.array_equal(server.state()[k], at_five[k]) for k in at_five)
+    link.close()
+    server.stop()
+
+
+def test_a_damaged_record_before_the_last_file_stops_the_replay_and_sets_the_rest_aside(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    server = JournaledShard(tmp_path).start()
+    link = zmq_transport.default().link([server.address], None)
+    grads = gradients(5, seed=13)
+    for seq in (1, 2, 3):
+        push(link, seq, grads[seq - 1])
+    server.stop()                                   # a checkpoint: the next push opens a second file
+    server.start()
+    for seq in (4, 5):
+        push(link, seq, grads[seq - 1])
+    server.stop()
+    forget_checkpoints_after(tmp_path, 0)
+    first, second = sorted((tmp_path / journal.FOLDER).glob("*.log"))
+    damaged = bytearray(first.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF             # inside the second of its three records
+    first.write_bytes(bytes(damaged))
+
+    server.start()
+
+    assert server.journal is not None and server.journal.replayed == 1 and server.shard.step == 1
+    assert "event=journal_replay_stopped" in caplog.text
+    assert not second.exists() and list(second.parent.glob(f"{second.name}.unreplayed-*"))
+    assert Path(f"{first}.rejected").exists()
     link.close()
     server.stop()
 

@@ -163,7 +163,7 @@ class Journal(SingleCopy):
         try:
             segments = self._segments()
             for n, path in enumerate(segments):
-                problem = self._replay_file(path)
+                problem = self._replay_file(path, last=n == len(segments) - 1)
                 if problem:
                     self._set_aside(segments[n + 1:], "unreplayed")
                     break
@@ -180,13 +180,14 @@ class Journal(SingleCopy):
                  self.replayed, self.shard.step)
         return self.replayed
 
-    def _replay_file(self, path: str) -> str | None:
-        """Replay one file's records after self.seq; what stopped it (None: the whole file)."""
+    def _replay_file(self, path: str, *, last: bool) -> str | None:
+        """Replay one file's records after self.seq; what stopped it (None: the whole file, or
+        all of the last file but the record a kill tore, which was never acknowledged)."""
         with open(path, "rb") as file:
             good, problem = 0, None
             for record, end in _read_records(file):
                 if record is None:
-                    problem = f"{os.path.basename(path)}: a record at byte {good} does not read whole"
+                    problem = None if last else f"{os.path.basename(path)}: a record at byte {good} does not read whole"
                     break
                 if record.seq > self.seq:
                     problem = self._apply(record)
