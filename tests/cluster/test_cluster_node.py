@@ -303,6 +303,16 @@ def test_a_partitioned_job_trains_to_succeeded(kubectl: Kubectl, local_node: Loc
     assert_trained(kubectl, namespace, finished(kubectl, namespace, job["metadata"]["name"], operator, since), job)
 
 
+def sigkill_once_training(kubectl: Kubectl, namespace: str, name: str, pod: str, *, past_step: int) -> None:
+    """SIGKILL pod's process once the job is past_step, and wait for its container to restart (exit 137)."""
+    eventually(lambda: (job_status(kubectl, namespace, name).get("globalStep") or 0) > past_step, 90, interval=0.3,
+               what="training under way")
+    os.kill(pid_of(container_status(kubectl, namespace, pod)), signal.SIGKILL)
+    restarted = eventually(lambda: (s := container_status(kubectl, namespace, pod)).get("restartCount", 0) >= 1
+                           and s, 60, what="the shard restarted")
+    assert restarted["lastState"]["terminated"]["exitCode"] == 137
+
+
 @pytest.mark.slow
 def test_a_shard_killed_with_sigkill_is_restarted_and_counted_and_its_backup_carries_the_job(
         kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
@@ -311,12 +321,7 @@ def test_a_shard_killed_with_sigkill_is_restarted_and_counted_and_its_backup_car
     apply(kubectl, namespace, job)
     name = job["metadata"]["name"]
     shard = f"{name}-ps-0"  # copy 0 of shard 0: the primary
-    eventually(lambda: (job_status(kubectl, namespace, name).get("globalStep") or 0) > 200, 90, interval=0.3,
-               what="training under way")
-    os.kill(pid_of(container_status(kubectl, namespace, shard)), signal.SIGKILL)
-    restarted = eventually(lambda: (s := container_status(kubectl, namespace, shard)).get("restartCount", 0) >= 1
-                           and s, 60, what="the shard restarted")
-    assert restarted["lastState"]["terminated"]["exitCode"] == 137
+    sigkill_once_training(kubectl, namespace, name, shard, past_step=200)
     status = finished(kubectl, namespace, name, operator, since)
     assert_trained(kubectl, namespace, status, job)
     assert status["restarts"] >= 1
@@ -334,12 +339,7 @@ def test_a_shard_without_backups_sigkilled_replays_its_journal_and_the_job_loses
     apply(kubectl, namespace, job)
     name = job["metadata"]["name"]
     shard = f"{name}-ps-1"       # not the chief's pod
-    eventually(lambda: (job_status(kubectl, namespace, name).get("globalStep") or 0) > 1000, 90, interval=0.3,
-               what="training under way")
-    os.kill(pid_of(container_status(kubectl, namespace, shard)), signal.SIGKILL)
-    restarted = eventually(lambda: (s := container_status(kubectl, namespace, shard)).get("restartCount", 0) >= 1
-                           and s, 60, what="the shard restarted")
-    assert restarted["lastState"]["terminated"]["exitCode"] == 137
+    sigkill_once_training(kubectl, namespace, name, shard, past_step=1000)
     status = finished(kubectl, namespace, name, operator, since)
     assert_trained(kubectl, namespace, status, job)
     assert not [c for c in status.get("conditions", []) if c["type"] == "UpdatesLost"], status

@@ -34,6 +34,18 @@ INITIAL = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
 UPDATE = dense.Update(examples=4, loss=1.0).pack()
 
 
+def journaled(settings: ShardSettings) -> tuple[Shard, Journal]:
+    """Shard 0 (an Adagrad slice) with its journal, restored and replayed, not serving."""
+    shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
+    shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1))
+    journal_ = Journal(shard)
+    shard.attach(journal_)
+    shard.serve_copies(journal_)
+    shard.restore()
+    journal_.replay()
+    return shard, journal_
+
+
 class JournaledShard:
     """Shard 0 with a journal, serving in a thread at a fixed loopback address."""
 
@@ -45,15 +57,8 @@ class JournaledShard:
         self.journal: Journal | None = None
 
     def start(self) -> "JournaledShard":
-        settings = ShardSettings(shard=0, bind=self.address, checkpoint_every=self.checkpoint_every,
-                                 checkpoint_dir=str(self.folder), checkpoint_keep=5)
-        shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
-        shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1))
-        self.journal = Journal(shard)
-        shard.attach(self.journal)
-        shard.serve_copies(self.journal)
-        shard.restore()
-        self.journal.replay()
+        shard, self.journal = journaled(ShardSettings(shard=0, bind=self.address, checkpoint_every=self.checkpoint_every,
+                                                      checkpoint_dir=str(self.folder), checkpoint_keep=5))
         self.thread = threading.Thread(target=shard.serve, daemon=True)
         self.thread.start()
         assert shard.ready.wait(10)
@@ -235,16 +240,6 @@ def test_a_state_gone_back_to_a_checkpoint_sets_the_journal_after_it_aside(tmp_p
     what it applied since."""
     settings = ShardSettings(shard=0, bind="tcp://127.0.0.1:0", checkpoint_dir=str(tmp_path), checkpoint_every=3600)
 
-    def journaled() -> tuple[Shard, Journal]:
-        shard = Shard(settings, LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
-        shard.attach(DenseSlice(shard, INITIAL, optimizer="adagrad", learning_rate=0.1))
-        journal_ = Journal(shard)
-        shard.attach(journal_)
-        shard.serve_copies(journal_)
-        shard.restore()
-        journal_.replay()
-        return shard, journal_
-
     def apply(shard: Shard, journal_: Journal, seq: int, grad: np.ndarray) -> None:
         frames = [Header(op=dense.PUSH.code, shard=0, layout=LAYOUT.hash, seq=seq, worker=7, count=grad.size).pack(),
                   UPDATE, grad.tobytes()]
@@ -253,7 +248,7 @@ def test_a_state_gone_back_to_a_checkpoint_sets_the_journal_after_it_aside(tmp_p
         journal_.tick()
 
     grads = gradients(6, seed=11)
-    shard, journal_ = journaled()
+    shard, journal_ = journaled(settings)
     for seq in (1, 2, 3):
         apply(shard, journal_, seq, grads[seq - 1])
     shard.checkpoint_now()
@@ -266,7 +261,7 @@ def test_a_state_gone_back_to_a_checkpoint_sets_the_journal_after_it_aside(tmp_p
     expected = {name: array.copy() for name, array in shard.plugin(DenseSlice).checkpoint_state()[0].items()}
     assert shard.step == 4
 
-    again, journal_again = journaled()
+    again, journal_again = journaled(settings)
 
     assert journal_again.replayed == 1 and again.step == 4
     state = again.plugin(DenseSlice).checkpoint_state()[0]
