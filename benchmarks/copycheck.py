@@ -81,6 +81,7 @@ PRIMARY = 2  # distbelief_copy_role
 FAULTS = ("kill", "stall", "delay", "partition", "cut")   # and, asked by name: "backup-then-primary", "store"
 ROW_DIM = 4
 SETTLE_SECONDS = 180.0  # at the end, for every shard's copies to be in sync again
+READ_PAUSE_SECONDS = 0.2  # between the reader's pulls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +310,35 @@ class Client(threading.Thread):
         op.kind, op.acked, op.refused = "held", status == Status.OK, status in (Status.STALE, Status.FULL)
 
 
+class Reader(threading.Thread):
+    """Pulls every shard's parameters again and again while the clients push, as a replica
+    would: each pull a Read in the history, its counts read from the parameters it showed."""
+
+    def __init__(self, cluster: Cluster, initial: np.ndarray, reads: list[copyverdict.Read],
+                 stopping: threading.Event, give_up: threading.Event) -> None:
+        super().__init__(name="check-reader", daemon=True)
+        self.cluster, self.initial, self.reads = cluster, initial, reads
+        self.stopping, self.give_up = stopping, give_up
+        self.failure: str | None = None
+
+    def run(self) -> None:
+        group = self.cluster.group(stop=self.give_up)
+        layout, plan = group.layout, self.cluster.plan
+        starts = [layout.bounds(s)[0] for s in range(layout.shards)]
+        values = np.empty(layout.total, np.float32)
+        try:
+            while not self.stopping.wait(READ_PAUSE_SECONDS):
+                start = time.monotonic()
+                steps = [r.step for r in Float32Dense(group).pull(values)]
+                counts = np.stack([applications(values[a:a + plan.ids] - self.initial[a:a + plan.ids], plan.optimizer)
+                                   for a in starts]).astype(np.int16)
+                self.reads.append(copyverdict.Read(start, time.monotonic(), steps, counts))
+        except errors.RuntimeFailure as exc:  # Stopped, or a shard unavailable for minutes
+            self.failure = str(exc)
+        finally:
+            group.close()
+
+
 class Nemesis(threading.Thread):
     """Seeded faults, one shard at a time, each once the shard's copies are all in sync."""
 
@@ -435,19 +465,21 @@ def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
     history: list[Op] = []
     stopping, give_up = threading.Event(), threading.Event()
     clients = [Client(cluster, i, plan.clients, history, stopping, give_up) for i in range(plan.clients)]
-    for client in clients:
-        client.start()
+    reads: list[copyverdict.Read] = []
+    reader = Reader(cluster, initial, reads, stopping, give_up)
+    for thread in [*clients, reader]:
+        thread.start()
     nemesis = Nemesis(cluster, plan, until=time.monotonic() + plan.seconds)
     nemesis.start()
     nemesis.join()
     cluster.net.heal()
     settled = cluster.wait_in_sync(SETTLE_SECONDS)
     stopping.set()
-    for client in clients:
-        client.join(timeout=SETTLE_SECONDS)
+    for thread in [*clients, reader]:
+        thread.join(timeout=SETTLE_SECONDS)
     give_up.set()
-    for client in clients:
-        client.join(timeout=30)
+    for thread in [*clients, reader]:
+        thread.join(timeout=30)
     settled = cluster.wait_in_sync(SETTLE_SECONDS) and settled
     final = np.empty(layout.total, np.float32)
     steps = [r.step for r in Float32Dense(group).pull(final)]
@@ -456,12 +488,13 @@ def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
                        for a in (layout.bounds(s)[0] for s in range(shards))])
     result: dict[str, Any] = {
         "plan": {**dataclasses.asdict(plan), "name": plan.name}, "faults": nemesis.faults, "settled": settled,
-        "clients_failed": [c.failure for c in clients if c.failure],
+        "clients_failed": [c.failure for c in [*clients, reader] if c.failure],
         "wall_seconds": round(time.monotonic() - started, 1),
         "verdict": copyverdict.verdict(history, counts, steps, limit=limit, atomic=plan.kind == "partitioned")}
     if initial_rows is not None:
         rows = RowClient(group, ROW_DIM).pull(keys_)[0]
         result["rows"] = copyverdict.rows_verdict(history, copyverdict.row_counts(initial_rows, rows))
+    result["reads"] = copyverdict.reads_verdict(reads, history, counts)
     group.close()
     # A shard's count is a lower bound (shard/losses.py): a life that has applied as many
     # updates as it lost before a client comes back misses that client's, at most a push per
@@ -474,13 +507,21 @@ def _checked(cluster: Cluster, plan: Plan, started: float) -> dict[str, Any]:
     result["bulk_connections"] = cluster.bulk_connections()
     result["acked_in_outages"] = acked_in_outages(history, nemesis.faults)
     result["ok"] = bool(result["verdict"]["ok"] and result.get("rows", {"ok": True})["ok"] and settled
-                        and not result["copies_differ"] and not result["acked_in_outages"])
+                        and result["reads"]["ok"] and not result["copies_differ"] and not result["acked_in_outages"])
     # Under an unkind schedule a loss the chosen rule allows is no failure, if it is told.
     v = result["verdict"]
     result["ok_as_told"] = bool(settled and not result["copies_differ"] and not result["lost_silently"]
                                 and not v["duplicated"]["count"] and not v["phantom"]["count"]
-                                and all(v["steps_match_applied"]) and not result["acked_in_outages"])
+                                and all(v["steps_match_applied"]) and not result["acked_in_outages"]
+                                and not reads_unexplained(result["reads"], told))
     return result
+
+
+def reads_unexplained(reads: dict[str, Any], told: list[int]) -> list[str]:
+    """The read findings no reported loss explains: any on a shard that reported none, and
+    torn ones anywhere (a reply's step and parameters always agree)."""
+    return [f"{kind} on shard {shard}" for kind in copyverdict.READ_FINDINGS
+            for shard, n in enumerate(reads[kind]["by_shard"]) if n and (kind == "torn" or told[shard] <= 0)]
 
 
 OUTAGE_SLACK_SECONDS = 1.0  # a reply the primary sent just before its lease ran out, still on its way
@@ -601,6 +642,8 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
             "duplicated": sum(v["duplicated"]["count"] for v in verdicts)
             + sum(r.get("rows", {}).get("duplicated", {}).get("count", 0) for r in results),
             "went_back": sum(len(v["went_back"]) for v in verdicts),
+            "reads": sum(r["reads"]["reads"] for r in results),
+            **{f"reads_{kind}": sum(r["reads"][kind]["count"] for r in results) for kind in copyverdict.READ_FINDINGS},
             "half_applied": sum(v["half_applied"]["count"] for v in verdicts),
             "runs_that_lost_silently": sum(bool(r["lost_silently"]) for r in results),
             "faults_out_of_sync": sum(not f.get("in_sync", True) for r in results for f in r["faults"])}
@@ -635,7 +678,9 @@ def main() -> int:
         v = result["verdict"]
         print(f"{plan.name} faults={len(result['faults'])} acknowledged={v['acknowledged']} lost={v['lost']['count']} "
               f"(by shard {v['lost_by_shard']}, reported {result['reported_lost']}) "
-              f"duplicated={v['duplicated']['count']} ok={result['ok']}", flush=True)
+              f"duplicated={v['duplicated']['count']} reads={result['reads']['reads']} "
+              f"stale={result['reads']['stale']['count']} dirty={result['reads']['dirty']['count']} ok={result['ok']}",
+              flush=True)
     report = {"copies_check": {"summary": {**summary(results), "not_checked": crashed},
                                "runs": [brief(r) for r in results]}}
     print(json.dumps(report["copies_check"]["summary"], indent=2))
@@ -656,6 +701,8 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
             "half_applied": v["half_applied"]["count"], "refused": v["refused"],
             "lost_by_shard": v["lost_by_shard"], "reported_lost": result["reported_lost"],
             "lost_silently": result["lost_silently"], "ok_as_told": result["ok_as_told"],
+            "reads": result["reads"]["reads"],
+            **{f"reads_{kind}": result["reads"][kind]["count"] for kind in copyverdict.READ_FINDINGS},
             "steps": v["steps"], "ok": result["ok"], "wall_seconds": result["wall_seconds"],
             "bulk_connections": result["bulk_connections"]}
 

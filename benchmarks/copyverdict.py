@@ -1,10 +1,13 @@
-"""The verdict on a history of pushes and the shards' final state (copycheck.py): what was
-lost, applied twice, or seen to go back. Pure functions, tested on made-up histories.
+"""The verdict on a history of pushes and reads and the shards' final state (copycheck.py):
+what was lost, applied twice, or seen to go back, and which reads were stale. Pure
+functions, tested on made-up histories.
 
 A history is a list of Ops, one per push a checker client began: its id, when it began
 and ended (time.monotonic()), whether every shard acknowledged it, and each shard's step in
-its acknowledgement. The final state is each shard's count of every id (how many times the
-push of that id was applied there: copycheck reads it from the parameters) and its step.
+its acknowledgement. A read is a pull of every shard's parameters, with when it began and
+ended, and each shard's step and count of every id in its reply. The final state is each
+shard's count of every id (how many times the push of that id was applied there:
+copycheck reads it from the parameters) and its step.
 """
 from __future__ import annotations
 
@@ -25,6 +28,14 @@ class Op:
     error: str | None = None
     kind: str = "push"               # or "held": a partitioned job's step (HOLD, then its commit)
     refused: bool = False            # a held step its commit dropped: applied nowhere
+
+
+@dataclasses.dataclass
+class Read:
+    start: float
+    end: float
+    steps: list[int]        # each shard's step in its reply
+    counts: np.ndarray      # counts[s, i]: the applications of push i the reply of shard s showed
 
 
 def verdict(ops: list[Op], counts: np.ndarray, steps: list[int], *, limit: int, atomic: bool = False) -> dict[str, Any]:
@@ -109,4 +120,48 @@ def rows_verdict(ops: list[Op], counts: np.ndarray) -> dict[str, Any]:
               "phantom": _ids(np.flatnonzero(~began & (counts != 0))),
               "unreadable": _ids(np.flatnonzero(counts < 0))}
     result["ok"] = not any(result[k]["count"] for k in ("lost", "duplicated", "phantom", "unreadable"))
+    return result
+
+
+READ_FINDINGS = ("stale", "went_back", "dirty", "torn")
+
+
+def reads_verdict(reads: list[Read], ops: list[Op], final: np.ndarray) -> dict[str, Any]:
+    """Each read against what was known before it began and what the shards held at the end
+    (final[s, i], as counts in verdict), shard by shard:
+    - stale: it misses a push acknowledged before it began;
+    - went_back: it misses a push that a read which ended before it began showed;
+    - dirty: it shows a push the shard did not hold at the end (a reply showed an update
+      that was then lost);
+    - torn: its step is not the number of pushes it shows applied.
+    Totals, per shard, and the first few of each."""
+    shards, limit = final.shape
+    acked = sorted((op for op in ops if op.acked and op.end is not None), key=lambda op: op.end)
+    by_end = sorted(reads, key=lambda r: r.end)
+    known_acked, known_read = np.zeros(limit, dtype=bool), np.zeros((shards, limit), dtype=bool)
+    per_shard = {kind: [0] * shards for kind in READ_FINDINGS}
+    first: dict[str, list[dict[str, Any]]] = {kind: [] for kind in READ_FINDINGS}
+    next_ack = next_read = 0
+    for read in sorted(reads, key=lambda r: r.start):
+        while next_ack < len(acked) and acked[next_ack].end < read.start:  # type: ignore[operator]
+            known_acked[acked[next_ack].id] = True
+            next_ack += 1
+        while next_read < len(by_end) and by_end[next_read].end < read.start:
+            known_read |= by_end[next_read].counts > 0
+            next_read += 1
+        seen = read.counts > 0
+        for shard in range(shards):
+            found = {"stale": known_acked & ~seen[shard], "went_back": known_read[shard] & ~seen[shard],
+                     "dirty": seen[shard] & (final[shard] < 1),
+                     "torn": np.array([read.steps[shard] != int(read.counts[shard].sum())])}
+            for kind, ids in found.items():
+                if ids.any():
+                    per_shard[kind][shard] += 1
+                    if len(first[kind]) < 5:
+                        first[kind].append({"read_began": read.start, "shard": shard, "step": read.steps[shard],
+                                            "ids": [int(i) for i in np.flatnonzero(ids)[:10]] if kind != "torn" else []})
+    result: dict[str, Any] = {"reads": len(reads)}
+    for kind in READ_FINDINGS:
+        result[kind] = {"count": sum(per_shard[kind]), "by_shard": per_shard[kind], "first": first[kind]}
+    result["ok"] = not any(result[kind]["count"] for kind in READ_FINDINGS)
     return result

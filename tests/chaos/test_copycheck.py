@@ -89,6 +89,47 @@ def test_a_step_below_one_acknowledged_before_the_push_began_went_back() -> None
     assert found == [{"id": 1, "shard": 0, "step": 4, "seen_before": 5}]  # id 2 overlapped id 0: not ordered
 
 
+def read(start: float, end: float, *shown: list[int]) -> copyverdict.Read:
+    """A pull of two shards that showed push ids shown[s] applied once on shard s."""
+    counts = np.zeros((len(shown), 4), np.int16)
+    for shard, ids in enumerate(shown):
+        counts[shard, ids] = 1
+    return copyverdict.Read(start, end, [len(ids) for ids in shown], counts)
+
+
+def test_a_read_missing_a_push_acknowledged_or_shown_before_it_began_is_stale_or_went_back() -> None:
+    history = ops((0, 0.0, 1.0, True, [1, 1]), (1, 2.0, 3.0, True, [2, 2]), (2, 2.5, 6.0, True, [3, 3]))
+    final = np.ones((2, 4), np.int64)
+    final[:, 3] = 0
+    reads = [read(1.5, 1.8, [0], [0]),              # after push 0's acknowledgement: holds it
+             read(4.0, 4.5, [0], [0, 1]),           # push 1 acknowledged at 3.0, missing on shard 0: stale
+             read(2.6, 5.0, [0, 1, 2], [0, 1, 2]),  # push 2 in flight: may show it
+             read(5.5, 5.8, [0, 1], [0, 1, 2]),     # shard 0 lost push 2, shown by the read that ended at 5.0
+             read(7.0, 7.1, [0, 1, 2, 3], [0, 1, 2])]  # push 3 never held at the end: dirty
+    v = copyverdict.reads_verdict(reads, history, final)
+    assert v["reads"] == 5 and not v["ok"]
+    assert v["stale"]["by_shard"] == [1, 0] and v["stale"]["first"][0]["ids"] == [1]
+    assert v["went_back"]["by_shard"] == [1, 0] and v["went_back"]["first"][0]["ids"] == [2]
+    assert v["dirty"]["by_shard"] == [1, 0] and v["dirty"]["first"][0]["ids"] == [3]
+    assert v["torn"]["count"] == 0
+    assert copyverdict.reads_verdict(reads[:1] + reads[2:3], history, final)["ok"]
+
+
+def test_a_read_whose_step_is_not_the_pushes_it_shows_is_torn() -> None:
+    torn = read(1.5, 1.8, [0], [0])
+    torn.steps = [1, 2]
+    v = copyverdict.reads_verdict([torn], ops((0, 0.0, 1.0, True, [1, 1])), np.ones((2, 4), np.int64))
+    assert v["torn"]["by_shard"] == [0, 1] and not v["ok"]
+    assert copycheck.reads_unexplained(v, told=[0, 5]) == ["torn on shard 1"]
+
+
+def test_read_findings_on_a_shard_that_reported_a_loss_are_explained_by_it() -> None:
+    v = {kind: {"by_shard": [0, 0]} for kind in copyverdict.READ_FINDINGS}
+    v["stale"]["by_shard"] = [0, 2]
+    assert copycheck.reads_unexplained(v, told=[0, 3]) == []
+    assert copycheck.reads_unexplained(v, told=[3, 0]) == ["stale on shard 1"]
+
+
 def test_a_push_acknowledged_once_the_view_store_was_gone_for_a_lease_is_flagged() -> None:
     outage = {"kind": "store", "began": 100.0, "ended": 110.0}
     history = ops((1, 99.0, 102.0, True, [1, 1]),     # within the lease: the primary may still answer
@@ -174,6 +215,7 @@ def test_copies_under_faults_lose_nothing_acknowledged_and_apply_nothing_twice(p
     assert result["settled"] and not result["copies_differ"], result
     assert result["bulk_connections"] > 0, "no copy forwarded over an AES-GCM session, through its proxy"
     assert not result["acked_in_outages"], result["acked_in_outages"]
+    assert result["reads"]["reads"] > 5 and result["reads"]["ok"], result["reads"]
     assert result["ok"]
 
 
@@ -195,6 +237,7 @@ def test_kills_at_any_time_lose_nothing_silently_and_leave_the_copies_and_their_
     assert verdict["duplicated"]["count"] == 0 and verdict["phantom"]["count"] == 0, verdict
     assert all(verdict["steps_match_applied"]), verdict
     assert result["settled"] and not result["copies_differ"], result
+    assert not copycheck.reads_unexplained(result["reads"], result["reported_lost"]), result["reads"]
 
 
 @pytest.mark.slow
@@ -214,4 +257,6 @@ def test_a_journal_without_copies_loses_nothing_acknowledged_under_kills_at_any_
     assert all(verdict["steps_match_applied"]), verdict
     assert result.get("rows", {"ok": True})["ok"], result["rows"]
     assert result["reported_lost"] == [0, 0] and result["settled"], result
+    # a pull's reply waits for the disk too: no read showed what a restart did not bring back
+    assert result["reads"]["reads"] > 5 and result["reads"]["ok"], result["reads"]
 
