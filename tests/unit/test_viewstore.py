@@ -6,14 +6,17 @@ real API server: cluster/test_cluster_viewstore.py."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from distbelief.runtime import contract, errors
 from distbelief.runtime.shard.copies import stores
-from distbelief.runtime.shard.copies.viewstore import FileViewStore, MemoryViewStore, StoreUnavailable
+from distbelief.runtime.shard.copies.keeper import RENEWALS, Keeper
+from distbelief.runtime.shard.copies.viewstore import FileViewStore, MemoryViewStore, StoreUnavailable, ViewRecord
 from support.views import record
+from support.waiting import eventually
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -67,3 +70,38 @@ def test_the_environment_chooses_the_store(tmp_path: Path) -> None:
         stores.open_store(config, 0, {contract.ENV_VIEW_STORE: "etcd"})
     with pytest.raises(errors.ConfigError, match="ServiceAccount token"):
         stores.open_store(config, 0, {contract.ENV_VIEW_STORE: "kubernetes", "KUBERNETES_SERVICE_HOST": "10.0.0.1"})
+
+
+class OutStore(MemoryViewStore):
+    """A store that is out: every call fails, and is counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def read(self) -> tuple[ViewRecord | None, str]:
+        self.calls += 1
+        raise StoreUnavailable("out")
+
+    def compare_and_swap(self, version: str, record: ViewRecord) -> str | None:
+        self.calls += 1
+        raise StoreUnavailable("out")
+
+
+def test_claims_against_a_store_that_is_out_go_at_the_renewals_rate_not_at_every_decision() -> None:
+    """A backup decides every 0.1 s and claims again as soon as a claim failed: a store that
+    is out (an API server down) would get a request per decision from every copy."""
+    store = OutStore()
+    lease = 0.6
+    keeper = Keeper(store, shard=0, rank=1, lease_seconds=lease)
+    keeper.start()
+    try:
+        before, began = store.calls, time.monotonic()
+        while time.monotonic() - began < 1.2:   # two leases of a serving loop that claims whenever it may
+            keeper.claim("", record(2, primary=1))
+            eventually(lambda: keeper.claim_outcome() is not None, 5, 0.001, "the claim's outcome")
+            time.sleep(0.01)
+        calls = store.calls - before
+    finally:
+        keeper.close(release=False)
+    assert 2 <= calls <= 2 * RENEWALS + 2, calls

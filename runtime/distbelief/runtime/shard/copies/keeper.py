@@ -114,7 +114,8 @@ class Keeper:
         """Write record if the store still holds version (the outcome: claim_outcome())."""
         with self._lock:
             self._claim, self._outcome = (version, record), None
-        self._wake.set()
+        if self.unavailable_since is None:  # a store that is out is tried at the renewals' rate, not at every decision
+            self._wake.set()
 
     def claim_outcome(self) -> ViewRecord | bool | None:
         with self._lock:
