@@ -70,6 +70,7 @@ class ControlPlane:
     def __init__(self, bin_dir: Path, workdir: Path) -> None:
         self.bin, self.dir = bin_dir, workdir
         self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.arguments: dict[str, tuple[object, ...]] = {}   # each component's, to start it again
         self.admin_token = secrets.token_hex(16)
         self.user_token = secrets.token_hex(16)  # a user with no groups, for RBAC checks
         self.kubeconfig = workdir / "kubeconfig"
@@ -132,6 +133,19 @@ class ControlPlane:
                     process.wait()
         self.processes.clear()
 
+    def stop_component(self, component: str, sig: int = signal.SIGKILL) -> None:
+        """One component stopped (killed, by default), the others running on: an API server
+        outage, say."""
+        process = dict(self.processes)[component]
+        process.send_signal(sig)
+        process.wait(timeout=30)
+        self.processes = [(name, p) for name, p in self.processes if p is not process]
+
+    def start_component(self, component: str) -> None:
+        """A component stopped by stop_component, started again as it first ran, once ready."""
+        self._run(component, *self.arguments[component])
+        self._wait(component, self._api_ready if component == "kube-apiserver" else lambda: None)
+
     def audit(self, user: str, since: int = 0, stages: tuple[str, ...] = ("ResponseComplete",),
               ) -> tuple[list[dict], int]:
         """The audit log's requests by user from byte offset since on (by default the
@@ -174,6 +188,7 @@ class ControlPlane:
         self.kubeconfig.chmod(0o600)
 
     def _run(self, component: str, *args: object) -> None:
+        self.arguments[component] = args
         out = open(self.dir / "logs" / f"{component}.log", "wb")
         process = subprocess.Popen([str(self.bin / component), *map(str, args)], stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)

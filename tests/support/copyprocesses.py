@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import prometheus_client as prom
@@ -25,7 +25,9 @@ from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.params.dense_client import Float32Dense
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.shard.copies import forwarding, replication
-from distbelief.runtime.shard.copies.viewstore import FileViewStore, ViewRecord
+from distbelief.runtime.shard.copies.kubeapi import KubeApi
+from distbelief.runtime.shard.copies.kubelease import LeaseViewStore
+from distbelief.runtime.shard.copies.viewstore import FileViewStore, ViewRecord, ViewStore
 from distbelief.runtime.shard.copies.watch import COPY_STATUS, PRIMARY
 from distbelief.runtime.shard.core import Shard, ShardSettings
 from distbelief.runtime.transport import fanout, interface, zmq_transport
@@ -43,7 +45,24 @@ def layout() -> Layout:
     return Layout.of([("w", (VALUES,))], shards=1)
 
 
-def _serve_copy(rank: int, addresses: list[str], folder: str, store: str, checkpoint_every: float,
+class LeaseAt(NamedTuple):
+    """A shard's view in a Lease on a real API server (kubelease.py), as the copies reach it."""
+    server: str
+    token: str
+    ca_file: str
+    namespace: str
+    name: str = "copies-shard-0"
+
+
+def view_store(at: str | LeaseAt) -> ViewStore:
+    """The copies' view store: a file's path, or a Lease."""
+    if isinstance(at, str):
+        return FileViewStore(at)
+    api = KubeApi(at.server, token=at.token, ca_file=at.ca_file)
+    return LeaseViewStore(api, namespace=at.namespace, name=at.name)
+
+
+def _serve_copy(rank: int, addresses: list[str], folder: str, store: str | LeaseAt, checkpoint_every: float,
                 ready: Any) -> None:
     """A copy's process: the shard serves until SIGTERM (a final checkpoint) or SIGKILL."""
     logging.basicConfig(filename=os.path.join(folder, f"copy-{rank}.log"), level=logging.INFO,
@@ -54,7 +73,7 @@ def _serve_copy(rank: int, addresses: list[str], folder: str, store: str, checkp
     shard = Shard(settings, layout(), ShardMetrics(prom.CollectorRegistry(), 0))
     shard.attach(DenseSlice(shard, np.zeros(VALUES, np.float32), optimizer="sgd", learning_rate=1.0))
     shard.serve_copies(replication.Copies(shard, rank=rank, addresses=addresses, security=None,
-                                          store=FileViewStore(store), lease_seconds=LEASE_SECONDS))
+                                          store=view_store(store), lease_seconds=LEASE_SECONDS))
     shard.restore()
     signal.signal(signal.SIGTERM, lambda *_: shard.stop())
     threading.Thread(target=lambda: shard.ready.wait() and ready.set(), daemon=True).start()
@@ -62,19 +81,21 @@ def _serve_copy(rank: int, addresses: list[str], folder: str, store: str, checkp
 
 
 class CopyProcesses:
-    """The copies of shard 0, copy r serving at addresses[r] from folder/copy-r."""
+    """The copies of shard 0, copy r serving at addresses[r] from folder/copy-r; their view in
+    folder/views (local mode's store), or in a Lease."""
 
-    def __init__(self, folder: Path, count: int = 3, checkpoint_every: float = 1.0) -> None:
+    def __init__(self, folder: Path, count: int = 3, checkpoint_every: float = 1.0, lease: LeaseAt | None = None) -> None:
         self.folder, self.checkpoint_every = folder, checkpoint_every
         self.addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(count)]
-        self.store = FileViewStore(str(folder / "views" / "shard-0.json"))
+        self.store_at: str | LeaseAt = lease or str(folder / "views" / "shard-0.json")
+        self.store = view_store(self.store_at)
         self.processes: list[Any] = [None] * count
         self._context = multiprocessing.get_context("spawn")
 
     def start(self, rank: int) -> None:
         ready = self._context.Event()
         process = self._context.Process(target=_serve_copy, daemon=True, args=(
-            rank, self.addresses, str(self.folder), self.store.path, self.checkpoint_every, ready))
+            rank, self.addresses, str(self.folder), self.store_at, self.checkpoint_every, ready))
         process.start()
         assert ready.wait(60), f"copy {rank} did not start"
         self.processes[rank] = process
