@@ -16,6 +16,8 @@ saying why), and fails instead under CI=true. `sudo make test-nodes` runs it.
 from __future__ import annotations
 
 import os
+import signal
+from types import FrameType
 from typing import Callable, Iterator
 
 import pytest
@@ -38,13 +40,25 @@ def node_cluster(request: pytest.FixtureRequest) -> Iterator[nodes.NodeCluster]:
     for tool in ("kubectl", "helm"):
         if controlplane.tool(tool) is None:
             unavailable(f"no {tool}: `make kube-tools` fetches it")
-    cluster = nodes.NodeCluster().start()
-    nodes.NOTES.append(cluster.summary())
+    previous = signal.signal(signal.SIGTERM, interrupt_once)
     try:
-        yield cluster
+        cluster = nodes.NodeCluster().start()
+        nodes.NOTES.append(cluster.summary())
+        try:
+            yield cluster
+        finally:
+            keep = os.environ.get("DISTBELIEF_NODES_KEEP") == "1" or request.session.testsfailed > 0
+            cluster.stop(keep=keep)
     finally:
-        keep = os.environ.get("DISTBELIEF_NODES_KEEP") == "1" or request.session.testsfailed > 0
-        cluster.stop(keep=keep)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupt_once(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (a CI timeout, someone stopping the run) taken as Ctrl-C, so that pytest tears
+    the session down: the nodes' processes run in sessions of their own and would outlive
+    it. A second SIGTERM does not cut that teardown short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}: stopping the nodes")
 
 
 @pytest.fixture(scope="session")

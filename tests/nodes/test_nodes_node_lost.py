@@ -11,6 +11,7 @@ has its three nodes again for the other tests."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -95,6 +96,21 @@ def primary_off_the_chiefs_node(kubectl: Kubectl, namespace: str) -> str:
     return primary
 
 
+def takeover_seen(kubectl: Kubectl, namespace: str, release: str, primary: str, lost_node: str) -> None:
+    """Shard SHARD's primary in the job's status other than primary within 300 s; else an
+    AssertionError with what explains why not: the job's status, the shards' Leases (who
+    holds the view, renewed when) and the pods' logs, the backup's among them."""
+    try:
+        eventually(lambda: primary_of(kubectl, namespace) != primary, 300, 1,
+                   f"the copy of shard {SHARD} taking over from {primary} on the lost node {lost_node}")
+    except AssertionError as exc:
+        leases = [{"name": lease["metadata"]["name"], **lease["spec"], **lease["metadata"].get("annotations", {})}
+                  for lease in kubectl.json("get", "leases", "-n", namespace)["items"]]
+        raise AssertionError(f"{exc}\nstatus: {json.dumps(nodejobs.status_of(kubectl, namespace, NAME))}\n"
+                             f"leases: {json.dumps(leases)}\n"
+                             + nodejobs.diagnostics(kubectl, namespace, release)) from None
+
+
 def test_a_lost_node_leaves_the_shard_to_its_copy_and_the_job_succeeds_losing_nothing(
         node_cluster: NodeCluster, kubectl: Kubectl, release: str, namespace: str) -> None:
     job = lost_job()
@@ -109,8 +125,7 @@ def test_a_lost_node_leaves_the_shard_to_its_copy_and_the_job_succeeds_losing_no
     node_cluster.stop_node(lost_node)
     stopped = time.monotonic()
     try:
-        eventually(lambda: primary_of(kubectl, namespace) != primary, 300, 1,
-                   f"the copy of shard {SHARD} taking over from {primary} on the lost node {lost_node}")
+        takeover_seen(kubectl, namespace, release, primary, lost_node)
         TIMINGS.append(("node lost: node stopped -> the takeover in the job's status", time.monotonic() - stopped))
         # The node controller marks the Node unreachable, the job still training.
         eventually(lambda: not_ready(kubectl, lost_node), 600, 1, f"{lost_node} marked not Ready")
