@@ -15,7 +15,8 @@ takeover_window.py (how long a shard stands with fewer copies in sync after a ta
 partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
 data_bench.py (a replica's memory and input speed on file sources), reshard_bench.py (a
 dense job's checkpoints re-laid for another shard count), fanout_bench.py (a push's cost per
-shard, 1 to 64 shards), operator_bench.py and
+shard, 1 to 64 shards), dispenser_scale.py (the data dispenser's asks a second at 1 to 256
+replicas), operator_bench.py and
 operator_scale.py (the operator at --operator-jobs jobs on KWOK's fake nodes: issue 40's
 targets, printed with the others), shaped_scaling.py (examples/s against the shard count on
 a real node whose pods' links are shaped, beside torch DDP; its plot docs/scale.png).
@@ -218,6 +219,8 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
         results["reshard"] = relaid["reshard"]
     if fanout := run_json("fanout_bench.py", failures, "--runs", str(min(runs, 3))):
         results["fanout"] = fanout["fanout"]
+    if dispenser := run_json("dispenser_scale.py", failures):
+        results["dispenser_scale"] = dispenser["dispenser_scale"]
     results["examples_per_replica_s"] = per_replica(results)
     operator = run_json("operator_bench.py", failures, "--runs", str(runs))
     if "operator_create_to_children_s" in operator:

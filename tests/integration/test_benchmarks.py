@@ -14,6 +14,7 @@ from support.paths import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import dispenser_scale
 import e2e_bench
 import figures
 import heavy_tail_bench
@@ -289,3 +290,12 @@ def test_the_logistic_regression_reference_gives_unseen_and_missing_ids_no_colum
     assert [c.tolist() for c in columns] == [[5, 9], [7, 8]]
     test = heavy_tail_bench.one_hot(np.array([[9, 8], [6, -1], [-1, 7]]), columns, sp).toarray()
     assert test.tolist() == [[0, 1, 0, 1], [0, 0, 0, 0], [0, 0, 1, 0]]  # 6: unseen; -1: missing
+
+
+def test_the_dispenser_bench_serves_every_replica_thread_over_the_client_processes() -> None:
+    """Three replicas over two client processes against a dispenser process of its own:
+    asks answered in the window, their latencies, and both sides' CPU read from /proc."""
+    row = dispenser_scale.measure(replicas=3, clients=2, seconds=0.5)
+    assert row["replicas"] == 3 and row["asks_per_s"] > 10, row
+    assert 0 < row["ask_ms_p50"] <= row["ask_ms_p99"], row
+    assert row["dispenser_cores"] > 0 and row["clients_cores"] > 0, row
