@@ -69,7 +69,8 @@ kube-tools: venv
 test: install kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" VENV=$(VENV) tools/test-tiers
 
-# The chaos tier: local jobs under injected faults and the copies checker (4 to 6 minutes).
+# The chaos tier: local jobs under injected faults, the copies checker, and the protocol
+# fuzzed against a live shard (about 9 minutes).
 test-chaos: install
 	$(BIN)/pytest -q --durations=10 tests/chaos
 
