@@ -18,7 +18,7 @@ import pytest
 
 from support import controlplane
 from support.cluster import unavailable
-from support.copyprocesses import LEASE_SECONDS, CopyProcesses, LeaseAt, Pushes, applied_counts
+from support.copyprocesses import LEASE_SECONDS, CopyProcesses, LeaseAt, Pushes, final_verdict
 from support.paths import REPO
 from support.waiting import eventually
 
@@ -88,11 +88,7 @@ def test_with_the_api_server_hung_then_stopped_the_copies_acknowledge_nothing_an
         eventually(copies.in_sync, 60, what="both copies in sync again")
     finally:
         pushes.stop()
-    counts, step = applied_counts(copies)
-    copies.stop()
-    verdict = copyverdict.verdict(pushes.history, counts[None, :], [step], limit=counts.size)
-    found = {k: verdict[k] for k in ("acknowledged", "indeterminate", "lost", "duplicated", "phantom", "went_back",
-                                     "steps", "applied")}
+    verdict, found = final_verdict(copies, pushes, copyverdict.verdict)
     for outage in outages:
         ends = [op.end for op in pushes.history if op.acked]
         outage.update(last_ack_into=round(max(e for e in ends if e < outage["ended"]) - outage["began"], 2),

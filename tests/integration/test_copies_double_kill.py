@@ -12,7 +12,7 @@ import numpy as np
 
 from distbelief.runtime.transport import zmq_transport
 
-from support.copyprocesses import CopyProcesses, Pushes, applied_counts, push_as_one_peer
+from support.copyprocesses import CopyProcesses, Pushes, applied_counts, final_verdict, push_as_one_peer
 from support.paths import REPO
 from support.waiting import eventually
 
@@ -53,11 +53,7 @@ def test_killing_the_primary_and_then_the_copy_that_took_over_loses_and_repeats_
         eventually(lambda: pushes.acknowledged() >= resumed + 20, 30, what="pushes go on")
     finally:
         pushes.stop()
-    counts, step = applied_counts(copies)
-    copies.stop()
-    verdict = copyverdict.verdict(pushes.history, counts[None, :], [step], limit=counts.size)
-    found = {k: verdict[k] for k in ("acknowledged", "indeterminate", "lost", "duplicated", "phantom", "went_back",
-                                     "steps", "applied")}
+    verdict, found = final_verdict(copies, pushes, copyverdict.verdict)
     print(kills, found)
     assert verdict["lost"]["count"] == 0 and verdict["duplicated"]["count"] == 0, found
     assert not verdict["went_back"] and verdict["phantom"]["count"] == 0, found

@@ -223,6 +223,16 @@ def push_as_one_peer(link: interface.Link, seq: int, push_id: int) -> protocol.H
     return taken[0]
 
 
+def final_verdict(copies: CopyProcesses, pushes: Pushes, verdict: Any) -> tuple[dict, dict]:
+    """Stop the copies and judge the pushes' history by what the primary holds (verdict:
+    benchmarks/copyverdict.py's); the verdict, and the figures a failure should show."""
+    counts, step = applied_counts(copies)
+    copies.stop()
+    judged = verdict(pushes.history, counts[None, :], [step], limit=counts.size)
+    return judged, {k: judged[k] for k in ("acknowledged", "indeterminate", "lost", "duplicated", "phantom", "went_back",
+                                           "steps", "applied")}
+
+
 def applied_counts(copies: CopyProcesses) -> tuple[np.ndarray, int]:
     """How many times each push id was applied, as the primary's parameters say, and its step."""
     group = ShardGroup([copies.addresses], layout(), timeouts=Timeouts(request=1.0, unavailable=60.0))
