@@ -1,7 +1,7 @@
 """Local mode's shard count changes: a suspended run's checkpoints re-laid for another shard
-count hold the same model and optimizer state bit for bit, training resumes at the same
-step, and a reshard killed after any change to the folder loses nothing and finishes when
-run again."""
+count hold the same model and optimizer state bit for bit (embedding rows included),
+training resumes at the same step, and a reshard killed after any change to the folder
+loses nothing and finishes when run again."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import yaml
 from distbelief.operator.local import outputdir, resharding
 from distbelief.operator.local.localpods import volume_dir
 from distbelief.runtime import contract
+from distbelief.runtime.params.rows import rowcheckpoint
 from support.cli import run_cli
 from support.examples import load_example
 from support.localruns import restored_steps, suspend_at
@@ -130,3 +131,52 @@ def test_a_new_shard_count_with_shard_copies_is_refused_by_name_and_the_folder_k
         f"error: {output}: resharding a job with shard copies (spec.parameterServers.backups) is not supported; "
         "run it on 2 shards, or --fresh")
     assert _whole_layout(output, before) == 2 and not (output / resharding.WORK).exists()
+
+
+def ctr(shards: int) -> dict[str, Any]:
+    doc = copy.deepcopy(load_example("ctr-sparse.yaml"))
+    doc["spec"]["parameterServers"]["shards"] = shards
+    doc["spec"]["training"]["maxSteps"] = 600
+    return doc
+
+
+def rows_and_dense(output: Path, shards: int) -> tuple[dict[int, bytes], dict[str, np.ndarray]]:
+    """Every embedding row's state by key, read from the shards' newest checkpoints (and
+    their row files) as a restore does, and the dense state laid end to end."""
+    found: dict[int, bytes] = {}
+    ckpts = []
+    for shard in range(shards):
+        folder = volume_dir(str(output), f"ctr-sparse-ps-{shard}", contract.CHECKPOINT_VOLUME)
+        ckpt = outputdir.newest(folder)
+        assert ckpt is not None, f"shard {shard} of {shards} has no checkpoint in {output}"
+        ckpts.append(ckpt)
+        for (keys, values, accumulators, touched), _ in rowcheckpoint.saved_parts(ckpt, folder, ckpt.meta["sparseDim"]):
+            found.update({int(k): values[i].tobytes() + accumulators[i].tobytes() + touched[i].tobytes()
+                          for i, k in enumerate(keys)})
+    return found, {name: np.concatenate([c.arrays[name] for c in ckpts]) for name in STATE}
+
+
+def test_a_suspended_job_with_embeddings_resharded_holds_every_row_and_trains_on(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    code, summary = suspend_at(ctr(2), output, 300)
+    assert code == 130 and summary["phase"] == "Suspended"
+    rows_before, dense_before = rows_and_dense(output, 2)
+    assert len(rows_before) > 1000
+
+    copied = tmp_path / "copied"
+    shutil.copytree(output, copied)
+    done = run_cli("reshard", str(copied), "--shards", "3")
+    assert done.returncode == 0, done.stderr
+    rows_after, dense_after = rows_and_dense(copied, 3)
+    assert rows_after == rows_before and same_bits(dense_after, dense_before)
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(ctr(3)))
+    ran = run_cli("run", str(job), "--output", str(output), "--no-progress")
+    assert ran.returncode == 0, ran.stderr
+    (announced,) = [line for line in ran.stdout.splitlines() if line.startswith("resharded from 2 to 3 shards")]
+    step = int(announced.rsplit(" ", 1)[1])
+    for shard in range(3):
+        assert restored_steps(output / "logs" / f"ctr-sparse-ps-{shard}.log")[0] == step
+    report = yaml.safe_load((output / "report.json").read_text())
+    assert report["phase"] == "Succeeded" and report["globalStep"] >= 600, report

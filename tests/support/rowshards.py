@@ -22,12 +22,14 @@ FULL_ROWS = 100  # tables of more rows are written as a base and deltas
 LAYOUT = Layout.of([("w", (2,))], shards=1)
 
 
-def make_shard(folder: Path, dim: int = DIM, row_bytes: int = (DIM + 5) * 4, **options: object) -> Shard:
-    """A shard with only the rows plugin, restored from folder; not serving: the tests drive
-    its table and its checkpoints from this thread. Tables over FULL_ROWS rows of row_bytes
-    are written as a base and deltas."""
-    shard = Shard(ShardSettings(shard=0, bind="tcp://127.0.0.1:*", checkpoint_dir=str(folder), checkpoint_every=1e9,
-                                checkpoint_keep=KEEP), LAYOUT, ShardMetrics(prom.CollectorRegistry(), 0))
+def make_shard(folder: Path, dim: int = DIM, row_bytes: int = (DIM + 5) * 4, *, index: int = 0,
+               layout: Layout = LAYOUT, **options: object) -> Shard:
+    """Shard `index` of layout with only the rows plugin, restored from folder; not serving:
+    the tests drive its table and its checkpoints from this thread. Tables over FULL_ROWS
+    rows of row_bytes are written as a base and deltas."""
+    shard = Shard(ShardSettings(shard=index, bind="tcp://127.0.0.1:*", checkpoint_dir=str(folder),
+                                checkpoint_every=1e9, checkpoint_keep=KEEP), layout,
+                  ShardMetrics(prom.CollectorRegistry(), index))
     shard.attach(SparseRows(shard, dim=dim, learning_rate=LR, seed=SEED,
                             full_write_bytes=FULL_ROWS * row_bytes, **options))
     shard.restore()

@@ -1,7 +1,8 @@
 """An output folder's checkpoints re-laid for another shard count, in steps a crash cannot
 leave half done (`distbelief reshard`, and `distbelief run` with a new spec.parameterServers.shards).
 
-The re-cut itself is the runtime's (shard/reshard.py). Here the folders move, under
+The re-cut itself is the runtime's (params/rows/rowrecut.py: the dense state and the
+embedding rows). Here the folders move, under
 <output>/reshard/:
 
     staged/<pod>/   each new shard pod's checkpoint folder: its re-cut checkpoint and, for
@@ -29,8 +30,9 @@ from distbelief.operator.local import outputdir
 from distbelief.operator.local.localpods import volume_dir
 from distbelief.operator.render import podparts
 from distbelief.runtime import contract, errors
+from distbelief.runtime.params.rows.rowrecut import recut
 from distbelief.runtime.shard import checkpoint
-from distbelief.runtime.shard.reshard import Recut, recut
+from distbelief.runtime.shard.reshard import Recut
 from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -112,14 +114,13 @@ def reshard(output: str, config: contract.JobConfig, after: Layout) -> Resharded
     if unsupported:
         raise errors.ReshardError(f"{output}: resharding a job with {unsupported} is not supported; run it on "
                                   f"{before.shards} shards, or --fresh")
-    old = []
-    for shard in range(before.shards):
-        folder = _checkpoints(output, names.shard_pod(shard))
+    old, folders = [], [_checkpoints(output, names.shard_pod(shard)) for shard in range(before.shards)]
+    for shard, folder in enumerate(folders):
         ckpt = outputdir.newest(folder, copy=False)
         if ckpt is None:
             raise errors.ReshardError(f"shard {shard} has no checkpoint that verifies in {folder}")
         old.append(ckpt)
-    new = recut(old, before, after)
+    new = recut(old, folders, before, after)
     changes = _Changes()
     old_pods = [names.shard_pod(s) for s in range(before.shards)]
     new_pods = [names.shard_pod(s) for s in range(after.shards)]

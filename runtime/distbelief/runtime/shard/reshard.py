@@ -10,8 +10,9 @@ unchanged, so the model and optimizer state after a reshard are those before it.
 The new checkpoints take the global step (shard 0's, the chief's) and shard 0's figures
 (start time, examples, restarts, the job's uid); the peers' last commands are dropped: the
 replicas start over on the new layout, and a resend of the old one is refused by its
-layout hash. What cannot be re-cut is refused by name: embedding rows, metadata that
-differs between the shards (a Sandblaster coordinator's state), a finished job.
+layout hash. What cannot be re-cut is refused by name: metadata that differs between the
+shards (a Sandblaster coordinator's state), a finished job, and embedding rows, which are
+hashed to shards rather than cut (params/rows/rowrecut.py moves them, then calls this).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _check(old: Sequence[checkpoint.Checkpoint], before: Layout, after: Layout) 
                                       f"expected shard {shard} of {before.hash:016x}")
         if any(key in ckpt.meta for key in ROWS_META):
             raise errors.ReshardError(f"{where} holds embedding rows (spec.model.embeddings): "
-                                      "resharding a job with embeddings is not supported")
+                                      "re-hash them (params/rows/rowrecut.py), a dense re-cut does not carry them")
         if ckpt.meta.get("finished"):
             raise errors.ReshardError(f"{where}: the job has finished; there is nothing to resume")
         if set(ckpt.arrays) != names:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -139,53 +139,71 @@ class RowCheckpoints:
         """Load the table a checkpoint holds or names; how many rows. CorruptCheckpoint when a
         file of its chain is missing, damaged or not the one named."""
         chain = ckpt.meta.get(CHAIN)
-        if chain is None:
-            names = [STATE_PREFIX + field for field in ("keys", "values", "accumulators", "touched")]
-            if names[1] in ckpt.arrays:
-                self.table.load(*rows_of([ckpt.arrays[n] for n in names], self.table.dim,
-                                         float(ckpt.meta.get("sparseTouchBase", 0.0))),
-                                extra=extra_of(ckpt.arrays, STATE_PREFIX))
-            else:  # written before the job had embeddings: the table starts empty
-                self.table.load(*rows_of([np.empty(0, np.float32)] * 4, self.table.dim, 0.0))
-        else:
+        if chain is not None:
             checkpoint.remove_partial_writes(self.folder, SUFFIX)
-            for position, entry in enumerate(chain):
-                part = self._read(entry, ckpt.step, "base" if position == 0 else "delta")
-                rows = rows_of([part.arrays[n] for n in ("keys", "values", "accumulators", "touched")],
-                               self.table.dim, float(part.meta.get("touchBase", 0.0)))
-                (self.table.load if position == 0 else self.table.put)(*rows, extra=extra_of(part.arrays))
+        for position, (rows, extra) in enumerate(saved_parts(ckpt, self.main_folder, self.table.dim)):
+            (self.table.load if position == 0 else self.table.put)(*rows, extra=extra)
         self.chain = [dict(entry) for entry in chain or []]
         return self.table.n  # no row is dirty: load() clears the flags and put() sets none
 
-    def _read(self, entry: Any, step: int, kind: str) -> checkpoint.Checkpoint:
-        name = str(entry.get("file")) if isinstance(entry, dict) else ""
-        path = os.path.join(self.folder, name)
-        try:
-            if os.path.basename(name) != name or not name.endswith(SUFFIX):
-                raise errors.CorruptCheckpoint(f"{name!r} is not a row file's name")
-            part = checkpoint.load(path)
-            if part.sha256 != entry.get("sha256"):
-                raise errors.CorruptCheckpoint(f"{path}: not the file the checkpoint names (SHA-256 differs)")
-            if (part.layout, part.shard, part.meta.get("kind")) != (self.layout, self.shard, kind):
-                raise errors.CorruptCheckpoint(f"{path}: not a {kind} of shard {self.shard}'s rows in this layout")
-        except errors.CorruptCheckpoint as exc:
-            if os.path.isfile(path):
-                os.replace(path, path + ".corrupt")
-            raise errors.CorruptCheckpoint(f"the rows of the checkpoint of step {step} cannot be restored: {exc}") \
-                from exc
-        return part
+
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # keys, values [n, dim], accumulators, touched
+
+
+def saved_parts(ckpt: checkpoint.Checkpoint, folder: str, dim: int) -> Iterator[tuple[Rows, dict[str, np.ndarray]]]:
+    """The rows a shard's checkpoint in folder holds or names, with their optional arrays by
+    the table's names: the whole table, or a base then its deltas (each updating and adding
+    rows). CorruptCheckpoint when a file of the chain is missing, damaged or not the one named."""
+    chain = ckpt.meta.get(CHAIN)
+    if chain is None:
+        names = [STATE_PREFIX + field for field in ("keys", "values", "accumulators", "touched")]
+        if names[1] in ckpt.arrays:
+            yield (rows_of([ckpt.arrays[n] for n in names], dim, float(ckpt.meta.get("sparseTouchBase", 0.0))),
+                   extra_of(ckpt.arrays, STATE_PREFIX))
+        else:  # written before the job had embeddings: the table starts empty
+            yield rows_of([np.empty(0, np.float32)] * 4, dim, 0.0), {}
+        return
+    for position, entry in enumerate(chain):
+        part = _read(os.path.join(folder, FOLDER), entry, ckpt, "base" if position == 0 else "delta")
+        yield (rows_of([part.arrays[n] for n in ("keys", "values", "accumulators", "touched")], dim,
+                       float(part.meta.get("touchBase", 0.0))), extra_of(part.arrays))
+
+
+def _read(folder: str, entry: Any, ckpt: checkpoint.Checkpoint, kind: str) -> checkpoint.Checkpoint:
+    name = str(entry.get("file")) if isinstance(entry, dict) else ""
+    path = os.path.join(folder, name)
+    try:
+        if os.path.basename(name) != name or not name.endswith(SUFFIX):
+            raise errors.CorruptCheckpoint(f"{name!r} is not a row file's name")
+        part = checkpoint.load(path)
+        if part.sha256 != entry.get("sha256"):
+            raise errors.CorruptCheckpoint(f"{path}: not the file the checkpoint names (SHA-256 differs)")
+        if (part.layout, part.shard, part.meta.get("kind")) != (ckpt.layout, ckpt.shard, kind):
+            raise errors.CorruptCheckpoint(f"{path}: not a {kind} of shard {ckpt.shard}'s rows in this layout")
+    except errors.CorruptCheckpoint as exc:
+        if os.path.isfile(path):
+            os.replace(path, path + ".corrupt")
+        raise errors.CorruptCheckpoint(f"the rows of the checkpoint of step {ckpt.step} cannot be restored: {exc}") \
+            from exc
+    return part
 
 
 def row_arrays(table: RowTable, rows: slice | np.ndarray) -> tuple[dict[str, np.ndarray], float]:
     """Some rows of a table as float32 arrays, and the second their last-push times count from."""
-    touched = table.touched[rows]
+    extra = {attribute: getattr(table, attribute)[rows] for attribute in EXTRA.values()
+             if getattr(table, attribute) is not None}
+    return arrays_of((table.keys[rows], table.values[rows], table.accumulators[rows], table.touched[rows]), extra)
+
+
+def arrays_of(rows: Rows, extra: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+    """Rows as a checkpoint's float32 arrays, and the second their last-push times count from."""
+    keys, values, accumulators, touched = rows
     base = float(touched.min()) if touched.size else 0.0
-    arrays = {"keys": key_parts(table.keys[rows]), "values": table.values[rows],
-              "accumulators": table.accumulators[rows], "touched": (touched - base).astype(np.float32)}
+    arrays = {"keys": key_parts(keys), "values": values, "accumulators": accumulators,
+              "touched": (touched - base).astype(np.float32)}
     for name, attribute in EXTRA.items():
-        array = getattr(table, attribute)
-        if array is not None:
-            arrays[name] = array[rows].astype(np.float32)
+        if attribute in extra:
+            arrays[name] = extra[attribute].astype(np.float32)
     return arrays, base
 
 
@@ -194,7 +212,7 @@ def extra_of(arrays: Mapping[str, np.ndarray], prefix: str = "") -> dict[str, np
     return {attribute: arrays[prefix + name] for name, attribute in EXTRA.items() if prefix + name in arrays}
 
 
-def rows_of(arrays: list[np.ndarray], dim: int, touch_base: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def rows_of(arrays: list[np.ndarray], dim: int, touch_base: float) -> Rows:
     """(keys, values, accumulators, touched) back from row_arrays' arrays."""
     keys, values, accumulators, touched = arrays
     return (keys_from_parts(keys), values.reshape(accumulators.size, dim), accumulators,
