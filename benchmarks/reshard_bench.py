@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""Resharding a dense job's checkpoints (issue 39): the time of `distbelief reshard`'s work
-on a folder of 90M parameters with Adagrad's accumulators, 2 -> 3 and 4 -> 2 shards,
-against the time to write and then read one checkpoint of every shard (the target: under
-2x). Synthetic checkpoints in a local output folder's layout; the re-cut, staging, plan and
+"""Resharding a job's checkpoints (issue 39): the time of `distbelief reshard`'s work, 2 -> 3
+and 4 -> 2 shards, against the time to write and then read one checkpoint of every shard
+(the target: under 2x), for
+- a dense job of 90M parameters with Adagrad's accumulators;
+- the 800M-parameter embedding table: 50M rows x 16 with their Adagrad accumulators,
+  written as the shards write a table that size (a base file of rows, named by the
+  checkpoint) and read as a restore reads it.
+Synthetic checkpoints in a local output folder's layout; the re-cut, staging, plan and
 moves are the product's (operator/local/resharding.py), fsyncs included.
 
-    python benchmarks/reshard_bench.py [--params 90000000] [--runs 3] [--json FILE]
+    python benchmarks/reshard_bench.py [--params 90000000] [--rows 50000000] [--runs 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -24,11 +28,15 @@ from distbelief.operator.local import outputdir, resharding
 from distbelief.operator.local.localpods import volume_dir
 from distbelief.operator.validation import spec
 from distbelief.runtime import contract
+from distbelief.runtime.params.rows.rowcheckpoint import RowCheckpoints, saved_parts
+from distbelief.runtime.params.rows.rowtable import RowTable
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.wire.layout import Layout
+from distbelief.runtime.wire.rowkeys import owner_of
 from figures import summarize
 
 CASES = ((2, 3), (4, 2))
+ROW_DIM, ROWS_DENSE = 16, [("w", (1000, 16))]  # the embedding job's dense part: small beside its rows
 
 
 def config_of(shards: int) -> contract.JobConfig:
@@ -51,19 +59,54 @@ def write_checkpoints(output: str, names: contract.JobNames, layout: Layout, rng
     return time.perf_counter() - started
 
 
+def write_row_checkpoints(output: str, names: contract.JobNames, layout: Layout, rows: int,
+                          rng: np.random.Generator) -> float:
+    """Every shard's checkpoint of an embedding job with `rows` rows in all, each row on the
+    shard its key hashes to, written as the shard writes it: the seconds it took."""
+    keys = np.arange(rows, dtype=np.int64)
+    owners = owner_of(keys, layout.shards)
+    took = 0.0
+    for shard in range(layout.shards):
+        mine = keys[owners == shard]
+        table = RowTable(ROW_DIM, learning_rate=0.05, seed=1)
+        table.load(mine, rng.standard_normal((mine.size, ROW_DIM), dtype=np.float32),
+                   rng.random(mine.size, dtype=np.float32), np.full(mine.size, 1.7e9))
+        folder = volume_dir(output, names.shard_pod(shard), contract.CHECKPOINT_VOLUME)
+        started = time.perf_counter()
+        arrays, meta = RowCheckpoints(table, folder, shard=shard, layout=layout.hash).state(1000)
+        arrays.update({"params": np.zeros(layout.size(shard), np.float32),
+                       "adagrad_accumulator": np.zeros(layout.size(shard), np.float32)})
+        checkpoint.save(folder, checkpoint.Checkpoint(step=1000, layout=layout.hash, shard=shard, arrays=arrays,
+                                                      meta={**meta, "sparseDim": ROW_DIM, "sparseWide": 0}), keep=2)
+        took += time.perf_counter() - started
+        del table, arrays
+    return took
+
+
 def read_checkpoints(output: str, names: contract.JobNames, shards: int) -> float:
+    """Every shard's newest checkpoint read and checked as a restore does, rows included."""
     started = time.perf_counter()
     for shard in range(shards):
-        assert outputdir.newest(volume_dir(output, names.shard_pod(shard), contract.CHECKPOINT_VOLUME))
+        folder = volume_dir(output, names.shard_pod(shard), contract.CHECKPOINT_VOLUME)
+        ckpt = outputdir.newest(folder)
+        assert ckpt is not None
+        if "sparseDim" in ckpt.meta:
+            assert sum(rows[0].size for rows, _ in saved_parts(ckpt, folder, ROW_DIM))
     return time.perf_counter() - started
 
 
-def one_run(params: int, before: int, after: int, seed: int) -> dict[str, float]:
-    shapes = [("w", (params // 1000, 1000))]
+def one_run(size: int, before: int, after: int, seed: int, *, rows: bool) -> dict[str, float]:
+    """One reshard of `size` dense parameters, or of `size` embedding rows beside a small
+    dense part, timed against writing and reading one checkpoint set."""
+    shapes = ROWS_DENSE if rows else [("w", (size // 1000, 1000))]
     config = config_of(after)
     with tempfile.TemporaryDirectory(prefix="reshard-bench-") as output:
         os.sync()   # each timing starts with no other write in flight
-        written = write_checkpoints(output, config.names, Layout.of(shapes, before), np.random.default_rng(seed))
+        rng = np.random.default_rng(seed)
+        if rows:
+            written = write_row_checkpoints(output, config.names, Layout.of(shapes, before), size, rng)
+        else:
+            written = write_checkpoints(output, config.names, Layout.of(shapes, before), rng)
         os.sync()
         read = read_checkpoints(output, config.names, before)
         started = time.perf_counter()
@@ -75,24 +118,39 @@ def one_run(params: int, before: int, after: int, seed: int) -> dict[str, float]
             "ratio": resharded / (written + read)}
 
 
+def cases(size: int, runs: int, *, rows: bool) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    what = f"{size:,} embedding rows x {ROW_DIM} + Adagrad" if rows else f"{size:,} parameters + Adagrad"
+    for before, after in CASES:
+        done = [one_run(size, before, after, seed, rows=rows) for seed in range(runs)]
+        key = f"{before}->{after}"
+        results[key] = {name: summarize([run[name] for run in done]) for name in done[0]}
+        figures = results[key]
+        print(f"{key} shards, {what}: reshard {figures['reshard_s']['median']:.2f} s, "
+              f"write {figures['write_s']['median']:.2f} s + read {figures['read_s']['median']:.2f} s, "
+              f"ratio {figures['ratio']['median']:.2f} (target < 2)", flush=True)
+    return results
+
+
+def peak_mib() -> int:
+    """This process's peak resident memory so far."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=90_000_000)
+    parser.add_argument("--rows", type=int, default=50_000_000, help="embedding rows of 16 (0: none)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results: dict[str, dict] = {}
-    for before, after in CASES:
-        runs = [one_run(args.params, before, after, seed) for seed in range(args.runs)]
-        key = f"{before}->{after}"
-        results[key] = {name: summarize([run[name] for run in runs]) for name in runs[0]}
-        figures = results[key]
-        print(f"{key} shards, {args.params:,} parameters + Adagrad: reshard {figures['reshard_s']['median']:.2f} s, "
-              f"write {figures['write_s']['median']:.2f} s + read {figures['read_s']['median']:.2f} s, "
-              f"ratio {figures['ratio']['median']:.2f} (target < 2)", flush=True)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    report = {"reshard": {"params": args.params, "cases": results, "peak_rss_mib": round(peak_mib)}}
-    print(f"peak resident memory {peak_mib:,.0f} MiB")
+    report = {"reshard": {"params": args.params, "cases": cases(args.params, args.runs, rows=False),
+                          "peak_rss_mib": peak_mib()}}
+    if args.rows:
+        report["reshard"].update({"rows": args.rows, "row_cases": cases(args.rows, args.runs, rows=True),
+                                  "row_peak_rss_mib": peak_mib()})
+    print(f"peak resident memory {report['reshard']['peak_rss_mib']:,} MiB dense, "
+          f"{report['reshard'].get('row_peak_rss_mib', 0):,} MiB with the rows")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

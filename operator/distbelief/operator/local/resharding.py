@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+from typing import Iterable
 
 from distbelief.operator.local import outputdir
 from distbelief.operator.local.localpods import volume_dir
@@ -126,7 +127,7 @@ def reshard(output: str, config: contract.JobConfig, after: Layout) -> Resharded
     new_pods = [names.shard_pod(s) for s in range(after.shards)]
     _stage(output, old_pods, new_pods, new, changes)
     _commit(output, old_pods, new_pods, changes)
-    step = new[0].header.step
+    step = old[0].step
     log.info("event=resharded output=%s before=%d after=%d step=%d", output, before.shards, after.shards, step)
     return Resharded(before.shards, after.shards, step)
 
@@ -151,7 +152,7 @@ def reshard_folder(output: str, shards: int) -> Resharded | None:
         return reshard(output, job.config, after)
 
 
-def _stage(output: str, old_pods: list[str], new_pods: list[str], new: list[Recut], changes: _Changes) -> None:
+def _stage(output: str, old_pods: list[str], new_pods: list[str], new: Iterable[Recut], changes: _Changes) -> None:
     work = os.path.join(output, WORK)
     for pod, shard in zip(new_pods, new):
         staged = os.path.join(work, "staged", pod)

@@ -175,7 +175,7 @@ def _read(folder: str, entry: Any, ckpt: checkpoint.Checkpoint, kind: str) -> ch
     try:
         if os.path.basename(name) != name or not name.endswith(SUFFIX):
             raise errors.CorruptCheckpoint(f"{name!r} is not a row file's name")
-        part = checkpoint.load(path)
+        part = checkpoint.load(path, copy=False)  # read-only views: a restore copies the rows into its table
         if part.sha256 != entry.get("sha256"):
             raise errors.CorruptCheckpoint(f"{path}: not the file the checkpoint names (SHA-256 differs)")
         if (part.layout, part.shard, part.meta.get("kind")) != (ckpt.layout, ckpt.shard, kind):
@@ -195,10 +195,13 @@ def row_arrays(table: RowTable, rows: slice | np.ndarray) -> tuple[dict[str, np.
     return arrays_of((table.keys[rows], table.values[rows], table.accumulators[rows], table.touched[rows]), extra)
 
 
-def arrays_of(rows: Rows, extra: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
-    """Rows as a checkpoint's float32 arrays, and the second their last-push times count from."""
+def arrays_of(rows: Rows, extra: Mapping[str, np.ndarray],
+              base: float | None = None) -> tuple[dict[str, np.ndarray], float]:
+    """Rows as a checkpoint's float32 arrays, and the second their last-push times count from
+    (base; None: the earliest of theirs)."""
     keys, values, accumulators, touched = rows
-    base = float(touched.min()) if touched.size else 0.0
+    if base is None:
+        base = float(touched.min()) if touched.size else 0.0
     arrays = {"keys": key_parts(keys), "values": values, "accumulators": accumulators,
               "touched": (touched - base).astype(np.float32)}
     for name, attribute in EXTRA.items():
@@ -222,7 +225,10 @@ def rows_of(arrays: list[np.ndarray], dim: int, touch_base: float) -> Rows:
 def key_parts(keys: np.ndarray) -> np.ndarray:
     """Keys as [n, 3] float32 integers below 2**21: exact, and finite as checkpoints require."""
     mask = (1 << KEY_PART_BITS) - 1
-    return np.stack([(keys >> (KEY_PART_BITS * i)) & mask for i in range(3)], axis=1).astype(np.float32)
+    parts = np.empty((keys.size, 3), dtype=np.float32)
+    for i in range(3):
+        parts[:, i] = (keys >> (KEY_PART_BITS * i)) & mask
+    return parts
 
 
 def keys_from_parts(parts: np.ndarray) -> np.ndarray:

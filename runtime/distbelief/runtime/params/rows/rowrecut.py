@@ -19,7 +19,7 @@ shard's rows are read before the new ones are laid: about twice the table's memo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -44,29 +44,47 @@ class ShardRows:
 
 
 def recut(old: Sequence[checkpoint.Checkpoint], folders: Sequence[str], before: Layout,
-          after: Layout) -> list[reshard.Recut]:
+          after: Layout) -> Iterator[reshard.Recut]:
     """The checkpoints of `after`'s shards holding exactly the state of `old` (one per shard
-    of `before`, in order, each read from its folder in `folders`, where its row files are).
-    ReshardError names what cannot be re-cut."""
+    of `before`, in order, each read from its folder in `folders`, where its row files are),
+    in shard order. Each one's rows are laid in buffers the next one reuses: write it before
+    taking the next. ReshardError, raised before any is given, names what cannot be re-cut."""
     if not any(DIM in ckpt.meta for ckpt in old):
-        return reshard.recut(old, before, after)
+        return iter(reshard.recut(old, before, after))
     dim, wide = _row_shape(old)
     saved = [_shard_rows(ckpt, folder, dim, old[0].step) for ckpt, folder in zip(old, folders)]
     new = reshard.recut([_without_rows(ckpt) for ckpt in old], before, after)
+    # One base for every new shard's last-push seconds: each old shard's rows are laid as
+    # checkpoint arrays once, and each new shard's gathered from those.
+    touch_base = min((float(shard.rows[3].min()) for shard in saved if shard.rows[3].size), default=0.0)
     owners = [owner_of(shard.rows[0], after.shards) for shard in saved]
+    laid = [arrays_of(shard.rows, shard.extra, touch_base)[0] for shard in saved]
     admission = _summed([shard.admission for shard in saved])
     for recut in new:
-        mine = [owner == recut.header.shard for owner in owners]
-        rows: Rows = tuple(np.concatenate([shard.rows[i][m] for shard, m in zip(saved, mine)])  # type: ignore[assignment]
-                           for i in range(4))
-        extra = {name: np.concatenate([shard.extra[name][m] for shard, m in zip(saved, mine)])
-                 for name in saved[0].extra}
-        arrays, touch_base = arrays_of(rows, extra)
-        recut.pieces.update({STATE_PREFIX + name: [array] for name, array in arrays.items()})
+        recut.header.meta.update({DIM: dim, WIDE: wide, "sparseTouchBase": touch_base})
         if admission is not None:
             recut.pieces[ADMISSION] = [admission]
-        recut.header.meta.update({DIM: dim, WIDE: wide, "sparseRows": int(rows[0].size), "sparseTouchBase": touch_base})
-    return new
+    return _with_rows(new, owners, laid)
+
+
+def _with_rows(new: list[reshard.Recut], owners: list[np.ndarray],
+               laid: list[dict[str, np.ndarray]]) -> Iterator[reshard.Recut]:
+    """Each new shard with its rows gathered from every old shard's, into one buffer per
+    array that every new shard reuses: fresh memory is costly to fault in, and a table's
+    rows are most of a job's state."""
+    mine = [[np.flatnonzero(owner == recut.header.shard) for owner in owners] for recut in new]
+    most = max(sum(rows.size for rows in shard) for shard in mine)
+    buffers = {name: np.empty((most, *array.shape[1:]), array.dtype) for name, array in laid[0].items()}
+    for recut, rows_of_old in zip(new, mine):
+        count = sum(rows.size for rows in rows_of_old)
+        for name, buffer in buffers.items():
+            start = 0
+            for arrays, rows in zip(laid, rows_of_old):
+                np.take(arrays[name], rows, axis=0, out=buffer[start:start + rows.size], mode="clip")  # clip: not buffered
+                start += rows.size
+            recut.pieces[STATE_PREFIX + name] = [buffer[:count]]
+        recut.header.meta["sparseRows"] = count
+        yield recut
 
 
 def _row_shape(old: Sequence[checkpoint.Checkpoint]) -> tuple[int, int]:
@@ -87,15 +105,18 @@ def _shard_rows(ckpt: checkpoint.Checkpoint, folder: str, dim: int, step: int) -
     names = {frozenset(extra) for _, extra in parts}
     if len(names) != 1:
         raise errors.ReshardError(f"shard {ckpt.shard}'s row files differ in the arrays they hold: {sorted(map(sorted, names))}")
-    rows = tuple(np.concatenate([part[0][i] for part in parts]) for i in range(4))
-    extra = {name: np.concatenate([part[1][name] for part in parts]) for name in parts[0][1]}
-    _, newest_first = np.unique(rows[0][::-1], return_index=True)
-    last = rows[0].size - 1 - newest_first
+    (rows, extra), *deltas = parts
+    if deltas:  # a key in several files: its last one holds the row
+        rows = tuple(np.concatenate([part[0][i] for part in parts]) for i in range(4))  # type: ignore[assignment]
+        extra = {name: np.concatenate([part[1][name] for part in parts]) for name in extra}
+        _, newest_first = np.unique(rows[0][::-1], return_index=True)
+        last = rows[0].size - 1 - newest_first
+        rows = tuple(array[last] for array in rows)  # type: ignore[assignment]
+        extra = {name: array[last] for name, array in extra.items()}
     stepped = extra.get(rowtable.STEPPED)
     if stepped is not None:
         extra[rowtable.STEPPED] = np.maximum(stepped.astype(np.float64) + (step - ckpt.step), 0.0)
-    return ShardRows(tuple(array[last] for array in rows),  # type: ignore[arg-type]
-                     {name: array[last] for name, array in extra.items()}, ckpt.arrays.get(ADMISSION))
+    return ShardRows(rows, extra, ckpt.arrays.get(ADMISSION))
 
 
 def _without_rows(ckpt: checkpoint.Checkpoint) -> checkpoint.Checkpoint:
