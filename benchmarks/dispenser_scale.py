@@ -112,15 +112,23 @@ def measure(replicas: int, clients: int, seconds: float) -> dict:
             "dispenser_cores": round(used[0], 2), "clients_cores": round(sum(used[1:]), 2)}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def scale_arguments(doc: str) -> argparse.Namespace:
+    """The options of a bench of one role against 1 to 256 replica threads (this one's and
+    sandblaster_scale.py's); --replicas as a list of counts."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--replicas", default="1,16,64,256")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--clients", type=int, default=2, help="processes the replica threads are spread over")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    args.replicas = [int(n) for n in args.replicas.split(",")]
+    return args
+
+
+def main() -> int:
+    args = scale_arguments(__doc__)
     rows = []
-    for replicas in (int(n) for n in args.replicas.split(",")):
+    for replicas in args.replicas:
         rows.append(measure(replicas, args.clients, args.seconds))
         print(rows[-1], flush=True)
     save({"dispenser_scale": rows}, args.json)

@@ -14,9 +14,10 @@ long), backups_bench.py (shard copies), copycheck.py (shard copies under faults:
 takeover_window.py (how long a shard stands with fewer copies in sync after a takeover),
 partition_bench.py (model-parallel replicas), staleness_bench.py (bounded staleness),
 data_bench.py (a replica's memory and input speed on file sources), reshard_bench.py (a
-dense job's checkpoints re-laid for another shard count), fanout_bench.py (a push's cost per
-shard, 1 to 64 shards), dispenser_scale.py (the data dispenser's asks a second at 1 to 256
-replicas), operator_bench.py and
+dense job's and the 50M-row embedding table's checkpoints re-laid for another shard count),
+fanout_bench.py (a push's cost per shard, 1 to 64 shards), dispenser_scale.py (the data
+dispenser's asks a second at 1 to 256 replicas), sandblaster_scale.py (Sandblaster's
+coordinator at 1 to 256 replicas), operator_bench.py and
 operator_scale.py (the operator at --operator-jobs jobs on KWOK's fake nodes: issue 40's
 targets, printed with the others), shaped_scaling.py (examples/s against the shard count on
 a real node whose pods' links are shaped, beside torch DDP; its plot docs/scale.png).
@@ -96,9 +97,12 @@ TARGETS: list[tuple[str, FigurePath, FigurePath | None, float | None, str]] = [
      ("time_to_accuracy_mnist_s", "single_process"), None, "max"),
     ("time to 0.94 distbelief / torch DDP gloo", ("time_to_accuracy_mnist_s", "distbelief"),
      ("time_to_accuracy_mnist_s", "torch_ddp_gloo"), None, "max"),
-    # Issue 39: a reshard of 90M parameters against writing and reading one checkpoint of it.
+    # Issue 39: a reshard of 90M parameters, and of the 50M-row embedding table, against writing
+    # and reading one checkpoint of it.
     ("reshard 2->3 / (write + read)", ("reshard", "cases", "2->3", "ratio"), None, 2.0, "max"),
     ("reshard 4->2 / (write + read)", ("reshard", "cases", "4->2", "ratio"), None, 2.0, "max"),
+    ("reshard rows 2->3 / (write + read)", ("reshard", "row_cases", "2->3", "ratio"), None, 2.0, "max"),
+    ("reshard rows 4->2 / (write + read)", ("reshard", "row_cases", "4->2", "ratio"), None, 2.0, "max"),
 ]
 
 
@@ -221,6 +225,8 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
         results["fanout"] = fanout["fanout"]
     if dispenser := run_json("dispenser_scale.py", failures):
         results["dispenser_scale"] = dispenser["dispenser_scale"]
+    if coordinator := run_json("sandblaster_scale.py", failures):
+        results["sandblaster_scale"] = coordinator["sandblaster_scale"]
     results["examples_per_replica_s"] = per_replica(results)
     operator = run_json("operator_bench.py", failures, "--runs", str(runs))
     if "operator_create_to_children_s" in operator:

@@ -20,6 +20,8 @@ import figures
 import heavy_tail_bench
 import mnist_sized
 import plot_results
+import reshard_bench
+import sandblaster_scale
 import run_all
 import sparse_table_bench
 
@@ -299,3 +301,22 @@ def test_the_dispenser_bench_serves_every_replica_thread_over_the_client_process
     assert row["replicas"] == 3 and row["asks_per_s"] > 10, row
     assert 0 < row["ask_ms_p50"] <= row["ask_ms_p99"], row
     assert row["dispenser_cores"] > 0 and row["clients_cores"] > 0, row
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_the_reshard_bench_times_the_product_s_reshard_against_one_write_and_read(rows: bool) -> None:
+    """Small folders through the same path as the 90M-parameter and 50M-row figures: the
+    reshard completes (the run checks its announcement) and its ratio is of the times taken."""
+    run = reshard_bench.one_run(20_000, 2, 3, seed=0, rows=rows)
+    assert run["write_s"] > 0 and run["read_s"] > 0 and run["reshard_s"] > 0
+    assert run["ratio"] == pytest.approx(run["reshard_s"] / (run["write_s"] + run["read_s"]))
+
+
+def test_the_sandblaster_bench_runs_real_replicas_against_the_coordinator_and_reads_each_side_s_cpu() -> None:
+    """Three replicas over two client processes against 2 shards and the coordinator of a
+    process of their own: evaluations and units counted in the window, and the coordinator's
+    thread's CPU apart from its process's."""
+    row = sandblaster_scale.measure(replicas=3, clients=2, seconds=1.5, examples=4 * 3 * sandblaster_scale.UNIT)
+    assert row["replicas"] == 3 and row["units_per_evaluation"] == 12, row
+    assert row["evaluations_per_s"] > 0 and row["units_per_s"] >= 12 * row["evaluations_per_s"] * 0.5, row
+    assert 0 < row["coordinator_cores"] <= row["shards_process_cores"] and row["replicas_cores"] > 0, row

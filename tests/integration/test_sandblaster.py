@@ -15,6 +15,7 @@ import pytest
 import scipy.optimize
 import zmq
 
+from support import shards as shards_support
 from support.examples import load_example
 from distbelief.operator.local import local, report
 from distbelief.operator.render import render
@@ -30,10 +31,10 @@ from distbelief.runtime.algorithms.sandblaster.vectors import ShardVectors, Slot
 from distbelief.runtime.algorithms.sandblaster.workqueue import WorkQueue
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.model import data, models
-from distbelief.runtime.observe.metrics import CoordinatorMetrics, ShardMetrics, WorkerMetrics
+from distbelief.runtime.observe.metrics import CoordinatorMetrics, WorkerMetrics
 from distbelief.runtime.params.dense import DenseSlice
 from distbelief.runtime.params.dense_client import Float32Dense
-from distbelief.runtime.shard.core import Shard, ShardSettings
+from distbelief.runtime.shard.core import Shard
 from distbelief.runtime.wire import protocol
 from distbelief.runtime.wire.layout import Layout
 
@@ -102,15 +103,20 @@ class Clock:
         return self.now
 
 
-def test_units_go_out_in_order_then_as_backups_and_the_first_result_wins():
-    queue = WorkQueue(total=100, unit_size=30, backups=True, clock=Clock())
+def test_units_go_out_in_order_then_as_backups_of_stragglers_and_the_first_result_wins():
+    clock = Clock()
+    queue = WorkQueue(total=100, unit_size=30, backups=True, clock=clock)
     queue.begin(7)
     assert queue.units == 4
     units = [queue.assign(worker) for worker in (1, 2, 3, 1)]
     assert [(u.start, u.stop) for u in units] == [(0, 30), (30, 60), (60, 90), (90, 100)]
+    clock.now = 1.0
     for unit, worker in zip(units[1:], (2, 3, 1)):
         assert queue.complete(worker, 7, unit.unit, 0.25)
-    backup = queue.assign(2)          # replica 1's first unit is the only one left
+    # Replica 1's first unit is the only one left, out for 1 s, as long as the others took.
+    assert queue.assign(2) is None and queue.stats.backups == 0  # not a straggler yet
+    clock.now = 2.0 + 1e-6                                     # out longer than BACKUP_AFTER x 1 s
+    backup = queue.assign(2)
     assert backup.unit == units[0].unit and queue.stats.backups == 1
     assert queue.assign(1) is None    # it holds that unit already: nothing useful for it
     assert queue.complete(2, 7, backup.unit, 0.25) and queue.finished
@@ -119,11 +125,23 @@ def test_units_go_out_in_order_then_as_backups_and_the_first_result_wins():
     assert not queue.complete(1, 6, 0, 9.0)               # a result of an old evaluation
 
 
+def test_no_backup_goes_out_before_a_unit_is_done_to_time_the_others_by():
+    clock = Clock()
+    queue = WorkQueue(total=40, unit_size=10, backups=True, clock=clock)
+    queue.begin(3)
+    assert [queue.assign(w).unit for w in (1, 2, 3, 4)] == [0, 1, 2, 3]
+    clock.now = 20.0
+    assert queue.assign(5) is None and queue.stats.backups == 0
+    clock.now = 31.0                  # but a unit gone quiet goes out again, as without backups
+    assert queue.assign(5).unit == 0
+
+
 def test_a_unit_is_held_only_by_the_replicas_it_went_to_in_its_evaluation():
     """The coordinator takes a result (or a 'lost' that forces a rollback) only from them."""
-    queue = WorkQueue(100, 50, backups=True)
+    clock = Clock()
+    queue = WorkQueue(100, 50, backups=True, clock=clock)
     queue.begin(7)
-    assert queue.assign(b"a").unit == 0 and queue.assign(b"b").unit == 1 and queue.assign(b"c").unit in (0, 1)
+    assert queue.assign(b"a").unit == 0 and queue.assign(b"b").unit == 1
     assert queue.holds(b"a", 7, 0) and not queue.holds(b"b", 7, 0) and not queue.holds(b"a", 6, 0)
     assert queue.complete(b"a", 7, 0, 0.5)
     assert queue.holds(b"a", 7, 0)  # a late copy of a done unit still comes from a holder
@@ -145,19 +163,7 @@ def test_without_backups_a_unit_goes_out_again_only_after_it_went_quiet():
 
 
 def start_vector_shards(folder: Path, layout: Layout, initial: np.ndarray) -> list[Shard]:
-    shards = []
-    for index in range(layout.shards):
-        shard = Shard(ShardSettings(shard=index, bind="tcp://127.0.0.1:*", checkpoint_dir=str(folder / f"shard-{index}"),
-                                    checkpoint_every=3600),
-                      layout, ShardMetrics(prom.CollectorRegistry(), index))
-        dense = DenseSlice(shard, initial, optimizer="adagrad", learning_rate=0.1, pushes=False)
-        shard.attach(dense)
-        shard.attach(ShardVectors(shard, dense, HISTORY))
-        shard.restore()
-        threading.Thread(target=shard.serve, daemon=True).start()
-        assert shard.ready.wait(10)
-        shards.append(shard)
-    return shards
+    return shards_support.start_vector_shards(folder, layout, initial, HISTORY).shards
 
 
 def group_of(shards: list[Shard], layout: Layout, **kwargs) -> ShardGroup:
@@ -336,13 +342,14 @@ SLOW = 0.25  # seconds a straggler adds to each work unit (the others take about
 
 def test_backup_tasks_keep_a_slow_replica_from_holding_up_the_batch(tmp_path, convex_problem):
     """One replica of three takes SLOW s longer per unit. With backups, its units are
-    redone by the others and its late results dropped; the factor against a run with no
-    straggler is printed (docs/benchmarks.md), not asserted: it is wall time."""
+    redone by the others once they straggle, and its late results dropped; the factor
+    against a run with no straggler is printed (docs/benchmarks.md), not asserted: it is
+    wall time."""
     clean, _ = _evaluation_seconds(tmp_path / "clean", convex_problem)
     without, plain = _evaluation_seconds(tmp_path / "no-backups", convex_problem, backups=False, delays=[SLOW])
     slowed, coordinator = _evaluation_seconds(tmp_path / "backups", convex_problem, delays=[SLOW])
     stats = coordinator.queue.stats
-    assert stats.backups > 0 and stats.duplicates > 0
+    assert stats.backups > 0
     assert plain.queue.stats.backups == 0
     print(f"evaluation seconds: clean {clean:.3f}, straggler without backups {without:.3f}, "
           f"with backups {slowed:.3f}; factors {without / clean:.1f}x and {slowed / clean:.1f}x")

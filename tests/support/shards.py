@@ -11,6 +11,7 @@ import numpy as np
 import prometheus_client as prom
 
 from distbelief.runtime.algorithms.downpour.updates import DownpourUpdates
+from distbelief.runtime.algorithms.sandblaster.vectors import ShardVectors
 from distbelief.runtime.client.group import ShardGroup, Timeouts
 from distbelief.runtime.observe.metrics import ShardMetrics
 from distbelief.runtime.params.dense import DenseSlice
@@ -50,16 +51,35 @@ def start_shards(folder: Path, layout: Layout, initial: np.ndarray, *,
                  attach: Callable[[Shard], None] = lambda shard: None, **settings: Any) -> LiveShards:
     """Downpour's shards: a dense slice of initial and Downpour's update hook (warm-start with
     warmstart_steps), and whatever attach adds to each."""
-    shards, threads = [], []
     warmstart_steps = settings.pop("warmstart_steps", 0)
     optimizer = {"optimizer": settings.pop("optimizer", "adagrad"), "learning_rate": settings.pop("learning_rate", 0.1),
                  "max_gradient_norm": settings.pop("max_gradient_norm", 1e4),
                  "wire_format": settings.pop("wire_format", "float32")}
+
+    def downpour(shard: Shard) -> None:
+        shard.attach(DenseSlice(shard, initial, **optimizer))
+        shard.watch_updates(DownpourUpdates(shard, warmstart_steps=warmstart_steps))
+        attach(shard)
+    return serve_shards(folder, layout, downpour, **settings)
+
+
+def start_vector_shards(folder: Path, layout: Layout, initial: np.ndarray, history: int) -> LiveShards:
+    """Sandblaster's shards: a dense slice of initial that takes no push, and the L-BFGS
+    vectors of `history` steps beside it."""
+    def sandblaster(shard: Shard) -> None:
+        dense = DenseSlice(shard, initial, optimizer="adagrad", learning_rate=0.1, pushes=False)
+        shard.attach(dense)
+        shard.attach(ShardVectors(shard, dense, history))
+    return serve_shards(folder, layout, sandblaster, checkpoint_every=3600)
+
+
+def serve_shards(folder: Path, layout: Layout, attach: Callable[[Shard], None], **settings: Any) -> LiveShards:
+    """Every shard of layout, with what attach gives each, restored from folder/shard-N and
+    serving from a thread of its own."""
+    shards, threads = [], []
     for index in range(layout.shards):
         options = {"bind": "tcp://127.0.0.1:*", "checkpoint_dir": str(folder / f"shard-{index}"), **settings}
         shard = Shard(ShardSettings(shard=index, **options), layout, ShardMetrics(prom.CollectorRegistry(), index))
-        shard.attach(DenseSlice(shard, initial, **optimizer))
-        shard.watch_updates(DownpourUpdates(shard, warmstart_steps=warmstart_steps))
         attach(shard)
         shard.restore()
         thread = threading.Thread(target=shard.serve, daemon=True)

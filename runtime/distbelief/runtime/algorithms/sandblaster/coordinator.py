@@ -181,6 +181,8 @@ class Coordinator:
             if self._stop.is_set():
                 raise errors.Stopped("stopped during an evaluation")
             self._serve(POLL_SECONDS)
+            for worker in list(self._idle):  # a unit out too long became a straggler: a waiting replica backs it up
+                self._hand_out(worker)
         self._verify(evaluation)
         self.metrics.evaluations.inc()
         self.on_evaluated(self.settings.examples)
@@ -246,7 +248,7 @@ class Coordinator:
         backups = self.queue.stats.backups
         unit = self.queue.assign(worker)
         if unit is None:
-            return  # stays idle until the next evaluation starts
+            return  # stays idle until a unit straggles or the next evaluation starts
         del self._idle[worker]
         self.metrics.units.inc()
         self.metrics.backups.inc(self.queue.stats.backups - backups)

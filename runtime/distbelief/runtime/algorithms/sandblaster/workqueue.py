@@ -3,7 +3,11 @@
 A batch of `total` examples is cut into units of `unit_size`. Units go out in order to
 replicas as they ask. Once every unit is out, a replica that asks again gets a copy of an
 unfinished unit it does not hold (the one with the fewest copies, oldest first): a backup
-task. The first result for a unit counts; later ones are dropped. A unit whose every copy
+task, but only of a straggler, a unit out for longer than BACKUP_AFTER times the median
+time the units done in this evaluation took. Without that, every replica idle at an
+evaluation's tail would take a copy of a unit handed out a moment before: at 256 replicas
+that was 28 % of the units handed out (docs/scale.md). The first result for a unit counts;
+later ones are dropped. A unit whose every copy
 has been out longer than `reissue_after` seconds may go out again even with backups off,
 so a replica that died holding units never stalls the evaluation.
 """
@@ -15,13 +19,18 @@ import time
 from typing import Callable, Hashable
 from collections import deque
 
+import numpy as np
+
 from distbelief.runtime.algorithms.sandblaster.ops import WorkUnit
+
+BACKUP_AFTER = 2.0
 
 
 @dataclasses.dataclass
 class _Outstanding:
     holders: set[Hashable]
-    issued_at: float
+    issued_at: float   # its latest copy
+    first_issued_at: float
 
 
 @dataclasses.dataclass
@@ -45,12 +54,13 @@ class WorkQueue:
         self._outstanding: dict[int, _Outstanding] = {}
         self._done: set[int] = set()
         self._handed: dict[int, set[Hashable]] = {}  # unit -> every replica it went to, this evaluation
+        self._took: list[float] = []  # seconds from its first copy to its result, per unit done this evaluation
         self.objective = 0.0
 
     def begin(self, evaluation: int) -> None:
         self.evaluation = evaluation
         self._pending = deque(range(self.units))
-        self._outstanding, self._done, self._handed = {}, set(), {}
+        self._outstanding, self._done, self._handed, self._took = {}, set(), {}, []
         self.objective = 0.0
 
     @property
@@ -69,7 +79,7 @@ class WorkQueue:
         now = self.clock()
         if self._pending:
             index = self._pending.popleft()
-            self._outstanding[index] = _Outstanding({worker}, now)
+            self._outstanding[index] = _Outstanding({worker}, now, now)
         else:
             backup = self._backup_for(worker, now)
             if backup is None:
@@ -84,8 +94,11 @@ class WorkQueue:
         return self.unit(index)
 
     def _backup_for(self, worker: Hashable, now: float) -> int | None:
+        straggling = BACKUP_AFTER * float(np.median(self._took)) if self._took else None
         candidates = [(len(e.holders), e.issued_at, i) for i, e in self._outstanding.items()
-                      if worker not in e.holders and (self.backups or now - e.issued_at >= self.reissue_after)]
+                      if worker not in e.holders and (
+                          (self.backups and straggling is not None and now - e.issued_at > straggling)
+                          or now - e.issued_at >= self.reissue_after)]
         if not candidates:
             stale = [(e.issued_at, i) for i, e in self._outstanding.items() if now - e.issued_at >= self.reissue_after]
             return min(stale)[1] if stale else None  # even the holder may retry a unit long gone quiet
@@ -101,7 +114,7 @@ class WorkQueue:
             if evaluation == self.evaluation and unit in self._done:
                 self.stats.duplicates += 1
             return False
-        del self._outstanding[unit]
+        self._took.append(self.clock() - self._outstanding.pop(unit).first_issued_at)
         self._done.add(unit)
         self.objective += loss
         return True
