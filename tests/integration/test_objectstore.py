@@ -124,7 +124,9 @@ def test_a_local_job_trains_from_the_bucket(tmp_path, credentials):
     code = local.LocalRun(DistBeliefJob.validated(doc), str(tmp_path / "out")).run(progress=False)
     summary = json.loads((tmp_path / "out" / report.REPORT_FILE).read_text())
     assert code == 0 and summary["reason"] == "TargetAccuracyReached" and summary["accuracy"] >= 0.95
-    assert summary["epoch"] >= 1
+    # Streamed: at least half the bucket's units (of 3 per file) went through before the target
+    # stopped the run; the target comes before a whole epoch in some runs (0.83 in one).
+    assert summary["epoch"] >= 0.5
 
 
 def test_credentials_reach_the_pods_from_the_secret_never_the_config_map():
