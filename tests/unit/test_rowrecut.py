@@ -98,3 +98,19 @@ def test_rows_of_another_shape_on_one_shard_are_refused() -> None:
            for s in range(2)]
     with pytest.raises(errors.ReshardError, match="differ in shape"):
         recut(old, ["a", "b"], layout, Layout.of(SHAPES, 3))
+
+
+def test_shards_whose_rows_carry_different_state_are_refused_naming_each(tmp_path: Path) -> None:
+    """A job whose embeddings gained lazy L2 between two shards' checkpoints."""
+    layout = Layout.of(SHAPES, 2)
+    plain = {**OPTIONS, "l2": 0.0}
+    shards = [make_shard(tmp_path / f"old-{s}", index=s, layout=layout, **(OPTIONS if s else plain)) for s in range(2)]
+    for shard in shards:
+        keys = np.arange(40)[owner_of(np.arange(40), 2) == shard.index]
+        table(shard).update(keys, np.ones((keys.size, DIM), np.float32), 1000.0, occurrences=np.full(keys.size, 2),
+                            step=shard.step)
+        shard.step += 1
+        shard.checkpoint_now()
+    with pytest.raises(errors.ReshardError, match="shard 0: occurrences, wide_accumulators, 1048576 admission counters; "
+                                                  "shard 1: occurrences, stepped, wide_accumulators"):
+        resharded(shards, tmp_path / "there", 3)

@@ -10,8 +10,9 @@ embedding rows). Here the folders move, under
     plan.json       written last, atomically: the commit point
     old/<pod>/      each old checkpoint folder, moved aside as its staged one moves in
 
-Until plan.json exists the old folders are untouched, and an interrupted reshard is rolled
-back (reshard/ deleted). Once it exists the reshard is rolled forward: per pod, its folder
+Until plan.json exists the old folders are untouched (but for a damaged row file, set aside
+as *.corrupt as a restore would), and an interrupted reshard is rolled back (reshard/
+deleted). Once it exists the reshard is rolled forward: per pod, its folder
 is moved aside, then its staged one moved into place, each rename checked before it is
 made, so running recover() again after a crash at any point finishes it.
 """

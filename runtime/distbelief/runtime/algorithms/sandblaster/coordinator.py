@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 from distbelief.runtime import errors, keys
+from distbelief.runtime.algorithms.chiefport import ASK_POLICY
 from distbelief.runtime.algorithms.sandblaster import ops
 from distbelief.runtime.algorithms.sandblaster.lbfgs import Lbfgs, LbfgsSettings, LbfgsState
 from distbelief.runtime.algorithms.sandblaster.ops import SandblasterShards, UnitResult, VectorCode, VectorCommand
@@ -71,7 +72,7 @@ class Coordinator:
         self._server: interface.Server | None = None
         # Replicas waiting for a unit, by the routing id of their connection (which a peer
         # cannot forge, unlike the worker id in its header); the longest waiting go first.
-        self._idle: OrderedDict[bytes, Header] = OrderedDict()
+        self._idle: OrderedDict[bytes, tuple[Header, float]] = OrderedDict()  # replica -> its ask, and when
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
 
     # -- life cycle ------------------------------------------------------------------------
@@ -175,14 +176,12 @@ class Coordinator:
         evaluation = random.getrandbits(63) or 1
         self.space.check(self.shards.begin_evaluation(evaluation, self.queue.units))
         self.queue.begin(evaluation)
-        for worker in list(self._idle):
-            self._hand_out(worker)
+        self._offer()
         while not self.queue.finished:
             if self._stop.is_set():
                 raise errors.Stopped("stopped during an evaluation")
             self._serve(POLL_SECONDS)
-            for worker in list(self._idle):  # a unit out too long became a straggler: a waiting replica backs it up
-                self._hand_out(worker)
+            self._offer()  # a unit out too long became a straggler: a waiting replica backs it up
         self._verify(evaluation)
         self.metrics.evaluations.inc()
         self.on_evaluated(self.settings.examples)
@@ -211,7 +210,7 @@ class Coordinator:
         if request is None or incoming is None:
             return  # dropped: nothing a replica could mistake for work
         header, result = request.header, request.meta
-        self._idle[incoming.peer] = header
+        self._idle[incoming.peer] = (header, time.monotonic())
         if len(self._idle) > MAX_IDLE:
             self._idle.popitem(last=False)  # one gone for longest: it asks again if it lives
         if result is not None:
@@ -243,8 +242,19 @@ class Coordinator:
         self.queue.complete(worker, result.evaluation, result.unit, result.loss)
         self.metrics.duplicates.inc(self.queue.stats.duplicates - before)
 
+    def _offer(self) -> None:
+        """Work for the replicas waiting, the latest to ask first. One that has waited longer
+        than a replica's link waits for an answer asked again on a fresh connection: its old
+        one is dropped, not handed units that no one would compute."""
+        now = time.monotonic()
+        for worker in reversed(list(self._idle)):
+            if now - self._idle[worker][1] > ASK_POLICY.attempt:
+                del self._idle[worker]
+            else:
+                self._hand_out(worker)
+
     def _hand_out(self, worker: bytes) -> None:
-        header = self._idle[worker]
+        header, _ = self._idle[worker]
         backups = self.queue.stats.backups
         unit = self.queue.assign(worker)
         if unit is None:
@@ -260,7 +270,7 @@ class Coordinator:
 
     def _answer_done_until_stopped(self) -> None:
         """The job is over: every replica that asks (or waits) hears so, until shard 0 exits."""
-        for identity, header in self._idle.items():
+        for identity, (header, _) in self._idle.items():
             self._reply(identity, header, Status.DONE)
         self._idle.clear()
         while not self._stop.is_set():

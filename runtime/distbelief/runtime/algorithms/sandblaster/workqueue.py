@@ -6,8 +6,9 @@ unfinished unit it does not hold (the one with the fewest copies, oldest first):
 task, but only of a straggler, a unit out for longer than BACKUP_AFTER times the median
 time the units done in this evaluation took. Without that, every replica idle at an
 evaluation's tail would take a copy of a unit handed out a moment before: at 256 replicas
-that was 28 % of the units handed out (docs/scale.md). The first result for a unit counts;
-later ones are dropped. A unit whose every copy
+that was 28 % of the units handed out (docs/scale.md). Before any unit is done there is no
+straggler: units held by replicas that all died go out again after `reissue_after`. The
+first result for a unit counts; later ones are dropped. A unit whose every copy
 has been out longer than `reissue_after` seconds may go out again even with backups off,
 so a replica that died holding units never stalls the evaluation.
 """
@@ -55,12 +56,14 @@ class WorkQueue:
         self._done: set[int] = set()
         self._handed: dict[int, set[Hashable]] = {}  # unit -> every replica it went to, this evaluation
         self._took: list[float] = []  # seconds from its first copy to its result, per unit done this evaluation
+        self._straggling = (0, 0.0)   # (units done, the threshold they give)
         self.objective = 0.0
 
     def begin(self, evaluation: int) -> None:
         self.evaluation = evaluation
         self._pending = deque(range(self.units))
         self._outstanding, self._done, self._handed, self._took = {}, set(), {}, []
+        self._straggling = (0, 0.0)
         self.objective = 0.0
 
     @property
@@ -93,8 +96,15 @@ class WorkQueue:
         self._handed.setdefault(index, set()).add(worker)
         return self.unit(index)
 
+    def _straggling_after(self) -> float | None:
+        """Seconds out past which a unit is a straggler; None before any unit is done. Taken
+        once per unit done: every waiting replica asks at an evaluation's tail."""
+        if self._took and self._straggling[0] != len(self._took):
+            self._straggling = (len(self._took), BACKUP_AFTER * float(np.median(self._took)))
+        return self._straggling[1] if self._took else None
+
     def _backup_for(self, worker: Hashable, now: float) -> int | None:
-        straggling = BACKUP_AFTER * float(np.median(self._took)) if self._took else None
+        straggling = self._straggling_after()
         candidates = [(len(e.holders), e.issued_at, i) for i, e in self._outstanding.items()
                       if worker not in e.holders and (
                           (self.backups and straggling is not None and now - e.issued_at > straggling)

@@ -175,7 +175,7 @@ def _read(folder: str, entry: Any, ckpt: checkpoint.Checkpoint, kind: str) -> ch
     try:
         if os.path.basename(name) != name or not name.endswith(SUFFIX):
             raise errors.CorruptCheckpoint(f"{name!r} is not a row file's name")
-        part = checkpoint.load(path, copy=False)  # read-only views: a restore copies the rows into its table
+        part = checkpoint.load(path, copy=False)  # views: a restore copies the rows into its table
         if part.sha256 != entry.get("sha256"):
             raise errors.CorruptCheckpoint(f"{path}: not the file the checkpoint names (SHA-256 differs)")
         if (part.layout, part.shard, part.meta.get("kind")) != (ckpt.layout, ckpt.shard, kind):

@@ -53,6 +53,7 @@ def recut(old: Sequence[checkpoint.Checkpoint], folders: Sequence[str], before: 
         return iter(reshard.recut(old, before, after))
     dim, wide = _row_shape(old)
     saved = [_shard_rows(ckpt, folder, dim, old[0].step) for ckpt, folder in zip(old, folders)]
+    _check_alike(saved)
     new = reshard.recut([_without_rows(ckpt) for ckpt in old], before, after)
     # One base for every new shard's last-push seconds: each old shard's rows are laid as
     # checkpoint arrays once, and each new shard's gathered from those.
@@ -114,9 +115,20 @@ def _shard_rows(ckpt: checkpoint.Checkpoint, folder: str, dim: int, step: int) -
         rows = tuple(array[last] for array in rows)  # type: ignore[assignment]
         extra = {name: array[last] for name, array in extra.items()}
     stepped = extra.get(rowtable.STEPPED)
-    if stepped is not None:
+    if stepped is not None:  # held unsigned: a shard ahead of `step` by d loses up to d steps of a row pushed in its first d
         extra[rowtable.STEPPED] = np.maximum(stepped.astype(np.float64) + (step - ckpt.step), 0.0)
     return ShardRows(rows, extra, ckpt.arrays.get(ADMISSION))
+
+
+def _check_alike(saved: list[ShardRows]) -> None:
+    """Every shard's rows carry the same optional arrays and admission counters (a job's
+    spec.model.embeddings changed between the shards' checkpoints: they cannot be merged)."""
+    kinds = [(sorted(shard.extra), None if shard.admission is None else shard.admission.size) for shard in saved]
+    if any(kind != kinds[0] for kind in kinds):
+        described = "; ".join(f"shard {index}: {', '.join(extra) or 'no optional arrays'}, "
+                              f"{'no' if counters is None else counters} admission counters"
+                              for index, (extra, counters) in enumerate(kinds))
+        raise errors.ReshardError(f"the shards' rows differ in the state they carry ({described})")
 
 
 def _without_rows(ckpt: checkpoint.Checkpoint) -> checkpoint.Checkpoint:
