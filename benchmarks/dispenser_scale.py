@@ -81,6 +81,12 @@ def ask(endpoint: str, first_id: int, replicas: int, begin: float, end: float, o
     out.put([x for per in latencies for x in per])
 
 
+def spread(replicas: int, clients: int) -> list[tuple[int, int]]:
+    """Replica threads over client processes: each process's first replica number and count."""
+    shares = [len(part) for part in np.array_split(np.arange(replicas), min(clients, replicas))]
+    return [(int(first), share) for first, share in zip(np.cumsum([0, *shares[:-1]]), shares)]
+
+
 def measure(replicas: int, clients: int, seconds: float) -> dict:
     context = multiprocessing.get_context("spawn")
     endpoints, stop, out = context.Queue(), context.Event(), context.Queue()
@@ -89,10 +95,8 @@ def measure(replicas: int, clients: int, seconds: float) -> dict:
     endpoint = endpoints.get(timeout=60)
     begin = time.time() + 3.0 + WARMUP_SECONDS   # the clients' start, then a warm-up
     end = begin + seconds
-    shares = [len(part) for part in np.array_split(np.arange(replicas), min(clients, replicas))]
-    firsts = np.cumsum([0, *shares[:-1]])
-    askers = [context.Process(target=ask, args=(endpoint, int(first), share, begin, end, out), daemon=True)
-              for first, share in zip(firsts, shares)]
+    askers = [context.Process(target=ask, args=(endpoint, first, share, begin, end, out), daemon=True)
+              for first, share in spread(replicas, clients)]
     for process in askers:
         process.start()
     time.sleep(max(0.0, begin - time.time()))

@@ -37,7 +37,7 @@ import prometheus_client as prom
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
-from dispenser_scale import cpu_seconds, scale_arguments
+from dispenser_scale import cpu_seconds, scale_arguments, spread
 from figures import save
 
 from support.shards import start_vector_shards
@@ -139,31 +139,30 @@ def measure(replicas: int, clients: int, seconds: float, examples: int) -> dict:
     shard_endpoints, coordinator, coordinator_tid = endpoints.get(timeout=60)
     begin = time.time() + 3.0 + WARMUP_SECONDS   # the clients' start, then a warm-up
     end = begin + seconds
-    shares = [len(part) for part in np.array_split(np.arange(replicas), min(clients, replicas))]
-    firsts = np.cumsum([0, *shares[:-1]])
-    workers = [context.Process(target=work, args=(examples, shard_endpoints, coordinator, int(first), share,
-                                                  end + 1.0), daemon=True)
-               for first, share in zip(firsts, shares)]
+    workers = [context.Process(target=work, args=(examples, shard_endpoints, coordinator, first, share, end + 1.0),
+                               daemon=True)
+               for first, share in spread(replicas, clients)]
     for process in workers:
         process.start()
-    time.sleep(max(0.0, begin - time.time()))
     pids = [server.pid, *(p.pid for p in workers)]
-    window.put("begin")
-    before = window.get(timeout=30), [cpu_seconds(pid) for pid in pids], thread_cpu_seconds(server.pid, coordinator_tid)
-    time.sleep(max(0.0, end - time.time()))
-    window.put("end")
-    after = window.get(timeout=30), [cpu_seconds(pid) for pid in pids], thread_cpu_seconds(server.pid, coordinator_tid)
+
+    def sample(at: float, mark: str) -> np.ndarray:
+        """At time `at`: the coordinator's counts, its thread's CPU seconds, every process's."""
+        time.sleep(max(0.0, at - time.time()))
+        window.put(mark)
+        counts = window.get(timeout=30)
+        return np.array([*counts, thread_cpu_seconds(server.pid, coordinator_tid), *map(cpu_seconds, pids)])
+
+    first = sample(begin, "begin")
+    evaluations, units, backups, coordinator_s, shards_s, *replicas_s = (sample(end, "end") - first) / seconds
     for process in workers:
         process.join(timeout=60)
     stop.set()
     server.join(timeout=60)
-    (evaluations, units, backups), used = [b - a for a, b in zip(before[0], after[0])], [
-        (b - a) / seconds for a, b in zip(before[1], after[1])]
     return {"replicas": replicas, "units_per_evaluation": examples // UNIT,
-            "evaluations_per_s": round(evaluations / seconds, 2), "units_per_s": round(units / seconds, 1),
-            "backup_units_per_s": round(backups / seconds, 1),
-            "coordinator_cores": round((after[2] - before[2]) / seconds, 2),
-            "shards_process_cores": round(used[0], 2), "replicas_cores": round(sum(used[1:]), 2)}
+            "evaluations_per_s": round(evaluations, 2), "units_per_s": round(units, 1),
+            "backup_units_per_s": round(backups, 1), "coordinator_cores": round(coordinator_s, 2),
+            "shards_process_cores": round(shards_s, 2), "replicas_cores": round(sum(replicas_s), 2)}
 
 
 def main() -> int:
