@@ -19,7 +19,7 @@ shard's rows are read before the new ones are laid: about twice the table's memo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def recut(old: Sequence[checkpoint.Checkpoint], folders: Sequence[str], before: 
     touch_base = min((float(shard.rows[3].min()) for shard in saved if shard.rows[3].size), default=0.0)
     owners = [owner_of(shard.rows[0], after.shards) for shard in saved]
     laid = [arrays_of(shard.rows, shard.extra, touch_base)[0] for shard in saved]
-    admission = _summed([shard.admission for shard in saved])
+    admission = _summed(saved)
     for recut in new:
         recut.header.meta.update({DIM: dim, WIDE: wide, "sparseTouchBase": touch_base})
         if admission is not None:
@@ -133,15 +133,10 @@ def _check_alike(saved: list[ShardRows]) -> None:
 
 def _without_rows(ckpt: checkpoint.Checkpoint) -> checkpoint.Checkpoint:
     return dataclasses.replace(ckpt, arrays={k: v for k, v in ckpt.arrays.items() if not k.startswith(ROWS)},
-                               meta=_dense_meta(ckpt.meta))
+                               meta={k: v for k, v in ckpt.meta.items() if not k.startswith(ROWS)})
 
 
-def _dense_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in meta.items() if not key.startswith(ROWS)}
-
-
-def _summed(counters: list[np.ndarray | None]) -> np.ndarray | None:
-    present = [c for c in counters if c is not None]
-    if not present:
-        return None
-    return np.sum([c.astype(np.float64) for c in present], axis=0).astype(np.float32)
+def _summed(saved: list[ShardRows]) -> np.ndarray | None:
+    """The shards' admission counters added up (every shard has them, or none: _check_alike)."""
+    counters = [shard.admission for shard in saved if shard.admission is not None]
+    return np.add.reduce(np.stack(counters), dtype=np.float64).astype(np.float32) if counters else None
