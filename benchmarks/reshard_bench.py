@@ -110,7 +110,7 @@ def one_run(size: int, before: int, after: int, seed: int, *, rows: bool) -> dic
         os.sync()
         read = read_checkpoints(output, config.names, before)
         started = time.perf_counter()
-        done = resharding.reshard(output, config, Layout.of(shapes, after))
+        done = resharding.reshard_output(output, config, Layout.of(shapes, after))
         resharded = time.perf_counter() - started
         assert done is not None and (done.before, done.after) == (before, after)
         shutil.rmtree(output, ignore_errors=True)

@@ -6,6 +6,7 @@ loses nothing and finishes when run again."""
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 import yaml
 
-from distbelief.operator.local import outputdir, resharding
+from distbelief.operator.local import outputdir, reshardplaces, resharding
 from distbelief.operator.local.localpods import volume_dir
+from distbelief.operator.render import podparts
 from distbelief.runtime import contract
 from distbelief.runtime.params.rows import rowcheckpoint
 from support.cli import run_cli
@@ -45,9 +47,13 @@ def suspended(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def state(output: Path, shards: int) -> tuple[list[int], dict[str, np.ndarray]]:
     """The steps of the shards' newest checkpoints, and their state laid end to end."""
-    ckpts = [outputdir.newest(volume_dir(str(output), f"digits-ps-{shard}", contract.CHECKPOINT_VOLUME))
-             for shard in range(shards)]
-    assert all(ckpts), f"a shard of {shards} has no checkpoint in {output}"
+    return state_in([volume_dir(str(output), f"digits-ps-{shard}", contract.CHECKPOINT_VOLUME)
+                     for shard in range(shards)])
+
+
+def state_in(folders: list[str]) -> tuple[list[int], dict[str, np.ndarray]]:
+    ckpts = [outputdir.newest(folder) for folder in folders]
+    assert all(ckpts), f"a shard has no checkpoint in {folders}"
     return [c.step for c in ckpts], {name: np.concatenate([c.arrays[name] for c in ckpts]) for name in STATE}
 
 
@@ -66,7 +72,7 @@ def test_a_suspended_run_resharded_holds_the_same_model_and_resumes_at_its_step(
     assert done.stdout.strip() == f"resharded from 2 to 3 shards at step {chief_step}"
     steps_after, after = state(output, 3)
     assert steps_after == [chief_step] * 3 and same_bits(before, after)
-    assert not (output / resharding.WORK).exists()
+    assert not (output / reshardplaces.WORK).exists()
     assert (Path(volume_dir(str(output), "digits-ps-0", contract.CHECKPOINT_VOLUME)) / contract.HISTORY_FILE).exists()
 
     # `distbelief run` with yet another count reshards by itself (3 -> 4), then trains on.
@@ -93,16 +99,63 @@ def test_a_reshard_killed_after_any_change_loses_nothing_and_finishes_when_run_a
             break   # the reshard made fewer changes than that: every kill point was tried
         assert done.returncode == -9, done.stderr
         kills += 1
-        if not (output / resharding.WORK / resharding.PLAN).exists():
+        if not (output / reshardplaces.WORK / reshardplaces.PLAN).exists():
             # Without a plan to roll forward, the folder holds one whole layout: the old one
             # (killed before the commit point) or the new one (after the plan was done).
             assert _whole_layout(output, before) in (2, 3)
         again = run_cli("reshard", str(output), "--shards", "3")
         assert again.returncode == 0, again.stderr
         assert same_bits(state(output, 3)[1], before), f"killed after change {kills}"
-        assert not (output / resharding.WORK).exists()
+        assert not (output / reshardplaces.WORK).exists()
     # 3 staged checkpoints, the plan, 2 + 2 + 1 renames, the plan's removal
     assert kills == 10
+
+
+def as_claims(suspended: Path, where: Path) -> list[Path]:
+    """The run's two shard folders as a cluster job's checkpoint claims (each the root of its
+    own, the first with a file system's lost+found), and a third, empty, for the new shard."""
+    claims = []
+    for pod in range(3):
+        claim = where / f"claim-{pod}"
+        if pod < 2:
+            shutil.copytree(volume_dir(str(suspended), f"digits-ps-{pod}", contract.CHECKPOINT_VOLUME), claim)
+        else:
+            claim.mkdir(parents=True)
+        claims.append(claim)
+    (claims[0] / "lost+found").mkdir()
+    return claims
+
+
+def test_a_cluster_jobs_claims_resharded_and_killed_after_any_change_hold_the_same_model(suspended: Path,
+                                                                                          tmp_path: Path) -> None:
+    """`distbelief reshard-claims`, the operator's reshard Job: each claim's root is its
+    shard's checkpoint folder, so the moves are per entry; a kill after any change, and the
+    Job run again, gives the same model on 3 shards, and 3 -> 2 gives it back on 2."""
+    config = volume_dir(str(suspended), "digits-ps-0", os.path.join(podparts.CONFIG_VOLUME, contract.CONFIG_KEY))
+    steps, before = state(suspended, 2)
+    kills = 0
+    while True:
+        claims = as_claims(suspended, tmp_path / f"kill-{kills + 1}")
+        command = ("reshard-claims", *map(str, claims), "--config", config, "--shards", "3")
+        done = run_cli(*command, env={resharding.KILL_AFTER_ENV: str(kills + 1)})
+        if done.returncode != 0:
+            assert done.returncode == -9, done.stderr
+            kills += 1
+            again = run_cli(*command)
+            assert again.returncode == 0, again.stderr
+        new_steps, after = state_in(list(map(str, claims)))
+        assert same_bits(after, before) and set(new_steps) == {steps[0]}, f"killed after change {kills}"
+        assert not [c for c in claims if (c / reshardplaces.ClaimPlaces.WORK).exists()]
+        if done.returncode == 0:
+            break
+    # 3 staged checkpoints, the plan, 2 claims set aside, 3 moved in, the plan's removal
+    assert kills == 10
+    assert (claims[0] / contract.HISTORY_FILE).is_file() and (claims[0] / "lost+found").is_dir()
+    assert "resharded from 2 to 3" in done.stdout
+    back = run_cli("reshard-claims", *map(str, claims), "--config", config, "--shards", "2")
+    assert back.returncode == 0, back.stderr
+    assert same_bits(state_in(list(map(str, claims[:2])))[1], before)
+    assert sorted(os.listdir(claims[2])) == []
 
 
 def _whole_layout(output: Path, before: dict[str, np.ndarray]) -> int | None:
@@ -130,7 +183,7 @@ def test_a_new_shard_count_with_shard_copies_is_refused_by_name_and_the_folder_k
     assert ran.stderr.strip().splitlines()[-1] == (
         f"error: {output}: resharding a job with shard copies (spec.parameterServers.backups) is not supported; "
         "run it on 2 shards, or --fresh")
-    assert _whole_layout(output, before) == 2 and not (output / resharding.WORK).exists()
+    assert _whole_layout(output, before) == 2 and not (output / reshardplaces.WORK).exists()
 
 
 def ctr(shards: int) -> dict[str, Any]:

@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     reshard.add_argument("--shards", type=int, required=True, metavar="N", help="the new shard count")
     reshard.set_defaults(func=_reshard)
 
+    claims = add_parser("reshard-claims", help="re-lay a cluster job's checkpoint claims for another shard count "
+                                               "(what the operator's reshard Job runs)")
+    claims.add_argument("claims", nargs="+", metavar="CLAIM", help="the mounted checkpoint claims, in shard pod order")
+    claims.add_argument("--config", required=True, metavar="FILE", help="the job's config (its ConfigMap's job.json)")
+    claims.add_argument("--shards", type=int, required=True, metavar="N", help="the new shard count")
+    claims.set_defaults(func=_reshard_claims)
+
     predict = add_parser("predict", help="score or use the model a finished run trained")
     predict.add_argument("file", metavar="JOB.yaml")
     predict.add_argument("--output", default=None, metavar="DIR", help="the run's folder (default: ./out/NAME)")
@@ -192,6 +199,14 @@ def _reshard(args: argparse.Namespace) -> int:
 
     done = resharding.reshard_folder(args.output, args.shards)
     print(done.announcement() if done else f"{args.output}: already laid over {args.shards} shards, or no checkpoints")
+    return 0
+
+
+def _reshard_claims(args: argparse.Namespace) -> int:
+    from distbelief.operator.local import resharding
+
+    done = resharding.reshard_claims(args.claims, args.config, args.shards)
+    print(done.announcement() if done else f"already laid over {args.shards} shards, or no checkpoints")
     return 0
 
 

@@ -78,7 +78,7 @@ def run_file(path: str, *, output: str | None, progress: bool, fresh: bool = Fal
     with outputdir.locked(output):
         if fresh:
             outputdir.clear(output)
-        resharded = resharding.reshard(output, job.config, checked.layout)
+        resharded = resharding.reshard_output(output, job.config, checked.layout)
         if resharded:
             sys.stdout.write(resharded.announcement() + "\n")
         found = outputdir.earlier(output, job.config, checked.layout.hash)

@@ -1,20 +1,22 @@
-"""An output folder's checkpoints re-laid for another shard count, in steps a crash cannot
-leave half done (`distbelief reshard`, and `distbelief run` with a new spec.parameterServers.shards).
+"""Checkpoints re-laid for another shard count, in steps a crash cannot leave half done:
+a local run's output folder (`distbelief reshard`, and `distbelief run` with a new
+spec.parameterServers.shards), or a cluster job's checkpoint claims (`distbelief
+reshard-claims`, the operator's reshard Job).
 
 The re-cut itself is the runtime's (params/rows/rowrecut.py: the dense state and the
-embedding rows). Here the folders move, under
-<output>/reshard/:
+embedding rows). Here the folders move. For each shard pod, its place (Places) has
 
-    staged/<pod>/   each new shard pod's checkpoint folder: its re-cut checkpoint and, for
-                    the chief's, the files beside the old one (history, parameters)
-    plan.json       written last, atomically: the commit point
-    old/<pod>/      each old checkpoint folder, moved aside as its staged one moves in
+    live        its checkpoint folder, as its shard reads it
+    staged      its re-cut checkpoint and, for the chief's, the files beside the old one
+                (history, parameters), written first
+    aside       where its old checkpoint folder goes as the staged one moves in
 
-Until plan.json exists the old folders are untouched (but for a damaged row file, set aside
-as *.corrupt as a restore would), and an interrupted reshard is rolled back (reshard/
-deleted). Once it exists the reshard is rolled forward: per pod, its folder
-is moved aside, then its staged one moved into place, each rename checked before it is
-made, so running recover() again after a crash at any point finishes it.
+and one plan, written last and atomically, is the commit point. Until it exists the old
+folders are untouched (but for a damaged row file, set aside as *.corrupt as a restore
+would), and an interrupted reshard is rolled back (the work folders deleted). Once it
+exists the reshard is rolled forward: per pod, its folder is moved aside, then its staged
+one moved into place, each move checked before it is made, so running recover() again
+after a crash at any point finishes it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Iterable
 
 from distbelief.operator.local import outputdir
 from distbelief.operator.local.localpods import volume_dir
+from distbelief.operator.local.reshardplaces import ClaimPlaces, FolderPlaces, Places
 from distbelief.operator.render import podparts
 from distbelief.runtime import contract, errors
 from distbelief.runtime.params.rows.rowrecut import recut
@@ -39,9 +42,7 @@ from distbelief.runtime.wire.layout import Layout
 
 log = logging.getLogger(__name__)
 
-WORK = "reshard"
-PLAN = "plan.json"
-# Testing only: SIGKILL the process after this many changes to the folder (tests/integration/test_reshard.py).
+# Testing only: SIGKILL the process after this many changes to the folders (tests/integration/test_reshard*.py).
 KILL_AFTER_ENV = "DISTBELIEF_RESHARD_KILL_AFTER"
 
 
@@ -56,7 +57,7 @@ class Resharded:
 
 
 class _Changes:
-    """Counts the changes made to the folder (the kill point of the crash tests)."""
+    """Counts the changes made to the folders (the kill point of the crash tests)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -68,102 +69,125 @@ class _Changes:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def recover(output: str) -> None:
+def recover(places: Places) -> None:
     """Finish a reshard that reached its commit point, or undo one that did not."""
-    work = os.path.join(output, WORK)
-    if not os.path.isdir(work):
+    if not places.working():
         return
-    plan_path = os.path.join(work, PLAN)
-    if os.path.exists(plan_path):
-        with open(plan_path, encoding="utf-8") as f:
+    if os.path.exists(places.plan):
+        with open(places.plan, encoding="utf-8") as f:
             plan = json.load(f)
-        log.info("event=reshard_rolled_forward output=%s", output)
-        _commit(output, plan["old"], plan["new"], _Changes())
+        log.info("event=reshard_rolled_forward where=%s", places)
+        _commit(places, _count(plan["old"]), _count(plan["new"]), _Changes())
     else:
-        log.info("event=reshard_rolled_back output=%s", output)
-        shutil.rmtree(work)
+        log.info("event=reshard_rolled_back where=%s", places)
+        places.clear()
 
 
-def layout_found(output: str, names: contract.JobNames, after: Layout) -> Layout | None:
-    """The layout the folder's checkpoints were written for, if they are of after's model
-    (only the shard count may differ); None for a folder without checkpoints or of another
-    model. The count is no more than the folder's shard pods."""
-    newest = checkpoint.list_checkpoints(_checkpoints(output, names.shard_pod(0)))
+def _count(pods: int | list[str]) -> int:
+    """A plan's pod count (a list of the pods' names in plans written before counts)."""
+    return pods if isinstance(pods, int) else len(pods)
+
+
+def layout_found(places: Places, pods: int, after: Layout) -> Layout | None:
+    """The layout the checkpoints were written for, if they are of after's model (only the
+    shard count may differ); None for places without checkpoints or of another model. The
+    count is no more than pods."""
+    newest = checkpoint.list_checkpoints(places.live(0))
     if not newest:
         return None
     try:
         found = checkpoint.read_header(newest[0])["layout"]
     except (errors.CorruptCheckpoint, KeyError):
         return None
-    pods = 1
-    while os.path.isdir(_checkpoints(output, names.shard_pod(pods))):
-        pods += 1
     candidates = (_layout(after, count) for count in range(1, pods + 1))
     return next((layout for layout in candidates if layout is not None and layout.hash == found), None)
 
 
-def reshard(output: str, config: contract.JobConfig, after: Layout) -> Resharded | None:
-    """Re-lay the folder's checkpoints of the job of config for after's shard count; None
-    when they already are (or there are none). ReshardError when they cannot be."""
-    recover(output)
-    names = config.names
-    before = layout_found(output, names, after)
+def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout) -> Resharded | None:
+    """Re-lay the checkpoints of the job of config, in the first of pods places, for after's
+    shard count; None when they already are (or there are none). ReshardError when they
+    cannot be."""
+    recover(places)
+    before = layout_found(places, pods, after)
     if before is None or before.shards == after.shards:
         return None
-    copies = config.spec.parameter_servers.backups or os.path.isdir(_checkpoints(output, names.shard_pod(before.shards)))
+    copies = config.spec.parameter_servers.backups or (pods > before.shards and bool(os.listdir(places.live(before.shards))))
     unsupported = ("shard copies (spec.parameterServers.backups)" if copies else
                    "Sandblaster (spec.training.algorithm)" if config.spec.training.algorithm == "sandblaster" else None)
     if unsupported:
-        raise errors.ReshardError(f"{output}: resharding a job with {unsupported} is not supported; run it on "
-                                  f"{before.shards} shards, or --fresh")
-    old, folders = [], [_checkpoints(output, names.shard_pod(shard)) for shard in range(before.shards)]
+        raise errors.ReshardError(f"{places}: resharding a job with {unsupported} is not supported; run it on "
+                                  f"{before.shards} shards, or {places.start_over}")
+    old, folders = [], [places.live(shard) for shard in range(before.shards)]
     for shard, folder in enumerate(folders):
         ckpt = outputdir.newest(folder, copy=False)
         if ckpt is None:
             raise errors.ReshardError(f"shard {shard} has no checkpoint that verifies in {folder}")
         old.append(ckpt)
-    new = recut(old, folders, before, after)
     changes = _Changes()
-    old_pods = [names.shard_pod(s) for s in range(before.shards)]
-    new_pods = [names.shard_pod(s) for s in range(after.shards)]
-    _stage(output, old_pods, new_pods, new, changes)
-    _commit(output, old_pods, new_pods, changes)
+    _stage(places, before.shards, recut(old, folders, before, after), changes)
+    _commit(places, before.shards, after.shards, changes)
     step = old[0].step
-    log.info("event=resharded output=%s before=%d after=%d step=%d", output, before.shards, after.shards, step)
+    log.info("event=resharded where=%s before=%d after=%d step=%d", places, before.shards, after.shards, step)
     return Resharded(before.shards, after.shards, step)
 
 
 def reshard_folder(output: str, shards: int) -> Resharded | None:
     """`distbelief reshard`: re-lay the checkpoints of the run in output for `shards` shards,
     reading the model from the config the run left there."""
-    from distbelief.runtime.model.job import Job
-
     configs = glob.glob(volume_dir(glob.escape(output), "*-ps-0", os.path.join(podparts.CONFIG_VOLUME,
                                                                                contract.CONFIG_KEY)))
     chiefs = [path for path in configs if os.path.isfile(path)]
     if len(chiefs) != 1:
         raise errors.ReshardError(f"{output}: not the output folder of one distbelief run "
                                   f"({len(chiefs)} chief configs under volumes/*/config)")
-    job = Job.load(chiefs[0])
+    config, after = _job_at(chiefs[0], shards)
+    with outputdir.locked(output):
+        return reshard_output(output, config, after)
+
+
+def reshard_output(output: str, config: contract.JobConfig, after: Layout) -> Resharded | None:
+    """A local run's output folder re-laid for after's shard count (its pods' folders, as many
+    as it holds)."""
+    places = FolderPlaces(output, config.names)
+    pods = 1
+    while os.path.isdir(places.live(pods)):
+        pods += 1
+    return reshard(places, pods, config, after)
+
+
+def reshard_claims(claims: list[str], config_path: str, shards: int) -> Resharded | None:
+    """`distbelief reshard-claims`: a cluster job's checkpoint claims, mounted in shard pod
+    order (as many as the larger count), re-laid for `shards` shards."""
+    config, after = _job_at(config_path, shards)
+    if len(claims) < after.shards:
+        raise errors.ReshardError(f"{shards} shards need {shards} checkpoint claims; {len(claims)} mounted")
+    return reshard(ClaimPlaces(claims), len(claims), config, after)
+
+
+def _job_at(config_path: str, shards: int) -> tuple[contract.JobConfig, Layout]:
+    """The job of the config file, and its layout over `shards` shards."""
+    from distbelief.runtime.model.job import Job
+
+    job = Job.load(config_path)
     after = _layout(job.layout, shards)
     if after is None:
         raise errors.ReshardError(f"{job.layout.total} parameters in {len(job.layout.stages) + 1} stages cannot "
                                   f"be laid over {shards} shards")
-    with outputdir.locked(output):
-        return reshard(output, job.config, after)
+    return job.config, after
 
 
-def _stage(output: str, old_pods: list[str], new_pods: list[str], new: Iterable[Recut], changes: _Changes) -> None:
-    work = os.path.join(output, WORK)
-    for pod, shard in zip(new_pods, new):
-        staged = os.path.join(work, "staged", pod)
+def _stage(places: Places, old_pods: int, new: Iterable[Recut], changes: _Changes) -> None:
+    pods = 0
+    for pod, shard in enumerate(new):
+        staged = places.staged(pod)
         os.makedirs(staged)
-        if pod in old_pods:
-            _copy_beside(_checkpoints(output, pod), staged)
+        if pod < old_pods:
+            _copy_beside(places.live(pod), staged)
         checkpoint.write(os.path.join(staged, checkpoint.file_name(shard.header.step)), shard.header,
                          shard.pieces)
         changes.made()
-    _write_plan(work, {"old": old_pods, "new": new_pods})
+        pods += 1
+    _write_plan(places.plan, {"old": old_pods, "new": pods})
     changes.made()
 
 
@@ -175,33 +199,24 @@ def _copy_beside(folder: str, staged: str) -> None:
             shutil.copy2(path, os.path.join(staged, name))
 
 
-def _write_plan(work: str, plan: dict[str, list[str]]) -> None:
-    path = os.path.join(work, PLAN)
+def _write_plan(path: str, plan: dict[str, int]) -> None:
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(plan, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    checkpoint.fsync_folder(work)
+    checkpoint.fsync_folder(os.path.dirname(path))
 
 
-def _commit(output: str, old_pods: list[str], new_pods: list[str], changes: _Changes) -> None:
-    work = os.path.join(output, WORK)
-    for pod in dict.fromkeys(old_pods + new_pods):
-        live, aside, staged = (_checkpoints(output, pod), os.path.join(work, "old", pod),
-                               os.path.join(work, "staged", pod))
-        if pod in old_pods and os.path.isdir(live) and not os.path.isdir(aside):
-            os.makedirs(os.path.dirname(aside), exist_ok=True)
-            os.replace(live, aside)
+def _commit(places: Places, old_pods: int, new_pods: int, changes: _Changes) -> None:
+    for pod in range(max(old_pods, new_pods)):
+        if pod < old_pods and places.move_aside(pod):
             changes.made()
-        if os.path.isdir(staged):
-            os.makedirs(os.path.dirname(live), exist_ok=True)
-            os.replace(staged, live)
-            checkpoint.fsync_folder(os.path.dirname(live))
+        if places.move_in(pod):
             changes.made()
-    os.remove(os.path.join(work, PLAN))
+    os.remove(places.plan)
     changes.made()
-    shutil.rmtree(work)
+    places.clear()
 
 
 def _layout(after: Layout, shards: int) -> Layout | None:
@@ -209,7 +224,3 @@ def _layout(after: Layout, shards: int) -> Layout | None:
         return Layout.of(after.shapes, shards, after.stages)
     except ValueError:
         return None
-
-
-def _checkpoints(output: str, pod: str) -> str:
-    return volume_dir(output, pod, contract.CHECKPOINT_VOLUME)
