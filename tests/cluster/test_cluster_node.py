@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +303,46 @@ def test_a_partitioned_job_trains_to_succeeded(kubectl: Kubectl, local_node: Loc
     since = time.monotonic()
     apply(kubectl, namespace, job)
     assert_trained(kubectl, namespace, finished(kubectl, namespace, job["metadata"]["name"], operator, since), job)
+
+
+def restored_steps(kubectl: Kubectl, namespace: str, pod: str) -> list[int] | None:
+    """The step of each checkpoint the pod's log says it restored; None before the first."""
+    log = kubectl.run("logs", pod, "-n", namespace).stdout
+    return [int(line.split("step=")[1].split()[0]) for line in log.splitlines() if "event=restored" in line] or None
+
+
+@pytest.mark.slow
+def test_a_running_job_resharded_from_2_to_3_shards_resumes_at_its_step_and_trains_to_succeeded(
+        kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
+    """spec.parameterServers.shards changed while the job trains: the operator stops its
+    pods, the reshard Job (`distbelief reshard-claims`, run by the node) re-lays the two
+    claims over three, and each of the three shards restores the re-laid checkpoint at the
+    step the reshard was made at; the job trains on to Succeeded."""
+    job = example("digits-mlp.yaml", training__maxSteps=4000, training__maxDuration="5m")
+    name = job["metadata"]["name"]
+    since = time.monotonic()
+    apply(kubectl, namespace, job)
+    eventually(lambda: (job_status(kubectl, namespace, name).get("globalStep") or 0) > 500, 90, interval=0.3,
+               what="training under way")
+    kubectl("patch", "dbj", name, "-n", namespace, "--type=merge", "-p",
+            json.dumps({"spec": {"parameterServers": {"shards": 3}}}))
+
+    def reshard_ended() -> dict[str, Any] | None:
+        return next((c for c in job_status(kubectl, namespace, name).get("conditions", [])
+                     if c["type"] == "Resharding" and c["reason"] in ("Resharded", "ReshardFailed")), None)
+
+    ended = eventually(reshard_ended, 180, interval=0.5, what="the reshard ended")
+    assert ended["reason"] == "Resharded", ended
+    match = re.fullmatch(r"resharded from 2 to 3 shards at step (\d+)", ended["message"])
+    assert match and int(match.group(1)) > 500, ended
+    for shard in range(3):
+        restored = eventually(partial(restored_steps, kubectl, namespace, f"{name}-ps-{shard}"), 60, interval=0.5,
+                              what=f"shard {shard} restored its checkpoint")
+        assert restored == [int(match.group(1))], (shard, restored)
+    status = finished(kubectl, namespace, name, operator, since)
+    job["spec"]["parameterServers"]["shards"] = 3
+    assert_trained(kubectl, namespace, status, job)
+    assert not get(kubectl, "job", f"{name}-reshard", "-n", namespace)
 
 
 def sigkill_once_training(kubectl: Kubectl, namespace: str, name: str, pod: str, *, past_step: int) -> None:

@@ -189,9 +189,9 @@ def test_scale_and_autoscaling_go_through_the_spec(operator: Operator, api: Api,
     api.wait(hpas, namespace, "scale-worker", lambda h: h is None)
 
 
-def test_spec_updates_roll_out_and_a_reshard_is_refused(operator: Operator, api: Api, kubectl: Kubectl,
-                                                        namespace: str) -> None:
-    apply(kubectl, namespace, new_job("update"))
+def test_spec_updates_roll_out_and_a_reshard_of_a_job_with_shard_copies_is_refused(
+        operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    apply(kubectl, namespace, new_job("update", parameterServers={"shards": 2, "backups": 1}))
     api.wait(STS, namespace, "update-ps")
     patch_job(kubectl, namespace, "update", {"spec": {"image": "example.org/distbelief:2"}})
 
@@ -202,9 +202,96 @@ def test_spec_updates_roll_out_and_a_reshard_is_refused(operator: Operator, api:
     api.wait(DEPLOY, namespace, "update-worker", image_is)
     patch_job(kubectl, namespace, "update", {"spec": {"parameterServers": {"shards": 3}}})
     job = api.wait(JOBS, namespace, "update", condition_holds("ShardCountLocked"))
-    assert "from 2 to 3" in condition(job, "ShardCountLocked")["message"]
-    assert api.get(STS, namespace, "update-ps")["spec"]["replicas"] == 2
+    assert "from 2 to 3: resharding a job with shard copies" in condition(job, "ShardCountLocked")["message"]
+    assert api.get(STS, namespace, "update-ps")["spec"]["replicas"] == 4
     assert api.wait_event(namespace, "update", "ShardCountLocked")["type"] == "Warning"
+
+
+# ------------------------------------------------------------------ reshard
+
+BATCH_JOBS = "batch/v1/jobs"
+
+
+def reshard_pod_ends(api: Api, namespace: str, job: str, exit_code: int, message: str) -> str:
+    """Play the kubelet of the reshard Job's newest pod: it ran, and ended with exit_code and
+    message (its termination message). The pod's name."""
+    def running() -> Any:
+        pods = [p for p in api.list("v1/pods", namespace, f"distbelief.io/job={job},distbelief.io/role=reshard")
+                if p["status"].get("phase") not in ("Succeeded", "Failed") and not p["metadata"].get("deletionTimestamp")]
+        return pods[0] if pods else None
+    pod = eventually(running, 60, interval=0.2, what=f"a reshard pod of {job}")
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message,
+                  "startedAt": now, "finishedAt": now}
+    api.patch("v1/pods", namespace, pod["metadata"]["name"], {"status": {
+        "phase": "Succeeded" if exit_code == 0 else "Failed",
+        "containerStatuses": [{"name": "reshard", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+                               "state": {"terminated": terminated}}]}}, subresource="status")
+    return str(pod["metadata"]["name"])
+
+
+def resharding_reason(reason: str) -> Any:
+    return lambda job: job and any(c["type"] == "Resharding" and c["reason"] == reason
+                                   for c in (job.get("status") or {}).get("conditions", []))
+
+
+def test_a_changed_shard_count_stops_the_pods_runs_the_reshard_job_and_resumes_on_the_new_count(
+        operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    """The operator's side of a reshard (the Job's own is tests/cluster/test_cluster_node.py):
+    held, a Job over every claim of either count, and the new count once it succeeded."""
+    apply(kubectl, namespace, new_job("grow"))
+    pods_of(api, namespace, "grow", 2, "ps")
+    patch_job(kubectl, namespace, "grow", {"spec": {"parameterServers": {"shards": 3}}})
+    api.wait(STS, namespace, "grow-ps", replicas_are(0))
+    api.wait(DEPLOY, namespace, "grow-worker", replicas_are(0))
+    reshard = api.wait(BATCH_JOBS, namespace, "grow-reshard")
+    assert controller_of(reshard)["name"] == "grow"
+    labels = reshard["metadata"]["labels"]
+    assert (labels["distbelief.io/reshard-from"], labels["distbelief.io/reshard-to"]) == ("2", "3")
+    pod = reshard["spec"]["template"]["spec"]
+    assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v] == [
+        "checkpoints-grow-ps-0", "checkpoints-grow-ps-1", "checkpoints-grow-ps-2"]
+    assert pod["containers"][0]["args"][-4:-2] == ["--shards", "3"]
+    claims = {c["metadata"]["name"] for c in api.list("v1/persistentvolumeclaims", namespace)}
+    assert {"checkpoints-grow-ps-0", "checkpoints-grow-ps-1", "checkpoints-grow-ps-2"} <= claims
+    job = api.wait(JOBS, namespace, "grow", resharding_reason("Resharding"))
+    assert job["status"]["phase"] == "Pending" and job["metadata"]["annotations"]["distbelief.io/resharding-to"] == "3"
+    assert job["metadata"]["annotations"]["distbelief.io/shards"] == "2"
+    api.wait_event(namespace, "grow", "Resharding")
+
+    reshard_pod_ends(api, namespace, "grow", 0, "resharded from 2 to 3 shards at step 420")
+    job = api.wait(JOBS, namespace, "grow", resharding_reason("Resharded"))
+    assert condition(job, "Resharding")["message"] == "resharded from 2 to 3 shards at step 420"
+    assert job["metadata"]["annotations"]["distbelief.io/shards"] == "3"
+    assert "distbelief.io/resharding-to" not in job["metadata"]["annotations"]
+    api.wait(STS, namespace, "grow-ps", replicas_are(3))
+    api.wait(DEPLOY, namespace, "grow-worker", replicas_are(3))
+    api.wait(BATCH_JOBS, namespace, "grow-reshard", lambda j: j is None)
+    assert api.wait_event(namespace, "grow", "Resharded")["type"] == "Normal"
+    assert "ShardCountLocked" not in {c["type"] for c in job["status"]["conditions"]}
+
+
+def test_a_failed_reshard_keeps_the_job_stopped_on_its_count_until_the_count_is_set_back(
+        operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    apply(kubectl, namespace, new_job("shrink"))
+    pods_of(api, namespace, "shrink", 2, "ps")
+    patch_job(kubectl, namespace, "shrink", {"spec": {"parameterServers": {"shards": 1}}})
+    for _ in range(3):    # the Job's backoffLimit is 2: three pods fail
+        reshard_pod_ends(api, namespace, "shrink", 2, "error: shard 1 has no checkpoint that verifies in /x")
+    job = api.wait(JOBS, namespace, "shrink", resharding_reason("ReshardFailed"))
+    failed = condition(job, "Resharding")
+    assert failed["status"] == "False" and "shard 1 has no checkpoint that verifies" in failed["message"]
+    assert "the job keeps 2 shards" in failed["message"] and job["status"]["phase"] == "Pending"
+    assert api.wait_event(namespace, "shrink", "ReshardFailed")["type"] == "Warning"
+    assert api.get(STS, namespace, "shrink-ps")["spec"]["replicas"] == 0
+    # Set back: a reshard to 2, which finishes or undoes what the failed one left.
+    patch_job(kubectl, namespace, "shrink", {"spec": {"parameterServers": {"shards": 2}}})
+    api.wait(BATCH_JOBS, namespace, "shrink-reshard",
+             lambda j: j and j["metadata"]["labels"]["distbelief.io/reshard-to"] == "2")
+    reshard_pod_ends(api, namespace, "shrink", 0, "already laid over 2 shards, or no checkpoints")
+    job = api.wait(JOBS, namespace, "shrink", resharding_reason("Resharded"))
+    assert job["metadata"]["annotations"]["distbelief.io/shards"] == "2"
+    api.wait(STS, namespace, "shrink-ps", replicas_are(2))
 
 
 def test_an_operator_with_another_default_image_leaves_running_jobs_on_theirs(operator: Operator, api: Api,

@@ -112,9 +112,15 @@ ClusterRole (all namespaces) and the per-namespace Roles. */}}
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
 # Before a new job's first children: checkpoint claims an earlier job of the same name left.
+# A reshard to more shards: the new shard pods' claims, made before their pods.
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
-  verbs: [list]
+  verbs: [list, create]
+# A reshard's Job <job>-reshard: created once the job's pods stopped, read while it runs,
+# deleted once its new shard count is the job's.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, create, delete]
 # With spec.parameterServers.backups: the shard pods' ServiceAccount, and the Role and
 # RoleBinding that let it keep the shards' view Leases <job>-shard-<i>. A role may grant
 # only what its maker holds, hence the leases rule below (the operator itself never calls it).

@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     claims.add_argument("claims", nargs="+", metavar="CLAIM", help="the mounted checkpoint claims, in shard pod order")
     claims.add_argument("--config", required=True, metavar="FILE", help="the job's config (its ConfigMap's job.json)")
     claims.add_argument("--shards", type=int, required=True, metavar="N", help="the new shard count")
+    claims.add_argument("--message-file", default=None, metavar="FILE",
+                        help="also write the outcome there (a pod's termination message)")
     claims.set_defaults(func=_reshard_claims)
 
     predict = add_parser("predict", help="score or use the model a finished run trained")
@@ -206,7 +208,11 @@ def _reshard_claims(args: argparse.Namespace) -> int:
     from distbelief.operator.local import resharding
 
     done = resharding.reshard_claims(args.claims, args.config, args.shards)
-    print(done.announcement() if done else f"already laid over {args.shards} shards, or no checkpoints")
+    outcome = done.announcement() if done else f"already laid over {args.shards} shards, or no checkpoints"
+    print(outcome)
+    if args.message_file:
+        with open(args.message_file, "w", encoding="utf-8") as f:
+            f.write(outcome)
     return 0
 
 

@@ -60,7 +60,7 @@ def put_back(type: str | None, body: kopf.Body, namespace: str, jobs: kopf.Index
     if fresh is None or fresh["metadata"]["uid"] != owner["uid"] or fresh["metadata"].get("deletionTimestamp"):
         return
     try:
-        job, _ = locks.locked_job(handlers.validated(fresh))
+        job = locks.locked_job(handlers.validated(fresh)).job
     except errors.SpecError:
         return
     finished = (fresh.get("status") or {}).get("phase") in TERMINAL
@@ -92,7 +92,7 @@ def _rendered(job: Mapping[str, Any]) -> tuple[DistBeliefJob, list[dict[str, Any
         if len(_RENDERED) >= _RENDERED_MAX:
             _RENDERED.clear()
         try:
-            valid, _ = locks.locked_job(handlers.validated(job))
+            valid = locks.locked_job(handlers.validated(job)).job
         except errors.SpecError:
             _RENDERED[key] = None
         else:

@@ -24,9 +24,10 @@ change posts an Event.
 
 The spec is the one source of truth: `kubectl scale` and the HPA both write
 spec.workers.replicas through the scale subresource, and reconcile() follows, for every
-partition's Deployment alike. The shard and partition counts are locked at creation
-(annotations distbelief.io/shards and distbelief.io/partitions): a later change is
-refused with a condition, because moving parameters between shards is not supported and
+partition's Deployment alike. The shard and partition counts are recorded at creation
+(annotations distbelief.io/shards and distbelief.io/partitions, cluster/locks.py): a
+changed shard count is followed by a reshard, one step per status pass
+(cluster/resharding.py); a changed partition count is refused with a condition, because
 the parameters' placement on the shards follows the partitions.
 """
 
@@ -43,7 +44,7 @@ from typing import Any, Literal, Mapping, NoReturn
 import kopf
 
 from distbelief.operator import errors
-from distbelief.operator.cluster import children, locks, metrics, peering as peering_watch
+from distbelief.operator.cluster import children, locks, metrics, peering as peering_watch, resharding
 from distbelief.operator.cluster.queue import QueuedJob
 from distbelief.operator.cluster.kube import Kube, share_one_client
 from distbelief.operator.cluster.observing import Seen, read_observed
@@ -52,7 +53,8 @@ from distbelief.operator.validation import spec as job_spec
 from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import events
 from distbelief.operator.status.progress import parse_timestamp
-from distbelief.operator.status.status import FAILED, TERMINAL, UPDATES_LOST, WARNINGS, Observed, compute_status
+from distbelief.operator.status.status import (FAILED, RESHARDED, RESHARDING, TERMINAL, UPDATES_LOST, WARNINGS, Observed,
+                                               compute_status)
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -163,10 +165,11 @@ def _tell_scaled(body: kopf.Body, old: Any, new: Any) -> None:
 def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) -> str:
     """Make the job's children what its spec asks for; the outcome (cluster/metrics.py)."""
     try:
-        job, refusals = locks.locked_job(validated(body))
+        locked = locks.locked_job(validated(body))
     except errors.SpecError as exc:  # the CRD let it through (a server without its rules): observe() fails it
         log.warning("event=invalid_spec job=%s problems=%r", body.metadata.name, str(exc))
         return metrics.INVALID_SPEC
+    job, refusals = locked.job, locked.refusals
     recorded = {}
     for lock in locks.LOCKS:
         if lock.condition in refusals:
@@ -240,7 +243,8 @@ def _block(body: kopf.Body, memo: kopf.Memo, reason: str, message: str) -> NoRet
 
 def desired_children(job: DistBeliefJob, *, finished: bool) -> list[dict[str, Any]]:
     return render.render_children(job, image=locks.runtime_image(job, IMAGE), finished=finished,
-                                  held=queue.held(job), operator_namespace=OPERATOR_NAMESPACE)
+                                  held=queue.held(job) or locks.held_for_reshard(job),
+                                  operator_namespace=OPERATOR_NAMESPACE)
 
 
 def ensure_keys_secret(kube: Kube, job: DistBeliefJob) -> Literal["created", "own", "foreign"]:
@@ -284,11 +288,15 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: See
     """Read what the job's children (as the operator's watches saw them) and chief show, and
     write the job's status from it."""
     kube = Kube()
+    finished = dict(body.status or {}).get("phase") in TERMINAL
     try:
-        job, refusals = locks.locked_job(validated(body))
-        observed = read_observed(seen, job, refusals, blocked=memo.get("blocked"))
+        stored_job = validated(body)
+        locked = locks.locked_job(stored_job)
+        job, reshard = locked.job, None
+        if locked.reshard is not None and not finished:
+            job, reshard = _follow_reshard(kube, body, stored_job, locked, seen)
+        observed = read_observed(seen, job, locked.refusals, blocked=memo.get("blocked"), resharding=reshard)
         if queue.queue_name(job):
-            finished = (body.status or {}).get("phase") in TERMINAL
             observed = dataclasses.replace(observed, queued=sync_queue(kube, body, job, finished=finished))
     except errors.SpecError as exc:
         job, observed = DistBeliefJob.of(stored(body)), Observed(invalid_spec=f"the spec breaks the job's rules: {exc}")
@@ -314,6 +322,27 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: See
     current = {k: v for k, v in job.status.items() if k != "kopf"}
     if status != current:
         patch.status.update(status)
+
+
+def _follow_reshard(kube: Kube, body: kopf.Body, stored_job: dict[str, Any], locked: locks.Locked,
+                    seen: Seen) -> tuple[DistBeliefJob, resharding.Progress]:
+    """One step of the job's reshard; once it ended, the job with its new count, its children
+    applied for it. An Event for each new state of the Resharding condition."""
+    job = locked.job
+    try:
+        pods: list[Any] = list(seen.pods.get((job.config.namespace, job.config.name), []))
+        progress = resharding.follow(kube, locked, pods, locks.runtime_image(job, IMAGE))
+    except errors.KubeError as exc:
+        raise kopf.TemporaryError(f"cannot follow the reshard: {exc}", delay=5) from exc
+    conditions: list[Mapping[str, Any]] = list((body.status or {}).get("conditions") or [])
+    before: Mapping[str, Any] = next((c for c in conditions if c.get("type") == RESHARDING), {})
+    if (before.get("status"), before.get("reason")) != (progress.status, progress.reason):
+        post = kopf.info if progress.reason in (RESHARDING, RESHARDED) else kopf.warn
+        post(body, reason=progress.reason, message=progress.message)
+    if progress.resharded is not None:
+        job = locks.locked_job(resharding.after_reshard(stored_job, progress.resharded)).job
+        children.apply_all(kube, job, desired_children(job, finished=False))
+    return job, progress
 
 
 def _post_shard_events(body: kopf.Body, memo: kopf.Memo, observed: Observed, shards_before: Any,

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import kopf
 
 from distbelief.operator.cluster.kube import controller_uid
-from distbelief.operator.render import deployment, podparts
+from distbelief.operator.render import deployment, podparts, reshardjob
 from distbelief.operator.status import events, scrape
 from distbelief.operator.status.status import Observed, pod_failures
 from distbelief.operator.validation.job import DistBeliefJob
@@ -82,16 +82,17 @@ class Seen:
 
 
 def read_observed(seen: Seen, job: DistBeliefJob, refusals: Mapping[str, str],
-                  blocked: tuple[str, str] | None = None) -> Observed:
+                  blocked: tuple[str, str] | None = None, resharding: Any = None) -> Observed:
     """What the job's own children and pods show (objects of their names that the job does
-    not own count as absent), and the chief's figures."""
+    not own count as absent; a reshard's pod is not one of the job's roles), and the
+    chief's figures. resharding: the reshard's progress (cluster/resharding.py)."""
     names, namespace, uid = job.config.names, job.config.namespace, job.config.uid
     sts = seen.workload(seen.statefulsets, namespace, names.ps, uid)
     deployments = [seen.workload(seen.deployments, namespace, name, uid).get("status") or {}
                    for name in deployment.worker_deployment_names(job.config)]
     pods = [pod for pod in seen.pods.get((namespace, names.job), [])
-            if (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE) != contract.ROLE_PS
-            or controller_uid(pod) == (sts.get("metadata") or {}).get("uid")]
+            if _role(pod) not in (contract.ROLE_PS, reshardjob.ROLE)
+            or (_role(pod) == contract.ROLE_PS and controller_uid(pod) == (sts.get("metadata") or {}).get("uid"))]
     url = METRICS_URL.format(job=names.job, namespace=namespace, pod=names.shard_pod(0), service=names.ps,
                              port=contract.METRICS_PORT)
     return Observed(
@@ -106,4 +107,9 @@ def read_observed(seen: Seen, job: DistBeliefJob, refusals: Mapping[str, str],
         shard_lock_message=refusals.get("ShardCountLocked"),
         partition_lock_message=refusals.get("PartitionCountLocked"),
         blocked=blocked,
+        resharding=resharding.condition() if resharding else None,
     )
+
+
+def _role(pod: Mapping[str, Any]) -> str | None:
+    return (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)

@@ -75,9 +75,12 @@ KINDS = (
     _kind("coordination.k8s.io/v1", "Lease", "leases", "get", "create", "update"),
     # The job's key Secret: created once, never read (its uid is kept in the job).
     _kind("v1", "Secret", "secrets", "create"),
-    # Checkpoint claims an earlier job of the same name left; the jobs' pods, watched for their
-    # status (cluster/observing.py).
-    _kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims", "list"),
+    # Checkpoint claims an earlier job of the same name left, and the claims of a reshard's
+    # new shard pods (made before the pods); the jobs' pods, watched for their status
+    # (cluster/observing.py).
+    _kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims", "list", "create"),
+    # A reshard's Job (render/reshardjob.py): read while it runs, deleted once followed.
+    _kind("batch/v1", "Job", "jobs", "get", "create", "delete"),
     _kind("v1", "Pod", "pods", *WATCH),
     _kind("v1", "Event", "events", "create"),
     # A queued job's Kueue Workload, and the flavors its admission assigns.

@@ -79,7 +79,7 @@ def pod_template(ctx: RenderContext, role: str, container: Manifest,
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-            "securityContext": _pod_security(),
+            "securityContext": pod_security(),
             "containers": [container],
             "volumes": [
                 {"name": CONFIG_VOLUME, "configMap": {"name": ctx.names.config_map}},
@@ -168,7 +168,7 @@ def container(ctx: RenderContext, role: str, *, args: list[str], startup_seconds
         "startupProbe": startup_probe(startup_seconds),
         "livenessProbe": _probe(contract.HEALTH_PATH, period=10, failures=3),
         "readinessProbe": _probe(contract.READY_PATH, period=5, failures=1),
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         # A role's one-line error (the tail of its log) becomes the terminated state's
         # message, which the operator quotes when a config error fails the job.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -229,12 +229,12 @@ def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
             "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 2}
 
 
-def _pod_security() -> dict[str, Any]:
+def pod_security() -> dict[str, Any]:
     return {"runAsNonRoot": True, "runAsUser": RUN_AS_ID, "runAsGroup": RUN_AS_ID,
             "fsGroup": RUN_AS_ID, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _container_security() -> dict[str, Any]:
+def container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 

@@ -32,6 +32,8 @@ WARNINGS = (MODEL_DEGRADED, ROW_BUDGET_REACHED, UPDATES_LOST)
 # Grace beyond maxDuration before the operator itself fails a job whose chief is silent.
 DEADLINE_GRACE_SECONDS = 60
 CHIEF_ENDED = "the chief ended the job"
+# The condition of a changed shard count (cluster/resharding.py), and its reason once done.
+RESHARDING, RESHARDED = "Resharding", "Resharded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Observed:
     restarts: int | None = None            # container restarts over the job's pods; None: no pods seen
     queued: tuple[str, str] | None = None  # (reason, message) while a Kueue queue holds the job suspended
     shard_pods: Mapping[str, tuple[int, str]] | None = None  # shard pod -> (restarts, how it last ended)
+    resharding: tuple[str, str, str] | None = None  # the Resharding condition while a reshard goes on, or as it ended
 
 
 def pod_failures(pods: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -153,6 +156,8 @@ def _phase(spec: jobspec.JobSpec, previous: Mapping[str, Any], observed: Observe
     if spec.run_policy.suspend or observed.queued:
         return SUSPENDED, *(observed.queued or
                             ("Suspended", "runPolicy.suspend is true: no pods run, the checkpoints are kept"))
+    if observed.resharding and observed.resharding[1] != RESHARDED:
+        return PENDING, observed.resharding[1], observed.resharding[2]
     shards, replicas = spec.parameter_servers.shards, spec.workers.replicas
     if observed.shards_ready >= shards and observed.workers_ready >= min(1, replicas):
         return RUNNING, "Training", f"{shards} shards and {observed.workers_ready} replicas ready"
@@ -215,6 +220,11 @@ def _conditions(previous: list[Mapping[str, Any]], verdict: tuple[str, str, str]
         wanted["Created"] = ("False", "Creating", "the job's children are being created")
     if observed.shard_lock_message:
         wanted["ShardCountLocked"] = ("True", "ReshardingUnsupported", observed.shard_lock_message)
+    resharded = _find(previous, RESHARDING)
+    if observed.resharding:
+        wanted[RESHARDING] = observed.resharding
+    elif resharded is not None:   # how the last reshard ended stays said
+        wanted[RESHARDING] = (resharded.get("status", "False"), resharded.get("reason", ""), resharded.get("message", ""))
     if observed.partition_lock_message:
         wanted["PartitionCountLocked"] = ("True", "RepartitioningUnsupported", observed.partition_lock_message)
     for kind, seen in ((MODEL_DEGRADED, _degraded(observed.figures)), (ROW_BUDGET_REACHED, _row_budget(observed.figures)),

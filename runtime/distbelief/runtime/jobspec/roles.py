@@ -72,7 +72,7 @@ class ParameterServers(Role, jobbase.ParameterServersBase):
     """spec.parameterServers: The parameter shards."""
 
     shards: int = 1
-    """Parameter shards; fixed for the life of the job."""
+    """Parameter shards. A change reshards the job, running or suspended (docs/guides/resharding.md)."""
     backups: int = 0
     """Backup copies of each shard, each in its own pod with its own volume. The primary copy acknowledges an update
     only once every copy applied it, and a backup takes over within seconds when the primary dies, so a killed

@@ -1,0 +1,134 @@
+"""A changed spec.parameterServers.shards, followed on a running or suspended job, one step
+per status pass:
+
+    held        locks.locked_job: the job renders with its recorded count, held: its
+                replicas and shards scale to 0, each shard writing a checkpoint as it stops
+    re-laid     once no shard pod is left: the claims of the new shard pods, the count
+                it goes to recorded (locks.RESHARDING_ANNOTATION), and the Job
+                <job>-reshard (render/reshardjob.py), which re-lays the claims
+    resumed     the Job succeeded: the new count recorded as the job's, the Job deleted,
+                and the children applied for it (handlers.py): the shards restore the
+                re-laid checkpoints at the step they stopped at
+    failed      the Job failed: the job stays held at its recorded count, the Resharding
+                condition False with the pod's error; another count starts another Job
+
+The Job's labels hold both counts, and the job's count changes only once the claims hold
+the new layout, before the Job goes: a restarted operator picks up where the last one was.
+Setting the count back during a reshard runs a reshard to it, which finishes or undoes the
+one under way (the Job's folder protocol), so the claims always end in one layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Mapping, Sequence
+
+from distbelief.operator.cluster.kube import Kube, controller_uid
+from distbelief.operator.cluster.locks import RESHARDING_ANNOTATION, SHARDS_ANNOTATION, Locked
+from distbelief.operator.render import reshardjob
+from distbelief.operator.render.context import RenderContext
+from distbelief.operator.status.status import RESHARDED, RESHARDING, how_it_ended
+from distbelief.runtime import contract
+
+log = logging.getLogger(__name__)
+
+JOBS = ("batch/v1", "Job")
+FAILED = "ReshardFailed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """The Resharding condition a pass leaves, and the count the job now has once a reshard ended."""
+
+    status: str
+    reason: str
+    message: str
+    resharded: int | None = None
+
+    def condition(self) -> tuple[str, str, str]:
+        return self.status, self.reason, self.message
+
+
+def follow(kube: Kube, locked: Locked, pods: Sequence[Mapping[str, Any]], image: str) -> Progress:
+    """One step of the reshard locked.reshard asks for (pods: the job's pods, as seen)."""
+    assert locked.reshard is not None
+    job, target = locked.job, locked.reshard.target
+    names, namespace = job.config.names, job.config.namespace
+    name = reshardjob.job_name(names)
+    live = kube.get(*JOBS, namespace, name)
+    if live is not None and controller_uid(live) != job.config.uid:
+        return Progress("True", "ReshardJobForeign", f"Job {name} exists but is not this job's (no controller "
+                                                     "reference to it): delete it, and the reshard goes on")
+    if live is not None:
+        return _followed(kube, locked, live, _ended(live), pods)
+    stopping = [pod for pod in pods if _role(pod) == contract.ROLE_PS]
+    recorded = locked.reshard.recorded
+    if stopping:
+        return Progress("True", RESHARDING, f"resharding from {recorded} to {target} shards: {len(stopping)} shard "
+                                            "pods stopping (each writes a checkpoint as it stops)")
+    ctx = RenderContext.of(job, image=image)
+    for pod in range(recorded, target):
+        kube.create(reshardjob.render_claim(ctx, pod))
+    kube.patch(contract.JOB_API_VERSION, contract.KIND, namespace, job.config.name,
+               {"metadata": {"annotations": {RESHARDING_ANNOTATION: str(target)}}})
+    kube.create(reshardjob.render_reshard_job(ctx, recorded, target))
+    log.info("event=reshard_started job=%s namespace=%s before=%d after=%d", names.job, namespace, recorded, target)
+    return Progress("True", RESHARDING, f"resharding from {recorded} to {target} shards: Job {name} started")
+
+
+def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | None,
+              pods: Sequence[Mapping[str, Any]]) -> Progress:
+    """The step for a reshard Job that exists."""
+    assert locked.reshard is not None
+    job, target = locked.job, locked.reshard.target
+    labels = live["metadata"].get("labels") or {}
+    before, after = int(labels[reshardjob.FROM_LABEL]), int(labels[reshardjob.TO_LABEL])
+    name, said = live["metadata"]["name"], _said(pods)
+    if ended is None:
+        return Progress("True", RESHARDING, f"resharding from {before} to {after} shards: Job {name} runs")
+    if ended == "Failed" and after == target:
+        return Progress("False", FAILED, f"the reshard from {before} to {after} shards failed ({said or f'Job {name}'}); "
+                                         f"the job keeps {before} shards, stopped: set spec.parameterServers.shards "
+                                         f"to {before} to resume it, or to another count to reshard again")
+    if ended == "Complete":
+        kube.patch(contract.JOB_API_VERSION, contract.KIND, job.config.namespace, job.config.name,
+                   {"metadata": {"annotations": {SHARDS_ANNOTATION: str(after),
+                                                 RESHARDING_ANNOTATION: None if after == target else str(target)}}})
+    kube.delete(*JOBS, job.config.namespace, name, uid=live["metadata"]["uid"])
+    log.info("event=reshard_ended job=%s outcome=%s before=%d after=%d", job.config.name, ended, before, after)
+    if ended == "Complete" and after == target:
+        return Progress("False", RESHARDED, said or f"resharded from {before} to {after} shards", resharded=after)
+    return Progress("True", RESHARDING, f"resharding to {target} shards (the Job to {after} ended: {ended})")
+
+
+def after_reshard(validated: Mapping[str, Any], shards: int) -> dict[str, Any]:
+    """The job's stored form once a reshard to `shards` is recorded."""
+    annotations = {k: v for k, v in (validated["metadata"].get("annotations") or {}).items()
+                   if k != RESHARDING_ANNOTATION}
+    return {**validated, "metadata": {**validated["metadata"], "annotations": {**annotations,
+                                                                              SHARDS_ANNOTATION: str(shards)}}}
+
+
+def _ended(live: Mapping[str, Any]) -> str | None:
+    """"Complete" or "Failed" once the Job says so."""
+    for condition in (live.get("status") or {}).get("conditions") or []:
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return str(condition["type"])
+    return None
+
+
+def _said(pods: Sequence[Mapping[str, Any]]) -> str:
+    """What the reshard pod that ended last said: its outcome, or how it failed."""
+    ends = [(container.get("state") or {}).get("terminated") or {}
+            for pod in pods if _role(pod) == reshardjob.ROLE
+            for container in (pod.get("status") or {}).get("containerStatuses", [])]
+    ends = sorted((end for end in ends if "exitCode" in end), key=lambda end: end.get("finishedAt") or "")
+    if not ends:
+        return ""
+    last = ends[-1]
+    return (last.get("message") or "").strip() if last["exitCode"] == 0 else how_it_ended("the reshard pod", last)
+
+
+def _role(pod: Mapping[str, Any]) -> str | None:
+    return (pod["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)

@@ -1,0 +1,106 @@
+"""The operator's side of a changed shard count, as pure functions: which changes are
+followed (and hold the job) or refused (cluster/locks.py), the reshard Job it renders
+(render/reshardjob.py), and the status while it goes on and once it ended."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from distbelief.operator.cluster import locks
+from distbelief.operator.cluster.locks import RESHARDING_ANNOTATION, SHARDS_ANNOTATION, ShardChange
+from distbelief.operator.render import render, reshardjob
+from distbelief.operator.render.context import RenderContext
+from distbelief.operator.status.status import Observed, compute_status
+from distbelief.operator.validation import spec
+from distbelief.operator.validation.job import DistBeliefJob
+
+from support.examples import load_example
+
+NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+
+
+def stored(shards: int, *, recorded: int = 2, **annotations: str) -> dict[str, Any]:
+    """The digits job as stored with `shards` in its spec, `recorded` in its annotation."""
+    doc = spec.validate_job(load_example("digits-mlp.yaml"))
+    doc["metadata"].update(uid="u-1", annotations={SHARDS_ANNOTATION: str(recorded), **annotations})
+    doc["spec"]["parameterServers"]["shards"] = shards
+    return doc
+
+
+def replicas(job: DistBeliefJob, kind: str) -> int:
+    children = render.render_children(job, image="img", held=locks.held_for_reshard(job))
+    return next(c["spec"]["replicas"] for c in children if c["kind"] == kind)
+
+
+def test_a_changed_shard_count_is_followed_with_the_job_held_on_its_recorded_count() -> None:
+    locked = locks.locked_job(stored(3))
+    assert locked.reshard == ShardChange(recorded=2, target=3) and not locked.refusals
+    assert locked.job.config.spec.parameter_servers.shards == 2
+    assert locks.held_for_reshard(locked.job)
+    assert replicas(locked.job, "StatefulSet") == 0 and replicas(locked.job, "Deployment") == 0
+
+
+def test_an_unchanged_count_is_neither_followed_nor_held() -> None:
+    locked = locks.locked_job(stored(2))
+    assert locked.reshard is None and not locks.held_for_reshard(locked.job)
+    assert replicas(locked.job, "StatefulSet") == 2
+
+
+def test_a_count_set_back_during_a_reshard_is_a_reshard_to_it() -> None:
+    locked = locks.locked_job(stored(2, **{RESHARDING_ANNOTATION: "3"}))
+    assert locked.reshard == ShardChange(recorded=2, target=2)
+    assert locks.held_for_reshard(locked.job)
+
+
+def test_jobs_that_cannot_be_resharded_are_refused_by_name_and_keep_running() -> None:
+    copies = stored(3)
+    copies["spec"]["parameterServers"]["backups"] = 1
+    queued = stored(3)
+    queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
+    sandblaster = stored(3)
+    sandblaster["spec"]["training"]["algorithm"] = "sandblaster"
+    for doc, why in ((copies, "shard copies"), (queued, "queued by Kueue"), (sandblaster, "Sandblaster")):
+        locked = locks.locked_job(doc)
+        assert locked.reshard is None and not locks.held_for_reshard(locked.job)
+        message = locked.refusals["ShardCountLocked"]
+        assert message.startswith("spec.parameterServers.shards changed from 2 to 3: resharding") and why in message
+        assert locked.job.config.spec.parameter_servers.shards == 2
+
+
+def test_the_reshard_job_mounts_the_claims_of_either_count_and_records_both() -> None:
+    job = locks.locked_job(stored(1, recorded=3)).job
+    manifest = reshardjob.render_reshard_job(RenderContext.of(job, image="img:1"), 3, 1)
+    assert manifest["metadata"]["name"] == "digits-reshard"
+    labels = manifest["metadata"]["labels"]
+    assert (labels[reshardjob.FROM_LABEL], labels[reshardjob.TO_LABEL]) == ("3", "1")
+    assert manifest["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    pod = manifest["spec"]["template"]["spec"]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == ["checkpoints-digits-ps-0", "checkpoints-digits-ps-1", "checkpoints-digits-ps-2"]
+    container = pod["containers"][0]
+    assert container["command"] == ["distbelief", "reshard-claims"] and container["image"] == "img:1"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert container["args"][:3] == [mounts["claim-0"], mounts["claim-1"], mounts["claim-2"]]
+    assert container["args"][container["args"].index("--shards") + 1] == "1"
+    assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"]
+    claim = reshardjob.render_claim(RenderContext.of(job, image="img:1"), 2)
+    assert (claim["kind"], claim["metadata"]["name"]) == ("PersistentVolumeClaim", "checkpoints-digits-ps-2")
+
+
+def test_the_job_is_pending_while_it_reshards_and_says_how_the_reshard_ended() -> None:
+    job = locks.locked_job(stored(3)).job
+    going = compute_status(job, Observed(resharding=("True", "Resharding", "resharding from 2 to 3 shards")), NOW)
+    assert going["phase"] == "Pending"
+    (condition,) = [c for c in going["conditions"] if c["type"] == "Resharding"]
+    assert (condition["status"], condition["message"]) == ("True", "resharding from 2 to 3 shards")
+    done = compute_status(job, Observed(shards_ready=2, workers_ready=1,
+                                        resharding=("False", "Resharded", "resharded from 2 to 3 shards at step 9")),
+                          NOW)
+    assert done["phase"] == "Running"
+    later = compute_status(DistBeliefJob.of({**job.manifest(), "status": done}), Observed(shards_ready=2, workers_ready=1),
+                           NOW)
+    (kept,) = [c for c in later["conditions"] if c["type"] == "Resharding"]
+    assert (kept["reason"], kept["message"]) == ("Resharded", "resharded from 2 to 3 shards at step 9")
+    failed = compute_status(job, Observed(resharding=("False", "ReshardFailed", "the reshard failed")), NOW)
+    assert failed["phase"] == "Pending"
