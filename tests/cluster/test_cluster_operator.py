@@ -28,7 +28,7 @@ from support.chiefs import Chiefs
 from support.cluster import CRD_NAME, JOBS, Api, Kubectl, Operator, stop_process
 from support.examples import load_example
 from support.kubejobs import (READY, apply, condition, condition_holds, controller_of, kubelet_runs, new_job,
-                              patch_job, phase_is, pods_of, replicas_are)
+                              patch_job, phase_is, pods_of, replicas_are, reshard_pod_ends)
 from support.waiting import eventually
 
 pytestmark = pytest.mark.floors  # the operator's API calls, also against the lowest dependency versions
@@ -189,9 +189,11 @@ def test_scale_and_autoscaling_go_through_the_spec(operator: Operator, api: Api,
     api.wait(hpas, namespace, "scale-worker", lambda h: h is None)
 
 
-def test_spec_updates_roll_out_and_a_reshard_of_a_job_with_shard_copies_is_refused(
+def test_spec_updates_roll_out_and_a_reshard_of_a_sandblaster_job_is_refused(
         operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
-    apply(kubectl, namespace, new_job("update", parameterServers={"shards": 2, "backups": 1}))
+    doc = load_example("digits-sandblaster.yaml")
+    doc["metadata"]["name"] = "update"
+    apply(kubectl, namespace, doc)
     api.wait(STS, namespace, "update-ps")
     patch_job(kubectl, namespace, "update", {"spec": {"image": "example.org/distbelief:2"}})
 
@@ -202,32 +204,14 @@ def test_spec_updates_roll_out_and_a_reshard_of_a_job_with_shard_copies_is_refus
     api.wait(DEPLOY, namespace, "update-worker", image_is)
     patch_job(kubectl, namespace, "update", {"spec": {"parameterServers": {"shards": 3}}})
     job = api.wait(JOBS, namespace, "update", condition_holds("ShardCountLocked"))
-    assert "from 2 to 3: resharding a job with shard copies" in condition(job, "ShardCountLocked")["message"]
-    assert api.get(STS, namespace, "update-ps")["spec"]["replicas"] == 4
+    assert "from 2 to 3: resharding a Sandblaster job is not supported" in condition(job, "ShardCountLocked")["message"]
+    assert api.get(STS, namespace, "update-ps")["spec"]["replicas"] == 2
     assert api.wait_event(namespace, "update", "ShardCountLocked")["type"] == "Warning"
 
 
 # ------------------------------------------------------------------ reshard
 
 BATCH_JOBS = "batch/v1/jobs"
-
-
-def reshard_pod_ends(api: Api, namespace: str, job: str, exit_code: int, message: str) -> str:
-    """Play the kubelet of the reshard Job's newest pod: it ran, and ended with exit_code and
-    message (its termination message). The pod's name."""
-    def running() -> Any:
-        pods = [p for p in api.list("v1/pods", namespace, f"distbelief.io/job={job},distbelief.io/role=reshard")
-                if p["status"].get("phase") not in ("Succeeded", "Failed") and not p["metadata"].get("deletionTimestamp")]
-        return pods[0] if pods else None
-    pod = eventually(running, 60, interval=0.2, what=f"a reshard pod of {job}")
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message,
-                  "startedAt": now, "finishedAt": now}
-    api.patch("v1/pods", namespace, pod["metadata"]["name"], {"status": {
-        "phase": "Succeeded" if exit_code == 0 else "Failed",
-        "containerStatuses": [{"name": "reshard", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-                               "state": {"terminated": terminated}}]}}, subresource="status")
-    return str(pod["metadata"]["name"])
 
 
 def resharding_reason(reason: str) -> Any:

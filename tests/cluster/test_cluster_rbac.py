@@ -25,7 +25,7 @@ from support import controlplane, kueue
 from support.chiefs import Chiefs
 from support.cluster import CHART, JOBS, Api, Kubectl, Operator, refused
 from support.chartdocs import Grant, operator_grants
-from support.kubejobs import apply, kubelet_runs, new_job, patch_job, phase_is, pods_of, replicas_are
+from support.kubejobs import apply, kubelet_runs, new_job, patch_job, phase_is, pods_of, replicas_are, reshard_pod_ends
 from support.waiting import eventually
 
 pytestmark = pytest.mark.floors  # the operator's API calls, also against the lowest dependency versions
@@ -166,6 +166,18 @@ def drive_a_queued_job(api: Api, kubectl: Kubectl, namespace: str) -> None:
     api.delete(JOBS, namespace, "rbac-queued")
 
 
+def drive_a_reshard(api: Api, kubectl: Kubectl, namespace: str) -> None:
+    """A job's shard count changed: its pods stopped, the new shard pod's claim made, the
+    reshard Job created and read; once it succeeded, deleted."""
+    apply(kubectl, namespace, new_job("rbac-reshard"))
+    pods_of(api, namespace, "rbac-reshard", 2, "ps")
+    patch_job(kubectl, namespace, "rbac-reshard", {"spec": {"parameterServers": {"shards": 3}}})
+    reshard_pod_ends(api, namespace, "rbac-reshard", 0, "resharded from 2 to 3 shards at step 1")
+    api.wait("batch/v1/jobs", namespace, "rbac-reshard-reshard", lambda j: j is None)
+    api.wait("apps/v1/statefulsets", namespace, "rbac-reshard-ps", replicas_are(3))
+    api.delete(JOBS, namespace, "rbac-reshard")
+
+
 def session(operator: Operator, api: Api, kubectl: Kubectl, chiefs: Chiefs, namespace: str,
             release_namespace: str) -> tuple[list[Call], list[Grant]]:
     """The operator started afresh (its startup's lists and watches count) and a job's life:
@@ -174,6 +186,7 @@ def session(operator: Operator, api: Api, kubectl: Kubectl, chiefs: Chiefs, name
     operator.restart()
     drive_a_job_through_its_life(api, kubectl, chiefs, namespace)
     drive_a_queued_job(api, kubectl, namespace)
+    drive_a_reshard(api, kubectl, namespace)
     time.sleep(1)
     events, _ = operator.calls(start, started=True)
     assert not refused(events), f"refused: {refused(events)}\n{operator.log_tail(3000)}"

@@ -169,21 +169,68 @@ def _whole_layout(output: Path, before: dict[str, np.ndarray]) -> int | None:
     return None
 
 
-def test_a_new_shard_count_with_shard_copies_is_refused_by_name_and_the_folder_kept(suspended: Path,
-                                                                                     tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def suspended_copies(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A digits run on 2 shards with a backup each (pods 0-1 the shards' copy 0, 2-3 copy
+    1), suspended past step 800."""
+    output = tmp_path_factory.mktemp("copies")
+    doc = digits(2)
+    doc["spec"]["parameterServers"]["backups"] = 1
+    code, summary = suspend_at(doc, output, 800)
+    assert code == 130 and summary["phase"] == "Suspended"
+    yield output
+
+
+def pod_state(output: Path, pod: int) -> tuple[int, dict[str, np.ndarray]]:
+    ckpt = outputdir.newest(volume_dir(str(output), f"digits-ps-{pod}", contract.CHECKPOINT_VOLUME))
+    assert ckpt is not None, f"pod {pod} has no checkpoint in {output}"
+    return ckpt.step, {name: ckpt.arrays[name] for name in STATE}
+
+
+def test_a_job_with_shard_copies_resharded_seeds_every_copy_of_every_new_shard(suspended_copies: Path,
+                                                                              tmp_path: Path) -> None:
+    """Each shard is read from its copy with the newest checkpoint (a backup may lag), and
+    both copies of each of the 3 new shards get its re-cut: the same bits, end to end, as the
+    2 shards' newest state. The run then resumes at that step on 6 pods and succeeds."""
     output = tmp_path / "out"
-    shutil.copytree(suspended, output)
-    _, before = state(output, 2)
+    shutil.copytree(suspended_copies, output)
+    newest = [max((pod_state(output, copy * 2 + shard) for copy in range(2)), key=lambda found: found[0])
+              for shard in range(2)]
+    before = {name: np.concatenate([state[name] for _, state in newest]) for name in STATE}
+    done = run_cli("reshard", str(output), "--shards", "3")
+    assert done.returncode == 0, done.stderr
+    step = newest[0][0]
+    assert done.stdout.strip() == f"resharded from 2 to 3 shards at step {step}"
+    copies = [[pod_state(output, copy * 3 + shard) for shard in range(3)] for copy in range(2)]
+    for laid in copies:
+        assert [found_step for found_step, _ in laid] == [step] * 3
+        assert same_bits({name: np.concatenate([state[name] for _, state in laid]) for name in STATE}, before)
+
+    job = tmp_path / "job.yaml"
     doc = digits(3)
     doc["spec"]["parameterServers"]["backups"] = 1
-    job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
+    ran = run_cli("run", str(job), "--output", str(output), "--no-progress")
+    assert ran.returncode == 0, ran.stderr
+    for pod in range(6):
+        assert restored_steps(output / "logs" / f"digits-ps-{pod}.log")[0] == step, pod
+    report = yaml.safe_load((output / "report.json").read_text())
+    assert report["phase"] == "Succeeded" and report["accuracy"] > 0.9
+
+
+def test_a_new_shard_count_with_backups_changed_too_is_refused_by_name_and_the_folder_kept(
+        suspended_copies: Path, tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    shutil.copytree(suspended_copies, output)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(digits(3)))     # no backups: the folder holds 4 shard pods
     ran = run_cli("run", str(job), "--output", str(output), "--no-progress")
     assert ran.returncode == 2
     assert ran.stderr.strip().splitlines()[-1] == (
-        f"error: {output}: resharding a job with shard copies (spec.parameterServers.backups) is not supported; "
-        "run it on 2 shards, or --fresh")
-    assert _whole_layout(output, before) == 2 and not (output / reshardplaces.WORK).exists()
+        f"error: {output}: holds checkpoints of more than 2 shards x 1 copies (spec.parameterServers.backups "
+        "changed?); reshard with the backups it ran with, or --fresh")
+    assert not (output / reshardplaces.WORK).exists()
+    assert pod_state(output, 3)[0] > 0 and not Path(volume_dir(str(output), "digits-ps-4", "")).exists()
 
 
 def ctr(shards: int) -> dict[str, Any]:

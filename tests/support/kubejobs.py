@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from typing import Any, Callable
 
 import yaml
@@ -83,3 +84,21 @@ def pods_of(api: Api, namespace: str, job: str, count: int, role: str) -> None:
     selector = f"distbelief.io/job={job},distbelief.io/role={role}"
     eventually(lambda: len(api.list("v1/pods", namespace, selector)) >= count, 45, interval=0.2,
                what=f"the controllers make {count} {role} pods of {job}")
+
+
+def reshard_pod_ends(api: Api, namespace: str, job: str, exit_code: int, message: str) -> str:
+    """Play the kubelet of the reshard Job's newest pod: it ran, and ended with exit_code and
+    message (its termination message). The pod's name."""
+    def running() -> Any:
+        pods = [p for p in api.list("v1/pods", namespace, f"distbelief.io/job={job},distbelief.io/role=reshard")
+                if p["status"].get("phase") not in ("Succeeded", "Failed") and not p["metadata"].get("deletionTimestamp")]
+        return pods[0] if pods else None
+    pod = eventually(running, 60, interval=0.2, what=f"a reshard pod of {job}")
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message,
+                  "startedAt": now, "finishedAt": now}
+    api.patch("v1/pods", namespace, pod["metadata"]["name"], {"status": {
+        "phase": "Succeeded" if exit_code == 0 else "Failed",
+        "containerStatuses": [{"name": "reshard", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+                               "state": {"terminated": terminated}}]}}, subresource="status")
+    return str(pod["metadata"]["name"])

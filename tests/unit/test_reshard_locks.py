@@ -54,13 +54,11 @@ def test_a_count_set_back_during_a_reshard_is_a_reshard_to_it() -> None:
 
 
 def test_jobs_that_cannot_be_resharded_are_refused_by_name_and_keep_running() -> None:
-    copies = stored(3)
-    copies["spec"]["parameterServers"]["backups"] = 1
     queued = stored(3)
     queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
     sandblaster = stored(3)
     sandblaster["spec"]["training"]["algorithm"] = "sandblaster"
-    for doc, why in ((copies, "shard copies"), (queued, "queued by Kueue"), (sandblaster, "Sandblaster")):
+    for doc, why in ((queued, "queued by Kueue"), (sandblaster, "Sandblaster")):
         locked = locks.locked_job(doc)
         assert locked.reshard is None and not locks.held_for_reshard(locked.job)
         message = locked.refusals["ShardCountLocked"]
@@ -104,3 +102,14 @@ def test_the_job_is_pending_while_it_reshards_and_says_how_the_reshard_ended() -
     assert (kept["reason"], kept["message"]) == ("Resharded", "resharded from 2 to 3 shards at step 9")
     failed = compute_status(job, Observed(resharding=("False", "ReshardFailed", "the reshard failed")), NOW)
     assert failed["phase"] == "Pending"
+
+
+def test_a_job_with_shard_copies_is_resharded_over_the_claims_of_every_copy() -> None:
+    doc = stored(3)
+    doc["spec"]["parameterServers"]["backups"] = 1
+    locked = locks.locked_job(doc)
+    assert locked.reshard == ShardChange(recorded=2, target=3) and not locked.refusals
+    manifest = reshardjob.render_reshard_job(RenderContext.of(locked.job, image="img"), 2, 3)
+    volumes = manifest["spec"]["template"]["spec"]["volumes"]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v]
+    assert claims == [f"checkpoints-digits-ps-{pod}" for pod in range(6)]   # 3 shards x 2 copies

@@ -294,7 +294,11 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: See
         locked = locks.locked_job(stored_job)
         job, reshard = locked.job, None
         if locked.reshard is not None and not finished:
-            job, reshard = _follow_reshard(kube, body, stored_job, locked, seen)
+            job, reshard = _follow_reshard(kube, body, stored_job, locked, seen, memo)
+        if memo.get("reshard_applying"):
+            # Applied until it succeeds: once the new count is recorded, no other pass would.
+            children.apply_all(kube, job, desired_children(job, finished=False))
+            memo["reshard_applying"] = False
         observed = read_observed(seen, job, locked.refusals, blocked=memo.get("blocked"), resharding=reshard)
         if queue.queue_name(job):
             observed = dataclasses.replace(observed, queued=sync_queue(kube, body, job, finished=finished))
@@ -325,9 +329,9 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: See
 
 
 def _follow_reshard(kube: Kube, body: kopf.Body, stored_job: dict[str, Any], locked: locks.Locked,
-                    seen: Seen) -> tuple[DistBeliefJob, resharding.Progress]:
-    """One step of the job's reshard; once it ended, the job with its new count, its children
-    applied for it. An Event for each new state of the Resharding condition."""
+                    seen: Seen, memo: kopf.Memo) -> tuple[DistBeliefJob, resharding.Progress]:
+    """One step of the job's reshard; once it ended, the job with its new count (its children
+    to apply for it). An Event for each new state of the Resharding condition."""
     job = locked.job
     try:
         pods: list[Any] = list(seen.pods.get((job.config.namespace, job.config.name), []))
@@ -341,7 +345,7 @@ def _follow_reshard(kube: Kube, body: kopf.Body, stored_job: dict[str, Any], loc
         post(body, reason=progress.reason, message=progress.message)
     if progress.resharded is not None:
         job = locks.locked_job(resharding.after_reshard(stored_job, progress.resharded)).job
-        children.apply_all(kube, job, desired_children(job, finished=False))
+        memo["reshard_applying"] = True
     return job, progress
 
 

@@ -6,8 +6,8 @@ The parameters' places on the shards follow both counts. A changed partition cou
 refused. A changed shard count is followed by a reshard (cluster/resharding.py), which
 ends by recording the new count; until then the job renders with the recorded one, held
 (its pods stopped), and carries RESHARDING_ANNOTATION, which a reshard also records while
-its Job runs. A job whose shards cannot be re-laid (shard copies, Sandblaster, a Kueue
-queue) is refused instead."""
+its Job runs. A job whose shards cannot be re-laid (Sandblaster, a Kueue queue) is refused
+instead."""
 
 from __future__ import annotations
 
@@ -39,8 +39,6 @@ class Lock:
 
 def _reshard_refusal(job: DistBeliefJob) -> str | None:
     spec = job.config.spec
-    if spec.parameter_servers.backups:
-        return "resharding a job with shard copies (spec.parameterServers.backups) is not supported"
     if spec.training.algorithm == "sandblaster":
         return "resharding a Sandblaster job is not supported"
     if job.labels.get(QUEUE_LABEL):

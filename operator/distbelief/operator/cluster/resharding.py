@@ -68,7 +68,8 @@ def follow(kube: Kube, locked: Locked, pods: Sequence[Mapping[str, Any]], image:
         return Progress("True", RESHARDING, f"resharding from {recorded} to {target} shards: {len(stopping)} shard "
                                             "pods stopping (each writes a checkpoint as it stops)")
     ctx = RenderContext.of(job, image=image)
-    for pod in range(recorded, target):
+    copies = job.config.spec.parameter_servers.copies
+    for pod in range(recorded * copies, target * copies):
         kube.create(reshardjob.render_claim(ctx, pod))
     kube.patch(contract.JOB_API_VERSION, contract.KIND, namespace, job.config.name,
                {"metadata": {"annotations": {RESHARDING_ANNOTATION: str(target)}}})

@@ -106,29 +106,40 @@ def layout_found(places: Places, pods: int, after: Layout) -> Layout | None:
 def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout) -> Resharded | None:
     """Re-lay the checkpoints of the job of config, in the first of pods places, for after's
     shard count; None when they already are (or there are none). ReshardError when they
-    cannot be."""
+    cannot be. With shard copies, pod o is copy o // shards of shard o % shards: each shard
+    is read from its copy with the newest checkpoint, and every copy of a new shard gets
+    its re-cut checkpoint."""
     recover(places)
     before = layout_found(places, pods, after)
     if before is None or before.shards == after.shards:
         return None
-    copies = config.spec.parameter_servers.backups or (pods > before.shards and bool(os.listdir(places.live(before.shards))))
-    unsupported = ("shard copies (spec.parameterServers.backups)" if copies else
-                   "Sandblaster (spec.training.algorithm)" if config.spec.training.algorithm == "sandblaster" else None)
-    if unsupported:
-        raise errors.ReshardError(f"{places}: resharding a job with {unsupported} is not supported; run it on "
+    copies = config.spec.parameter_servers.copies
+    old_pods = before.shards * copies
+    if config.spec.training.algorithm == "sandblaster":
+        raise errors.ReshardError(f"{places}: resharding a Sandblaster job is not supported; run it on "
                                   f"{before.shards} shards, or {places.start_over}")
-    old, folders = [], [places.live(shard) for shard in range(before.shards)]
-    for shard, folder in enumerate(folders):
-        ckpt = outputdir.newest(folder, copy=False)
-        if ckpt is None:
-            raise errors.ReshardError(f"shard {shard} has no checkpoint that verifies in {folder}")
-        old.append(ckpt)
+    if pods > old_pods and checkpoint.list_checkpoints(places.live(old_pods)):
+        raise errors.ReshardError(f"{places}: holds checkpoints of more than {before.shards} shards x {copies} "
+                                  "copies (spec.parameterServers.backups changed?); reshard with the backups it ran "
+                                  f"with, or {places.start_over}")
+    old, folders = zip(*(_newest_copy(places, shard, before.shards, copies) for shard in range(before.shards)))
     changes = _Changes()
-    _stage(places, before.shards, recut(old, folders, before, after), changes)
-    _commit(places, before.shards, after.shards, changes)
+    _stage(places, old_pods, recut(old, folders, before, after), after, copies, changes)
+    _commit(places, old_pods, after.shards * copies, changes)
     step = old[0].step
-    log.info("event=resharded where=%s before=%d after=%d step=%d", places, before.shards, after.shards, step)
+    log.info("event=resharded where=%s before=%d after=%d copies=%d step=%d", places, before.shards, after.shards,
+             copies, step)
     return Resharded(before.shards, after.shards, step)
+
+
+def _newest_copy(places: Places, shard: int, shards: int, copies: int) -> tuple[checkpoint.Checkpoint, str]:
+    """The shard's newest checkpoint over its copies (a backup may lag its primary), and its folder."""
+    found = [(ckpt, folder) for folder in (places.live(copy * shards + shard) for copy in range(copies))
+             if (ckpt := outputdir.newest(folder, copy=False)) is not None]
+    if not found:
+        raise errors.ReshardError(f"shard {shard} has no checkpoint that verifies in {places.live(shard)}"
+                                  + (f" nor in its {copies - 1} copies'" if copies > 1 else ""))
+    return max(found, key=lambda pair: pair[0].step)
 
 
 def reshard_folder(output: str, shards: int) -> Resharded | None:
@@ -159,8 +170,9 @@ def reshard_claims(claims: list[str], config_path: str, shards: int) -> Resharde
     """`distbelief reshard-claims`: a cluster job's checkpoint claims, mounted in shard pod
     order (as many as the larger count), re-laid for `shards` shards."""
     config, after = _job_at(config_path, shards)
-    if len(claims) < after.shards:
-        raise errors.ReshardError(f"{shards} shards need {shards} checkpoint claims; {len(claims)} mounted")
+    needed = after.shards * config.spec.parameter_servers.copies
+    if len(claims) < needed:
+        raise errors.ReshardError(f"{shards} shards need {needed} checkpoint claims; {len(claims)} mounted")
     return reshard(ClaimPlaces(claims), len(claims), config, after)
 
 
@@ -176,18 +188,20 @@ def _job_at(config_path: str, shards: int) -> tuple[contract.JobConfig, Layout]:
     return job.config, after
 
 
-def _stage(places: Places, old_pods: int, new: Iterable[Recut], changes: _Changes) -> None:
-    pods = 0
-    for pod, shard in enumerate(new):
-        staged = places.staged(pod)
-        os.makedirs(staged)
-        if pod < old_pods:
-            _copy_beside(places.live(pod), staged)
-        checkpoint.write(os.path.join(staged, checkpoint.file_name(shard.header.step)), shard.header,
-                         shard.pieces)
-        changes.made()
-        pods += 1
-    _write_plan(places.plan, {"old": old_pods, "new": pods})
+def _stage(places: Places, old_pods: int, new: Iterable[Recut], after: Layout, copies: int,
+           changes: _Changes) -> None:
+    """Each new shard pod's checkpoint (every copy of a shard the same), then the plan."""
+    for shard in new:
+        for copy in range(copies):
+            pod = copy * after.shards + shard.header.shard
+            staged = places.staged(pod)
+            os.makedirs(staged)
+            if pod < old_pods:
+                _copy_beside(places.live(pod), staged)
+            checkpoint.write(os.path.join(staged, checkpoint.file_name(shard.header.step)), shard.header,
+                             shard.pieces)
+            changes.made()
+    _write_plan(places.plan, {"old": old_pods, "new": after.shards * copies})
     changes.made()
 
 

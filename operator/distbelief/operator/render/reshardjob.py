@@ -43,7 +43,9 @@ def render_claim(ctx: RenderContext, pod: int) -> Manifest:
 
 
 def render_reshard_job(ctx: RenderContext, before: int, after: int) -> Manifest:
-    pods = max(before, after)
+    """The Job from `before` shards to `after`: its pod mounts the claims of every shard pod
+    of either count (each shard's copies included), in pod order."""
+    pods = max(before, after) * ctx.spec.parameter_servers.copies
     folders = [f"{CLAIMS_DIR}/{pod}" for pod in range(pods)]
     container: Manifest = {
         "name": ROLE,
