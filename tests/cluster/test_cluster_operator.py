@@ -222,7 +222,8 @@ def resharding_reason(reason: str) -> Any:
 def test_a_changed_shard_count_stops_the_pods_runs_the_reshard_job_and_resumes_on_the_new_count(
         operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
     """The operator's side of a reshard (the Job's own is tests/cluster/test_cluster_node.py):
-    held, a Job over every claim of either count, and the new count once it succeeded."""
+    held, a Job over every claim of either count, and the new count once it succeeded, with
+    the operator restarted while the Job runs."""
     apply(kubectl, namespace, new_job("grow"))
     pods_of(api, namespace, "grow", 2, "ps")
     patch_job(kubectl, namespace, "grow", {"spec": {"parameterServers": {"shards": 3}}})
@@ -243,6 +244,7 @@ def test_a_changed_shard_count_stops_the_pods_runs_the_reshard_job_and_resumes_o
     assert job["metadata"]["annotations"]["distbelief.io/shards"] == "2"
     api.wait_event(namespace, "grow", "Resharding")
 
+    operator.restart()   # the Job's labels and the job's annotations carry the reshard over
     reshard_pod_ends(api, namespace, "grow", 0, "resharded from 2 to 3 shards at step 420")
     job = api.wait(JOBS, namespace, "grow", resharding_reason("Resharded"))
     assert condition(job, "Resharding")["message"] == "resharded from 2 to 3 shards at step 420"
