@@ -7,7 +7,8 @@ and 4 -> 2 shards, against the time to write and then read one checkpoint of eve
   written as the shards write a table that size (a base file of rows, named by the
   checkpoint) and read as a restore reads it.
 Synthetic checkpoints in a local output folder's layout; the re-cut, staging, plan and
-moves are the product's (operator/local/resharding.py), fsyncs included.
+moves are the product's (runtime/roles/reshard.py, over a local folder's places),
+fsyncs included.
 
     python benchmarks/reshard_bench.py [--params 90000000] [--rows 50000000] [--runs 3] [--json FILE]
 """

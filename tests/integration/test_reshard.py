@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import yaml
 
-from distbelief.operator.local import outputdir, reshardplaces, resharding
+from distbelief.operator.local import outputdir, resharding
 from distbelief.operator.local.localpods import volume_dir
 from distbelief.operator.render import podparts
 from distbelief.runtime import contract
 from distbelief.runtime.params.rows import rowcheckpoint
+from distbelief.runtime.roles import reshard
 from support.cli import run_cli
 from support.examples import load_example
 from support.localruns import restored_steps, suspend_at
@@ -72,7 +73,7 @@ def test_a_suspended_run_resharded_holds_the_same_model_and_resumes_at_its_step(
     assert done.stdout.strip() == f"resharded from 2 to 3 shards at step {chief_step}"
     steps_after, after = state(output, 3)
     assert steps_after == [chief_step] * 3 and same_bits(before, after)
-    assert not (output / reshardplaces.WORK).exists()
+    assert not (output / resharding.WORK).exists()
     assert (Path(volume_dir(str(output), "digits-ps-0", contract.CHECKPOINT_VOLUME)) / contract.HISTORY_FILE).exists()
 
     # `distbelief run` with yet another count reshards by itself (3 -> 4), then trains on.
@@ -94,19 +95,19 @@ def test_a_reshard_killed_after_any_change_loses_nothing_and_finishes_when_run_a
     while True:
         output = tmp_path / f"kill-{kills + 1}"
         shutil.copytree(suspended, output)
-        done = run_cli("reshard", str(output), "--shards", "3", env={resharding.KILL_AFTER_ENV: str(kills + 1)})
+        done = run_cli("reshard", str(output), "--shards", "3", env={reshard.KILL_AFTER_ENV: str(kills + 1)})
         if done.returncode == 0:
             break   # the reshard made fewer changes than that: every kill point was tried
         assert done.returncode == -9, done.stderr
         kills += 1
-        if not (output / reshardplaces.WORK / reshardplaces.PLAN).exists():
+        if not (output / resharding.WORK / reshard.PLAN).exists():
             # Without a plan to roll forward, the folder holds one whole layout: the old one
             # (killed before the commit point) or the new one (after the plan was done).
             assert _whole_layout(output, before) in (2, 3)
         again = run_cli("reshard", str(output), "--shards", "3")
         assert again.returncode == 0, again.stderr
         assert same_bits(state(output, 3)[1], before), f"killed after change {kills}"
-        assert not (output / reshardplaces.WORK).exists()
+        assert not (output / resharding.WORK).exists()
     # 3 staged checkpoints, the plan, 2 + 2 + 1 renames, the plan's removal
     assert kills == 10
 
@@ -137,7 +138,7 @@ def test_a_cluster_jobs_claims_resharded_and_killed_after_any_change_hold_the_sa
     while True:
         claims = as_claims(suspended, tmp_path / f"kill-{kills + 1}")
         command = ("reshard-claims", *map(str, claims), "--config", config, "--shards", "3")
-        done = run_cli(*command, env={resharding.KILL_AFTER_ENV: str(kills + 1)})
+        done = run_cli(*command, env={reshard.KILL_AFTER_ENV: str(kills + 1)})
         if done.returncode != 0:
             assert done.returncode == -9, done.stderr
             kills += 1
@@ -145,7 +146,7 @@ def test_a_cluster_jobs_claims_resharded_and_killed_after_any_change_hold_the_sa
             assert again.returncode == 0, again.stderr
         new_steps, after = state_in(list(map(str, claims)))
         assert same_bits(after, before) and set(new_steps) == {steps[0]}, f"killed after change {kills}"
-        assert not [c for c in claims if (c / reshardplaces.ClaimPlaces.WORK).exists()]
+        assert not [c for c in claims if (c / reshard.ClaimPlaces.WORK).exists()]
         if done.returncode == 0:
             break
     # 3 staged checkpoints, the plan, 2 claims set aside, 3 moved in, the plan's removal
@@ -229,7 +230,7 @@ def test_a_new_shard_count_with_backups_changed_too_is_refused_by_name_and_the_f
     assert ran.stderr.strip().splitlines()[-1] == (
         f"error: {output}: holds checkpoints of more than 2 shards x 1 copies (spec.parameterServers.backups "
         "changed?); reshard with the backups it ran with, or --fresh")
-    assert not (output / reshardplaces.WORK).exists()
+    assert not (output / resharding.WORK).exists()
     assert pod_state(output, 3)[0] > 0 and not Path(volume_dir(str(output), "digits-ps-4", "")).exists()
 
 

@@ -205,9 +205,9 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _reshard_claims(args: argparse.Namespace) -> int:
-    from distbelief.operator.local import resharding
+    from distbelief.runtime.roles import reshard
 
-    done = resharding.reshard_claims(args.claims, args.config, args.shards)
+    done = reshard.reshard_claims(args.claims, args.config, args.shards)
     outcome = done.announcement() if done else f"already laid over {args.shards} shards, or no checkpoints"
     print(outcome)
     if args.message_file:

@@ -131,9 +131,5 @@ def newest(folder: str, *, copy: bool = True) -> checkpoint.Checkpoint | None:
 
 def newest_with_time(folder: str, *, copy: bool = True) -> tuple[checkpoint.Checkpoint, float] | None:
     """The newest checkpoint in folder that verifies, and when it was written."""
-    for path in checkpoint.list_checkpoints(folder):
-        try:
-            return checkpoint.load(path, copy=copy), os.path.getmtime(path)
-        except errors.CorruptCheckpoint:
-            continue  # the shard sets it aside when it starts
-    return None
+    found = checkpoint.newest_verified(folder, copy=copy)
+    return (found[0], os.path.getmtime(found[1])) if found else None

@@ -1,6 +1,6 @@
 """The Job <job>-reshard: one pod that mounts the checkpoint claims of every shard pod of
 either count and re-lays them for the new one (`distbelief reshard-claims`:
-operator/local/resharding.py). The operator runs it once a changed shard count has stopped
+runtime/roles/reshard.py). The operator runs it once a changed shard count has stopped
 the job's pods (cluster/resharding.py); its labels record both counts.
 
 Its pod mounts every claim at once, so they must be mountable together: ReadWriteMany,

@@ -210,6 +210,18 @@ def step_of(path: str) -> int:
     return int(os.path.basename(path)[len("step-"):-len(SUFFIX)])
 
 
+def newest_verified(folder: str, *, copy: bool = True) -> tuple[Checkpoint, str] | None:
+    """The newest checkpoint in folder that verifies (without copy: its arrays are views of
+    the file's bytes), and its path; a damaged one is passed over (its shard sets it aside
+    when it starts)."""
+    for path in list_checkpoints(folder):
+        try:
+            return load(path, copy=copy), path
+        except errors.CorruptCheckpoint:
+            continue
+    return None
+
+
 def list_checkpoints(folder: str) -> list[str]:
     """Checkpoint files in folder, newest first."""
     try:
