@@ -40,12 +40,14 @@ log = logging.getLogger(__name__)
 
 # Testing only: SIGKILL the process after this many changes to the folders (tests/integration/test_reshard*.py).
 KILL_AFTER_ENV = "DISTBELIEF_RESHARD_KILL_AFTER"
-
-
 PLAN = "plan.json"
 
 
 class Places(Protocol):
+    """Where a reshard finds each shard pod's checkpoint folder, stages its new one and sets
+    the old one aside; every move is made only if it has not been, so that a reshard rolled
+    forward after a crash repeats none."""
+
     plan: str         # the commit point
     start_over: str   # how a user starts the job afresh instead
 
