@@ -23,12 +23,13 @@ from typing import Any
 import pytest
 import yaml
 
+from distbelief.operator.cluster import resharding
 from distbelief.runtime import keys
 from support.chiefs import Chiefs
 from support.cluster import CRD_NAME, JOBS, Api, Kubectl, Operator, stop_process
 from support.examples import load_example
 from support.kubejobs import (READY, apply, condition, condition_holds, controller_of, kubelet_runs, new_job,
-                              patch_job, phase_is, pods_of, replicas_are, reshard_pod_ends)
+                              patch_job, pending_reshard_pods, phase_is, pods_of, replicas_are, reshard_pod_ends)
 from support.waiting import eventually
 
 pytestmark = pytest.mark.floors  # the operator's API calls, also against the lowest dependency versions
@@ -255,6 +256,43 @@ def test_a_changed_shard_count_stops_the_pods_runs_the_reshard_job_and_resumes_o
     api.wait(BATCH_JOBS, namespace, "grow-reshard", lambda j: j is None)
     assert api.wait_event(namespace, "grow", "Resharded")["type"] == "Normal"
     assert "ShardCountLocked" not in {c["type"] for c in job["status"]["conditions"]}
+
+
+@pytest.mark.parametrize("step", resharding.STEPS)
+def test_an_operator_killed_at_any_step_of_a_reshard_is_followed_by_the_next_one(
+        step: str, operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    """SIGKILL just after each change a reshard makes to the cluster; the operator started
+    again finishes it (running another Job where the last one's end was not recorded): the
+    job on 3 shards, no Job left, nothing half done."""
+    name = f"at-{step}"
+    apply(kubectl, namespace, new_job(name))
+    pods_of(api, namespace, name, 2, "ps")
+    operator.extra_env[resharding.KILL_AT_ENV] = step
+    try:
+        operator.restart()
+        patch_job(kubectl, namespace, name, {"spec": {"parameterServers": {"shards": 3}}})
+        if resharding.STEPS.index(step) > resharding.STEPS.index("job-created"):
+            reshard_pod_ends(api, namespace, name, 0, "resharded from 2 to 3 shards at step 7")
+        assert operator.process is not None
+        eventually(lambda: operator.process.poll() is not None, 60, interval=0.2, what=f"the operator killed at {step}")
+        assert operator.process.returncode == -signal.SIGKILL
+    finally:
+        operator.extra_env.pop(resharding.KILL_AT_ENV)
+        operator.start()
+
+    def resharded() -> Any:   # the kubelet's part: every reshard pod the Jobs make runs and succeeds
+        for _ in pending_reshard_pods(api, namespace, name):
+            reshard_pod_ends(api, namespace, name, 0, "resharded from 2 to 3 shards at step 7")
+        job = api.get(JOBS, namespace, name)
+        return job if resharding_reason("Resharded")(job) and \
+            "distbelief.io/resharding-to" not in job["metadata"]["annotations"] else None
+
+    job = eventually(resharded, 90, interval=0.5, what=f"the reshard finished after a kill at {step}")
+    assert job["metadata"]["annotations"]["distbelief.io/shards"] == "3"
+    api.wait(STS, namespace, f"{name}-ps", replicas_are(3))
+    api.wait(DEPLOY, namespace, f"{name}-worker", replicas_are(3))
+    api.wait(BATCH_JOBS, namespace, f"{name}-reshard", lambda j: j is None)
+    api.delete(JOBS, namespace, name)
 
 
 def test_a_failed_reshard_keeps_the_job_stopped_on_its_count_until_the_count_is_set_back(

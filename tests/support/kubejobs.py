@@ -86,14 +86,17 @@ def pods_of(api: Api, namespace: str, job: str, count: int, role: str) -> None:
                what=f"the controllers make {count} {role} pods of {job}")
 
 
+def pending_reshard_pods(api: Api, namespace: str, job: str) -> list[dict[str, Any]]:
+    """The job's reshard pods that have not ended (no kubelet runs them here)."""
+    return [p for p in api.list("v1/pods", namespace, f"distbelief.io/job={job},distbelief.io/role=reshard")
+            if p["status"].get("phase") not in ("Succeeded", "Failed") and not p["metadata"].get("deletionTimestamp")]
+
+
 def reshard_pod_ends(api: Api, namespace: str, job: str, exit_code: int, message: str) -> str:
-    """Play the kubelet of the reshard Job's newest pod: it ran, and ended with exit_code and
-    message (its termination message). The pod's name."""
-    def running() -> Any:
-        pods = [p for p in api.list("v1/pods", namespace, f"distbelief.io/job={job},distbelief.io/role=reshard")
-                if p["status"].get("phase") not in ("Succeeded", "Failed") and not p["metadata"].get("deletionTimestamp")]
-        return pods[0] if pods else None
-    pod = eventually(running, 60, interval=0.2, what=f"a reshard pod of {job}")
+    """Play the kubelet of a reshard pod of the job that has not ended: it ran, and ended with
+    exit_code and message (its termination message). The pod's name."""
+    pod = eventually(lambda: next(iter(pending_reshard_pods(api, namespace, job)), None), 60, interval=0.2,
+                     what=f"a reshard pod of {job}")
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message,
                   "startedAt": now, "finishedAt": now}

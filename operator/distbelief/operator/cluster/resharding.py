@@ -13,7 +13,8 @@ per status pass:
                 condition False with the pod's error; another count starts another Job
 
 The Job's labels hold both counts, and the job's count changes only once the claims hold
-the new layout, before the Job goes: a restarted operator picks up where the last one was.
+the new layout: a restarted operator picks up where the last one was (a Job that ran again
+over claims already laid for its count changes nothing).
 Setting the count back during a reshard runs a reshard to it, which finishes or undoes the
 one under way (the Job's folder protocol), so the claims always end in one layout.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 from typing import Any, Mapping, Sequence
 
 from distbelief.operator.cluster.kube import Kube, controller_uid
@@ -29,11 +32,16 @@ from distbelief.operator.cluster.locks import RESHARDING_ANNOTATION, SHARDS_ANNO
 from distbelief.operator.render import reshardjob
 from distbelief.operator.render.context import RenderContext
 from distbelief.operator.status.status import RESHARDED, RESHARDING, how_it_ended
+from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract
 
 log = logging.getLogger(__name__)
 
 JOBS = ("batch/v1", "Job")
+# Testing only: SIGKILL the operator once a reshard reaches this step (one of STEPS), just
+# after its change to the cluster (tests/cluster/test_cluster_operator.py).
+KILL_AT_ENV = "DISTBELIEF_RESHARD_KILL_AT"
+STEPS = ("claims-made", "target-recorded", "job-created", "job-deleted", "count-recorded")
 FAILED = "ReshardFailed"
 
 
@@ -71,9 +79,12 @@ def follow(kube: Kube, locked: Locked, pods: Sequence[Mapping[str, Any]], image:
     copies = job.config.spec.parameter_servers.copies
     for pod in range(recorded * copies, target * copies):
         kube.create(reshardjob.render_claim(ctx, pod))
+    _reached("claims-made")
     kube.patch(contract.JOB_API_VERSION, contract.KIND, namespace, job.config.name,
                {"metadata": {"annotations": {RESHARDING_ANNOTATION: str(target)}}})
+    _reached("target-recorded")
     kube.create(reshardjob.render_reshard_job(ctx, recorded, target))
+    _reached("job-created")
     log.info("event=reshard_started job=%s namespace=%s before=%d after=%d", names.job, namespace, recorded, target)
     return Progress("True", RESHARDING, f"resharding from {recorded} to {target} shards: Job {name} started")
 
@@ -92,15 +103,28 @@ def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | 
         return Progress("False", FAILED, f"the reshard from {before} to {after} shards failed ({said or f'Job {name}'}); "
                                          f"the job keeps {before} shards, stopped: set spec.parameterServers.shards "
                                          f"to {before} to resume it, or to another count to reshard again")
-    if ended == "Complete":
-        kube.patch(contract.JOB_API_VERSION, contract.KIND, job.config.namespace, job.config.name,
-                   {"metadata": {"annotations": {SHARDS_ANNOTATION: str(after),
-                                                 RESHARDING_ANNOTATION: None if after == target else str(target)}}})
-    kube.delete(*JOBS, job.config.namespace, name, uid=live["metadata"]["uid"])
-    log.info("event=reshard_ended job=%s outcome=%s before=%d after=%d", job.config.name, ended, before, after)
     if ended == "Complete" and after == target:
+        # The Job first: killed in between, the next pass runs another, which finds the
+        # claims laid for `after` already and changes nothing.
+        kube.delete(*JOBS, job.config.namespace, name, uid=live["metadata"]["uid"])
+        _reached("job-deleted")
+        _record(kube, job, after, resharding_to=None)
+        _reached("count-recorded")
+        log.info("event=reshard_ended job=%s before=%d after=%d", job.config.name, before, after)
         return Progress("False", RESHARDED, said or f"resharded from {before} to {after} shards", resharded=after)
+    if ended == "Complete":   # the spec moved on meanwhile: what the claims hold first, then another Job
+        _record(kube, job, after, resharding_to=target)
+    kube.delete(*JOBS, job.config.namespace, name, uid=live["metadata"]["uid"])
+    log.info("event=reshard_ended job=%s outcome=%s before=%d after=%d target=%d", job.config.name, ended, before,
+             after, target)
     return Progress("True", RESHARDING, f"resharding to {target} shards (the Job to {after} ended: {ended})")
+
+
+def _record(kube: Kube, job: DistBeliefJob, shards: int, *, resharding_to: int | None) -> None:
+    """The count the claims are laid for, as the job's, and the count a reshard goes to."""
+    kube.patch(contract.JOB_API_VERSION, contract.KIND, job.config.namespace, job.config.name,
+               {"metadata": {"annotations": {SHARDS_ANNOTATION: str(shards), RESHARDING_ANNOTATION:
+                                             None if resharding_to is None else str(resharding_to)}}})
 
 
 def after_reshard(validated: Mapping[str, Any], shards: int) -> dict[str, Any]:
@@ -109,6 +133,12 @@ def after_reshard(validated: Mapping[str, Any], shards: int) -> dict[str, Any]:
                    if k != RESHARDING_ANNOTATION}
     return {**validated, "metadata": {**validated["metadata"], "annotations": {**annotations,
                                                                               SHARDS_ANNOTATION: str(shards)}}}
+
+
+def _reached(step: str) -> None:
+    if os.environ.get(KILL_AT_ENV) == step:
+        log.warning("event=killed_for_a_test step=%s", step)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _ended(live: Mapping[str, Any]) -> str | None:
