@@ -113,3 +113,14 @@ def test_a_job_with_shard_copies_is_resharded_over_the_claims_of_every_copy() ->
     volumes = manifest["spec"]["template"]["spec"]["volumes"]
     claims = [v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v]
     assert claims == [f"checkpoints-digits-ps-{pod}" for pod in range(6)]   # 3 shards x 2 copies
+
+
+def test_a_reshard_that_ended_while_no_pass_saw_it_reads_resharded() -> None:
+    """The operator killed once the new count was recorded: the next one sees no reshard,
+    and the condition the last one left True says how it ended."""
+    job = locks.locked_job(stored(3, recorded=3)).job
+    going = compute_status(job, Observed(resharding=("True", "Resharding", "resharding from 2 to 3 shards")), NOW)
+    after = compute_status(DistBeliefJob.of({**job.manifest(), "status": going}), Observed(), NOW)
+    (condition,) = [c for c in after["conditions"] if c["type"] == "Resharding"]
+    assert (condition["status"], condition["reason"], condition["message"]) == (
+        "False", "Resharded", "resharded to 3 shards")
