@@ -258,6 +258,22 @@ def test_a_changed_shard_count_stops_the_pods_runs_the_reshard_job_and_resumes_o
     assert "ShardCountLocked" not in {c["type"] for c in job["status"]["conditions"]}
 
 
+def test_a_suspended_job_is_resharded_at_once_and_stays_suspended(operator: Operator, api: Api, kubectl: Kubectl,
+                                                                   namespace: str) -> None:
+    apply(kubectl, namespace, new_job("idle", runPolicy={"suspend": True}))
+    api.wait(STS, namespace, "idle-ps", replicas_are(0))
+    patch_job(kubectl, namespace, "idle", {"spec": {"parameterServers": {"shards": 4}}})
+    reshard = api.wait(BATCH_JOBS, namespace, "idle-reshard")
+    assert reshard["metadata"]["labels"]["distbelief.io/reshard-to"] == "4"
+    reshard_pod_ends(api, namespace, "idle", 0, "resharded from 2 to 4 shards at step 12")
+    job = api.wait(JOBS, namespace, "idle", resharding_reason("Resharded"))
+    assert job["metadata"]["annotations"]["distbelief.io/shards"] == "4" and job["status"]["phase"] == "Suspended"
+    api.wait(BATCH_JOBS, namespace, "idle-reshard", lambda j: j is None)
+    assert api.get(STS, namespace, "idle-ps")["spec"]["replicas"] == 0
+    patch_job(kubectl, namespace, "idle", {"spec": {"runPolicy": {"suspend": False}}})
+    api.wait(STS, namespace, "idle-ps", replicas_are(4))
+
+
 @pytest.mark.parametrize("step", resharding.STEPS)
 def test_an_operator_killed_at_any_step_of_a_reshard_is_followed_by_the_next_one(
         step: str, operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:

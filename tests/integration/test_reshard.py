@@ -281,3 +281,25 @@ def test_a_suspended_job_with_embeddings_resharded_holds_every_row_and_trains_on
         assert restored_steps(output / "logs" / f"ctr-sparse-ps-{shard}.log")[0] == step
     report = yaml.safe_load((output / "report.json").read_text())
     assert report["phase"] == "Succeeded" and report["globalStep"] >= 600, report
+
+
+def test_a_partitioned_job_resharded_resumes_at_its_step_on_the_new_count(tmp_path: Path) -> None:
+    """Each stage's parameters are re-cut over the stage's new shards (tests/unit/test_recut.py
+    has the bits); the run resumes at the step on 4 shards and succeeds."""
+    doc = copy.deepcopy(load_example("digits-partitioned.yaml"))
+    doc["spec"]["training"]["maxSteps"] = 3000
+    output = tmp_path / "out"
+    code, summary = suspend_at(doc, output, 600)
+    assert code == 130 and summary["phase"] == "Suspended"
+    doc["spec"]["parameterServers"]["shards"] = 4
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    ran = run_cli("run", str(job), "--output", str(output), "--no-progress")
+    assert ran.returncode == 0, ran.stderr
+    (line,) = [line for line in ran.stdout.splitlines() if line.startswith("resharded from 2 to 4 shards at step ")]
+    step = int(line.rsplit(" ", 1)[1])
+    name = doc["metadata"]["name"]
+    for shard in range(4):
+        assert restored_steps(output / "logs" / f"{name}-ps-{shard}.log")[0] == step, shard
+    report = yaml.safe_load((output / "report.json").read_text())
+    assert report["phase"] == "Succeeded"
