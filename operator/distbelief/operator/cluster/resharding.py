@@ -22,9 +22,11 @@ one under way (the Job's folder protocol), so the claims always end in one layou
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import signal
+import time
 from typing import Any, Mapping, Sequence
 
 from distbelief.operator.cluster.kube import Kube, controller_uid
@@ -41,6 +43,8 @@ JOBS = ("batch/v1", "Job")
 # Testing only: SIGKILL the operator once a reshard reaches this step (one of STEPS), just
 # after its change to the cluster (tests/cluster/test_cluster_operator.py).
 KILL_AT_ENV = "DISTBELIEF_RESHARD_KILL_AT"
+# How long a completed Job waits for its pod's outcome (the step it resharded at) to be seen.
+SAID_WAIT_SECONDS = 30
 STEPS = ("claims-made", "target-recorded", "job-created", "job-deleted", "count-recorded")
 FAILED = "ReshardFailed"
 
@@ -103,6 +107,8 @@ def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | 
         return Progress("False", FAILED, f"the reshard from {before} to {after} shards failed ({said or f'Job {name}'}); "
                                          f"the job keeps {before} shards, stopped: set spec.parameterServers.shards "
                                          f"to {before} to resume it, or to another count to reshard again")
+    if ended == "Complete" and after == target and not said and _ended_within(live, SAID_WAIT_SECONDS):
+        return Progress("True", RESHARDING, f"resharding from {before} to {after} shards: Job {name} completed")
     if ended == "Complete" and after == target:
         # The Job first: killed in between, the next pass runs another, which finds the
         # claims laid for `after` already and changes nothing.
@@ -139,6 +145,13 @@ def _reached(step: str) -> None:
     if os.environ.get(KILL_AT_ENV) == step:
         log.warning("event=killed_for_a_test step=%s", step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _ended_within(live: Mapping[str, Any], seconds: float) -> bool:
+    """Whether the Job completed less than `seconds` ago (its pod's last status may not have
+    reached the operator's watch yet)."""
+    done = str((live.get("status") or {}).get("completionTime") or "")
+    return bool(done) and time.time() - datetime.datetime.fromisoformat(done).timestamp() < seconds
 
 
 def _ended(live: Mapping[str, Any]) -> str | None:
