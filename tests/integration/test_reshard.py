@@ -287,9 +287,9 @@ def test_a_partitioned_job_resharded_resumes_at_its_step_on_the_new_count(tmp_pa
     """Each stage's parameters are re-cut over the stage's new shards (tests/unit/test_recut.py
     has the bits); the run resumes at the step on 4 shards and succeeds."""
     doc = copy.deepcopy(load_example("digits-partitioned.yaml"))
-    doc["spec"]["training"]["maxSteps"] = 3000
+    doc["spec"]["training"]["maxSteps"] = 1500
     output = tmp_path / "out"
-    code, summary = suspend_at(doc, output, 600)
+    code, summary = suspend_at(doc, output, 400)
     assert code == 130 and summary["phase"] == "Suspended"
     doc["spec"]["parameterServers"]["shards"] = 4
     job = tmp_path / "job.yaml"
