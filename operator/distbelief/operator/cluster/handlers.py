@@ -53,8 +53,7 @@ from distbelief.operator.validation import spec as job_spec
 from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.operator.status import events
 from distbelief.operator.status.progress import parse_timestamp
-from distbelief.operator.status.status import (FAILED, RESHARDED, RESHARDING, TERMINAL, UPDATES_LOST, WARNINGS, Observed,
-                                               compute_status)
+from distbelief.operator.status.status import FAILED, TERMINAL, UPDATES_LOST, WARNINGS, Observed, compute_status
 from distbelief.runtime import contract, keys
 
 log = logging.getLogger(__name__)
@@ -294,7 +293,10 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: See
         locked = locks.locked_job(stored_job)
         job, reshard = locked.job, None
         if locked.reshard is not None and not finished:
-            job, reshard = _follow_reshard(kube, body, stored_job, locked, seen, memo)
+            followed = _follow_reshard(kube, body, stored_job, locked, seen, memo)
+            if followed is None:   # a view of the job older than the last pass's change
+                return
+            job, reshard = followed
         if memo.get("reshard_applying"):
             # Applied until it succeeds: once the new count is recorded, no other pass would.
             children.apply_all(kube, job, desired_children(job, finished=False))
@@ -329,24 +331,22 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: See
 
 
 def _follow_reshard(kube: Kube, body: kopf.Body, stored_job: dict[str, Any], locked: locks.Locked,
-                    seen: Seen, memo: kopf.Memo) -> tuple[DistBeliefJob, resharding.Progress]:
-    """One step of the job's reshard; once it ended, the job with its new count (its children
-    to apply for it). An Event for each new state of the Resharding condition."""
-    job = locked.job
+                    seen: Seen, memo: kopf.Memo) -> tuple[DistBeliefJob, resharding.Progress] | None:
+    """One step of the job's reshard (None for a stale view of the job: resharding.follow);
+    once it ended, the job with its new count, its children to apply."""
+    config = locked.job.config
     try:
-        pods: list[Any] = list(seen.pods.get((job.config.namespace, job.config.name), []))
-        progress = resharding.follow(kube, locked, pods, locks.runtime_image(job, IMAGE))
+        progress = resharding.follow(kube, locked, list(seen.pods.get((config.namespace, config.name), [])),
+                                     locks.runtime_image(locked.job, IMAGE))
     except errors.KubeError as exc:
         raise kopf.TemporaryError(f"cannot follow the reshard: {exc}", delay=5) from exc
-    conditions: list[Mapping[str, Any]] = list((body.status or {}).get("conditions") or [])
-    before: Mapping[str, Any] = next((c for c in conditions if c.get("type") == RESHARDING), {})
-    if (before.get("status"), before.get("reason")) != (progress.status, progress.reason):
-        post = kopf.info if progress.reason in (RESHARDING, RESHARDED) else kopf.warn
-        post(body, reason=progress.reason, message=progress.message)
-    if progress.resharded is not None:
-        job = locks.locked_job(resharding.after_reshard(stored_job, progress.resharded)).job
-        memo["reshard_applying"] = True
-    return job, progress
+    if progress is None:
+        return None
+    resharding.post_event(body, progress)
+    if progress.resharded is None:
+        return locked.job, progress
+    memo["reshard_applying"] = True
+    return locks.locked_job(resharding.after_reshard(stored_job, progress.resharded)).job, progress
 
 
 def _post_shard_events(body: kopf.Body, memo: kopf.Memo, observed: Observed, shards_before: Any,

@@ -29,6 +29,8 @@ import signal
 import time
 from typing import Any, Mapping, Sequence
 
+import kopf
+
 from distbelief.operator.cluster.kube import Kube, controller_uid
 from distbelief.operator.cluster.locks import RESHARDING_ANNOTATION, SHARDS_ANNOTATION, Locked
 from distbelief.operator.render import reshardjob
@@ -62,11 +64,14 @@ class Progress:
         return self.status, self.reason, self.message
 
 
-def follow(kube: Kube, locked: Locked, pods: Sequence[Mapping[str, Any]], image: str) -> Progress:
-    """One step of the reshard locked.reshard asks for (pods: the job's pods, as seen)."""
+def follow(kube: Kube, locked: Locked, pods: Sequence[Mapping[str, Any]], image: str) -> Progress | None:
+    """One step of the reshard locked.reshard asks for (pods: the job's pods, as seen); None
+    when the job as stored has moved past locked's view of it (see _stale)."""
     assert locked.reshard is not None
     job, target = locked.job, locked.reshard.target
     names, namespace = job.config.names, job.config.namespace
+    if _stale(kube, locked):
+        return None
     name = reshardjob.job_name(names)
     live = kube.get(*JOBS, namespace, name)
     if live is not None and controller_uid(live) != job.config.uid:
@@ -124,6 +129,26 @@ def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | 
     log.info("event=reshard_ended job=%s outcome=%s before=%d after=%d target=%d", job.config.name, ended, before,
              after, target)
     return Progress("True", RESHARDING, f"resharding to {target} shards (the Job to {after} ended: {ended})")
+
+
+def post_event(body: kopf.Body, progress: Progress) -> None:
+    """An Event for each new state of the job's Resharding condition."""
+    conditions: list[Mapping[str, Any]] = list(dict(body.status or {}).get("conditions") or [])
+    before: Mapping[str, Any] = next((c for c in conditions if c.get("type") == RESHARDING), {})
+    if (before.get("status"), before.get("reason")) != (progress.status, progress.reason):
+        post = kopf.info if progress.reason in (RESHARDING, RESHARDED) else kopf.warn
+        post(body, reason=progress.reason, message=progress.message)
+
+
+def _stale(kube: Kube, locked: Locked) -> bool:
+    """Whether the job as stored records another count than locked's view of it. A pass
+    reads the job as the operator's watch last delivered it, which can predate the count
+    the last pass recorded: acting on it would run the ended reshard again."""
+    assert locked.reshard is not None
+    config = locked.job.config
+    stored = kube.get(contract.JOB_API_VERSION, contract.KIND, config.namespace, config.name)
+    annotations: Mapping[str, str] = (stored["metadata"].get("annotations") or {}) if stored else {}
+    return annotations.get(SHARDS_ANNOTATION) != str(locked.reshard.recorded)
 
 
 def _record(kube: Kube, job: DistBeliefJob, shards: int, *, resharding_to: int | None) -> None:
