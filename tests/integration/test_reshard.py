@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from distbelief.operator.local import outputdir, resharding
+from distbelief.operator.local import local, outputdir, resharding
 from distbelief.operator.local.localpods import volume_dir
 from distbelief.operator.render import podparts
 from distbelief.runtime import contract
@@ -23,7 +25,7 @@ from distbelief.runtime.params.rows import rowcheckpoint
 from distbelief.runtime.roles import reshard
 from support.cli import run_cli
 from support.examples import load_example
-from support.localruns import restored_steps, suspend_at
+from support.localruns import chief_port, restored_steps, run_while, suspend_at, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -303,3 +305,47 @@ def test_a_partitioned_job_resharded_resumes_at_its_step_on_the_new_count(tmp_pa
         assert restored_steps(output / "logs" / f"{name}-ps-{shard}.log")[0] == step, shard
     report = yaml.safe_load((output / "report.json").read_text())
     assert report["phase"] == "Succeeded"
+
+
+def test_a_journal_holding_what_no_checkpoint_does_is_replayed_on_the_old_count_before_a_reshard(
+        tmp_path: Path) -> None:
+    """A journaled job's shards SIGKILLed, and the run stopped before they came back: their
+    journals hold acknowledged commands that no checkpoint does. A reshard refuses by name and
+    changes nothing; run on its count, the shards replay them; suspended, the job reshards
+    (each new shard starting a journal of its own) and resumes at its step."""
+    doc = digits(2)
+    doc["spec"]["parameterServers"].update(journal=True, checkpoint={"everySeconds": 3600})
+    output = tmp_path / "out"
+
+    def sigkill_the_shards(run: local.LocalRun) -> None:
+        wait_for_step(chief_port(run), 600)
+        for shard in run.shards:
+            shard.process.send_signal(signal.SIGKILL)
+        run.interrupt()   # at once: a killed pod restarts after a second's back-off
+
+    run_while(doc, output, sigkill_the_shards, timeout=60)
+    assert all(outputdir.newest(volume_dir(str(output), f"digits-ps-{shard}", contract.CHECKPOINT_VOLUME)) is None
+               for shard in range(2))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**doc, "spec": {**doc["spec"], "parameterServers": {
+        **doc["spec"]["parameterServers"], "shards": 3}}}))
+    refused = run_cli("run", str(job), "--output", str(output), "--no-progress")
+    assert refused.returncode == 2
+    assert re.search(r"shard pod 0's journal holds \d+ acknowledged commands after its newest checkpoint \(none\)",
+                     refused.stderr), refused.stderr
+    assert not (output / resharding.WORK).exists() and not (output / "volumes" / "digits-ps-2").exists()
+
+    code, summary = suspend_at(doc, output, 900)
+    assert code == 130 and summary["phase"] == "Suspended", summary
+    for shard in range(2):
+        replayed = re.findall(r"event=journal_replayed shard=\d+ from_seq=0 commands=(\d+)",
+                              (output / "logs" / f"digits-ps-{shard}.log").read_text())
+        assert replayed and int(replayed[-1]) > 0, (shard, replayed)
+    (chief_step, _), _ = state(output, 2)
+    ran = run_cli("run", str(job), "--output", str(output), "--no-progress")
+    assert ran.returncode == 0, ran.stderr
+    assert f"resharded from 2 to 3 shards at step {chief_step}" in ran.stdout.splitlines()
+    for shard in range(3):
+        assert restored_steps(output / "logs" / f"digits-ps-{shard}.log")[-1] == chief_step, shard
+    report = yaml.safe_load((output / "report.json").read_text())
+    assert report["phase"] == "Succeeded" and report["accuracy"] > 0.9, report

@@ -32,7 +32,7 @@ from typing import Iterable, Protocol
 from distbelief.runtime import contract, errors
 from distbelief.runtime.model.job import Job
 from distbelief.runtime.params.rows.rowrecut import recut
-from distbelief.runtime.shard import checkpoint
+from distbelief.runtime.shard import checkpoint, journal
 from distbelief.runtime.shard.reshard import Recut
 from distbelief.runtime.wire.layout import Layout
 
@@ -195,6 +195,7 @@ def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout
     is read from its copy with the newest checkpoint, and every copy of a new shard gets
     its re-cut checkpoint."""
     recover(places)
+    _refuse_unreplayed(places, pods)
     before = layout_found(places, pods, after)
     if before is None or before.shards == after.shards:
         return None
@@ -215,6 +216,24 @@ def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout
     log.info("event=resharded where=%s before=%d after=%d copies=%d step=%d", places, before.shards, after.shards,
              copies, step)
     return Resharded(before.shards, after.shards, step)
+
+
+def _refuse_unreplayed(places: Places, pods: int) -> None:
+    """ReshardError when a shard's journal (spec.parameterServers.journal) holds commands its
+    newest checkpoint does not, as after a SIGKILL: the shard acknowledged them, and only a
+    replay by that shard, on the old layout, brings them back."""
+    for pod in range(pods):
+        folder = places.live(pod)
+        newest = _newest(folder)
+        seq = newest.meta.get(journal.SEQ_KEY) if newest else 0
+        if not isinstance(seq, int):   # a checkpoint from before the journal was on: a start sets it aside
+            continue
+        unreplayed = journal.commands_after(os.path.join(folder, journal.FOLDER), seq)
+        if unreplayed:
+            raise errors.ReshardError(
+                f"{places}: shard pod {pod}'s journal holds {unreplayed} acknowledged commands after its newest "
+                f"checkpoint ({f'step {newest.step}' if newest else 'none'}), which only its shard can replay: run the "
+                "job on the shard count it ran with until it stops with a checkpoint (a suspend does), then reshard")
 
 
 def _newest_copy(places: Places, shard: int, shards: int, copies: int) -> tuple[checkpoint.Checkpoint, str]:

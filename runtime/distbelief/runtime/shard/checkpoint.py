@@ -233,6 +233,8 @@ def list_checkpoints(folder: str) -> list[str]:
 
 # The checkpoint's record of the job that wrote it (its uid on a cluster).
 JOB_UID = "jobUid"
+# Its record of the last command of the shard's journal it holds (journal.py).
+JOURNAL_SEQ = "journalSeq"
 
 
 def restore_latest(folder: str, *, layout: int, shard: int, job_uid: str | None = None,

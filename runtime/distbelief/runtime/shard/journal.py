@@ -49,7 +49,7 @@ from distbelief.runtime.wire.protocol import OpSpec
 
 log = logging.getLogger(__name__)
 
-SEQ_KEY = "journalSeq"      # the checkpoint's record of the last command it holds
+SEQ_KEY = checkpoint.JOURNAL_SEQ
 FOLDER = "journal"
 MAGIC = b"DBJ1"
 RECORD = struct.Struct("<4sQI")
@@ -212,11 +212,7 @@ class Journal(SingleCopy):
     # -- files -----------------------------------------------------------------------------------
 
     def _segments(self) -> list[str]:
-        try:
-            names = [n for n in os.listdir(self.folder) if n.endswith(SUFFIX) and n[:-len(SUFFIX)].isdigit()]
-        except FileNotFoundError:
-            return []
-        return [os.path.join(self.folder, n) for n in sorted(names, key=lambda n: int(n[:-len(SUFFIX)]))]
+        return journal_files(self.folder)
 
     def _open(self, seq: int) -> BinaryIO:
         os.makedirs(self.folder, exist_ok=True)
@@ -279,6 +275,28 @@ class Journal(SingleCopy):
     def _failure(self, what: str, exc: OSError) -> errors.RuntimeFailure:
         # Nothing more may be acknowledged: stop, and be restarted from what is on disk.
         return errors.RuntimeFailure(f"shard {self.shard.index}: cannot {what} its journal in {self.folder}: {exc}")
+
+
+def journal_files(folder: str) -> list[str]:
+    """The journal's files in folder, oldest first."""
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(SUFFIX) and n[:-len(SUFFIX)].isdigit()]
+    except FileNotFoundError:
+        return []
+    return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[:-len(SUFFIX)]))]
+
+
+def commands_after(folder: str, seq: int) -> int:
+    """How many commands the journal in folder holds after command seq: what a replay on top
+    of a checkpoint holding seq would apply (up to the first record that does not read)."""
+    count = 0
+    for path in journal_files(folder):
+        with open(path, "rb") as file:
+            for record, _ in _read_records(file):
+                if record is None:
+                    return count
+                count += record.seq > seq
+    return count
 
 
 def _read_records(file: BinaryIO) -> Iterator[tuple[Record | None, int]]:

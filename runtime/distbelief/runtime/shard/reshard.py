@@ -31,6 +31,10 @@ from distbelief.runtime.wire.layout import Layout
 CORE_META = ("restarts", "startTime", "finished", "examples", checkpoint.JOB_UID, CHECKPOINT_KEY)
 # Metadata of embedding rows (params/rows): their keys are hashed to shards, not cut.
 ROWS_META = ("sparseDim", "sparseChain")
+# A shard's own counters, which start again on the new layout: its journal's last command
+# (the old journals go with the old folders; roles/reshard.py first refuses while one holds
+# what its checkpoint does not).
+RESTARTED_META = (checkpoint.JOURNAL_SEQ,)
 
 
 @dataclasses.dataclass
@@ -94,8 +98,8 @@ def _check(old: Sequence[checkpoint.Checkpoint], before: Layout, after: Layout) 
 
 
 def _plugin_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in meta.items() if key not in CORE_META}
+    return {key: value for key, value in meta.items() if key not in CORE_META + RESTARTED_META}
 
 
 def _carried_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in meta.items() if key != CHECKPOINT_KEY}
+    return {key: value for key, value in meta.items() if key != CHECKPOINT_KEY and key not in RESTARTED_META}
