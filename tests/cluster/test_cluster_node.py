@@ -20,6 +20,7 @@ import yaml
 
 from distbelief.operator.render import podparts
 from support.cluster import Kubectl
+from support.kubejobs import restored_steps
 from support.localnode import (LocalNode, apply, chart, example, finished, get, job_status,  # noqa: F401 (fixtures)
                                local_node, operator)
 from support.paths import REPO
@@ -303,12 +304,6 @@ def test_a_partitioned_job_trains_to_succeeded(kubectl: Kubectl, local_node: Loc
     since = time.monotonic()
     apply(kubectl, namespace, job)
     assert_trained(kubectl, namespace, finished(kubectl, namespace, job["metadata"]["name"], operator, since), job)
-
-
-def restored_steps(kubectl: Kubectl, namespace: str, pod: str) -> list[int] | None:
-    """The step of each checkpoint the pod's log says it restored; None before the first."""
-    log = kubectl.run("logs", pod, "-n", namespace).stdout
-    return [int(line.split("step=")[1].split()[0]) for line in log.splitlines() if "event=restored" in line] or None
 
 
 @pytest.mark.slow

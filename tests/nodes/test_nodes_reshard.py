@@ -15,17 +15,12 @@ import yaml
 
 from support import nodejobs
 from support.cluster import Kubectl
+from support.kubejobs import restored_steps
 from support.paths import EXAMPLES
 from support.waiting import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 JOB_SECONDS = 1500   # generous (a shared machine); never asserted on
-
-
-def restored_steps(kubectl: Kubectl, namespace: str, pod: str) -> list[int] | None:
-    """The step of each checkpoint the pod's log says it restored; None before the first."""
-    log = kubectl.run("logs", pod, "-n", namespace).stdout
-    return [int(line.split("step=")[1].split()[0]) for line in log.splitlines() if "event=restored" in line] or None
 
 
 def reshard_ended(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any] | None:

@@ -105,3 +105,9 @@ def reshard_pod_ends(api: Api, namespace: str, job: str, exit_code: int, message
         "containerStatuses": [{"name": "reshard", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
                                "state": {"terminated": terminated}}]}}, subresource="status")
     return str(pod["metadata"]["name"])
+
+
+def restored_steps(kubectl: Kubectl, namespace: str, pod: str) -> list[int] | None:
+    """The step of each checkpoint the pod's log says it restored; None before the first."""
+    log = kubectl.run("logs", pod, "-n", namespace).stdout
+    return [int(line.split("step=")[1].split()[0]) for line in log.splitlines() if "event=restored" in line] or None
