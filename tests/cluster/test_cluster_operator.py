@@ -29,7 +29,8 @@ from distbelief.operator.cluster.kube import Kube
 from distbelief.operator.validation import spec as job_spec
 from distbelief.runtime import keys
 from support.chiefs import Chiefs
-from support.cluster import CRD_NAME, JOBS, Api, Kubectl, Operator, stop_process
+from support.cluster import CRD_NAME, JOBS, Api, Kubectl, Operator, stop_process, unavailable
+from support.controlplane import ControlPlane
 from support.examples import load_example
 from support.kubejobs import (READY, apply, condition, condition_holds, controller_of, kubelet_runs, new_job,
                               patch_job, pending_reshard_pods, phase_is, pods_of, replicas_are, reshard_pod_ends)
@@ -286,6 +287,26 @@ def test_a_suspended_job_is_resharded_at_once_and_stays_suspended(operator: Oper
     assert api.get(STS, namespace, "idle-ps")["spec"]["replicas"] == 0
     patch_job(kubectl, namespace, "idle", {"spec": {"runPolicy": {"suspend": False}}})
     api.wait(STS, namespace, "idle-ps", replicas_are(4))
+
+
+def test_a_reshard_pod_the_scheduler_leaves_pending_is_said_in_the_condition(
+        operator: Operator, api: Api, kubectl: Kubectl, namespace: str, control_plane: ControlPlane) -> None:
+    """Here no node can take the pod (its claims stay unbound: no provisioner), as where the
+    claims are local volumes pinned to different nodes."""
+    if not control_plane.has("kube-scheduler"):
+        unavailable(f"the scheduler's verdict needs kube-scheduler beside the API server in {control_plane.bin}")
+    apply(kubectl, namespace, new_job("unplaced", runPolicy={"suspend": True}))
+    api.wait(STS, namespace, "unplaced-ps", replicas_are(0))
+    patch_job(kubectl, namespace, "unplaced", {"spec": {"parameterServers": {"shards": 3}}})
+
+    def said(job: Any) -> bool:
+        return bool(job) and resharding_reason("Resharding")(job) and \
+            "cannot be scheduled" in condition(job, "Resharding")["message"]
+
+    message = condition(api.wait(JOBS, namespace, "unplaced", said), "Resharding")["message"]
+    assert message.startswith("resharding from 2 to 3 shards: Job unplaced-reshard runs; its pod cannot be "
+                              "scheduled (") and message.endswith("so they must be reachable from one node"), message
+    api.delete(JOBS, namespace, "unplaced")
 
 
 @pytest.mark.parametrize("step", resharding.STEPS)

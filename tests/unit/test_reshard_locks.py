@@ -86,6 +86,20 @@ def test_the_reshard_job_mounts_the_claims_of_either_count_and_records_both() ->
     assert (claim["kind"], claim["metadata"]["name"]) == ("PersistentVolumeClaim", "checkpoints-digits-ps-2")
 
 
+def test_the_reshard_pod_asks_what_a_shard_asks_and_is_limited_to_twice_the_old_shards_memory() -> None:
+    doc = stored(1, recorded=3)
+    doc["spec"]["parameterServers"]["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"},
+                                                    "limits": {"cpu": "2", "memory": "2Gi"}}
+    ctx = RenderContext.of(locks.locked_job(doc).job, image="img")
+    (container,) = reshardjob.render_reshard_job(ctx, 3, 1)["spec"]["template"]["spec"]["containers"]
+    assert container["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"},
+                                      "limits": {"memory": str(2 * 3 * 2 ** 31)}}
+    del doc["spec"]["parameterServers"]["resources"]["limits"]
+    ctx = RenderContext.of(locks.locked_job(doc).job, image="img")
+    (container,) = reshardjob.render_reshard_job(ctx, 3, 1)["spec"]["template"]["spec"]["containers"]
+    assert container["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}}
+
+
 def test_the_job_is_pending_while_it_reshards_and_says_how_the_reshard_ended() -> None:
     job = locks.locked_job(stored(3)).job
     going = compute_status(job, Observed(resharding=("True", "Resharding", "resharding from 2 to 3 shards")), NOW)

@@ -40,12 +40,16 @@ WATCHED = (("apps/v1", "statefulsets"), ("apps/v1", "deployments"), ("v1", "pods
 
 
 def _kept(body: kopf.Body) -> dict[str, Any]:
-    """What a status pass reads of an object."""
-    meta = body.metadata
+    """What a status pass reads of an object (of a pod's conditions, only the scheduler's
+    refusal: cluster/resharding.py says it)."""
+    meta, status = body.metadata, dict(body.status)
+    kept = {key: value for key, value in status.items() if key in ("readyReplicas", "replicas", "containerStatuses")}
+    unscheduled = [c for c in status.get("conditions") or [] if (c.get("type"), c.get("status")) == ("PodScheduled", "False")]
+    if unscheduled:
+        kept["conditions"] = unscheduled
     return {"metadata": {"name": meta.name, "uid": meta.uid, "labels": dict(meta.labels),
                          "ownerReferences": [dict(ref) for ref in meta.get("ownerReferences", [])]},
-            "status": {key: value for key, value in dict(body.status).items()
-                       if key in ("readyReplicas", "replicas", "containerStatuses")}}
+            "status": kept}
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=podparts.MANAGED)

@@ -107,7 +107,8 @@ def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | 
     before, after = int(labels[reshardjob.FROM_LABEL]), int(labels[reshardjob.TO_LABEL])
     name, said = live["metadata"]["name"], _said(pods)
     if ended is None:
-        return Progress("True", RESHARDING, f"resharding from {before} to {after} shards: Job {name} runs")
+        return Progress("True", RESHARDING, f"resharding from {before} to {after} shards: Job {name} runs"
+                                            + _unschedulable(pods))
     if ended == "Failed" and after == target:
         return Progress("False", FAILED, f"the reshard from {before} to {after} shards failed ({said or f'Job {name}'}); "
                                          f"the job keeps {before} shards, stopped: set spec.parameterServers.shards "
@@ -197,6 +198,19 @@ def _said(pods: Sequence[Mapping[str, Any]]) -> str:
         return ""
     last = ends[-1]
     return (last.get("message") or "").strip() if last["exitCode"] == 0 else how_it_ended("the reshard pod", last)
+
+
+def _unschedulable(pods: Sequence[Mapping[str, Any]]) -> str:
+    """Why the scheduler leaves a reshard pod Pending, if it does: its pod mounts every claim
+    at once, which local volumes pinned to different nodes forbid."""
+    for pod in pods:
+        if _role(pod) == reshardjob.ROLE:
+            for condition in (pod.get("status") or {}).get("conditions") or []:
+                if (condition.get("type"), condition.get("status"), condition.get("reason")) == (
+                        "PodScheduled", "False", "Unschedulable"):
+                    return (f"; its pod cannot be scheduled ({condition.get('message') or 'no reason given'}): it "
+                            "mounts every claim at once, so they must be reachable from one node")
+    return ""
 
 
 def _role(pod: Mapping[str, Any]) -> str | None:

@@ -9,7 +9,7 @@ or ReadWriteOnce volumes that one node can reach (docs/guides/resharding.md).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from distbelief.operator.render import podparts
 from distbelief.operator.render.context import RenderContext
@@ -23,6 +23,9 @@ TERMINATION_LOG = "/dev/termination-log"
 # A reshard killed midway is finished by the next try (its folder protocol); a reshard
 # that fails three times fails for a reason a retry does not fix (its pod says which).
 BACKOFF_LIMIT = 2
+# The reshard pod's memory limit, in old shards' limits: it reads every old shard's state
+# (an embedding table's rows whole) and lays the new shards' beside it.
+RESHARD_MEMORY = 2
 
 
 def job_name(names: contract.JobNames) -> str:
@@ -40,6 +43,16 @@ def render_claim(ctx: RenderContext, pod: int) -> Manifest:
     claim = podparts.checkpoint_claim(ctx, ctx.spec.parameter_servers.checkpoint.storage)
     claim["metadata"] = {**claim["metadata"], "name": claim_name(ctx.names, pod), "namespace": ctx.config.namespace}
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", **claim}
+
+
+def _resources(shard: Mapping[str, Any], before: int) -> dict[str, Any]:
+    """A shard's requests; and with a shard memory limit, a limit of RESHARD_MEMORY times the
+    old shards' together: the reshard holds every old shard's state and the new shards'."""
+    resources = {"requests": dict(shard["requests"])} if shard.get("requests") else {}
+    limit = (shard.get("limits") or {}).get("memory")
+    if limit is not None:
+        resources["limits"] = {"memory": str(int(podparts.cpu_cores(limit) * RESHARD_MEMORY * before))}
+    return resources
 
 
 def render_reshard_job(ctx: RenderContext, before: int, after: int) -> Manifest:
@@ -60,9 +73,9 @@ def render_reshard_job(ctx: RenderContext, before: int, after: int) -> Manifest:
                          {"name": podparts.SCRATCH_VOLUME, "mountPath": contract.SCRATCH_DIR},
                          *({"name": f"claim-{pod}", "mountPath": folder} for pod, folder in enumerate(folders))],
     }
-    requests = (ctx.spec.parameter_servers.resources or {}).get("requests")
-    if requests:
-        container["resources"] = {"requests": dict(requests)}
+    resources = _resources(ctx.spec.parameter_servers.resources or {}, before)
+    if resources:
+        container["resources"] = resources
     metadata = podparts.metadata(ctx, job_name(ctx.names), ROLE)
     metadata["labels"].update({FROM_LABEL: str(before), TO_LABEL: str(after)})
     return {
