@@ -117,8 +117,8 @@ def measure(replicas: int, clients: int, seconds: float) -> dict:
 
 
 def scale_arguments(doc: str) -> argparse.Namespace:
-    """The options of a bench of one role against 1 to 256 replica threads (this one's and
-    sandblaster_scale.py's); --replicas as a list of counts."""
+    """The options of a bench of one role against 1 to 256 replica threads (this one's,
+    sandblaster_scale.py's and chief_scale.py's); --replicas as a list of counts."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--replicas", default="1,16,64,256")
     p.add_argument("--seconds", type=float, default=8.0)

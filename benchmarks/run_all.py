@@ -17,7 +17,8 @@ data_bench.py (a replica's memory and input speed on file sources), reshard_benc
 dense job's and the 50M-row embedding table's checkpoints re-laid for another shard count),
 fanout_bench.py (a push's cost per shard, 1 to 64 shards), dispenser_scale.py (the data
 dispenser's asks a second at 1 to 256 replicas), sandblaster_scale.py (Sandblaster's
-coordinator at 1 to 256 replicas), operator_bench.py and
+coordinator at 1 to 256 replicas), chief_scale.py (shard 0's pushes and the chief's
+evaluations at 1 to 256 replicas), operator_bench.py and
 operator_scale.py (the operator at --operator-jobs jobs on KWOK's fake nodes: issue 40's
 targets, printed with the others), shaped_scaling.py (examples/s against the shard count on
 a real node whose pods' links are shaped, beside torch DDP; its plot docs/scale.png).
@@ -227,6 +228,8 @@ def measure(runs: int, scale: float, operator_jobs: int = 1000, operator_nodes: 
         results["dispenser_scale"] = dispenser["dispenser_scale"]
     if coordinator := run_json("sandblaster_scale.py", failures):
         results["sandblaster_scale"] = coordinator["sandblaster_scale"]
+    if chief := run_json("chief_scale.py", failures):
+        results["chief_scale"] = chief["chief_scale"]
     results["examples_per_replica_s"] = per_replica(results)
     operator = run_json("operator_bench.py", failures, "--runs", str(runs))
     if "operator_create_to_children_s" in operator:

@@ -14,6 +14,7 @@ from support.paths import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import chief_scale
 import dispenser_scale
 import e2e_bench
 import figures
@@ -320,3 +321,14 @@ def test_the_sandblaster_bench_runs_real_replicas_against_the_coordinator_and_re
     assert row["replicas"] == 3 and row["units_per_evaluation"] == 12, row
     assert row["evaluations_per_s"] > 0 and row["units_per_s"] >= 12 * row["evaluations_per_s"] * 0.5, row
     assert 0 < row["coordinator_cores"] <= row["shards_process_cores"] and row["replicas_cores"] > 0, row
+
+
+def test_the_chief_bench_pushes_from_every_replica_thread_while_the_chief_evaluates() -> None:
+    """Three replicas over two client processes against 2 shards and the chief of a process of
+    their own: pushes answered in the window, the chief's evaluations in it, and the chief's
+    thread's CPU apart from its process's."""
+    row = chief_scale.measure(replicas=3, clients=2, seconds=1.5)
+    assert row["replicas"] == 3 and row["pushes_per_s"] > 10, row
+    assert 0 < row["push_ms_p50"] <= row["push_ms_p99"], row
+    assert 1 <= row["evaluations"] <= row["evaluations_at_most"] + 1 and row["evaluation_ms_p50"] > 0, row
+    assert row["chief_cores"] < row["shards_process_cores"] and row["replicas_cores"] > 0, row
