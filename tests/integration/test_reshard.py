@@ -307,14 +307,16 @@ def test_a_partitioned_job_resharded_resumes_at_its_step_on_the_new_count(tmp_pa
     assert report["phase"] == "Succeeded"
 
 
+@pytest.mark.parametrize("every_seconds, newest", [(3600, "none"), (1, r"step \d+")])
 def test_a_journal_holding_what_no_checkpoint_does_is_replayed_on_the_old_count_before_a_reshard(
-        tmp_path: Path) -> None:
-    """A journaled job's shards SIGKILLed, and the run stopped before they came back: their
-    journals hold acknowledged commands that no checkpoint does. A reshard refuses by name and
-    changes nothing; run on its count, the shards replay them; suspended, the job reshards
-    (each new shard starting a journal of its own) and resumes at its step."""
+        tmp_path: Path, every_seconds: int, newest: str) -> None:
+    """A journaled job's shards SIGKILLed (with no checkpoint yet, or since their last), and
+    the run stopped before they came back: their journals hold acknowledged commands that no
+    checkpoint does. A reshard refuses by name and changes nothing; run on its count, the
+    shards replay them; suspended, the job reshards (each new shard starting a journal of its
+    own) and resumes at its step."""
     doc = digits(2)
-    doc["spec"]["parameterServers"].update(journal=True, checkpoint={"everySeconds": 3600})
+    doc["spec"]["parameterServers"].update(journal=True, checkpoint={"everySeconds": every_seconds})
     output = tmp_path / "out"
 
     def sigkill_the_shards(run: local.LocalRun) -> None:
@@ -324,23 +326,25 @@ def test_a_journal_holding_what_no_checkpoint_does_is_replayed_on_the_old_count_
         run.interrupt()   # at once: a killed pod restarts after a second's back-off
 
     run_while(doc, output, sigkill_the_shards, timeout=60)
-    assert all(outputdir.newest(volume_dir(str(output), f"digits-ps-{shard}", contract.CHECKPOINT_VOLUME)) is None
-               for shard in range(2))
+    shard_0 = volume_dir(str(output), "digits-ps-0", contract.CHECKPOINT_VOLUME)
+    assert (outputdir.newest(shard_0) is None) == (newest == "none")
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({**doc, "spec": {**doc["spec"], "parameterServers": {
         **doc["spec"]["parameterServers"], "shards": 3}}}))
     refused = run_cli("run", str(job), "--output", str(output), "--no-progress")
     assert refused.returncode == 2
-    assert re.search(r"shard pod 0's journal holds \d+ acknowledged commands after its newest checkpoint \(none\)",
-                     refused.stderr), refused.stderr
+    named = re.search(r"the shard journal in (\S+) holds \d+ acknowledged commands after its newest checkpoint "
+                      r"\((none|step \d+)\)", refused.stderr)
+    assert named and re.fullmatch(newest, named.group(2)), refused.stderr
+    (killed,) = [shard for shard in range(2)
+                 if named.group(1) == volume_dir(str(output), f"digits-ps-{shard}", contract.CHECKPOINT_VOLUME)]
     assert not (output / resharding.WORK).exists() and not (output / "volumes" / "digits-ps-2").exists()
 
     code, summary = suspend_at(doc, output, 900)
     assert code == 130 and summary["phase"] == "Suspended", summary
-    for shard in range(2):
-        replayed = re.findall(r"event=journal_replayed shard=\d+ from_seq=0 commands=(\d+)",
-                              (output / "logs" / f"digits-ps-{shard}.log").read_text())
-        assert replayed and int(replayed[-1]) > 0, (shard, replayed)
+    replayed = re.findall(r"event=journal_replayed shard=\d+ from_seq=\d+ commands=(\d+)",
+                          (output / "logs" / f"digits-ps-{killed}.log").read_text())
+    assert replayed and int(replayed[-1]) > 0, (killed, replayed)
     (chief_step, _), _ = state(output, 2)
     ran = run_cli("run", str(job), "--output", str(output), "--no-progress")
     assert ran.returncode == 0, ran.stderr

@@ -195,8 +195,9 @@ def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout
     is read from its copy with the newest checkpoint, and every copy of a new shard gets
     its re-cut checkpoint."""
     recover(places)
-    _refuse_unreplayed(places, pods)
     before = layout_found(places, pods, after)
+    if before is None and not any(checkpoint.list_checkpoints(places.live(pod)) for pod in range(pods)):
+        _refuse_unreplayed(places, [(places.live(pod), None) for pod in range(pods)])
     if before is None or before.shards == after.shards:
         return None
     copies = config.spec.parameter_servers.copies
@@ -209,6 +210,7 @@ def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout
                                   "copies (spec.parameterServers.backups changed?); reshard with the backups it ran "
                                   f"with, or {places.start_over}")
     old, folders = zip(*(_newest_copy(places, shard, before.shards, copies) for shard in range(before.shards)))
+    _refuse_unreplayed(places, zip(folders, old))
     changes = _Changes()
     _stage(places, old_pods, recut(old, folders, before, after), after, copies, changes)
     _commit(places, old_pods, after.shards * copies, changes)
@@ -218,21 +220,19 @@ def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout
     return Resharded(before.shards, after.shards, step)
 
 
-def _refuse_unreplayed(places: Places, pods: int) -> None:
+def _refuse_unreplayed(places: Places, newest: Iterable[tuple[str, checkpoint.Checkpoint | None]]) -> None:
     """ReshardError when a shard's journal (spec.parameterServers.journal) holds commands its
-    newest checkpoint does not, as after a SIGKILL: the shard acknowledged them, and only a
-    replay by that shard, on the old layout, brings them back."""
-    for pod in range(pods):
-        folder = places.live(pod)
-        newest = _newest(folder)
-        seq = newest.meta.get(journal.SEQ_KEY) if newest else 0
+    newest checkpoint (None: it has none) does not, as after a SIGKILL: the shard acknowledged
+    them, and only a replay by that shard, on the old layout, brings them back."""
+    for folder, ckpt in newest:
+        seq = ckpt.meta.get(journal.SEQ_KEY) if ckpt else 0
         if not isinstance(seq, int):   # a checkpoint from before the journal was on: a start sets it aside
             continue
         unreplayed = journal.commands_after(os.path.join(folder, journal.FOLDER), seq)
         if unreplayed:
             raise errors.ReshardError(
-                f"{places}: shard pod {pod}'s journal holds {unreplayed} acknowledged commands after its newest "
-                f"checkpoint ({f'step {newest.step}' if newest else 'none'}), which only its shard can replay: run the "
+                f"{places}: the shard journal in {folder} holds {unreplayed} acknowledged commands after its newest "
+                f"checkpoint ({f'step {ckpt.step}' if ckpt else 'none'}), which only its shard can replay: run the "
                 "job on the shard count it ran with until it stops with a checkpoint (a suspend does), then reshard")
 
 
