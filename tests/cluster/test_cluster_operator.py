@@ -265,7 +265,8 @@ def test_a_changed_shard_count_stops_the_pods_runs_the_reshard_job_and_resumes_o
 def test_a_suspended_job_is_resharded_at_once_and_stays_suspended(operator: Operator, api: Api, kubectl: Kubectl,
                                                                    namespace: str) -> None:
     """Also: a status pass that reads the job as it was before the reshard's end was recorded
-    (the operator's watch can lag its own changes) runs no reshard again."""
+    (the operator's watch can lag its own changes) runs no reshard again; and one that reads
+    the new count with the status from before still says how the reshard ended."""
     apply(kubectl, namespace, new_job("idle", runPolicy={"suspend": True}))
     api.wait(STS, namespace, "idle-ps", replicas_are(0))
     patch_job(kubectl, namespace, "idle", {"spec": {"parameterServers": {"shards": 4}}})
@@ -284,6 +285,16 @@ def test_a_suspended_job_is_resharded_at_once_and_stays_suspended(operator: Oper
     assert resharding.follow(as_operator, stale, [], "unused:image") is None
     assert api.get(BATCH_JOBS, namespace, "idle-reshard") is None
     assert "distbelief.io/resharding-to" not in api.get(JOBS, namespace, "idle")["metadata"]["annotations"]
+
+    ended = condition(job, "Resharding")
+    assert (ended["status"], ended["message"]) == ("False", "resharded from 2 to 4 shards at step 12")
+    assert job["metadata"]["annotations"]["distbelief.io/resharded"] == ended["message"]
+    running = {**ended, "status": "True", "reason": "Resharding",
+               "message": "resharding from 2 to 4 shards: Job idle-reshard completed"}
+    api.patch(JOBS, namespace, "idle", {"status": {"conditions": [
+        c if c["type"] != "Resharding" else running for c in job["status"]["conditions"]]}}, subresource="status")
+    job = api.wait(JOBS, namespace, "idle", lambda j: condition(j, "Resharding")["status"] == "False")
+    assert condition(job, "Resharding")["message"] == "resharded from 2 to 4 shards at step 12"
     assert api.get(STS, namespace, "idle-ps")["spec"]["replicas"] == 0
     patch_job(kubectl, namespace, "idle", {"spec": {"runPolicy": {"suspend": False}}})
     api.wait(STS, namespace, "idle-ps", replicas_are(4))

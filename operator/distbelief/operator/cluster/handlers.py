@@ -291,7 +291,7 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: See
     try:
         stored_job = validated(body)
         locked = locks.locked_job(stored_job)
-        job, reshard = locked.job, None
+        job, reshard = locked.job, resharding.ended(locked.job)
         if locked.reshard is not None and not finished:
             followed = _follow_reshard(kube, body, stored_job, locked, seen, memo)
             if followed is None:   # a view of the job older than the last pass's change

@@ -24,6 +24,9 @@ PARTITIONS_ANNOTATION = f"{contract.API_GROUP}/partitions"
 IMAGE_ANNOTATION = f"{contract.API_GROUP}/runtime-image"
 # The shard count a reshard is under way to (see above).
 RESHARDING_ANNOTATION = f"{contract.API_GROUP}/resharding-to"
+# How the last reshard ended (its Job's outcome line), recorded with the count it went to:
+# a status pass that reads the job with that count reads the line too.
+RESHARDED_ANNOTATION = f"{contract.API_GROUP}/resharded"
 
 
 @dataclasses.dataclass(frozen=True)

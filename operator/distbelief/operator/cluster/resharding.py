@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import kopf
 
 from distbelief.operator.cluster.kube import Kube, controller_uid
-from distbelief.operator.cluster.locks import RESHARDING_ANNOTATION, SHARDS_ANNOTATION, Locked
+from distbelief.operator.cluster.locks import RESHARDED_ANNOTATION, RESHARDING_ANNOTATION, SHARDS_ANNOTATION, Locked
 from distbelief.operator.render import reshardjob
 from distbelief.operator.render.context import RenderContext
 from distbelief.operator.status.status import RESHARDED, RESHARDING, how_it_ended
@@ -120,10 +120,11 @@ def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | 
         # claims laid for `after` already and changes nothing.
         kube.delete(*JOBS, job.config.namespace, name, uid=live["metadata"]["uid"])
         _reached("job-deleted")
-        _record(kube, job, after, resharding_to=None)
+        outcome = said or f"resharded from {before} to {after} shards"
+        _record(kube, job, after, resharding_to=None, outcome=outcome)
         _reached("count-recorded")
         log.info("event=reshard_ended job=%s before=%d after=%d", job.config.name, before, after)
-        return Progress("False", RESHARDED, said or f"resharded from {before} to {after} shards", resharded=after)
+        return Progress("False", RESHARDED, outcome, resharded=after)
     if ended == "Complete":   # the spec moved on meanwhile: what the claims hold first, then another Job
         _record(kube, job, after, resharding_to=target)
     kube.delete(*JOBS, job.config.namespace, name, uid=live["metadata"]["uid"])
@@ -152,11 +153,22 @@ def _stale(kube: Kube, locked: Locked) -> bool:
     return annotations.get(SHARDS_ANNOTATION) != str(locked.reshard.recorded)
 
 
-def _record(kube: Kube, job: DistBeliefJob, shards: int, *, resharding_to: int | None) -> None:
-    """The count the claims are laid for, as the job's, and the count a reshard goes to."""
+def _record(kube: Kube, job: DistBeliefJob, shards: int, *, resharding_to: int | None,
+            outcome: str | None = None) -> None:
+    """The count the claims are laid for, as the job's, the count a reshard goes to, and with
+    outcome, how the reshard to `shards` ended: in one write."""
+    annotations = {SHARDS_ANNOTATION: str(shards),
+                   RESHARDING_ANNOTATION: None if resharding_to is None else str(resharding_to)}
+    if outcome is not None:
+        annotations[RESHARDED_ANNOTATION] = outcome
     kube.patch(contract.JOB_API_VERSION, contract.KIND, job.config.namespace, job.config.name,
-               {"metadata": {"annotations": {SHARDS_ANNOTATION: str(shards), RESHARDING_ANNOTATION:
-                                             None if resharding_to is None else str(resharding_to)}}})
+               {"metadata": {"annotations": annotations}})
+
+
+def ended(job: DistBeliefJob) -> Progress | None:
+    """How the job's last reshard ended, as recorded with its count (None: none ended)."""
+    outcome = job.annotations.get(RESHARDED_ANNOTATION)
+    return Progress("False", RESHARDED, outcome) if outcome else None
 
 
 def after_reshard(validated: Mapping[str, Any], shards: int) -> dict[str, Any]:
