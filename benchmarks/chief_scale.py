@@ -33,8 +33,7 @@ import prometheus_client as prom
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
-from dispenser_scale import cpu_seconds, scale_arguments, spread
-from figures import save
+from dispenser_scale import cpu_seconds, run_counts, spread
 from sandblaster_scale import SHARDS, UNIT, problem, thread_cpu_seconds
 
 from support.shards import start_shards
@@ -162,13 +161,7 @@ def measure(replicas: int, clients: int, seconds: float) -> dict:
 
 
 def main() -> int:
-    args = scale_arguments(__doc__)
-    rows = []
-    for replicas in args.replicas:
-        rows.append(measure(replicas, args.clients, args.seconds))
-        print(rows[-1], flush=True)
-    save({"chief_scale": rows}, args.json)
-    return 0
+    return run_counts(__doc__, "chief_scale", lambda replicas, args: measure(replicas, args.clients, args.seconds))
 
 
 if __name__ == "__main__":

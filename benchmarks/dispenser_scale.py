@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -129,14 +129,20 @@ def scale_arguments(doc: str) -> argparse.Namespace:
     return args
 
 
-def main() -> int:
-    args = scale_arguments(__doc__)
+def run_counts(doc: str, key: str, measure: Callable[[int, argparse.Namespace], dict]) -> int:
+    """A scale bench's main: measure(replicas, args) at each count of --replicas, each row
+    printed as it comes, all of them saved under key in --json."""
+    args = scale_arguments(doc)
     rows = []
     for replicas in args.replicas:
-        rows.append(measure(replicas, args.clients, args.seconds))
+        rows.append(measure(replicas, args))
         print(rows[-1], flush=True)
-    save({"dispenser_scale": rows}, args.json)
+    save({key: rows}, args.json)
     return 0
+
+
+def main() -> int:
+    return run_counts(__doc__, "dispenser_scale", lambda replicas, args: measure(replicas, args.clients, args.seconds))
 
 
 if __name__ == "__main__":

@@ -37,8 +37,7 @@ import prometheus_client as prom
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
-from dispenser_scale import cpu_seconds, scale_arguments, spread
-from figures import save
+from dispenser_scale import cpu_seconds, run_counts, spread
 
 from support.shards import start_vector_shards
 
@@ -166,14 +165,10 @@ def measure(replicas: int, clients: int, seconds: float, examples: int) -> dict:
 
 
 def main() -> int:
-    args = scale_arguments(__doc__)
-    examples = UNITS_PER_REPLICA * max(args.replicas) * UNIT   # the same batch at every count
-    rows = []
-    for replicas in args.replicas:
-        rows.append(measure(replicas, args.clients, args.seconds, examples))
-        print(rows[-1], flush=True)
-    save({"sandblaster_scale": rows}, args.json)
-    return 0
+    def at(replicas: int, args: Any) -> dict:
+        examples = UNITS_PER_REPLICA * max(args.replicas) * UNIT   # the same batch at every count
+        return measure(replicas, args.clients, args.seconds, examples)
+    return run_counts(__doc__, "sandblaster_scale", at)
 
 
 if __name__ == "__main__":
