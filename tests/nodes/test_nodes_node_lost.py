@@ -37,7 +37,7 @@ def lost_job() -> dict[str, Any]:
     job = yaml.safe_load((EXAMPLES / "digits-mlp.yaml").read_text())
     job["metadata"]["name"] = NAME
     job["spec"]["parameterServers"]["backups"] = 1
-    job["spec"]["training"].update(maxSteps=150000, maxDuration="20m", failOnUpdatesLost=True)
+    job["spec"]["training"].update(maxSteps=100000, maxDuration="20m", failOnUpdatesLost=True)
     return job
 
 
@@ -68,18 +68,45 @@ def operator_pod(kubectl: Kubectl, release: str) -> dict[str, Any]:
     return pod
 
 
-def move_the_operator_off(kubectl: Kubectl, release: str, node: str) -> None:
-    """The operator's pod, rescheduled off node (its Deployment makes a new one elsewhere)."""
-    kubectl("cordon", node)
+def dns_pods(kubectl: Kubectl) -> list[dict[str, Any]]:
+    """CoreDNS's pods (none with the dnsmasq stand-in, which runs on the host)."""
+    return [p for p in kubectl.json("get", "pods", "-n", "kube-system", "-l", "k8s-app=kube-dns")["items"]
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def reschedule(kubectl: Kubectl, namespace: str, pod: dict[str, Any], deployment: str, cordoned: list[str]) -> None:
+    """pod deleted while the nodes `cordoned` take no new pod: its Deployment makes a new one elsewhere."""
+    for node in cordoned:
+        kubectl("cordon", node)
     try:
-        kubectl("delete", "pod", "-n", release, operator_pod(kubectl, release)["metadata"]["name"], "--wait=true",
-                timeout=180)
-        (deployment,) = kubectl.json("get", "deployments", "-n", release, "-l",
-                                     "app.kubernetes.io/name=distbelief")["items"]
-        kubectl("rollout", "status", "-n", release, f"deployment/{deployment['metadata']['name']}",
-                "--timeout=300s", timeout=330)
+        kubectl("delete", "pod", "-n", namespace, pod["metadata"]["name"], "--wait=true", timeout=180)
+        kubectl("rollout", "status", "-n", namespace, f"deployment/{deployment}", "--timeout=300s", timeout=330)
     finally:
-        kubectl("uncordon", node)
+        for node in cordoned:
+            kubectl("uncordon", node)
+
+
+def move_the_operator_off(kubectl: Kubectl, release: str, node: str) -> None:
+    (deployment,) = kubectl.json("get", "deployments", "-n", release, "-l", "app.kubernetes.io/name=distbelief")["items"]
+    reschedule(kubectl, release, operator_pod(kubectl, release), deployment["metadata"]["name"], [node])
+
+
+def one_dns_pod_onto(kubectl: Kubectl, node: str) -> None:
+    """A CoreDNS pod on node, and one on another: the node lost takes a cluster DNS replica
+    with it, whose endpoint the kube-dns Service keeps until the node controller marks the
+    pod not ready (the copies are reached by name meanwhile). With both on node, or one
+    only, a lost node would leave no DNS at all (docs/reliability.md, "A node lost")."""
+    pods = dns_pods(kubectl)
+    if not pods:
+        return
+    where = {p["spec"]["nodeName"] for p in pods}
+    if node not in where:
+        others = [n["metadata"]["name"] for n in kubectl.json("get", "nodes")["items"] if n["metadata"]["name"] != node]
+        reschedule(kubectl, "kube-system", pods[0], "coredns", others)
+    elif where == {node}:
+        reschedule(kubectl, "kube-system", pods[0], "coredns", [node])
+    now = [p["spec"]["nodeName"] for p in dns_pods(kubectl)]
+    assert node in now and set(now) - {node}, f"CoreDNS's pods on {now}, not on {node} and another"
 
 
 def primary_off_the_chiefs_node(kubectl: Kubectl, namespace: str) -> str:
@@ -126,6 +153,7 @@ def test_a_lost_node_leaves_the_shard_to_its_copy_and_the_job_succeeds_losing_no
         pytest.skip(f"the scheduler put both copies of shard {SHARD} ({primary}, {copy}) on {lost_node}")
     if operator_pod(kubectl, release)["spec"]["nodeName"] == lost_node:
         move_the_operator_off(kubectl, release, lost_node)
+    one_dns_pod_onto(kubectl, lost_node)
     before = nodejobs.status_of(kubectl, namespace, NAME)["shards"][str(SHARD)]
 
     node_cluster.stop_node(lost_node)
