@@ -26,8 +26,8 @@ from support.waiting import eventually
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 NAME = "upgrade"
 NEXT_TAG = "0.1.0-next"
-# Long enough (minutes on the nodes) to be still training once the new operator has it.
-STEPS = 160_000
+# Long enough (two minutes on the nodes) to be still training once the new operator has it.
+STEPS = 60_000
 CHILD_KINDS = "configmaps,services,statefulsets,deployments,poddisruptionbudgets,networkpolicies"
 
 
