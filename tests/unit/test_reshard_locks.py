@@ -7,8 +7,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from distbelief.operator.cluster import locks
-from distbelief.operator.cluster.locks import RESHARDING_ANNOTATION, SHARDS_ANNOTATION, ShardChange
+from distbelief.operator.cluster import locks, resharding
+from distbelief.operator.cluster.locks import RESHARDED_ANNOTATION, RESHARDING_ANNOTATION, SHARDS_ANNOTATION, ShardChange
 from distbelief.operator.render import render, reshardjob
 from distbelief.operator.render.context import RenderContext
 from distbelief.operator.status.status import Observed, compute_status
@@ -129,12 +129,21 @@ def test_a_job_with_shard_copies_is_resharded_over_the_claims_of_every_copy() ->
     assert claims == [f"checkpoints-digits-ps-{pod}" for pod in range(6)]   # 3 shards x 2 copies
 
 
-def test_a_reshard_that_ended_while_no_pass_saw_it_reads_resharded() -> None:
-    """The operator killed once the new count was recorded: the next one sees no reshard,
-    and the condition the last one left True says how it ended."""
-    job = locks.locked_job(stored(3, recorded=3)).job
+def test_a_reshard_that_ended_while_no_pass_saw_it_reads_how_it_ended() -> None:
+    """The operator killed once the new count was recorded: the next one sees no reshard, and
+    reads how it ended from the annotation written with the count. A job whose count was
+    recorded without it (an older operator) reads a generic line rather than staying True."""
+    outcome = "resharded from 2 to 3 shards at step 40"
+    job = locks.locked_job(stored(3, recorded=3, **{RESHARDED_ANNOTATION: outcome})).job
     going = compute_status(job, Observed(resharding=("True", "Resharding", "resharding from 2 to 3 shards")), NOW)
-    after = compute_status(DistBeliefJob.of({**job.manifest(), "status": going}), Observed(), NOW)
-    (condition,) = [c for c in after["conditions"] if c["type"] == "Resharding"]
-    assert (condition["status"], condition["reason"], condition["message"]) == (
-        "False", "Resharded", "resharded to 3 shards")
+
+    def condition_after(annotated: DistBeliefJob) -> tuple[str, str, str]:
+        job_then = DistBeliefJob.of({**annotated.manifest(), "status": going})
+        ended = resharding.ended(job_then)
+        after = compute_status(job_then, Observed(resharding=ended.condition() if ended else None), NOW)
+        (condition,) = [c for c in after["conditions"] if c["type"] == "Resharding"]
+        return condition["status"], condition["reason"], condition["message"]
+
+    assert condition_after(job) == ("False", "Resharded", outcome)
+    unannotated = locks.locked_job(stored(3, recorded=3)).job
+    assert condition_after(unannotated) == ("False", "Resharded", "resharded to 3 shards")
