@@ -380,6 +380,28 @@ def test_a_failed_reshard_keeps_the_job_stopped_on_its_count_until_the_count_is_
     api.wait(STS, namespace, "shrink-ps", replicas_are(2))
 
 
+def test_a_count_changed_while_the_reshard_job_runs_records_what_it_did_then_reshards_again(
+        operator: Operator, api: Api, kubectl: Kubectl, namespace: str) -> None:
+    """2 -> 3, then 4 while the Job to 3 runs: its end is recorded with its outcome (the job
+    would read it if set back to 3 before the next pass), and a Job from 3 to 4 follows."""
+    apply(kubectl, namespace, new_job("moved"))
+    pods_of(api, namespace, "moved", 2, "ps")
+    patch_job(kubectl, namespace, "moved", {"spec": {"parameterServers": {"shards": 3}}})
+    api.wait(BATCH_JOBS, namespace, "moved-reshard")
+    patch_job(kubectl, namespace, "moved", {"spec": {"parameterServers": {"shards": 4}}})
+    reshard_pod_ends(api, namespace, "moved", 0, "resharded from 2 to 3 shards at step 420")
+    job = api.wait(JOBS, namespace, "moved", lambda j: j["metadata"]["annotations"].get("distbelief.io/shards") == "3")
+    annotations = job["metadata"]["annotations"]
+    assert annotations["distbelief.io/resharded"] == "resharded from 2 to 3 shards at step 420", annotations
+    assert annotations["distbelief.io/resharding-to"] == "4", annotations
+    api.wait(BATCH_JOBS, namespace, "moved-reshard", lambda j: j and j["metadata"]["labels"]["distbelief.io/reshard-to"] == "4"
+             and j["metadata"]["labels"]["distbelief.io/reshard-from"] == "3")
+    reshard_pod_ends(api, namespace, "moved", 0, "resharded from 3 to 4 shards at step 420")
+    job = api.wait(JOBS, namespace, "moved", resharding_reason("Resharded"))
+    assert condition(job, "Resharding")["message"] == "resharded from 3 to 4 shards at step 420"
+    api.wait(STS, namespace, "moved-ps", replicas_are(4))
+
+
 def test_an_operator_with_another_default_image_leaves_running_jobs_on_theirs(operator: Operator, api: Api,
                                                                              kubectl: Kubectl, namespace: str) -> None:
     """An upgrade of the operator (a new runtime image by default) restarts no running job:

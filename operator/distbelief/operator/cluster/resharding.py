@@ -126,7 +126,8 @@ def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | 
         log.info("event=reshard_ended job=%s before=%d after=%d", job.config.name, before, after)
         return Progress("False", RESHARDED, outcome, resharded=after)
     if ended == "Complete":   # the spec moved on meanwhile: what the claims hold first, then another Job
-        _record(kube, job, after, resharding_to=target)
+        # With its outcome: set back to `after` before the next pass, the spec needs no other Job.
+        _record(kube, job, after, resharding_to=target, outcome=said or f"resharded from {before} to {after} shards")
     kube.delete(*JOBS, job.config.namespace, name, uid=live["metadata"]["uid"])
     log.info("event=reshard_ended job=%s outcome=%s before=%d after=%d target=%d", job.config.name, ended, before,
              after, target)

@@ -125,7 +125,7 @@ def compute_status(job: DistBeliefJob, observed: Observed, now: datetime.datetim
     if phase in TERMINAL:
         status["completionTime"] = previous.get("completionTime") or timestamp(now)
     status["conditions"] = _conditions(previous.get("conditions", []), (phase, reason, message), observed, now,
-                                       generation, spec.parameter_servers.shards)
+                                       generation)
     return status
 
 
@@ -207,7 +207,7 @@ def _shard_copies(config: contract.JobConfig, figures: Figures) -> dict[str, Any
 
 
 def _conditions(previous: list[Mapping[str, Any]], verdict: tuple[str, str, str], observed: Observed,
-                now: datetime.datetime, generation: int, shards: int) -> list[dict[str, Any]]:
+                now: datetime.datetime, generation: int) -> list[dict[str, Any]]:
     phase, reason, message = verdict
     wanted = {kind: ("False", phase, f"the job is {phase}") for kind in CONDITION_TYPES}
     if phase in wanted:  # Pending has no condition of its own
@@ -223,8 +223,6 @@ def _conditions(previous: list[Mapping[str, Any]], verdict: tuple[str, str, str]
     resharded = _find(previous, RESHARDING)
     if observed.resharding:
         wanted[RESHARDING] = observed.resharding
-    elif resharded is not None and resharded.get("status") == "True":   # it ended while no pass saw it (a restart)
-        wanted[RESHARDING] = ("False", RESHARDED, f"resharded to {shards} shards")
     elif resharded is not None:   # how the last reshard ended stays said
         wanted[RESHARDING] = ("False", resharded.get("reason", ""), resharded.get("message", ""))
     if observed.partition_lock_message:
