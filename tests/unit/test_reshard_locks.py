@@ -133,7 +133,9 @@ def test_a_reshard_that_ended_while_no_pass_saw_it_reads_how_it_ended() -> None:
     """The operator killed once the new count was recorded: the next one sees no reshard, and
     reads how it ended from the annotation written with the count."""
     outcome = "resharded from 2 to 3 shards at step 40"
-    job = locks.locked_job(stored(3, recorded=3, **{RESHARDED_ANNOTATION: outcome})).job
+    locked = locks.locked_job(stored(3, recorded=3, **{RESHARDED_ANNOTATION: outcome}))
+    assert locked.reshard is None
+    job = locked.job
     going = compute_status(job, Observed(resharding=("True", "Resharding", "resharding from 2 to 3 shards")), NOW)
     job_then = DistBeliefJob.of({**job.manifest(), "status": going})
     ended = resharding.ended(job_then)
