@@ -64,7 +64,7 @@ def test_a_job_pulls_its_image_from_a_private_registry_with_its_pull_secret_and_
     assert all(i.startswith(image.rsplit(":", 1)[0] + "@sha256:") for i in image_ids), image_ids
     status, placements = nodejobs.follow(kubectl, namespace, "private", timeout=JOB_SECONDS,
                                          operator_namespace=release)
-    assert status["accuracy"] > 0.9, status
+    nodejobs.assert_learned(kubectl, namespace, "private", status, "accuracy", 0.9, release)
     assert len(set(placements.values())) >= 2, placements
 
 

@@ -75,5 +75,33 @@ def follow(kubectl: Kubectl, namespace: str, name: str, *, timeout: float, start
     return status, placements
 
 
+def assert_learned(kubectl: Kubectl, namespace: str, name: str, status: dict[str, Any], metric: str, floor: float,
+                   operator_namespace: str | None = None) -> None:
+    """The job's held-out metric beats floor, else an AssertionError that shows how it got
+    there: the status' figures and conditions, every pod's evaluations, warnings and errors."""
+    if status.get(metric, 0.0) >= floor:
+        return
+    figures = {k: status.get(k) for k in ("phase", "globalStep", metric, "loss", "restarts", "shards")}
+    conditions = [{k: c.get(k) for k in ("type", "status", "reason", "message")} for c in status.get("conditions", [])]
+    raise AssertionError(f"{name} ended with {metric} {status.get(metric)} (wanted >= {floor}): {json.dumps(figures)}\n"
+                         f"conditions: {json.dumps(conditions)}\n{notable_lines(kubectl, namespace, name)}\n"
+                         + diagnostics(kubectl, namespace, operator_namespace))
+
+
+NOTABLE = ("event=evaluated", "WARNING", "ERROR", "restor", "lost")
+
+
+def notable_lines(kubectl: Kubectl, namespace: str, job: str) -> str:
+    """Each of the job's pods' log lines that tell how training went (the chief's
+    evaluations, restores, losses, warnings): the last 40 of each."""
+    parts = []
+    for pod in job_pods(kubectl, namespace, job):
+        name = pod["metadata"]["name"]
+        lines = [line for line in kubectl("logs", "-n", namespace, name, "--all-containers", check=False).splitlines()
+                 if any(word in line for word in NOTABLE)]
+        parts.append(f"--- {name}: {len(lines)} notable lines, the last 40:\n" + "\n".join(lines[-40:]))
+    return "\n".join(parts)
+
+
 def claims(kubectl: Kubectl, namespace: str) -> list[dict[str, Any]]:
     return kubectl.json("get", "pvc", "-n", namespace)["items"]
