@@ -4,6 +4,7 @@ what restore does with corrupt, foreign and unwritable checkpoints."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -81,6 +82,55 @@ def test_loaded_arrays_are_writable_copies(tmp_path):
     loaded = checkpoint.load(checkpoint.save(str(tmp_path), make(1), keep=1))
     loaded.arrays["params"][0] = 99.0  # a shard trains on them in place
     assert checkpoint.load(str(tmp_path / checkpoint.file_name(1))).arrays["params"][0] != 99.0
+
+
+BIG = checkpoint.MAP_AT_LEAST // 4  # float32 values: a file large enough to be mapped
+
+
+def test_the_arrays_start_aligned_in_the_file(tmp_path):
+    """A file's arrays begin on a 64-byte boundary (the header is padded), so that a
+    reader that maps the file gets aligned arrays; the padding is outside the checksum."""
+    for meta in ({}, {"a": 1}, {"ab": "c" * 100}):
+        blob = Path(checkpoint.save(str(tmp_path), make(1, meta=meta), keep=1)).read_bytes()
+        assert header_span(blob)[1] % checkpoint.ALIGN == 0, meta
+
+
+@pytest.mark.parametrize("size", [10, BIG])
+def test_a_view_load_of_a_large_file_maps_it_privately(tmp_path, size):
+    """Without copy, a large file is mapped (its pages from the page cache, not fresh
+    memory): aligned, verified, and writable without the writes reaching the file."""
+    ckpt = make(7, size=size)
+    path = checkpoint.save(str(tmp_path), ckpt, keep=1)
+    loaded = checkpoint.load(path, copy=False)
+    assert_same(loaded, ckpt)
+    params = loaded.arrays["params"]
+    assert params.ctypes.data % checkpoint.ALIGN == 0
+    assert isinstance(params.base, memoryview) and isinstance(params.base.obj, mmap.mmap) is (size == BIG)
+    params[0] = 99.0
+    assert_same(checkpoint.load(path), ckpt)
+
+
+def test_a_mapped_file_that_is_corrupt_says_why(tmp_path):
+    path = Path(checkpoint.save(str(tmp_path), make(2, size=BIG), keep=1))
+    path.write_bytes(flip_data_byte(path.read_bytes()))
+    with pytest.raises(errors.CorruptCheckpoint, match="checksum"):
+        checkpoint.load(str(path), copy=False)
+
+
+def test_a_file_written_before_the_header_was_padded_still_loads(tmp_path):
+    """Files whose arrays start anywhere (no padding) load, mapped or not: read, aligned."""
+    ckpt = make(3, size=BIG)
+    path = Path(checkpoint.save(str(tmp_path), ckpt, keep=1))
+    blob = path.read_bytes()
+    start, end = header_span(blob)
+    header = blob[start:end].rstrip(b" ") + b" "  # one byte of padding off 64: unaligned
+    if (start + len(header)) % checkpoint.ALIGN == 0:
+        header += b" "
+    path.write_bytes(blob[:len(checkpoint.MAGIC)] + checkpoint.LENGTH.pack(len(header)) + header + blob[end:])
+    assert_same(checkpoint.load(str(path)), ckpt)
+    viewed = checkpoint.load(str(path), copy=False)
+    assert_same(viewed, ckpt)
+    assert viewed.arrays["params"].ctypes.data % checkpoint.ALIGN == 0
 
 
 def test_save_creates_a_missing_folder(tmp_path):

@@ -6,9 +6,12 @@ File layout (one file per checkpoint, `step-<12 digits>.ckpt`):
 
 The header names the step, the layout hash, the shard, each array and its length, free
 metadata, and a SHA-256 over the rest of the header (as JSON) and the array bytes, so a
-damaged header cannot pass for a checkpoint of another step, layout or shard. A file is
-written under a temporary name, fsynced, renamed into place and the folder fsynced, so a
-crash leaves either the old set or the new one. On restore the newest file that verifies
+damaged header cannot pass for a checkpoint of another step, layout or shard. It is padded
+with spaces so that the arrays start on a 64-byte boundary: a large file read without copy
+is mapped, its arrays aligned (a file written before the padding is read whole). A file is
+written under a temporary name (the arrays hashed as they are written, the header last),
+fsynced, renamed into place and the folder fsynced, so a crash leaves either the old set or
+the new one. On restore the newest file that verifies
 (and whose plugins can load it: a file it names may be damaged) wins; one that does not is
 reported and renamed aside (never deleted), and the one before it is used. write() and
 load() also serve files of other names (params/rows/rowcheckpoint.py's row files); encode() and
@@ -18,14 +21,16 @@ write that a crash interrupted is removed at restore.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import io
 import json
 import logging
+import mmap
 import os
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -40,6 +45,8 @@ SUFFIX = ".ckpt"
 TEMPORARY = ".tmp"
 DTYPE = np.dtype("<f4")
 ALIGN = 64
+MAP_AT_LEAST = 1 << 20  # a smaller file is read: mapping costs more than it saves
+CHUNK_BYTES = 4 << 20   # written as hashed, while still in the CPU's cache
 
 
 @dataclasses.dataclass
@@ -52,8 +59,27 @@ class Checkpoint:
     sha256: str = ""  # of a checkpoint read from a file
 
 
+class Gathered:
+    """Rows of a larger array (`source`, [n, ...]) taken as they are written: a re-cut's
+    piece, gathered a chunk at a time through one small buffer, so that no copy of a new
+    shard's whole state is ever held."""
+
+    def __init__(self, source: np.ndarray, rows: np.ndarray) -> None:
+        self.source, self.rows = source, rows
+        self.row_values = int(np.prod(source.shape[1:], dtype=np.int64))
+        self.size = rows.size * self.row_values
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        step = max(1, CHUNK_BYTES // max(1, self.row_values * self.source.itemsize))
+        buffer = np.empty((min(step, self.rows.size), *self.source.shape[1:]), self.source.dtype)
+        for start in range(0, self.rows.size, step):
+            rows = self.rows[start:start + step]
+            np.take(self.source, rows, axis=0, out=buffer[:rows.size], mode="clip")  # clip: not buffered
+            yield buffer[:rows.size]
+
+
 # A checkpoint's arrays, each as pieces laid end to end (write(): a re-cut's, not joined).
-Pieces = dict[str, list[np.ndarray]]
+Pieces = dict[str, list["np.ndarray | Gathered"]]
 
 
 def file_name(step: int) -> str:
@@ -61,24 +87,45 @@ def file_name(step: int) -> str:
 
 
 def encode(ckpt: Checkpoint, pieces: Pieces | None = None) -> list[bytes | memoryview]:
-    """ckpt in the file format, as consecutive parts (the arrays are not copied); with
-    pieces, those are its arrays (as write() takes them)."""
-    return _encoded(ckpt, pieces)[0]
-
-
-def _encoded(ckpt: Checkpoint, pieces: Pieces | None = None) -> tuple[list[bytes | memoryview], str]:
-    """encode()'s parts and the SHA-256 its header holds; with pieces, those are the arrays."""
-    laid = pieces if pieces is not None else {name: [array] for name, array in ckpt.arrays.items()}
-    body = {
-        "step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
-        "arrays": [[name, sum(int(piece.size) for piece in parts)] for name, parts in laid.items()],
-    }
-    arrays = [memoryview(_as_f32(piece)) for parts in laid.values() for piece in parts]
+    """ckpt in the file format, as consecutive parts (the arrays are not copied, gathered
+    pieces are); with pieces, those are its arrays (as write() takes them)."""
+    body = _body(ckpt, pieces)
+    arrays = [_as_f32(piece).data if isinstance(piece, np.ndarray)
+              else b"".join(bytes(_as_f32(chunk)) for chunk in piece.chunks()) for piece in _laid(ckpt, pieces)]
     digest = hashlib.sha256(json.dumps(body).encode())
     for array in arrays:
         digest.update(array)
-    header = json.dumps({**body, "sha256": digest.hexdigest()}).encode()
-    return [MAGIC + LENGTH.pack(len(header)) + header, *arrays], digest.hexdigest()
+    return [_head(body, digest.hexdigest()), *arrays]
+
+
+def _laid(ckpt: Checkpoint, pieces: Pieces | None) -> list[np.ndarray | Gathered]:
+    laid = pieces if pieces is not None else {name: [array] for name, array in ckpt.arrays.items()}
+    return [piece for parts in laid.values() for piece in parts]
+
+
+def _body(ckpt: Checkpoint, pieces: Pieces | None) -> dict[str, Any]:
+    """The header but its SHA-256."""
+    laid = pieces if pieces is not None else {name: [array] for name, array in ckpt.arrays.items()}
+    return {"step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
+            "arrays": [[name, sum(int(piece.size) for piece in parts)] for name, parts in laid.items()]}
+
+
+def _head(body: dict[str, Any], sha256: str) -> bytes:
+    """The file's bytes before its arrays: padded so that they start aligned, and as long
+    for any SHA-256 (write() lays a stand-in first and the real one last)."""
+    header = json.dumps({**body, "sha256": sha256}).encode()
+    header += b" " * (-(len(MAGIC) + LENGTH.size + len(header)) % ALIGN)
+    return MAGIC + LENGTH.pack(len(header)) + header
+
+
+def _chunks(piece: np.ndarray | Gathered) -> Iterator[memoryview]:
+    """A piece's float32 bytes, a chunk at a time: hashed and written while in the cache."""
+    if isinstance(piece, Gathered):
+        yield from (_as_f32(chunk).data.cast("B") for chunk in piece.chunks())
+        return
+    flat = _as_f32(piece).data.cast("B")
+    for start in range(0, len(flat), CHUNK_BYTES):
+        yield flat[start:start + CHUNK_BYTES]
 
 
 def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
@@ -91,17 +138,25 @@ def save(folder: str, ckpt: Checkpoint, *, keep: int) -> str:
 
 def write(path: str, ckpt: Checkpoint, pieces: Pieces | None = None) -> str:
     """Write ckpt atomically to path (in the checkpoint format); its SHA-256. With pieces,
-    each array is written from its pieces instead of ckpt.arrays (a re-cut's, never joined)."""
+    each array is written from its pieces instead of ckpt.arrays (a re-cut's, never joined).
+    Each chunk is hashed and written in turn, and the header, which holds the hash, last."""
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".{os.path.basename(path)}{TEMPORARY}")
-    parts, sha256 = _encoded(ckpt, pieces)
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise errors.CheckpointError(f"cannot write checkpoint {path}: {folder} is not a folder")
+    body = _body(ckpt, pieces)
+    digest = hashlib.sha256(json.dumps(body).encode())
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
+        with open(tmp, "wb") as f, concurrent.futures.ThreadPoolExecutor(1, "checkpoint-hash") as hasher:
+            f.write(_head(body, "0" * digest.digest_size * 2))
+            for piece in _laid(ckpt, pieces):
+                for chunk in _chunks(piece):  # hashed on another core as it is written (both free the GIL)
+                    hashed = hasher.submit(digest.update, chunk)
+                    f.write(chunk)
+                    hashed.result()
+            f.seek(0)
+            f.write(_head(body, digest.hexdigest()))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -109,27 +164,32 @@ def write(path: str, ckpt: Checkpoint, pieces: Pieces | None = None) -> str:
     except OSError as exc:
         _remove_quietly(tmp)
         raise errors.CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
-    return sha256
+    return digest.hexdigest()
 
 
 def load(path: str, *, copy: bool = True) -> Checkpoint:
     """Read and verify one checkpoint; CorruptCheckpoint says why it cannot be trusted.
     Without copy, the arrays are views of the file's bytes, aligned (numpy copies an
-    unaligned array whole before many operations)."""
+    unaligned array whole before many operations): a large file's are mapped, private to
+    this process, so that its pages come from the page cache instead of fresh memory."""
     try:
         with open(path, "rb") as f:
-            blob = _read_aligned(f)
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(len(MAGIC) + LENGTH.size)
+            header = LENGTH.unpack_from(head, len(MAGIC))[0] if len(head) == len(MAGIC) + LENGTH.size else 0
+            start = len(head) + min(header, size)
+            if not copy and size >= MAP_AT_LEAST and start % ALIGN == 0:
+                blob = memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
+            else:
+                blob = _read_aligned(f, head, start, size)
     except OSError as exc:
         raise errors.CorruptCheckpoint(f"{path}: unreadable: {exc}") from exc
     return decode(blob, path, copy=copy)
 
 
-def _read_aligned(f: io.BufferedReader) -> memoryview:
-    """The whole file, placed so that its arrays start on a 64-byte boundary."""
-    size = os.fstat(f.fileno()).st_size
-    head = f.read(len(MAGIC) + LENGTH.size)
-    header = LENGTH.unpack_from(head, len(MAGIC))[0] if len(head) == len(MAGIC) + LENGTH.size else 0
-    start = len(head) + min(header, size)
+def _read_aligned(f: io.BufferedReader, head: bytes, start: int, size: int) -> memoryview:
+    """The whole file (its first bytes, head, already read), placed so that its arrays,
+    from start, begin on a 64-byte boundary."""
     buffer = np.empty(size + ALIGN, dtype=np.uint8)
     offset = -(buffer.ctypes.data + start) % ALIGN
     blob = buffer.data[offset:offset + size]

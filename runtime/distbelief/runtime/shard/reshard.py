@@ -57,9 +57,9 @@ def recut(old: Sequence[checkpoint.Checkpoint], before: Layout, after: Layout) -
 
 
 def _pieces(old: Sequence[checkpoint.Checkpoint], before: Layout, start: int, stop: int,
-            name: str) -> list[np.ndarray]:
+            name: str) -> list[np.ndarray | checkpoint.Gathered]:
     """The parts of the old shards' array `name` that hold the flat range [start, stop)."""
-    pieces = []
+    pieces: list[np.ndarray | checkpoint.Gathered] = []
     for shard in before.shards_of(start, stop):
         low, high = before.bounds(shard)
         pieces.append(old[shard].arrays[name][max(start, low) - low:min(stop, high) - low])
