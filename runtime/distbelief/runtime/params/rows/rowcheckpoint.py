@@ -46,6 +46,7 @@ FULL_WRITE_BYTES = 256 << 20
 # The optional per-row arrays (rowtable.py) by their names in checkpoints.
 EXTRA = {"wideAccumulators": rowtable.WIDE_ACCUMULATORS, "stepped": rowtable.STEPPED,
          "occurrences": rowtable.OCCURRENCES}
+FIELDS = ("keys", "values", "accumulators", "touched")  # every row's, in a row file's order
 MAX_DELTAS = 8
 FOLDER, SUFFIX = "rows", ".rows"
 STATE_PREFIX = "sparse."
@@ -154,19 +155,24 @@ def saved_parts(ckpt: checkpoint.Checkpoint, folder: str, dim: int) -> Iterator[
     """The rows a shard's checkpoint in folder holds or names, with their optional arrays by
     the table's names: the whole table, or a base then its deltas (each updating and adding
     rows). CorruptCheckpoint when a file of the chain is missing, damaged or not the one named."""
+    for arrays, touch_base in saved_files(ckpt, folder):
+        yield rows_of([arrays[n] for n in FIELDS], dim, touch_base), extra_of(arrays)
+
+
+def saved_files(ckpt: checkpoint.Checkpoint, folder: str) -> Iterator[tuple[dict[str, np.ndarray], float]]:
+    """saved_parts' rows as they are stored (by their names in row files, keys as key_parts,
+    values flat), each file's with the second its last-push times count from."""
     chain = ckpt.meta.get(CHAIN)
     if chain is None:
-        names = [STATE_PREFIX + field for field in ("keys", "values", "accumulators", "touched")]
-        if names[1] in ckpt.arrays:
-            yield (rows_of([ckpt.arrays[n] for n in names], dim, float(ckpt.meta.get("sparseTouchBase", 0.0))),
-                   extra_of(ckpt.arrays, STATE_PREFIX))
-        else:  # written before the job had embeddings: the table starts empty
-            yield rows_of([np.empty(0, np.float32)] * 4, dim, 0.0), {}
+        arrays = {name: ckpt.arrays.get(STATE_PREFIX + name) for name in (*FIELDS, *EXTRA)}
+        if arrays["values"] is None:  # written before the job had embeddings: the table starts empty
+            yield {name: np.empty(0, np.float32) for name in FIELDS}, 0.0
+        else:
+            yield {n: a for n, a in arrays.items() if a is not None}, float(ckpt.meta.get("sparseTouchBase", 0.0))
         return
     for position, entry in enumerate(chain):
         part = _read(os.path.join(folder, FOLDER), entry, ckpt, "base" if position == 0 else "delta")
-        yield (rows_of([part.arrays[n] for n in ("keys", "values", "accumulators", "touched")], dim,
-                       float(part.meta.get("touchBase", 0.0))), extra_of(part.arrays))
+        yield part.arrays, float(part.meta.get("touchBase", 0.0))
 
 
 def _read(folder: str, entry: Any, ckpt: checkpoint.Checkpoint, kind: str) -> checkpoint.Checkpoint:
@@ -232,5 +238,9 @@ def key_parts(keys: np.ndarray) -> np.ndarray:
 
 
 def keys_from_parts(parts: np.ndarray) -> np.ndarray:
-    p = parts.reshape(-1, 3).astype(np.int64)
-    return p[:, 0] | (p[:, 1] << KEY_PART_BITS) | (p[:, 2] << (2 * KEY_PART_BITS))
+    p = parts.reshape(-1, 3)
+    keys = p[:, 2].astype(np.int64)  # in place from here: one array of the keys' size, no wider temporary
+    for column in (1, 0):
+        keys <<= KEY_PART_BITS
+        keys |= p[:, column].astype(np.int64)
+    return keys

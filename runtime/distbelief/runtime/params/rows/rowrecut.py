@@ -13,7 +13,8 @@ second of its last push. Two states are the old shard's rather than the row's:
 
 The new checkpoints hold their rows among their arrays, the whole-table form; a shard whose
 table outgrows that form writes a base of its own at its next checkpoint. Every old
-shard's rows are read before the new ones are laid: about twice the table's memory.
+shard's rows are read (their files mapped: checkpoint.load without copy) before the new
+ones are gathered, a chunk at a time, as each new checkpoint is written.
 """
 
 from __future__ import annotations
@@ -24,22 +25,26 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from distbelief.runtime import errors
-from distbelief.runtime.params.rows import rowtable
-from distbelief.runtime.params.rows.rowcheckpoint import STATE_PREFIX, Rows, arrays_of, saved_parts
+from distbelief.runtime.params.rows.rowcheckpoint import (EXTRA, FIELDS, STATE_PREFIX, Rows, extra_of, key_parts,
+                                                          keys_from_parts, rows_of, saved_files)
 from distbelief.runtime.shard import checkpoint, reshard
 from distbelief.runtime.wire.layout import Layout
 from distbelief.runtime.wire.rowkeys import owner_of
 
 ROWS = "sparse"  # what the rows' arrays and metadata are named from
 DIM, WIDE, ADMISSION = "sparseDim", "sparseWide", STATE_PREFIX + "admission"
+TOUCHED, STEPPED = "touched", "stepped"  # the two arrays a re-cut changes, by their names in row files
 
 
 @dataclasses.dataclass
 class ShardRows:
-    """One old shard's rows, every file of its chain applied, and its admission counters."""
+    """One old shard's rows, every file of its chain applied, as a checkpoint lays them (by
+    their names in row files: keys as key_parts, values [n, dim]), but for their last-push
+    seconds, absolute until a base for every new shard is chosen; their keys; and the
+    shard's admission counters."""
 
-    rows: Rows
-    extra: dict[str, np.ndarray]
+    laid: dict[str, np.ndarray]
+    keys: np.ndarray
     admission: np.ndarray | None
 
 
@@ -47,8 +52,8 @@ def recut(old: Sequence[checkpoint.Checkpoint], folders: Sequence[str], before: 
           after: Layout) -> Iterator[reshard.Recut]:
     """The checkpoints of `after`'s shards holding exactly the state of `old` (one per shard
     of `before`, in order, each read from its folder in `folders`, where its row files are),
-    in shard order. Each one's rows are laid in buffers the next one reuses: write it before
-    taking the next. ReshardError, raised before any is given, names what cannot be re-cut."""
+    in shard order, each one's rows gathered as it is written. ReshardError, raised before
+    any is given, names what cannot be re-cut."""
     if not any(DIM in ckpt.meta for ckpt in old):
         return iter(reshard.recut(old, before, after))
     dim, wide = _row_shape(old)
@@ -57,9 +62,10 @@ def recut(old: Sequence[checkpoint.Checkpoint], folders: Sequence[str], before: 
     new = reshard.recut([_without_rows(ckpt) for ckpt in old], before, after)
     # One base for every new shard's last-push seconds: each old shard's rows are laid as
     # checkpoint arrays once, and each new shard's gathered from those.
-    touch_base = min((float(shard.rows[3].min()) for shard in saved if shard.rows[3].size), default=0.0)
-    owners = [owner_of(shard.rows[0], after.shards) for shard in saved]
-    laid = [arrays_of(shard.rows, shard.extra, touch_base)[0] for shard in saved]
+    touch_base = min((float(shard.laid[TOUCHED].min()) for shard in saved if shard.keys.size), default=0.0)
+    owners = [owner_of(shard.keys, after.shards) for shard in saved]
+    laid = [{name: (array - touch_base if name == TOUCHED else array).astype(np.float32, copy=False)
+             for name, array in shard.laid.items()} for shard in saved]
     admission = _summed(saved)
     for recut in new:
         recut.header.meta.update({DIM: dim, WIDE: wide, "sparseTouchBase": touch_base})
@@ -70,21 +76,15 @@ def recut(old: Sequence[checkpoint.Checkpoint], folders: Sequence[str], before: 
 
 def _with_rows(new: list[reshard.Recut], owners: list[np.ndarray],
                laid: list[dict[str, np.ndarray]]) -> Iterator[reshard.Recut]:
-    """Each new shard with its rows gathered from every old shard's, into one buffer per
-    array that every new shard reuses: fresh memory is costly to fault in, and a table's
-    rows are most of a job's state."""
-    mine = [[np.flatnonzero(owner == recut.header.shard) for owner in owners] for recut in new]
-    most = max(sum(rows.size for rows in shard) for shard in mine)
-    buffers = {name: np.empty((most, *array.shape[1:]), array.dtype) for name, array in laid[0].items()}
-    for recut, rows_of_old in zip(new, mine):
-        count = sum(rows.size for rows in rows_of_old)
-        for name, buffer in buffers.items():
-            start = 0
-            for arrays, rows in zip(laid, rows_of_old):
-                np.take(arrays[name], rows, axis=0, out=buffer[start:start + rows.size], mode="clip")  # clip: not buffered
-                start += rows.size
-            recut.pieces[STATE_PREFIX + name] = [buffer[:count]]
-        recut.header.meta["sparseRows"] = count
+    """Each new shard with its rows gathered from every old shard's as its checkpoint is
+    written (checkpoint.Gathered): a table's rows are most of a job's state, and memory
+    fresh to the process is costly to fault in."""
+    for recut in new:
+        mine = [np.flatnonzero(owner == recut.header.shard) for owner in owners]
+        for name in laid[0]:
+            recut.pieces[STATE_PREFIX + name] = [checkpoint.Gathered(arrays[name], rows)
+                                                 for arrays, rows in zip(laid, mine)]
+        recut.header.meta["sparseRows"] = sum(rows.size for rows in mine)
         yield recut
 
 
@@ -100,30 +100,43 @@ def _shard_rows(ckpt: checkpoint.Checkpoint, folder: str, dim: int, step: int) -
     """A shard's rows as its checkpoint restores them (a delta's row replaces the base's), with
     lazy L2's step of each row's last push moved to count back from `step`."""
     try:
-        parts = list(saved_parts(ckpt, folder, dim))
+        files = list(saved_files(ckpt, folder))
     except errors.CorruptCheckpoint as exc:
         raise errors.ReshardError(f"shard {ckpt.shard}'s rows in {folder}: {exc}") from exc
-    names = {frozenset(extra) for _, extra in parts}
+    names = {frozenset(extra_of(arrays)) for arrays, _ in files}
     if len(names) != 1:
         raise errors.ReshardError(f"shard {ckpt.shard}'s row files differ in the arrays they hold: {sorted(map(sorted, names))}")
-    (rows, extra), *deltas = parts
-    if deltas:  # a key in several files: its last one holds the row
-        rows = tuple(np.concatenate([part[0][i] for part in parts]) for i in range(4))  # type: ignore[assignment]
-        extra = {name: np.concatenate([part[1][name] for part in parts]) for name in extra}
-        _, newest_first = np.unique(rows[0][::-1], return_index=True)
-        last = rows[0].size - 1 - newest_first
-        rows = tuple(array[last] for array in rows)  # type: ignore[assignment]
-        extra = {name: array[last] for name, array in extra.items()}
-    stepped = extra.get(rowtable.STEPPED)
-    if stepped is not None:  # held unsigned: a shard ahead of `step` by d loses up to d steps of a row pushed in its first d
-        extra[rowtable.STEPPED] = np.maximum(stepped.astype(np.float64) + (step - ckpt.step), 0.0)
-    return ShardRows(rows, extra, ckpt.arrays.get(ADMISSION))
+    if len(files) == 1:  # as stored: only the last-push seconds change form
+        arrays, touch_base = files[0]
+        laid = {name: arrays[name] for name in (*FIELDS, *EXTRA) if name in arrays}
+        laid["keys"], laid["values"] = laid["keys"].reshape(-1, 3), laid["values"].reshape(laid["accumulators"].size, dim)
+        laid[TOUCHED] = laid[TOUCHED].astype(np.float64) + touch_base
+        keys = keys_from_parts(laid["keys"])
+    else:
+        laid, keys = _merged([(rows_of([arrays[n] for n in FIELDS], dim, base), extra_of(arrays)) for arrays, base in files])
+    if STEPPED in laid:  # held unsigned: a shard ahead of `step` by d loses up to d steps of a row pushed in its first d
+        laid[STEPPED] = np.maximum(laid[STEPPED].astype(np.float64) + (step - ckpt.step), 0.0)
+    return ShardRows(laid, keys, ckpt.arrays.get(ADMISSION))
+
+
+def _merged(parts: list[tuple[Rows, dict[str, np.ndarray]]]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A base and its deltas as one set of rows (a key in several files: its last one holds
+    the row), laid as _shard_rows lays them, and their keys."""
+    rows = tuple(np.concatenate([part[0][i] for part in parts]) for i in range(4))
+    extra = {name: np.concatenate([part[1][name] for part in parts]) for name in parts[0][1]}
+    _, newest_first = np.unique(rows[0][::-1], return_index=True)
+    last = rows[0].size - 1 - newest_first
+    keys, values, accumulators, touched = (array[last] for array in rows)
+    laid = {"keys": key_parts(keys), "values": values, "accumulators": accumulators, TOUCHED: touched}
+    laid.update({name: extra[attribute][last] for name, attribute in EXTRA.items() if attribute in extra})
+    return laid, keys
 
 
 def _check_alike(saved: list[ShardRows]) -> None:
     """Every shard's rows carry the same optional arrays and admission counters (a job's
     spec.model.embeddings changed between the shards' checkpoints: they cannot be merged)."""
-    kinds = [(sorted(shard.extra), None if shard.admission is None else shard.admission.size) for shard in saved]
+    kinds = [(sorted(EXTRA[name] for name in shard.laid if name in EXTRA),
+              None if shard.admission is None else shard.admission.size) for shard in saved]
     if any(kind != kinds[0] for kind in kinds):
         described = "; ".join(f"shard {index}: {', '.join(extra) or 'no optional arrays'}, "
                               f"{'no' if counters is None else counters} admission counters"
