@@ -5,7 +5,10 @@ and resumes from its checkpoints when admitted again (tools/local-node runs the 
 from __future__ import annotations
 
 import json
+import re
+import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,8 @@ import pytest
 
 from support import kueue
 from support.cluster import Kubectl
-from support.localnode import (LocalNode, apply, chart, example, get, job_status,  # noqa: F401 (fixtures)
+from support.kubejobs import restored_steps
+from support.localnode import (LocalNode, apply, chart, example, finished, get, job_status,  # noqa: F401 (fixtures)
                                local_node, operator)
 from support.waiting import eventually
 
@@ -120,3 +124,50 @@ def test_a_queued_job_waits_runs_where_admitted_survives_eviction_and_resumes(
     finished = eventually(lambda: kueue.condition(kueue.workload(kubectl, namespace, name), "Finished")
                           .get("status") == "True", 30, what="the Workload Finished")
     assert finished
+
+
+@pytest.mark.slow
+def test_a_queued_job_resharded_waits_for_an_admission_of_the_new_count_and_resumes_at_its_step(
+        kubectl: Kubectl, local_node: LocalNode, namespace: str, operator: Path) -> None:
+    """spec.parameterServers.shards changed on a running job of a queue: its Workload is made
+    anew asking for 3 shards and the job waits suspended, the reshard Job re-laying its claims
+    meanwhile; once Kueue admits the new Workload, each of the 3 shards restores the re-laid
+    checkpoint at the reshard's step, and the job trains to Succeeded."""
+    kueue.install_crds(kubectl)
+    pool = f"plain-{uuid.uuid4().hex[:6]}"
+    kueue.flavor(kubectl, pool, {}, [])
+    job = example("digits-mlp.yaml", training__maxSteps=4000, training__maxDuration="5m")
+    job["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team-a"}
+    apply(kubectl, namespace, job)
+    workload, since = "distbeliefjob-digits", time.monotonic()
+    eventually(lambda: kueue.workload(kubectl, namespace, workload), 30, what="the Workload")
+    kueue.admit(kubectl, namespace, workload, pool)
+    eventually(lambda: (job_status(kubectl, namespace, "digits").get("globalStep") or 0) > 500, 90, interval=0.3,
+               what="training under way")
+    kubectl("patch", "dbj", "digits", "-n", namespace, "--type=merge", "-p",
+            json.dumps({"spec": {"parameterServers": {"shards": 3}}}))
+
+    requeued = eventually(lambda: (w := kueue.workload(kubectl, namespace, workload))
+                          and {s["name"]: s["count"] for s in w["spec"]["podSets"]} == {"ps": 3, "worker": 2} and w,
+                          60, what="the Workload made anew for 3 shards")
+    assert not (requeued.get("status") or {}).get("admission"), requeued
+    # Made anew as the reshard starts, not once it ends: no pod runs on the old admission.
+    under_way = {c["type"]: c["reason"] for c in job_status(kubectl, namespace, "digits").get("conditions", [])}
+    assert under_way.get("Resharding") not in ("Resharded", "ReshardFailed"), under_way
+    ended = eventually(lambda: next((c for c in job_status(kubectl, namespace, "digits").get("conditions", [])
+                                     if c["type"] == "Resharding" and c["reason"] in ("Resharded", "ReshardFailed")),
+                                    None), 180, interval=0.5, what="the reshard ended")
+    match = re.fullmatch(r"resharded from 2 to 3 shards at step (\d+)", ended["message"])
+    assert match and int(match.group(1)) > 500, ended
+    eventually(lambda: phase_reason(kubectl, namespace) == ("Suspended", "Queued"), 30, what="Suspended, Queued")
+    running = [p["metadata"]["name"] for p in pods(kubectl, namespace) if p["status"].get("phase") == "Running"]
+    assert not running, running
+
+    kueue.admit(kubectl, namespace, workload, pool)
+    for shard in range(3):
+        restored = eventually(partial(restored_steps, kubectl, namespace, f"digits-ps-{shard}"), 60, interval=0.5,
+                              what=f"shard {shard} restored its checkpoint")
+        assert restored == [int(match.group(1))], (shard, restored)
+    status = finished(kubectl, namespace, "digits", operator, since)
+    assert status["phase"] == "Succeeded" and status["globalStep"] >= 4000, status
+    assert len(get(kubectl, "pvc", "-n", namespace)["items"]) == 3

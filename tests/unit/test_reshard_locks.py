@@ -53,17 +53,24 @@ def test_a_count_set_back_during_a_reshard_is_a_reshard_to_it() -> None:
     assert locks.held_for_reshard(locked.job)
 
 
-def test_jobs_that_cannot_be_resharded_are_refused_by_name_and_keep_running() -> None:
-    queued = stored(3)
-    queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
+def test_a_sandblaster_job_is_refused_resharding_by_name_and_keeps_running() -> None:
     sandblaster = stored(3)
     sandblaster["spec"]["training"]["algorithm"] = "sandblaster"
-    for doc, why in ((queued, "queued by Kueue"), (sandblaster, "Sandblaster")):
-        locked = locks.locked_job(doc)
-        assert locked.reshard is None and not locks.held_for_reshard(locked.job)
-        message = locked.refusals["ShardCountLocked"]
-        assert message.startswith("spec.parameterServers.shards changed from 2 to 3: resharding") and why in message
-        assert locked.job.config.spec.parameter_servers.shards == 2
+    locked = locks.locked_job(sandblaster)
+    assert locked.reshard is None and not locks.held_for_reshard(locked.job)
+    message = locked.refusals["ShardCountLocked"]
+    assert message.startswith("spec.parameterServers.shards changed from 2 to 3: resharding") and "Sandblaster" in message
+    assert locked.job.config.spec.parameter_servers.shards == 2
+
+
+def test_a_job_of_a_kueue_queue_is_resharded_like_any_other() -> None:
+    """Its Workload is made anew with the new count (cluster/queue.py, tests/cluster): the
+    reshard itself is the same."""
+    queued = stored(3)
+    queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
+    locked = locks.locked_job(queued)
+    assert locked.reshard == ShardChange(recorded=2, target=3) and not locked.refusals
+    assert locks.held_for_reshard(locked.job)
 
 
 def test_the_reshard_job_mounts_the_claims_of_either_count_and_records_both() -> None:

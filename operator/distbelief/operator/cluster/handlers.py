@@ -164,7 +164,8 @@ def _tell_scaled(body: kopf.Body, old: Any, new: Any) -> None:
 def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) -> str:
     """Make the job's children what its spec asks for; the outcome (cluster/metrics.py)."""
     try:
-        locked = locks.locked_job(validated(body))
+        stored_job = validated(body)
+        locked = locks.locked_job(stored_job)
     except errors.SpecError as exc:  # the CRD let it through (a server without its rules): observe() fails it
         log.warning("event=invalid_spec job=%s problems=%r", body.metadata.name, str(exc))
         return metrics.INVALID_SPEC
@@ -182,7 +183,7 @@ def apply_job(body: kopf.Body, patch: kopf.Patch, reason: str, memo: kopf.Memo) 
     finished = (body.status or {}).get("phase") in TERMINAL
     kube = Kube()
     names, namespace = job.config.names, job.config.namespace
-    if queue.queue_name(job) and sync_queue(kube, body, job, finished=finished):
+    if queue.queue_name(job) and sync_queue(kube, body, resharding.as_queued(job, locked, stored_job), finished=finished):
         # Held by its queue: rendered suspended even if its admission annotation says otherwise
         # (written by hand, or left from an admission Kueue has withdrawn).
         job = dataclasses.replace(job, annotations={k: v for k, v in job.annotations.items()
@@ -303,7 +304,8 @@ def update_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, seen: See
             memo["reshard_applying"] = False
         observed = read_observed(seen, job, locked.refusals, blocked=memo.get("blocked"), resharding=reshard)
         if queue.queue_name(job):
-            observed = dataclasses.replace(observed, queued=sync_queue(kube, body, job, finished=finished))
+            observed = dataclasses.replace(observed, queued=sync_queue(kube, body, resharding.as_queued(job, locked, stored_job),
+                                                                       finished=finished))
     except errors.SpecError as exc:
         job, observed = DistBeliefJob.of(stored(body)), Observed(invalid_spec=f"the spec breaks the job's rules: {exc}")
     job = dataclasses.replace(job, status=copy.deepcopy(dict(body.status or {})))

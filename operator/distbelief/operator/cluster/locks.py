@@ -6,8 +6,9 @@ The parameters' places on the shards follow both counts. A changed partition cou
 refused. A changed shard count is followed by a reshard (cluster/resharding.py), which
 ends by recording the new count; until then the job renders with the recorded one, held
 (its pods stopped), and carries RESHARDING_ANNOTATION, which a reshard also records while
-its Job runs. A job whose shards cannot be re-laid (Sandblaster, a Kueue queue) is refused
-instead."""
+its Job runs. A job whose shards cannot be re-laid (Sandblaster) is refused instead. A job
+of a Kueue queue is resharded too: its Workload is made anew with the new count
+(cluster/queue.py), so it waits suspended, and the reshard runs while it waits."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import copy
 import dataclasses
 from typing import Any, Callable
 
-from distbelief.operator.render.queue import QUEUE_LABEL
 from distbelief.operator.validation.job import DistBeliefJob
 from distbelief.runtime import contract, jobspec
 
@@ -44,8 +44,6 @@ def _reshard_refusal(job: DistBeliefJob) -> str | None:
     spec = job.config.spec
     if spec.training.algorithm == "sandblaster":
         return "resharding a Sandblaster job is not supported"
-    if job.labels.get(QUEUE_LABEL):
-        return "resharding a job queued by Kueue is not supported"
     return None
 
 

@@ -12,9 +12,10 @@
                                     integrations do, so that Kueue queues it again
     finished                    ->  the Workload gets Finished True: Kueue releases the quota
 
-    scaled                      ->  the Workload is made anew with the new pod counts; a job
-                                    that was running is suspended and waits to be admitted
-                                    again (its checkpoints kept)
+    scaled, or resharded        ->  the Workload is made anew with the new pod counts (a
+                                    reshard's as it starts: cluster/resharding.as_queued); a
+                                    job that was running is suspended and waits to be
+                                    admitted again (its checkpoints kept)
 
 The Workload is owned by the job (render.render_workload). `sync` runs at every
 reconcile and status pass; each call makes at most one transition.

@@ -32,7 +32,8 @@ from typing import Any, Mapping, Sequence
 import kopf
 
 from distbelief.operator.cluster.kube import Kube, controller_uid
-from distbelief.operator.cluster.locks import RESHARDED_ANNOTATION, RESHARDING_ANNOTATION, SHARDS_ANNOTATION, Locked
+from distbelief.operator.cluster.locks import (RESHARDED_ANNOTATION, RESHARDING_ANNOTATION, SHARDS_ANNOTATION, Locked,
+                                              locked_job)
 from distbelief.operator.render import reshardjob
 from distbelief.operator.render.context import RenderContext
 from distbelief.operator.status.status import RESHARDED, RESHARDING, how_it_ended
@@ -178,6 +179,15 @@ def after_reshard(validated: Mapping[str, Any], shards: int) -> dict[str, Any]:
                    if k != RESHARDING_ANNOTATION}
     return {**validated, "metadata": {**validated["metadata"], "annotations": {**annotations,
                                                                               SHARDS_ANNOTATION: str(shards)}}}
+
+
+def as_queued(job: DistBeliefJob, locked: Locked, stored_job: Mapping[str, Any]) -> DistBeliefJob:
+    """The job as its Kueue Workload asks for it: while it is resharded, with the count it
+    is resharded to, so that it waits suspended for an admission of what will run
+    (cluster/queue.py makes the Workload anew when its counts change)."""
+    if locked.reshard is None:
+        return job
+    return locked_job(after_reshard(stored_job, stored_job["spec"]["parameterServers"]["shards"])).job
 
 
 def _reached(step: str) -> None:
