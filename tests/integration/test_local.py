@@ -38,7 +38,9 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
     assert rows[0] == {"time": rows[0]["time"], "event": "start", "step": 0}
     training = [row for row in rows if "trainLoss" in row]
     assert training and all(row["examplesPerSecondPerReplica"] > 0 for row in training[1:])
-    assert all(len(row["replicaExamplesPerSecond"]) == 3 for row in training[2:])
+    # Each replica's own rate (a row lacks a replica whose scrape missed that record or the one before).
+    assert len({name for row in training[2:] for name in row["replicaExamplesPerSecond"]}) == 3
+    assert all(len(row["replicaExamplesPerSecond"]) <= 3 for row in training)
     assert all(0 < row["trainLoss"] < 10 for row in training)
     assert [row["step"] for row in training] == sorted(row["step"] for row in training)
     [history] = (tmp_path / "volumes").glob(f"digits-ps-0/{contract.CHECKPOINT_VOLUME}/{contract.HISTORY_FILE}")
