@@ -98,16 +98,19 @@ def encode(ckpt: Checkpoint, pieces: Pieces | None = None) -> list[bytes | memor
     return [_head(body, digest.hexdigest()), *arrays]
 
 
+def _pieces(ckpt: Checkpoint, pieces: Pieces | None) -> Pieces:
+    """The arrays to write, each as its pieces: pieces if given, else ckpt's, whole."""
+    return pieces if pieces is not None else {name: [array] for name, array in ckpt.arrays.items()}
+
+
 def _laid(ckpt: Checkpoint, pieces: Pieces | None) -> list[np.ndarray | Gathered]:
-    laid = pieces if pieces is not None else {name: [array] for name, array in ckpt.arrays.items()}
-    return [piece for parts in laid.values() for piece in parts]
+    return [piece for parts in _pieces(ckpt, pieces).values() for piece in parts]
 
 
 def _body(ckpt: Checkpoint, pieces: Pieces | None) -> dict[str, Any]:
     """The header but its SHA-256."""
-    laid = pieces if pieces is not None else {name: [array] for name, array in ckpt.arrays.items()}
     return {"step": ckpt.step, "layout": ckpt.layout, "shard": ckpt.shard, "meta": ckpt.meta,
-            "arrays": [[name, sum(int(piece.size) for piece in parts)] for name, parts in laid.items()]}
+            "arrays": [[name, sum(int(piece.size) for piece in parts)] for name, parts in _pieces(ckpt, pieces).items()]}
 
 
 def _head(body: dict[str, Any], sha256: str) -> bytes:
