@@ -327,9 +327,10 @@ def test_a_running_job_resharded_from_2_to_3_shards_resumes_at_its_step_and_trai
                      if c["type"] == "Resharding" and c["reason"] in ("Resharded", "ReshardFailed")), None)
 
     ended = eventually(reshard_ended, 180, interval=0.5, what="the reshard ended")
-    assert ended["reason"] == "Resharded", ended
     match = re.fullmatch(r"resharded from 2 to 3 shards at step (\d+)", ended["message"])
-    assert match and int(match.group(1)) > 500, ended
+    assert ended["reason"] == "Resharded" and match and int(match.group(1)) > 500, (
+        ended, local_node.pod_lines(namespace, "event=checkpoint", "event=restored", "event=resharded", "event=listening",
+                                    "ERROR", "Error"))
     for shard in range(3):
         restored = eventually(partial(restored_steps, kubectl, namespace, f"{name}-ps-{shard}"), 60, interval=0.5,
                               what=f"shard {shard} restored its checkpoint")

@@ -77,6 +77,9 @@ def test_a_suspended_run_resharded_holds_the_same_model_and_resumes_at_its_step(
     assert steps_after == [chief_step] * 3 and same_bits(before, after)
     assert not (output / resharding.WORK).exists()
     assert (Path(volume_dir(str(output), "digits-ps-0", contract.CHECKPOINT_VOLUME)) / contract.HISTORY_FILE).exists()
+    again = run_cli("reshard", str(output), "--shards", "3")
+    assert again.stdout.strip() == f"{output}: already laid over 3 shards, at step {chief_step}", again.stderr
+    assert state(output, 3)[0] == [chief_step] * 3
 
     # `distbelief run` with yet another count reshards by itself (3 -> 4), then trains on.
     job = tmp_path / "job.yaml"
@@ -159,6 +162,11 @@ def test_a_cluster_jobs_claims_resharded_and_killed_after_any_change_hold_the_sa
     assert back.returncode == 0, back.stderr
     assert same_bits(state_in(list(map(str, claims[:2])))[1], before)
     assert sorted(os.listdir(claims[2])) == []
+    empty = [tmp_path / f"empty-{pod}" for pod in range(3)]
+    for claim in empty:
+        claim.mkdir()
+    nothing = run_cli("reshard-claims", *map(str, empty), "--config", config, "--shards", "3")
+    assert (nothing.returncode, nothing.stdout.strip()) == (0, "no checkpoints to re-lay"), nothing.stderr
 
 
 def _whole_layout(output: Path, before: dict[str, np.ndarray]) -> int | None:

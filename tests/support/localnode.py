@@ -47,6 +47,15 @@ class LocalNode:
     def log(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def pod_lines(self, namespace: str, *words: str, lines: int = 60) -> str:
+        """The last lines holding any of words of the logs of the namespace's pods here
+        (kept under root/logs, pods gone too), each after its pod's name."""
+        found = [f"{folder.name.split('_')[1]}: {line}"
+                 for folder in sorted((self.root / "logs").glob(f"{namespace}_*"))
+                 for path in sorted(folder.glob("*.log"))
+                 for line in path.read_text(errors="replace").splitlines() if any(word in line for word in words)]
+        return "\n".join(found[-lines:])
+
 
 def _exited_early(process: subprocess.Popen, log_path: Path) -> None:
     if process.poll() is not None:

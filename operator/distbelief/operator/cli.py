@@ -200,7 +200,7 @@ def _reshard(args: argparse.Namespace) -> int:
     from distbelief.operator.local import resharding
 
     done = resharding.reshard_folder(args.output, args.shards)
-    print(done.announcement() if done else f"{args.output}: already laid over {args.shards} shards, or no checkpoints")
+    print(done if isinstance(done, str) else done.announcement())
     return 0
 
 
@@ -208,7 +208,7 @@ def _reshard_claims(args: argparse.Namespace) -> int:
     from distbelief.runtime.roles import reshard
 
     done = reshard.reshard_claims(args.claims, args.config, args.shards)
-    outcome = done.announcement() if done else f"already laid over {args.shards} shards, or no checkpoints"
+    outcome = done if isinstance(done, str) else done.announcement()
     print(outcome)
     if args.message_file:
         with open(args.message_file, "w", encoding="utf-8") as f:

@@ -48,7 +48,7 @@ JOBS = ("batch/v1", "Job")
 KILL_AT_ENV = "DISTBELIEF_RESHARD_KILL_AT"
 # How long a completed Job waits for its pod's outcome (the step it resharded at) to be seen.
 SAID_WAIT_SECONDS = 30
-STEPS = ("claims-made", "target-recorded", "job-created", "job-deleted", "count-recorded")
+STEPS = ("claims-made", "target-recorded", "job-created", "outcome-recorded", "job-deleted", "count-recorded")
 FAILED = "ReshardFailed"
 
 
@@ -117,12 +117,15 @@ def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | 
     if ended == "Complete" and after == target and not said and _ended_within(live, SAID_WAIT_SECONDS):
         return Progress("True", RESHARDING, f"resharding from {before} to {after} shards: Job {name} completed")
     if ended == "Complete" and after == target:
-        # The Job first: killed in between, the next pass runs another, which finds the
-        # claims laid for `after` already and changes nothing.
+        # The outcome, then the Job, then the count: killed in between, the next pass runs
+        # another Job, which finds the claims laid for `after` already and changes nothing;
+        # the outcome recorded first keeps the step this one re-laid them at.
+        outcome = _outcome(job, said, before, after)
+        _record(kube, job, before, resharding_to=target, outcome=outcome)
+        _reached("outcome-recorded")
         kube.delete(*JOBS, job.config.namespace, name, uid=live["metadata"]["uid"])
         _reached("job-deleted")
-        outcome = said or f"resharded from {before} to {after} shards"
-        _record(kube, job, after, resharding_to=None, outcome=outcome)
+        _record(kube, job, after, resharding_to=None)
         _reached("count-recorded")
         log.info("event=reshard_ended job=%s before=%d after=%d", job.config.name, before, after)
         return Progress("False", RESHARDED, outcome, resharded=after)
@@ -133,6 +136,17 @@ def _followed(kube: Kube, locked: Locked, live: Mapping[str, Any], ended: str | 
     log.info("event=reshard_ended job=%s outcome=%s before=%d after=%d target=%d", job.config.name, ended, before,
              after, target)
     return Progress("True", RESHARDING, f"resharding to {target} shards (the Job to {after} ended: {ended})")
+
+
+def _outcome(job: DistBeliefJob, said: str, before: int, after: int) -> str:
+    """How the reshard from `before` to `after` ended: what its pod said, unless that pod only
+    found the claims laid already (a Job run again after a kill) and an earlier pass recorded
+    what the Job that laid them said."""
+    done = f"resharded from {before} to {after} shards"
+    recorded = job.annotations.get(RESHARDED_ANNOTATION, "")
+    if not said.startswith(done) and recorded.startswith(done):
+        return recorded
+    return said or done
 
 
 def post_event(body: kopf.Body, progress: Progress) -> None:

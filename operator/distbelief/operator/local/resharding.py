@@ -13,7 +13,7 @@ from distbelief.operator.local import outputdir
 from distbelief.operator.local.localpods import volume_dir
 from distbelief.operator.render import podparts
 from distbelief.runtime import contract, errors
-from distbelief.runtime.roles.reshard import PLAN, Resharded, job_at, reshard
+from distbelief.runtime.roles.reshard import PLAN, Resharded, job_at, reshard, unchanged
 from distbelief.runtime.shard import checkpoint
 from distbelief.runtime.wire.layout import Layout
 
@@ -64,9 +64,9 @@ class FolderPlaces:
         shutil.rmtree(self.work)
 
 
-def reshard_folder(output: str, shards: int) -> Resharded | None:
+def reshard_folder(output: str, shards: int) -> Resharded | str:
     """`distbelief reshard`: re-lay the checkpoints of the run in output for `shards` shards,
-    reading the model from the config the run left there."""
+    reading the model from the config the run left there; or say why nothing changed."""
     configs = glob.glob(volume_dir(glob.escape(output), "*-ps-0", os.path.join(podparts.CONFIG_VOLUME,
                                                                                contract.CONFIG_KEY)))
     chiefs = [path for path in configs if os.path.isfile(path)]
@@ -75,7 +75,7 @@ def reshard_folder(output: str, shards: int) -> Resharded | None:
                                   f"({len(chiefs)} chief configs under volumes/*/config)")
     config, after = job_at(chiefs[0], shards)
     with outputdir.locked(output):
-        return reshard_output(output, config, after)
+        return reshard_output(output, config, after) or f"{output}: {unchanged(FolderPlaces(output, config.names), after)}"
 
 
 def reshard_output(output: str, config: contract.JobConfig, after: Layout) -> Resharded | None:

@@ -220,6 +220,19 @@ def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout
     return Resharded(before.shards, after.shards, step)
 
 
+def unchanged(places: Places, after: Layout) -> str:
+    """Why a reshard changed nothing: the places are laid for after's count already (at the
+    step of shard 0's newest checkpoint), or hold no checkpoint."""
+    newest = checkpoint.list_checkpoints(places.live(0))
+    try:
+        step = checkpoint.read_header(newest[0])["step"] if newest else None
+    except (errors.CorruptCheckpoint, KeyError):
+        step = None
+    if step is None:
+        return "no checkpoints to re-lay"
+    return f"already laid over {after.shards} shards, at step {step}"
+
+
 def _refuse_unreplayed(places: Places, newest: Iterable[tuple[str, checkpoint.Checkpoint | None]]) -> None:
     """ReshardError when a shard's journal (spec.parameterServers.journal) holds commands its
     newest checkpoint (None: it has none) does not, as after a SIGKILL: the shard acknowledged
@@ -246,14 +259,15 @@ def _newest_copy(places: Places, shard: int, shards: int, copies: int) -> tuple[
     return max(found, key=lambda pair: pair[0].step)
 
 
-def reshard_claims(claims: list[str], config_path: str, shards: int) -> Resharded | None:
+def reshard_claims(claims: list[str], config_path: str, shards: int) -> Resharded | str:
     """`distbelief reshard-claims`: a cluster job's checkpoint claims, mounted in shard pod
-    order (as many as the larger count), re-laid for `shards` shards."""
+    order (as many as the larger count), re-laid for `shards` shards; or why nothing changed."""
     config, after = job_at(config_path, shards)
     needed = after.shards * config.spec.parameter_servers.copies
     if len(claims) < needed:
         raise errors.ReshardError(f"{shards} shards need {needed} checkpoint claims; {len(claims)} mounted")
-    return reshard(ClaimPlaces(claims), len(claims), config, after)
+    places = ClaimPlaces(claims)
+    return reshard(places, len(claims), config, after) or unchanged(places, after)
 
 
 def job_at(config_path: str, shards: int) -> tuple[contract.JobConfig, Layout]:
