@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 # Folders too: a deleted module changes its folder's time, and the wheel is built again.
 SOURCES := pyproject.toml README.md $(shell find operator runtime crds -not -path '*/__pycache__*' 2>/dev/null)
 
-.PHONY: demo lint test test-unit test-chaos test-floors test-nodes install venv kube-tools clean bench image
+.PHONY: demo lint test test-unit test-heavy test-chaos test-floors test-nodes install venv kube-tools clean bench image
 
 # The dependencies (and the test and lint tools), once per change of pyproject.toml.
 venv: $(VENV)/.deps
@@ -71,6 +71,12 @@ kube-tools: venv
 # (test-nodes) have targets of their own, which CI runs after it.
 test: install kube-tools
 	PATH="$(CURDIR)/.cache/kube-tools/bin:$$PATH" VENV=$(VENV) tools/test-tiers
+
+# The integration tests of 15 s or more (marked heavy: whole local jobs under kills,
+# reshards, Sandblaster), left out of make test to keep it near 15 minutes; CI runs them
+# after it (about 5 minutes).
+test-heavy: install
+	$(BIN)/pytest -q --durations=10 -m heavy tests/integration
 
 # The chaos tier: local jobs under injected faults, the copies checker, and the protocol
 # fuzzed against a live shard (about 9 minutes).

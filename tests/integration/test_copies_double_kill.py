@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from distbelief.runtime.transport import zmq_transport
 
@@ -39,6 +40,7 @@ def _killed_twice(copies: CopyProcesses, pushes: Pushes) -> dict:
     return {"killed": [first.primary, second.primary], "in_sync_after_takeover": second.in_sync}
 
 
+@pytest.mark.heavy
 def test_killing_the_primary_and_then_the_copy_that_took_over_loses_and_repeats_no_push(tmp_path: Path) -> None:
     copies = CopyProcesses(tmp_path)
     for rank in range(3):

@@ -59,6 +59,7 @@ def test_digits_example_trains_to_095_and_leaves_a_report(tmp_path: Path) -> Non
         assert params["layer1.weight"].shape == (64, 10)
 
 
+@pytest.mark.heavy
 def test_digits_with_a_bfloat16_wire_trains_as_well_as_float32_on_half_the_traffic(tmp_path: Path) -> None:
     runs = {}
     for wire_format in ("float32", "bfloat16"):
@@ -129,6 +130,7 @@ def test_an_unencrypted_job_trains_with_its_keys_checked_and_says_so(tmp_path: P
     assert all("auth=plain" in text for name, text in logs.items() if "-ps-" in name)
 
 
+@pytest.mark.heavy
 def test_killed_shard_and_replica_come_back_and_the_run_completes(tmp_path: Path) -> None:
     doc = copy.deepcopy(load_example("digits-mlp.yaml"))
     doc["spec"]["training"].update(maxSteps=12000)

@@ -198,6 +198,7 @@ def pod_state(output: Path, pod: int) -> tuple[int, dict[str, np.ndarray]]:
     return ckpt.step, {name: ckpt.arrays[name] for name in STATE}
 
 
+@pytest.mark.heavy
 def test_a_job_with_shard_copies_resharded_seeds_every_copy_of_every_new_shard(suspended_copies: Path,
                                                                               tmp_path: Path) -> None:
     """Each shard is read from its copy with the newest checkpoint (a backup may lag), and
@@ -293,6 +294,7 @@ def test_a_suspended_job_with_embeddings_resharded_holds_every_row_and_trains_on
     assert report["phase"] == "Succeeded" and report["globalStep"] >= 600, report
 
 
+@pytest.mark.heavy
 def test_a_partitioned_job_resharded_resumes_at_its_step_on_the_new_count(tmp_path: Path) -> None:
     """Each stage's parameters are re-cut over the stage's new shards (tests/unit/test_recut.py
     has the bits); the run resumes at the step on 4 shards and succeeds."""
@@ -315,6 +317,7 @@ def test_a_partitioned_job_resharded_resumes_at_its_step_on_the_new_count(tmp_pa
     assert report["phase"] == "Succeeded"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("every_seconds, newest", [(3600, "none"), (1, r"step \d+")])
 def test_a_journal_holding_what_no_checkpoint_does_is_replayed_on_the_old_count_before_a_reshard(
         tmp_path: Path, every_seconds: int, newest: str) -> None:

@@ -294,6 +294,7 @@ def _quietly(run):
         pass
 
 
+@pytest.mark.heavy
 def test_distributed_lbfgs_matches_scipy_on_a_convex_problem(tmp_path, convex_problem):
     dataset, model, x0, optimum = convex_problem
     shards, coordinator, stop = run_sandblaster(tmp_path, dataset, model, x0)
@@ -374,6 +375,7 @@ def _kill_when(run: local.LocalRun, thread: threading.Thread, pod: local.LocalPo
     return False
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_the_example_converges_locally_through_a_replica_and_a_shard_kill(tmp_path, convex_problem):
     _, _, _, optimum = convex_problem

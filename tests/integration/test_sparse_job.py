@@ -93,6 +93,7 @@ def test_the_sparse_example_trains_and_beats_trivial_baselines_on_auc(tmp_path: 
     assert summary["globalStep"] >= doc["spec"]["training"]["maxSteps"]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_killed_shard_comes_back_with_its_rows_and_the_sparse_job_completes(tmp_path: Path) -> None:
     doc = load_example(EXAMPLE)

@@ -118,6 +118,7 @@ def test_the_median_and_the_largest_staleness_are_read_from_shard_0s_metrics() -
     assert scrape.parse(prom.generate_latest(prom.CollectorRegistry()).decode()).staleness_p50 is None
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
 def test_a_local_job_with_a_staleness_bound_honours_it_and_reports_it(tmp_path: Path, overlap: bool) -> None:

@@ -53,6 +53,7 @@ def test_a_shard_restored_behind_its_applied_updates_fails_a_job_that_asks_with_
     assert "event=updates_lost shard=1" in (tmp_path / "logs" / "digits-ps-1.log").read_text()
 
 
+@pytest.mark.heavy
 def test_with_a_journal_a_sigkilled_shard_replays_what_it_acknowledged_and_the_job_loses_nothing(tmp_path: Path) -> None:
     """The same kill with spec.parameterServers.journal: the shard comes back from its
     journal to where it stood, and the job, which fails on any loss, succeeds."""
