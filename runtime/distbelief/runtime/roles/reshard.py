@@ -222,15 +222,17 @@ def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout
 
 def unchanged(places: Places, after: Layout) -> str:
     """Why a reshard changed nothing: the places are laid for after's count already (at the
-    step of shard 0's newest checkpoint), or hold no checkpoint."""
+    step of shard 0's newest checkpoint), hold no checkpoint, or one of another model."""
     newest = checkpoint.list_checkpoints(places.live(0))
     try:
-        step = checkpoint.read_header(newest[0])["step"] if newest else None
-    except (errors.CorruptCheckpoint, KeyError):
-        step = None
-    if step is None:
+        header = checkpoint.read_header(newest[0]) if newest else None
+    except errors.CorruptCheckpoint:
+        header = None
+    if header is None:
         return "no checkpoints to re-lay"
-    return f"already laid over {after.shards} shards, at step {step}"
+    if header.get("layout") != after.hash:
+        return f"nothing re-laid: {newest[0]} is of another model, or of more shards than claims mounted"
+    return f"already laid over {after.shards} shards, at step {header.get('step')}"
 
 
 def _refuse_unreplayed(places: Places, newest: Iterable[tuple[str, checkpoint.Checkpoint | None]]) -> None:
