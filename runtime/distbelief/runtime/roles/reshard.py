@@ -27,7 +27,7 @@ import logging
 import os
 import shutil
 import signal
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 from distbelief.runtime import contract, errors
 from distbelief.runtime.model.job import Job
@@ -177,15 +177,18 @@ def layout_found(places: Places, pods: int, after: Layout) -> Layout | None:
     """The layout the checkpoints were written for, if they are of after's model (only the
     shard count may differ); None for places without checkpoints or of another model. The
     count is no more than pods."""
-    newest = checkpoint.list_checkpoints(places.live(0))
-    if not newest:
-        return None
-    try:
-        found = checkpoint.read_header(newest[0])["layout"]
-    except (errors.CorruptCheckpoint, KeyError):
-        return None
+    found = _newest_header(places).get("layout")
     candidates = (_layout(after, count) for count in range(1, pods + 1))
     return next((layout for layout in candidates if layout is not None and layout.hash == found), None)
+
+
+def _newest_header(places: Places) -> dict[str, Any]:
+    """The header of shard 0's newest checkpoint; empty when it has none, or none that reads."""
+    newest = checkpoint.list_checkpoints(places.live(0))
+    try:
+        return checkpoint.read_header(newest[0]) if newest else {}
+    except errors.CorruptCheckpoint:
+        return {}
 
 
 def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout) -> Resharded | None:
@@ -223,15 +226,12 @@ def reshard(places: Places, pods: int, config: contract.JobConfig, after: Layout
 def unchanged(places: Places, after: Layout) -> str:
     """Why a reshard changed nothing: the places are laid for after's count already (at the
     step of shard 0's newest checkpoint), hold no checkpoint, or one of another model."""
-    newest = checkpoint.list_checkpoints(places.live(0))
-    try:
-        header = checkpoint.read_header(newest[0]) if newest else None
-    except errors.CorruptCheckpoint:
-        header = None
-    if header is None:
+    header = _newest_header(places)
+    if not header:
         return "no checkpoints to re-lay"
     if header.get("layout") != after.hash:
-        return f"nothing re-laid: {newest[0]} is of another model, or of more shards than claims mounted"
+        return (f"nothing re-laid: the newest checkpoint in {places.live(0)} is of another model, or of more shards "
+                "than claims mounted")
     return f"already laid over {after.shards} shards, at step {header.get('step')}"
 
 
